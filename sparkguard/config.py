@@ -1,0 +1,304 @@
+"""Configuration: schema, embedded defaults, loading and validation.
+
+The file is YAML, default path ``/etc/sparkguard/sparkguard.yaml``; when it is absent
+the embedded defaults apply.  Every error names the file, the dotted key and the value
+(:class:`ConfigError`), so that ``sparkguard run`` refuses to start and a SIGHUP reload
+keeps the running configuration.
+
+Sections and keys (see README "Configuration"):
+
+* ``guard``: ``poll_interval``, ``term_below``, ``kill_below``, ``grace``, ``signal``,
+  ``dry_run``, ``recovery_wait``
+* ``targets``: ``match``, ``protect``, ``fallback``
+* ``metrics``: ``listen``
+* ``incidents``: ``dir``, ``journal``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sparkguard.units import parse_duration, parse_size
+
+DEFAULT_PATH = "/etc/sparkguard/sparkguard.yaml"
+
+#: Default target patterns (Python regexes, ``re.search`` against the NUL->space joined
+#: /proc/PID/cmdline, which for setproctitle'd processes is the title alone).  Order is
+#: priority.  Sources: vLLM 0.x ``vllm/utils`` ``bind_process_name`` / setproctitle calls
+#: (``VLLM::EngineCore``, ``VLLM::Worker_TP0``), SGLang ``sglang::scheduler_TP0``, Ray
+#: actor titles ``ray::RayWorkerWrapper``.
+DEFAULT_MATCH = [
+    r"(^|[/\s])vllm\s+serve(\s|$)",
+    r"-m\s+vllm\.entrypoints\.",
+    r"^VLLM::",
+    r"^sglang::",
+    r"-m\s+sglang\.launch_server",
+    r"(^|/)tritonserver(\s|$)",
+    r"^ray::RayWorker",
+]
+
+#: Processes never signalled: regexes ``fullmatch``ed against /proc/PID/comm and against
+#: the basename of argv[0].
+DEFAULT_PROTECT = [
+    r"sshd.*", r"systemd", r"systemd-.*", r"(init|agetty|login)", r"dbus-(daemon|broker)",
+    r"journald", r"rsyslogd", r"sparkguard", r"Xorg", r"containerd.*", r"dockerd",
+    r"nvidia-persistenced", r"nv-hostengine",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong.
+
+    Attributes:
+        path: str, the file (or ``"<defaults>"``).
+        key: str, dotted key such as ``"guard.grace"``.
+        value: the offending value as read.
+        reason: str, what is wrong and what is expected.
+    """
+
+    def __init__(self, path: str, key: str, value: Any, reason: str):
+        self.path, self.key, self.value, self.reason = path, key, value, reason
+        super().__init__(f"{path}: {key}: {value!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """``guard:``.  Sizes in bytes, durations in seconds."""
+
+    poll_interval: float = 0.2
+    term_below: int = int(0.75 * 1024**3)
+    kill_below: int | None = None
+    grace: float = 10.0
+    signal: str = "available"          # "available" | "available+swap"
+    dry_run: bool = False
+    recovery_wait: float = 10.0
+
+
+@dataclass(frozen=True)
+class TargetsConfig:
+    """``targets:``.  ``match`` and ``protect`` are tuples of regex strings."""
+
+    match: tuple[str, ...] = tuple(DEFAULT_MATCH)
+    protect: tuple[str, ...] = tuple(DEFAULT_PROTECT)
+    fallback: str = "off"              # "off" | "oom_score"
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``metrics:``.  ``listen`` is ``(host, port)`` or None when off."""
+
+    listen: tuple[str, int] | None = ("127.0.0.1", 8799)
+
+
+@dataclass(frozen=True)
+class IncidentsConfig:
+    """``incidents:``."""
+
+    dir: str = "/var/lib/sparkguard/incidents"
+    journal: str = "auto"              # "auto" | "on" | "off"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; ``path`` is where it came from (``"<defaults>"`` if embedded)."""
+
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    targets: TargetsConfig = field(default_factory=TargetsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
+    path: str = "<defaults>"
+
+
+# --- value parsers: each takes the raw YAML value and returns the typed value or raises ValueError
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise ValueError("expected true or false")
+
+
+def _positive_duration(v: Any) -> float:
+    d = parse_duration(v)
+    if d <= 0:
+        raise ValueError("must be greater than 0")
+    return d
+
+
+def _optional_size(v: Any) -> int | None:
+    if v is None or (isinstance(v, str) and v.lower() in ("off", "none")):
+        return None
+    return parse_size(v)
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        if v not in choices:
+            raise ValueError("expected one of " + ", ".join(choices))
+        return v
+    return parse
+
+
+def _regex_list(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError("expected a list of regular expressions (strings)")
+    for x in v:
+        try:
+            re.compile(x)
+        except re.error as e:
+            raise ValueError(f"bad regular expression {x!r}: {e}") from None
+    return tuple(v)
+
+
+def _listen(v: Any) -> tuple[str, int] | None:
+    if v is None or v is False or (isinstance(v, str) and v.lower() == "off"):
+        return None
+    if not isinstance(v, str) or ":" not in v:
+        raise ValueError("expected host:port such as 127.0.0.1:8799, or off")
+    host, _, port = v.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("port must be 1-65535")
+    return (host or "127.0.0.1", int(port))
+
+
+def _path(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError("expected a path")
+    return v
+
+
+#: section -> (dataclass, {key: parser})
+SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
+    "guard": (GuardConfig, {
+        "poll_interval": _positive_duration,
+        "term_below": parse_size,
+        "kill_below": _optional_size,
+        "grace": parse_duration,
+        "signal": _choice("available", "available+swap"),
+        "dry_run": _bool,
+        "recovery_wait": parse_duration,
+    }),
+    "targets": (TargetsConfig, {
+        "match": _regex_list,
+        "protect": _regex_list,
+        "fallback": _choice("off", "oom_score"),
+    }),
+    "metrics": (MetricsConfig, {"listen": _listen}),
+    "incidents": (IncidentsConfig, {"dir": _path, "journal": _choice("auto", "on", "off")}),
+}
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None) -> Config:
+    """Build a validated :class:`Config` from parsed YAML.
+
+    Args:
+        data: the parsed document (a mapping, or None for an empty file).
+        path: file name used in error messages.
+        mem_total: MemTotal in bytes for the ``term_below`` check; read from /proc/meminfo if None.
+    Returns:
+        Config.
+    Raises:
+        ConfigError: unknown section or key, wrong type, or impossible value.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, "(top level)", data, "expected a mapping of sections: " + ", ".join(SCHEMA))
+    sections: dict[str, Any] = {}
+    for name, body in data.items():
+        if name not in SCHEMA:
+            raise ConfigError(path, str(name), body, "unknown section; expected one of " + ", ".join(SCHEMA))
+        cls, parsers = SCHEMA[name]
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise ConfigError(path, name, body, "expected a mapping of keys")
+        values = {}
+        for key, raw in body.items():
+            if key not in parsers:
+                raise ConfigError(path, f"{name}.{key}", raw,
+                                  "unknown key; expected one of " + ", ".join(parsers))
+            try:
+                values[key] = parsers[key](raw)
+            except ValueError as e:
+                raise ConfigError(path, f"{name}.{key}", raw, str(e)) from None
+        sections[name] = cls(**values)
+    cfg = Config(path=path, **sections)
+    _check(cfg, data, path, mem_total)
+    return cfg
+
+
+def _raw(data: dict, dotted: str) -> Any:
+    sec, _, key = dotted.partition(".")
+    body = data.get(sec) or {}
+    return body.get(key, getattr(getattr(Config(), sec), key))
+
+
+def _check(cfg: Config, data: dict, path: str, mem_total: int | None) -> None:
+    g = cfg.guard
+    total = mem_total if mem_total is not None else _mem_total()
+    if g.term_below <= 0:
+        raise ConfigError(path, "guard.term_below", _raw(data, "guard.term_below"), "must be greater than 0")
+    if total is not None and g.term_below >= total:
+        raise ConfigError(path, "guard.term_below", _raw(data, "guard.term_below"),
+                          f"is not below MemTotal ({total} bytes)")
+    if g.kill_below is not None and g.kill_below > g.term_below:
+        raise ConfigError(path, "guard.kill_below", _raw(data, "guard.kill_below"),
+                          f"is above guard.term_below ({g.term_below} bytes); the KILL floor must be lower")
+    if g.poll_interval > 10:
+        raise ConfigError(path, "guard.poll_interval", _raw(data, "guard.poll_interval"),
+                          "longer than 10 s; memory can fall several GiB/s")
+    if not cfg.targets.match and cfg.targets.fallback == "off":
+        raise ConfigError(path, "targets.match", [], "empty with targets.fallback off: nothing could ever be signalled")
+
+
+def load(path: str | None = None, *, mem_total: int | None = None, required: bool = False) -> Config:
+    """Load the configuration file.
+
+    Args:
+        path: file to read; None means :data:`DEFAULT_PATH`.
+        mem_total: MemTotal in bytes for validation (default: read /proc/meminfo).
+        required: if True a missing file is an error; otherwise the embedded defaults apply.
+    Returns:
+        Config (``Config().path == "<defaults>"`` when the file is absent).
+    Raises:
+        ConfigError: unreadable file, YAML syntax error, or an invalid value.
+    """
+    import yaml
+
+    p = path or DEFAULT_PATH
+    try:
+        with open(p, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        if required or path is not None and path != DEFAULT_PATH:
+            raise ConfigError(p, "(file)", None, "file not found") from None
+        return from_dict({}, "<defaults>", mem_total)
+    except OSError as e:
+        raise ConfigError(p, "(file)", None, f"cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(p, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
+    return from_dict(data, os.path.abspath(p), mem_total)
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    """Return a copy of ``cfg`` with whole sections replaced (``replace(cfg, guard=g)``)."""
+    return dataclasses.replace(cfg, **sections)

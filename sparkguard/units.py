@@ -1,0 +1,101 @@
+"""Parsing and formatting of sizes (bytes) and durations (seconds).
+
+Sizes: an integer number of bytes (``805306368``) or a number with a binary or
+decimal unit (``0.75GiB``, ``768MiB``, ``6G``, ``512k``).  Single-letter units and
+``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB`` are powers of 1000.
+Durations: a number of seconds (``20``, ``0.2``) or a number with a unit
+(``200ms``, ``20s``, ``5m``, ``1h``, ``500us``).
+"""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
+_NUM_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Parse a size into bytes.
+
+    Args:
+        value: int (bytes) or str such as ``"0.75GiB"``, ``"768MiB"``, ``"805306368"``.
+    Returns:
+        int, bytes (rounded down).
+    Raises:
+        ValueError: not a size, or negative.  bool is rejected (YAML ``yes``).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 0.75GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value!r}")
+        return value
+    if isinstance(value, float):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size like 0.75GiB, got {value!r}")
+    m = _NUM_UNIT.match(value)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"expected a size like 0.75GiB, 768MiB or 805306368, got {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(value: object) -> float:
+    """Parse a duration into seconds.
+
+    Args:
+        value: int/float (seconds) or str such as ``"200ms"``, ``"20s"``, ``"5m"``.
+    Returns:
+        float, seconds.
+    Raises:
+        ValueError: not a duration, or negative.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like 200ms or 20s, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"duration must not be negative, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a duration like 200ms or 20s, got {value!r}")
+    m = _NUM_UNIT.match(value)
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError(f"expected a duration like 200ms, 20s or 5m, got {value!r}")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+
+
+def format_size(nbytes: int | float | None) -> str:
+    """Format bytes for people: ``format_size(805306368) == "0.75 GiB"``; None gives ``"-"``."""
+    if nbytes is None:
+        return "-"
+    n = float(nbytes)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n >= 1024**3 * 0.1:
+        return f"{sign}{n / 1024**3:.2f} GiB"
+    if n >= 1024**2:
+        return f"{sign}{n / 1024**2:.0f} MiB"
+    if n >= 1024:
+        return f"{sign}{n / 1024:.0f} KiB"
+    return f"{sign}{n:.0f} B"
+
+
+def format_duration(seconds: float | None) -> str:
+    """Format seconds for people: ``"250 ms"``, ``"12.0 s"``, ``"3.5 min"``; None gives ``"-"``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min"
