@@ -1,0 +1,131 @@
+"""Small readers of kernel state used outside the poll loop: PSI, zram, swaps, identity.
+
+All functions return plain dicts/lists (JSON-ready) and never raise on a missing or
+unreadable file: they return None / empty instead, because the guard must survive an
+odd /proc (hidepid, containers, old kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+SYS_ZRAM = "/sys/block"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def parse_meminfo(text: bytes | str) -> dict[str, int]:
+    """Parse /proc/meminfo text into ``{field: bytes}``.
+
+    Fields given in kB are converted to bytes; unit-less fields (HugePages_Total...) are
+    kept as counts.  Unknown or malformed lines are skipped, never fatal.
+    Source: Documentation/filesystems/proc.rst, "meminfo".
+    """
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            n = int(parts[0])
+        except ValueError:
+            continue
+        out[key.strip()] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
+    return out
+
+
+def read_psi_memory(path: str = "/proc/pressure/memory") -> dict | None:
+    """Memory pressure (PSI) as ``{"some": {"avg10": %, "avg60": %, "avg300": %, "total_us": int}, "full": {...}}``.
+
+    avg* are percentages (0-100) of wall time stalled; total is microseconds.
+    Returns None without PSI (kernel < 4.20 or psi=0).  Source: Documentation/accounting/psi.rst.
+    """
+    text = _read(path)
+    if text is None:
+        return None
+    out: dict = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        vals: dict = {}
+        for kv in parts[1:]:
+            k, _, v = kv.partition("=")
+            try:
+                vals["total_us" if k == "total" else k] = int(v) if k == "total" else float(v)
+            except ValueError:
+                pass
+        out[parts[0]] = vals
+    return out or None
+
+
+ZRAM_MM_STAT = ("orig_data_bytes", "compr_data_bytes", "mem_used_bytes", "mem_limit_bytes",
+                "mem_used_max_bytes", "same_pages", "pages_compacted", "huge_pages", "huge_pages_since")
+
+
+def read_zram() -> list[dict]:
+    """zram devices with a non-zero disksize, each ``{"device", "disksize_bytes", "comp_algorithm", <mm_stat fields>}``.
+
+    mm_stat columns (bytes unless named pages): orig_data_size, compr_data_size,
+    mem_used_total (the RAM zram really uses), mem_limit, mem_used_max, same_pages,
+    pages_compacted, huge_pages, huge_pages_since.  Source: Documentation/admin-guide/blockdev/zram.rst.
+    """
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(SYS_ZRAM) if n.startswith("zram"))
+    except OSError:
+        return out
+    for name in names:
+        base = f"{SYS_ZRAM}/{name}"
+        disksize = _read(f"{base}/disksize")
+        if not disksize or int(disksize.strip() or 0) == 0:
+            continue
+        dev: dict = {"device": name, "disksize_bytes": int(disksize)}
+        algo = _read(f"{base}/comp_algorithm") or ""
+        sel = [w.strip("[]") for w in algo.split() if w.startswith("[")]
+        dev["comp_algorithm"] = sel[0] if sel else algo.strip()
+        mm = (_read(f"{base}/mm_stat") or "").split()
+        for k, v in zip(ZRAM_MM_STAT, mm):
+            try:
+                dev[k] = int(v)
+            except ValueError:
+                pass
+        out.append(dev)
+    return out
+
+
+def read_swaps(path: str = "/proc/swaps") -> list[dict]:
+    """Active swap areas: ``[{"filename", "type", "size_bytes", "used_bytes", "priority"}]``."""
+    text = _read(path) or ""
+    out = []
+    for line in text.splitlines()[1:]:
+        p = line.split()
+        if len(p) >= 5:
+            try:
+                out.append({"filename": p[0], "type": p[1], "size_bytes": int(p[2]) * 1024,
+                            "used_bytes": int(p[3]) * 1024, "priority": int(p[4])})
+            except ValueError:
+                pass
+    return out
+
+
+def boot_id() -> str:
+    """The kernel's boot id (/proc/sys/kernel/random/boot_id, dashes removed), or ``""``."""
+    return (_read("/proc/sys/kernel/random/boot_id") or "").strip().replace("-", "")
+
+
+def hostname() -> str:
+    """This host's name (``socket.gethostname()``)."""
+    return socket.gethostname()
