@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import socket
@@ -334,3 +335,75 @@ def test_zram_device_stats(server, zram_device):
     assert v[("sparkguard_zram_mem_used_bytes", lab)] > 0
     r = promtool(text)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def wait_for_scrape(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """Scrape ``url`` as soon as the daemon listens; fail if it exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return scrape(url)
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                out, err = proc.communicate(timeout=5)
+                pytest.fail(f"sparkguard run exited {proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"sparkguard run did not serve {url} within {timeout} s")
+            time.sleep(0.05)  # nothing to await across processes but the port itself
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sparkguard.daemon") is None, reason="sparkguard.daemon not merged yet")
+def test_sparkguard_run_serves_metrics_end_to_end(tmp_path):
+    from conftest import mem_available, sg_env, sparkguard_cmd
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        guard:
+          term_below: 128MiB
+          dry_run: true
+        targets:
+          match: ['^sgtest-never-{os.getpid()}-{time.monotonic_ns()}$']
+        metrics:
+          listen: 127.0.0.1:{port}
+        incidents:
+          dir: {tmp_path}/incidents
+          journal: "off"
+    """))
+    proc = subprocess.Popen(sparkguard_cmd("run", "--config", str(cfg)), env=sg_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = wait_for_scrape(url, proc)
+        deadline = time.monotonic() + 30
+        while not samples(text).get(("sparkguard_poll_duration_seconds_count", ())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            text = scrape(url)
+        v = samples(text)
+        assert v[("sparkguard_poll_duration_seconds_count", ())] > 0
+        assert abs(v[("sparkguard_memory_available_bytes", ())] - mem_available()) < 2 * GiB
+        assert v[("sparkguard_term_below_bytes", ())] == 128 * 1024**2
+        assert v[("sparkguard_guard_state", (("state", "ok"),))] == 1
+        assert v[("sparkguard_dry_run", ())] == 1
+        assert v[("sparkguard_signals_total", (("signal", "SIGTERM"),))] == 0
+        assert time.time() - v[("sparkguard_last_poll_timestamp_seconds", ())] < 10
+        assert v[("sparkguard_build_info", (("version", __version__),))] == 1
+        with open(f"/proc/{proc.pid}/status") as f:
+            rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+        assert abs(v[("process_resident_memory_bytes", ())] - rss) < 16 * 1024**2  # the daemon's own RSS
+        r = promtool(text)
+        assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+        from conftest import run_sparkguard
+        st = run_sparkguard("status", "--config", str(cfg))
+        assert st.returncode == 0, st.stderr
+        assert "state ok" in st.stdout and "DRY RUN" in st.stdout
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
