@@ -220,6 +220,27 @@ def test_extra_collectors_and_register_collector(server):
     assert promtool(text).returncode == 0
 
 
+def test_prometheus_style_request_gzip_openmetrics(server):
+    """Prometheus itself asks for OpenMetrics, gzipped; the small-stack thread must serve that too."""
+    import gzip
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+
+    srv = server(snapshot_dict)
+    req = urllib.request.Request(srv.url, headers={
+        "Accept-Encoding": "gzip",
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = gzip.decompress(r.read()).decode()
+    fams = {f.name: f for f in om_parse(text)}
+    assert fams["sparkguard_signals"].type == "counter"
+    assert {s.labels["signal"]: s.value for s in fams["sparkguard_signals"].samples
+            if s.name == "sparkguard_signals_total"} == {"SIGTERM": 1, "SIGKILL": 0}
+    assert fams["sparkguard_build"].type == "info"
+
+
 def test_port_in_use_names_the_address():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
