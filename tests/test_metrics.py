@@ -428,3 +428,19 @@ def test_sparkguard_run_serves_metrics_end_to_end(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sparkguard.daemon") is None, reason="sparkguard.daemon not merged yet")
+def test_sparkguard_run_refuses_a_taken_port_and_names_it(tmp_path):
+    from conftest import run_sparkguard
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "sparkguard.yaml"
+        cfg.write_text(f"guard:\n  dry_run: true\ntargets:\n  match: ['^sgtest-never-{os.getpid()}$']\n"
+                       f"metrics:\n  listen: 127.0.0.1:{port}\nincidents:\n  dir: {tmp_path}\n  journal: 'off'\n")
+        r = run_sparkguard("run", "--config", str(cfg), timeout=60)
+    assert r.returncode != 0
+    assert f"cannot listen for metrics on 127.0.0.1:{port} (metrics.listen): Address already in use" in r.stderr
