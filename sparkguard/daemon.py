@@ -204,6 +204,8 @@ class Guard:
         for w in harden_self():
             log.warning("%s", w)
         self.reader = meminfo.MeminfoReader()
+        self.avail, self.swap_free = self.reader.sample()
+        self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
         self.notifier = notify.Notifier()
         self.protector = proctree.Protector(self.cfg.targets.protect)
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
