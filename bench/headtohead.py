@@ -475,6 +475,7 @@ def main() -> int:
     ap.add_argument("--trial-timeout", type=float, default=25.0, help="seconds before the bench ends a hog itself")
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--no-idle", action="store_true")
+    ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
     ap.add_argument("--csv", default="bench/headtohead.csv")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
@@ -490,7 +491,7 @@ def main() -> int:
     print(f"one thread fills {rate1 / GiB:.2f} GiB/s here; MemAvailable {a0 / GiB:.1f} GiB", flush=True)
     rows: list[dict] = []
     try:
-        for sc in args.scenarios.split(","):
+        for sc in ([] if args.idle_only else args.scenarios.split(",")):
             for tier in args.tiers.split(","):
                 for i in range(args.trials):
                     order = guards[i % len(guards):] + guards[:i % len(guards)]
@@ -518,7 +519,7 @@ def main() -> int:
     print(summarize(rows))
     if idle_rows:
         print()
-        print("| guard | idle CPU s / %.0f s | % of one core | RSS MiB |" % args.idle_seconds)
+        print(f"| guard | idle CPU s / {args.idle_seconds:.0f} s | % of one core | RSS MiB |")
         print("|---|---|---|---|")
         for r in idle_rows:
             print(f"| {r['guard']} | {r['idle_cpu_s']} | {r['idle_cpu_pct_core']} | {r['rss_mib']} |")
