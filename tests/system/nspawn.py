@@ -28,8 +28,10 @@ controllers + a cgroup2 "unified" hierarchy without controllers; systemd 252):
   container on pure cgroup2, like the Ubuntu 24.04 target; we use that.  The cgroup2
   hierarchy here has no controllers (the host keeps memory/cpu/pids on v1), so the
   unit's MemoryMin= and similar resource settings are accepted but not enforced.
-* No ``--private-network``: the container shares the host's network namespace and resolves
-  names, but pip inside it cannot reach PyPI here (CERTIFICATE_VERIFY_FAILED: the host
+* Without ``--private-network`` a container shares the host's network namespace (so a guard
+  inside would bind its metrics port on the host's loopback, next to other tests' guards);
+  booted containers therefore get ``--private-network`` (loopback only).  pip inside a
+  container cannot reach PyPI here anyway (CERTIFICATE_VERIFY_FAILED: the host
   reaches it through a TLS proxy whose CA only the host trusts).  So the host's pip fetches
   the dependency wheels (:func:`download_wheels`) and the root installs them with
   ``--no-index``; the resulting venv is cached with the root.
@@ -431,6 +433,58 @@ def build_wheel(outdir: Path) -> Path:
 # ---------------------------------------------------------------------------- the container
 
 
+def _starttime(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks): tells a PID from its reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _belongs_to(pid: int, d: Path) -> bool:
+    """True if ``pid`` is the nspawn of container dir ``d`` (its argv names ``d``) or its init
+    (its root directory is ``d/root``); never true for a recycled PID of another process."""
+    try:
+        if os.readlink(f"/proc/{pid}/root") == str(d / "root"):
+            return True
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return str(d / "root").encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def reap_stale() -> list[str]:
+    """Tear down containers whose test process is gone (a run killed by SIGKILL or a CI timeout
+    cannot run its own teardown).  Returns the names reaped."""
+    reaped = []
+    for d in sorted(CACHE_DIR.glob("sgtest-*")):
+        try:
+            owner = json.loads((d / "owner").read_text())
+        except (OSError, ValueError):
+            owner = {}
+        pid = owner.get("pid")
+        if pid and _starttime(pid) is not None and _starttime(pid) == owner.get("starttime"):
+            continue  # its test run is alive (perhaps another engineer's)
+        if not owner and time.time() - d.stat().st_mtime < 600:
+            continue  # being set up right now
+        killed = []
+        for p in (owner.get("pid1"), owner.get("nspawn")):
+            if p and _belongs_to(p, d):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+                    killed.append(p)
+        deadline = time.monotonic() + 10
+        while any(_starttime(p) is not None for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        remove_tree(d)
+        if owner.get("name"):
+            for parent in _cgroup_dirs():
+                _rmdir_cgroup(parent / f"sparkguard-test-{owner['name']}")
+        reaped.append(d.name)
+    return reaped
+
+
 class Container:
     """One booted Debian machine on an overlay of a cached root.
 
@@ -455,6 +509,7 @@ class Container:
         self._log = None
         for d in ("upper", "work", "root"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
+        self._write_owner()
         try:
             subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
                             f"lowerdir={lower},upperdir={self.dir}/upper,workdir={self.dir}/work",
@@ -462,6 +517,12 @@ class Container:
         except BaseException:
             self.close()
             raise
+
+    def _write_owner(self) -> None:
+        """Record who owns this container, for :func:`reap_stale` after a killed test run."""
+        (self.dir / "owner").write_text(json.dumps({
+            "pid": os.getpid(), "starttime": _starttime(os.getpid()), "name": self.name,
+            "nspawn": self.proc.pid if self.proc else None, "pid1": self.pid1}))
 
     # -- before boot
 
@@ -505,12 +566,13 @@ class Container:
         self.cgroup = OwnCgroup(f"sparkguard-test-{self.name}")
         self._log = open(self.console_log, "wb")
         argv = ["systemd-nspawn", "-b", "-D", str(self.root), "-M", self.name,
-                "--register=no", "--keep-unit", "--console=read-only"]
+                "--register=no", "--keep-unit", "--console=read-only", "--private-network"]
         self.proc = subprocess.Popen(self.cgroup.wrap(argv), stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, SYSTEMD_NSPAWN_UNIFIED_HIERARCHY="1"),
                                      start_new_session=True)
         self.pid1 = self._find_pid1(deadline)
+        self._write_owner()
         state = ""
         while time.monotonic() < deadline:
             r = self.run("systemctl", "is-system-running", "--wait", check=False,
