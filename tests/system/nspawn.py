@@ -35,6 +35,14 @@ controllers + a cgroup2 "unified" hierarchy without controllers; systemd 252):
   reaches it through a TLS proxy whose CA only the host trusts).  So the host's pip fetches
   the dependency wheels (:func:`download_wheels`) and the root installs them with
   ``--no-index``; the resulting venv is cached with the root.
+* Capabilities: nspawn's default bounding set for the container leaves out CAP_IPC_LOCK, so
+  the unit's CAP_IPC_LOCK and LimitMEMLOCK=infinity could not work and the guard's mlockall
+  failed with EPERM; containers get ``--capability=CAP_IPC_LOCK``, as a real host's PID 1 has
+  it.  CAP_SYS_RESOURCE is missing from this host's own bounding set (CapBnd
+  000001fffeffffff: bit 24 clear; nspawn warns "Some capabilities will not be set"), so inside
+  the container systemd cannot raise LimitMEMLOCK above the inherited 8 MiB hard limit nor
+  apply OOMScoreAdjust=-1000, and the guard cannot lower its own oom_score_adj: the test checks
+  those only where CAP_SYS_RESOURCE exists (:func:`has_capability`).
 * Inside: /proc/meminfo is the host's (same MemAvailable), /proc/pressure/memory (PSI) is
   readable, /sys/class/zram-control is visible but /sys is mounted read-only, and /proc/sys
   is read-only (nspawn's default): sysctls and zram cannot be set up from the container.
@@ -401,6 +409,17 @@ def run_in_own_cgroup(argv: list[str], timeout: float) -> subprocess.CompletedPr
         cg.close()
 
 
+CAP_SYS_RESOURCE = 24  # linux/capability.h
+
+
+def has_capability(status_text: str, cap: int, field: str = "CapBnd") -> bool:
+    """Is capability number ``cap`` set in ``field`` of a /proc/PID/status text?  (proc(5))"""
+    for line in status_text.splitlines():
+        if line.startswith(field + ":"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    raise ValueError(f"no {field} in status text")
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -566,7 +585,8 @@ class Container:
         self.cgroup = OwnCgroup(f"sparkguard-test-{self.name}")
         self._log = open(self.console_log, "wb")
         argv = ["systemd-nspawn", "-b", "-D", str(self.root), "-M", self.name,
-                "--register=no", "--keep-unit", "--console=read-only", "--private-network"]
+                "--register=no", "--keep-unit", "--console=read-only", "--private-network",
+                "--capability=CAP_IPC_LOCK"]
         self.proc = subprocess.Popen(self.cgroup.wrap(argv), stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, SYSTEMD_NSPAWN_UNIFIED_HIERARCHY="1"),

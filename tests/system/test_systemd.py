@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from .conftest import CONFIG_PATH
-from .nspawn import VENV
+from .nspawn import CAP_SYS_RESOURCE, VENV, has_capability
 
 pytestmark = pytest.mark.system
 
@@ -81,7 +81,8 @@ def start_fake_engine(c, tag: str, *opts: str) -> dict:
     """Start the fake vLLM inside the container as user nobody, in a transient unit of its own.
 
     KillMode=process: systemd must not sweep the engine's cgroup when its top process dies, so
-    whatever is gone afterwards was taken down by the guard (or by the engine itself).  Running
+    whatever is gone afterwards was taken down by the guard (or by the engine itself).
+    RemainAfterExit: the unit (and how its top process ended) stays to be inspected.  Running
     as another user makes the guard need CAP_KILL under its capability bounding set.
     Returns ``{"unit", "model", "pids": [top, core, w0, w1]}`` once the tree is up.
     """
@@ -89,7 +90,7 @@ def start_fake_engine(c, tag: str, *opts: str) -> dict:
     model = f"sgtest-{tag}"
     unit = f"fake-vllm-{tag}.service"
     ready = f"/tmp/fake-vllm-{tag}.ready"
-    c.run("systemd-run", f"--unit={unit}", "-p", "KillMode=process", "-p", "User=nobody",
+    c.run("systemd-run", f"--unit={unit}", "--remain-after-exit", "-p", "KillMode=process", "-p", "User=nobody",
           "-p", "Environment=VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=1", "--",
           PY, script, "serve", model, "--tp", "2", "--hold", str(WORKER_HOLD), "--ready-file", ready, *opts)
 
@@ -151,6 +152,13 @@ def test_enabled_guard_starts_at_boot_and_is_active_only_after_ready(machine):
     journal = guard_journal(c)
     assert "mlockall failed" not in journal, f"the unit denies mlockall:\n{journal}"
     assert "not starting" not in journal, journal
+    pid = int(p["MainPID"])
+    status = c.run("cat", f"/proc/{pid}/status").stdout
+    assert int(re.search(r"^VmLck:\s+(\d+) kB", status, re.M).group(1)) > 0, status
+    if has_capability(c.run("cat", "/proc/1/status").stdout, CAP_SYS_RESOURCE):
+        assert int(c.run("cat", f"/proc/{pid}/oom_score_adj").stdout) < 0
+    # else: this host's bounding set lacks CAP_SYS_RESOURCE (see nspawn.py): nobody in the
+    # container, not even its systemd, may lower oom_score_adj, so there is nothing to check.
 
     # Watch a restart: there must be a moment when the process runs but the unit is not yet active.
     old = int(p["MainPID"])
@@ -179,7 +187,7 @@ def test_watchdog_kills_and_restarts_a_stopped_guard(machine):
     assert (int(p["MainPID"]), p["NRestarts"], p["ActiveState"]) == (pid, "0", "active"), \
         f"healthy guard was restarted:\n{guard_journal(c)}"
 
-    c.run("kill", "-STOP", str(pid))
+    c.sh(f"kill -STOP {pid}")  # the shell builtin: minbase has no /bin/kill (procps)
     s = wait_for("systemd to kill and restart the stopped guard",
                  lambda: (lambda s: s if int(s["NRestarts"]) >= 1 and s["ActiveState"] == "active"
                           and int(s["MainPID"]) not in (0, pid) else None)(
@@ -260,16 +268,23 @@ def _check_report(c, engine, rec, entry, line):
     assert entry.get("SPARKGUARD_INCIDENT") == rec["id"], entry
     assert entry.get("_SYSTEMD_UNIT") == UNIT and entry.get("MESSAGE"), entry
     assert rec["kind"] == "memory" and rec["drill"] is False and rec["dry_run"] is False, rec
-    boot_id = c.run("cat", "/proc/sys/kernel/random/boot_id").stdout.strip()
+    # The boot id as the guard sees it, read in the guard's own mount namespace: nspawn gives the
+    # container its own boot_id by a mount over /proc/sys/kernel/random/boot_id, and the unit's
+    # ProtectKernelTunables= re-mounts /proc/sys without it, so inside the unit the kernel's (the
+    # host's) id shows.  On a real machine there is one boot id and no difference.
+    guard_pid = c.show(UNIT, "MainPID")["MainPID"]
+    boot_id = c.run("nsenter", "-t", guard_pid, "-m", "cat", "/proc/sys/kernel/random/boot_id").stdout.strip()
     assert rec["boot_id"].replace("-", "") == boot_id.replace("-", ""), (rec["boot_id"], boot_id)
     assert rec["thresholds"]["term_below_bytes"] == line and rec["thresholds"]["grace_seconds"] == 2, rec
     assert rec["meminfo"]["MemAvailable"] < line, rec["meminfo"]
     assert rec["ended_at"] >= rec["started_at"], rec
     t = rec["target"]
     assert engine["model"] in t["title"], t
-    titles = {e["pid"]: e["title"] for e in t["tree"]}
-    assert set(engine["pids"]) <= set(titles), (engine["pids"], titles)
-    assert titles[core].startswith("VLLM::EngineCore") and titles[w0].startswith("VLLM::Worker_TP"), titles
+    cmdlines = {e["pid"]: e["cmdline"] for e in t["tree"]}
+    assert set(engine["pids"]) <= set(cmdlines), (engine["pids"], cmdlines)
+    assert engine["model"] in cmdlines[top], cmdlines
+    assert cmdlines[core].startswith("VLLM::EngineCore"), cmdlines
+    assert cmdlines[w0].startswith("VLLM::Worker_TP") and cmdlines[w1].startswith("VLLM::Worker_TP"), cmdlines
     events = [e["event"] for e in rec["timeline"]]
     assert events[:2] == ["crossed", "sigterm"], events
     # `sparkguard incidents` inside lists it and shows it.
@@ -286,11 +301,13 @@ def _check_report(c, engine, rec, entry, line):
 def test_incident_sigterm_under_the_production_unit(machine):
     c, engine, rec, entry, line = _incident(machine, ("--exit-delay", "0.2"))
     events = _check_report(c, engine, rec, entry, line)
-    assert "sigkill" not in events, rec["timeline"]
+    assert events == ["crossed", "sigterm", "exited", "recovered"], rec["timeline"]
     assert rec["outcome"] == "terminated", rec["outcome"]
-    # The engine's top exited by itself after SIGTERM (vLLM-like teardown), not by SIGKILL.
-    u = c.show(engine["unit"], "ExecMainCode", "ExecMainStatus")
-    assert u["ExecMainCode"] != "2" or u["ExecMainStatus"] != "9", u  # CLD_KILLED by SIGKILL
+    from sparkguard.journal import report_priority
+    assert entry["PRIORITY"] == str(report_priority("terminated")), entry
+    # The engine's top exited by itself after SIGTERM (vLLM-like teardown): CLD_EXITED (1), status 0.
+    u = c.show(engine["unit"], "ExecMainCode", "ExecMainStatus", "Result")
+    assert (u["ExecMainCode"], u["ExecMainStatus"], u["Result"]) == ("1", "0", "success"), u
     term = [e for e in rec["timeline"] if e["event"] == "sigterm"][0]
     assert engine["pids"][0] in term["pids"], term
 
@@ -298,7 +315,12 @@ def test_incident_sigterm_under_the_production_unit(machine):
 def test_incident_sigkill_after_grace_when_sigterm_is_ignored(machine):
     c, engine, rec, entry, line = _incident(machine, ("--mode", "ignore-term"))
     events = _check_report(c, engine, rec, entry, line)
+    assert events == ["crossed", "sigterm", "sigkill", "exited", "recovered"], rec["timeline"]
     assert rec["outcome"] == "killed", rec["outcome"]
+    from sparkguard.journal import report_priority
+    assert entry["PRIORITY"] == str(report_priority("killed")), entry
+    u = c.show(engine["unit"], "ExecMainCode", "ExecMainStatus", "Result")
+    assert (u["ExecMainCode"], u["ExecMainStatus"], u["Result"]) == ("2", "9", "signal"), u  # CLD_KILLED
     tl = {e["event"]: e for e in rec["timeline"]}
     assert "sigkill" in tl, events
     assert tl["sigkill"]["t"] - tl["sigterm"]["t"] >= 2 - 0.05, rec["timeline"]  # the whole grace
@@ -318,4 +340,6 @@ def test_stop_is_quick_and_leaves_the_engine_running(machine):
     p = c.show(UNIT, "ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
     assert took < 5, f"systemctl stop took {took:.1f}s:\n{guard_journal(c)}"
     assert p["ActiveState"] == "inactive" and p["Result"] == "success", p
+    # It handled SIGTERM itself and exited 0 (CLD_EXITED), rather than dying of the signal.
+    assert (p["ExecMainCode"], p["ExecMainStatus"]) == ("1", "0"), f"{p}\n{guard_journal(c)}"
     assert all(alive(c, pid) for pid in engine["pids"]), "stopping the guard took the engine down"
