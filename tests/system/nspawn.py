@@ -210,6 +210,32 @@ def _cgroup_dirs() -> list[Path]:
     return out
 
 
+def _cgroup_pids(path: Path) -> set[int]:
+    """PIDs in cgroup ``path`` and below (cgroup.procs of every directory)."""
+    pids: set[int] = set()
+    for d, _, files in os.walk(path):
+        if "cgroup.procs" in files:
+            with contextlib.suppress(OSError):
+                pids.update(int(x) for x in Path(d, "cgroup.procs").read_text().split())
+    return pids
+
+
+def _kill_cgroup_tree(paths: list[Path], timeout: float = 10.0) -> None:
+    """SIGKILL every process in these cgroups (created by this module for one container), wait
+    until they are gone (bounded), and remove the cgroups."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = set().union(*(_cgroup_pids(p) for p in paths if p.exists()))
+        if not pids or time.monotonic() > deadline:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    for p in paths:
+        _rmdir_cgroup(p)
+
+
 def _rmdir_cgroup(path: Path, timeout: float = 10.0) -> None:
     """Remove a cgroup directory and its children, depth first (cgroupfs dirs hold only control files)."""
     deadline = time.monotonic() + timeout
@@ -392,8 +418,8 @@ class OwnCgroup:
         return ["/bin/sh", "-c", f'{moves}; exec "$@"', "sh", *argv]
 
     def close(self) -> None:
-        for d in self.dirs:
-            _rmdir_cgroup(d)
+        """Kill whatever is still inside (nothing, after a clean shutdown) and remove the cgroups."""
+        _kill_cgroup_tree(self.dirs)
 
 
 def run_in_own_cgroup(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -461,18 +487,6 @@ def _starttime(pid: int) -> int | None:
         return None
 
 
-def _belongs_to(pid: int, d: Path) -> bool:
-    """True if ``pid`` is the nspawn of container dir ``d`` (its argv names ``d``) or its init
-    (its root directory is ``d/root``); never true for a recycled PID of another process."""
-    try:
-        if os.readlink(f"/proc/{pid}/root") == str(d / "root"):
-            return True
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return str(d / "root").encode() in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
 def reap_stale() -> list[str]:
     """Tear down containers whose test process is gone (a run killed by SIGKILL or a CI timeout
     cannot run its own teardown).  Returns the names reaped."""
@@ -487,20 +501,28 @@ def reap_stale() -> list[str]:
             continue  # its test run is alive (perhaps another engineer's)
         if not owner and time.time() - d.stat().st_mtime < 600:
             continue  # being set up right now
-        killed = []
-        for p in (owner.get("pid1"), owner.get("nspawn")):
-            if p and _belongs_to(p, d):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-                    killed.append(p)
-        deadline = time.monotonic() + 10
-        while any(_starttime(p) is not None for p in killed) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        remove_tree(d)
+        # Everything in the container's own cgroup was started by that test run, and nothing
+        # else is: kill it all (its nspawn, and the container's init, which outlives a killed
+        # nspawn), then remove mounts, files and cgroups.
         if owner.get("name"):
-            for parent in _cgroup_dirs():
-                _rmdir_cgroup(parent / f"sparkguard-test-{owner['name']}")
+            _kill_cgroup_tree([parent / f"sparkguard-test-{owner['name']}" for parent in _cgroup_dirs()])
+        remove_tree(d)
         reaped.append(d.name)
+    # Cgroups left by killed runs: a booted container's whose directory is gone, and the
+    # short-lived ones of set-up nspawns (populated within milliseconds of their creation and
+    # removed as soon as nspawn exits) that are empty and older than a minute.
+    for parent in _cgroup_dirs():
+        for cg in parent.glob("sparkguard-test-*"):
+            if cg.name.startswith("sparkguard-test-sgtest-"):
+                name = cg.name[len("sparkguard-test-"):]
+                if not any(CACHE_DIR.glob(f"{name}-*")):
+                    _kill_cgroup_tree([q / cg.name for q in _cgroup_dirs()])
+                    reaped.append(cg.name)
+            else:
+                with contextlib.suppress(OSError):
+                    if not _cgroup_pids(cg) and time.time() - cg.stat().st_mtime > 60:
+                        _rmdir_cgroup(cg, timeout=0)
+                        reaped.append(cg.name)
     return reaped
 
 
