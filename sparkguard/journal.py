@@ -30,6 +30,7 @@ recovered             feaf84f15ae246828dcca44dd7d0192c  5         memory is back
 no_target             275449425a144f28ace72a82befb8881  3         below the line but nothing may be signalled
 would_signal          032dbf9ce9894711a9187727029087d9  4         dry run: would have sent SIGTERM/SIGKILL
 config_reload_failed  7f5e066f6b814f52b7a19d56c14bbf98  4         SIGHUP reload refused; old config kept
+recovery_timeout      ec9ec42d9229412cb75748ac8d0793fe  3         victim gone, memory still low after recovery_wait
 event                 592ef58734144acc9848eab09e8ca020  5         any other event (engine, link, drill...)
 ====================  ================================  ========  =================================================
 """
@@ -60,6 +61,7 @@ MESSAGE_IDS: dict[str, str] = {
     "no_target": "275449425a144f28ace72a82befb8881",
     "would_signal": "032dbf9ce9894711a9187727029087d9",
     "config_reload_failed": "7f5e066f6b814f52b7a19d56c14bbf98",
+    "recovery_timeout": "ec9ec42d9229412cb75748ac8d0793fe",
     "event": "592ef58734144acc9848eab09e8ca020",
 }
 
@@ -77,11 +79,21 @@ PRIORITIES: dict[str, int] = {
     "no_target": 3,
     "would_signal": 4,
     "config_reload_failed": 4,
+    "recovery_timeout": 3,
     "event": 5,
 }
 
 #: Report id priority by outcome (default ``PRIORITIES["report"]``): the worst outcomes are errors.
 REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3}
+
+
+def report_priority(outcome: str | None) -> int:
+    """PRIORITY of an incident report: 3 (err) when the outcome is ``killed``/``no_target`` or memory
+    did not come back (``*_memory_not_back``), else 4 (warning)."""
+    o = str(outcome or "")
+    if o.endswith("_memory_not_back"):
+        return 3
+    return REPORT_PRIORITIES.get(o, PRIORITIES["report"])
 
 _FIELD_RE = re.compile(r"[A-Z][A-Z0-9_]{0,63}\Z")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
