@@ -25,10 +25,7 @@ import json
 import logging
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Iterable
 
@@ -94,7 +91,9 @@ class IncidentStore:
         tmp = None
         try:
             self._make_dir()
-            fd, tmp = tempfile.mkstemp(prefix=f".{iid}.", suffix=".tmp", dir=self.dir)
+            name = os.path.join(self.dir, f".{iid}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+            tmp = name
             try:
                 os.fchmod(fd, FILE_MODE)
                 view = memoryview(data)
@@ -460,6 +459,8 @@ def list_line(rec: dict) -> tuple[str, ...]:
 
 def journal_running(socket_path: str | None = None) -> bool:
     """True where journald runs: ``journalctl`` is on PATH and the native socket exists."""
+    import shutil
+
     from sparkguard import journal
     return bool(shutil.which("journalctl")) and os.path.exists(socket_path or journal.DEFAULT_SOCKET)
 
@@ -484,6 +485,8 @@ def read_journal(timeout: float = 30.0) -> list[dict]:
     parses each entry's ``SPARKGUARD_REPORT`` JSON.  Returns [] when journalctl fails
     (logged); entries that do not parse are skipped.
     """
+    import subprocess
+
     from sparkguard import journal
     cmd = ["journalctl", "-o", "json", "--all", "--no-pager", "MESSAGE_ID=" + journal.MESSAGE_IDS["report"]]
     try:

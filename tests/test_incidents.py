@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from conftest import run_sparkguard
-from sparkguard import incidents
 from sparkguard.incidents import AmbiguousId, IncidentStore, render
 from test_journal import JournalStandIn, run_with_journald
 from test_reporter import G, make_incident
