@@ -8,6 +8,7 @@ daemon keeps until after the signal.
 from __future__ import annotations
 
 import json
+import sys
 import logging
 import os
 import select
@@ -237,3 +238,90 @@ def test_never_raises_and_handles_events_outside_an_incident(tmp_path, standin):
     assert f["SPARKGUARD_REASON"] == "wedged" and f["SPARKGUARD_ATTEMPT"] == "2"
     assert r.stats["dropped"] == 1
     assert not [p for p in os.listdir(tmp_path / "inc") if p.startswith(".")] if (tmp_path / "inc").exists() else True
+
+
+GUARD_E2E = r"""
+import json, os, signal, subprocess, sys, time
+import yaml
+from sparkguard import fake_engine, journal
+model, base = sys.argv[1], sys.argv[2]
+ready = os.path.join(base, "ready")
+eng = subprocess.Popen(fake_engine.command(model, "--tp", "2", "--ready-file", ready, "--hold", "16MiB",
+                                           "--hold-core", "8MiB", "--hold-api", "8MiB", "--exit-delay", "0.2"),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+deadline = time.monotonic() + 60
+while not os.path.exists(ready):
+    assert time.monotonic() < deadline and eng.poll() is None, "fake vLLM did not come up"
+    time.sleep(0.05)  # the fake writes the file; nothing to wait on
+pids = [int(p) for p in open(ready).read().split("pids=")[1].split()[0].split(",")]
+avail = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+inc_dir = os.path.join(base, "inc")
+cfg = {"guard": {"term_below": avail + 512 * 2**20, "grace": "5s", "recovery_wait": "1s"},
+       "targets": {"match": ["vllm serve " + model]}, "metrics": {"listen": "off"},
+       "incidents": {"dir": inc_dir, "journal": "auto"}}
+cfg_path = os.path.join(base, "sparkguard.yaml")
+with open(cfg_path, "w") as f:
+    yaml.safe_dump(cfg, f)
+log = open(os.path.join(base, "guard.log"), "w")
+guard = subprocess.Popen([sys.executable, "-m", "sparkguard", "run", "--config", cfg_path], stdout=log,
+                         stderr=subprocess.STDOUT)
+rec = None
+deadline = time.monotonic() + 60
+while rec is None and time.monotonic() < deadline:
+    for n in sorted(os.listdir(inc_dir)) if os.path.isdir(inc_dir) else []:
+        if n.endswith(".json") and not n.startswith("."):
+            r = json.load(open(os.path.join(inc_dir, n)))
+            if (r.get("target") or {}).get("root_pid") == pids[0]:
+                rec = r
+    time.sleep(0.05)  # the guard writes the file from its reporter thread
+guard.send_signal(signal.SIGTERM)
+guard.wait(30)
+eng_rc = eng.wait(30)
+entries = []
+deadline = time.monotonic() + 30
+while rec and time.monotonic() < deadline:
+    out = subprocess.run(["journalctl", "-o", "json", "--all", "--no-pager", "SPARKGUARD_INCIDENT=" + rec["id"]],
+                         capture_output=True, text=True, timeout=30).stdout
+    entries = [json.loads(l) for l in out.splitlines() if l.strip()]
+    if any(e.get("MESSAGE_ID") == journal.MESSAGE_IDS["report"] for e in entries):
+        break
+    time.sleep(0.1)  # journald writes asynchronously
+print(json.dumps({"pids": pids, "rec": rec, "entries": entries, "eng_rc": eng_rc, "guard_rc": guard.returncode,
+                  "log": open(os.path.join(base, "guard.log")).read()}))
+"""
+
+
+def test_guard_run_reports_a_real_incident_to_a_real_journald_and_the_store(tmp_path):
+    """End to end: ``sparkguard run`` SIGTERMs a fake vLLM tree; its reporter writes the JSON file
+    and journals every event and the full report to a real systemd-journald.  Runs in a private
+    PID namespace, so the guard can see (and signal) only the processes this test started."""
+    import uuid
+
+    from test_journal import run_with_journald
+    model = "sgtest-report-" + uuid.uuid4().hex[:10]
+    p = run_with_journald(tmp_path, [sys.executable, "-c", GUARD_E2E, model, str(tmp_path)], timeout=240)
+    assert p.returncode == 0, p.stderr + p.stdout
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    rec, pids = res["rec"], res["pids"]
+    assert rec is not None, res["log"]
+    assert res["eng_rc"] is not None
+    assert rec["outcome"].startswith("terminated"), rec
+    tree_cmdlines = {e["cmdline"] for e in rec["target"]["tree"]}
+    assert {"VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= tree_cmdlines
+    assert sorted(e["pid"] for e in rec["target"]["tree"]) == sorted(pids)
+    by_event = {}
+    for e in res["entries"]:
+        by_event.setdefault(e["SPARKGUARD_EVENT"], e)
+    assert {"crossed", "sigterm", "exited", "report"} <= set(by_event), sorted(by_event)
+    term = by_event["sigterm"]
+    assert term["MESSAGE_ID"] == journal.MESSAGE_IDS["sigterm"] and term["PRIORITY"] == "4"
+    assert term["SPARKGUARD_PIDS"] == str(pids[0])
+    assert term["SYSLOG_IDENTIFIER"] == "sparkguard" and term["_TRANSPORT"] == "journal"
+    assert by_event["crossed"]["MESSAGE_ID"] == journal.MESSAGE_IDS["crossed"]
+    report = by_event["report"]
+    assert json.loads(report["SPARKGUARD_REPORT"]) == rec
+    assert report["SPARKGUARD_TARGET_PID"] == str(pids[0])
+    assert report["SPARKGUARD_OUTCOME"] == rec["outcome"]
+    assert report["SPARKGUARD_FILE"].endswith(rec["id"] + ".json")
+    # the terminal user saw one-line summaries on stderr
+    assert "sigterm: SIGTERM" in res["log"] and f"incident {rec['id']}" in res["log"]
