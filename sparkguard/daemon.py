@@ -248,7 +248,6 @@ class Guard:
             return
         from sparkguard import metrics
         self.metrics = metrics.start_server(listen, self.snapshot)
-        log.info("metrics on http://%s:%d/metrics", *listen)
 
     def _on_signal(self, signum, frame) -> None:
         self._flags.add(signum)
