@@ -398,6 +398,7 @@ class Guard:
         from sparkguard import signals
         target = self._choose()
         if target is None:
+            self._fill_incident(None)
             if not retry:
                 self._event(now, value, "no_target", [], "nothing matches targets.match"
                             + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
@@ -427,12 +428,14 @@ class Guard:
         inc = self.incident
         if inc is None:
             return
-        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
-                         "mem_bytes": target.mem_bytes, "tree": target.tree}
         if isinstance(inc["meminfo"], bytes):
             inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
         inc["psi_memory"] = sysinfo.read_psi_memory()
         inc["zram"] = sysinfo.read_zram()
+        if target is None:
+            return
+        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
+                         "mem_bytes": target.mem_bytes, "tree": target.tree}
 
     def _kill(self, now: float, value: int) -> None:
         if self.tree is None:
@@ -506,6 +509,9 @@ class Guard:
         except config.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload failed, keeping the running config: %s", e)
+            self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
+                                       "available_bytes": self.value, "pids": [],
+                                       "detail": f"reload failed, running config kept: {e}"})
             self.notifier.ready()
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30
