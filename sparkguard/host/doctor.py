@@ -293,6 +293,10 @@ def _engine_timeout(pid: int, cmd: str) -> tuple[float | None, str]:
         return float(m.group(1)), "--shutdown-timeout"
     with open(f"/proc/{pid}/environ", "rb") as f:
         env = f.read().split(b"\0")
+    if not any(b"=" in kv for kv in env):
+        # setproctitle grows the title into the environment's memory, which is what
+        # /proc/PID/environ shows: renamed processes (VLLM::EngineCore) have none left
+        return None, "hidden"
     for kv in env:
         if kv.startswith(b"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="):
             try:
@@ -328,7 +332,13 @@ def check_engine_timeout(ctx: Context) -> Check:
             lines.append(f"pid {pid}: cannot read its environment ({e.strerror}; run doctor as root)")
             continue
         data.append({"pid": pid, "cmdline": cmd[:200], "timeout_seconds": t, "source": src})
-        if t is None or t == 0:
+        if src == "hidden":
+            worst = WARN if worst == PASS else worst
+            lines.append(f"pid {pid} ({cmd[:40]}): its environment was overwritten by its process title; "
+                         "cannot tell its shutdown timeout")
+            fixes.add(f"check that the engine was started with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS below "
+                      f"the grace ({format_duration(grace)})")
+        elif t is None or t == 0:
             worst = WARN if worst == PASS else worst
             lines.append(f"pid {pid}: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS {src}: on SIGTERM vLLM SIGKILLs its "
                          "workers within milliseconds, no clean CUDA teardown")
