@@ -6,10 +6,12 @@ Never touches zram0 or any device the test did not create: every command gets
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -45,19 +47,25 @@ def offered_algorithms(name: str) -> list[str]:
 
 
 def remove_device(name: str) -> None:
-    """swapoff, reset, hot_remove ``name`` if it still exists (test cleanup)."""
+    """swapoff, reset, hot_remove ``name`` if it still exists (test cleanup); fails loudly on a leak."""
     assert name != "zram0"
     if name in swaps():
         subprocess.run(["swapoff", f"/dev/{name}"], timeout=300, check=False)
-    if os.path.isdir(f"/sys/block/{name}"):
-        try:
-            Path(f"/sys/block/{name}/reset").write_text("1")
-        except OSError:
-            pass
+    if not os.path.isdir(f"/sys/block/{name}"):
+        return
+    try:
+        Path(f"/sys/block/{name}/reset").write_text("1")
+    except OSError:
+        pass
+    deadline = time.monotonic() + 10
+    while True:
         try:
             Path("/sys/class/zram-control/hot_remove").write_text(name[4:])
-        except OSError:
-            pass
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise AssertionError(f"test zram device {name} could not be removed: {e}") from None
+        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -291,6 +291,27 @@ def setup(ch: Changes, name: str, settings: ZramSettings, boot: bool = False) ->
     ch.note("set up", dev, f"swap {ZramSettings(settings.size, settings.priority, algo).describe()}")
 
 
+def _hot_remove(ch: Changes, name: str, timeout: float = 5.0) -> None:
+    """Write the device id to hot_remove, retrying while the kernel answers EBUSY (the device
+    is briefly held open after swapoff/reset, e.g. by a udev or blkid probe)."""
+    import errno
+    import time
+
+    path = f"{ZRAM_CONTROL}/hot_remove"
+    ch.note("ran", f"echo {name[4:]} > {path}")
+    if ch.dry_run:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _write(path, name[4:])
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise HostError(f"removing /dev/{name} ({path}) failed: {e.strerror}") from None
+        time.sleep(0.05)  # polling: the kernel offers no event for "no longer open"
+
+
 def teardown(ch: Changes, name: str, remove_device: bool = True) -> None:
     """swapoff (if active), ``reset`` and (``remove_device``) ``hot_remove`` ``/dev/<name>``.
 
@@ -303,7 +324,7 @@ def teardown(ch: Changes, name: str, remove_device: bool = True) -> None:
     if int(_read(f"{SYS_BLOCK}/{name}/disksize") or 0):
         _sysfs(ch, f"{SYS_BLOCK}/{name}/reset", "1")
     if remove_device and os.path.exists(f"{ZRAM_CONTROL}/hot_remove"):
-        _sysfs(ch, f"{ZRAM_CONTROL}/hot_remove", name[4:])
+        _hot_remove(ch, name)
     ch.note("torn down", dev)
 
 
