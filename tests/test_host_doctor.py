@@ -147,3 +147,32 @@ def test_renamed_engine_environment_is_reported_unknown(tmp_path):
         proc.wait(timeout=30)
     c = by_name(report)["engine_shutdown_timeout"]
     assert c["status"] == "WARN" and "overwritten" in c["message"], c
+
+
+def test_doctor_sees_a_running_guard_and_its_locked_memory(tmp_path):
+    """A real `sparkguard run` (dry run, nothing matched, no metrics/journal) started by the test."""
+    import select
+    import time
+
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text(f"guard:\n  dry_run: true\ntargets:\n  match: ['sgtest-{uuid.uuid4().hex}']\n"
+                   f"metrics:\n  listen: 'off'\nincidents:\n  dir: {tmp_path}/inc\n  journal: 'off'\n")
+    guard = subprocess.Popen([sys.executable, "-m", "sparkguard", "run", "--config", str(cfg)], env=sg_env(),
+                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        deadline, log = time.monotonic() + 30, ""
+        while "started:" not in log:  # the daemon logs "started: ..." once its loop runs
+            left = deadline - time.monotonic()
+            assert left > 0 and guard.poll() is None, f"guard did not start: {log}"
+            if select.select([guard.stderr], [], [], left)[0]:
+                log += os.read(guard.stderr.fileno(), 65536).decode(errors="replace")
+        _, report = doctor_json()
+    finally:
+        guard.terminate()
+        guard.wait(timeout=30)
+    checks = by_name(report)
+    if checks["unit"]["data"].get("systemd") is False:
+        assert guard.pid in checks["unit"]["data"]["pids"]
+        assert checks["unit"]["status"] == "WARN" and str(guard.pid) in checks["unit"]["message"]
+    locked = {int(k): v for k, v in checks["memlock"]["data"]["locked_bytes"].items()}
+    assert locked[guard.pid] > 0  # root here: mlockall works and the check reads it back

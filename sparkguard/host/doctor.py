@@ -45,8 +45,8 @@ class Context:
     gpu_memory_utilization: float = 0.9
     _procs: list | None = None
 
-    def processes(self) -> list[tuple[int, int, str]]:
-        """``[(pid, ppid, cmdline)]`` of every process, read once; unreadable ones skipped."""
+    def processes(self) -> list[tuple[int, int, list[str]]]:
+        """``[(pid, ppid, argv)]`` of every process, read once; unreadable ones and kernel threads skipped."""
         if self._procs is None:
             out = []
             for d in os.listdir("/proc"):
@@ -54,13 +54,14 @@ class Context:
                     continue
                 try:
                     with open(f"/proc/{d}/cmdline", "rb") as f:
-                        cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+                        raw = f.read()
                     with open(f"/proc/{d}/stat", "rb") as f:
                         ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
                 except (OSError, ValueError, IndexError):
                     continue
-                if cmd:
-                    out.append((int(d), ppid, cmd))
+                argv = [a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
+                if argv:
+                    out.append((int(d), ppid, argv))
             self._procs = out
         return self._procs
 
@@ -172,9 +173,20 @@ def check_min_free(ctx: Context) -> Check:
     return Check("min_free_kbytes", PASS, f"vm.min_free_kbytes = {v} ({format_size(v * 1024)})", None, data)
 
 
+def is_guard(argv: list[str]) -> bool:
+    """True for ``sparkguard run ...`` or ``<python> -m sparkguard run ...`` (not a shell wrapping one)."""
+    if not argv:
+        return False
+    exe = os.path.basename(argv[0])
+    if exe == "sparkguard":
+        return len(argv) > 1 and argv[1] == "run"
+    if exe.startswith("python"):
+        return any(argv[i:i + 3] == ["-m", "sparkguard", "run"] for i in range(1, len(argv) - 2))
+    return False
+
+
 def _guard_pids(ctx: Context) -> list[int]:
-    pat = re.compile(r"(^|/)sparkguard(\s+|\s.*\s)run(\s|$)|-m\s+sparkguard\s+run(\s|$)")
-    return [pid for pid, _, cmd in ctx.processes() if pat.search(cmd) and pid != os.getpid()]
+    return [pid for pid, _, argv in ctx.processes() if pid != os.getpid() and is_guard(argv)]
 
 
 def _cap_eff() -> int:
@@ -192,18 +204,21 @@ def check_memlock(ctx: Context) -> Check:
     """Can the guard mlockall()?  Running guard's VmLck, else the unit's LimitMEMLOCK, else ours."""
     import resource
 
+    locked: dict[int, int] = {}
     for pid in _guard_pids(ctx):
         try:
             with open(f"/proc/{pid}/status") as f:
-                lck = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmLck:")), 0)
+                locked[pid] = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmLck:")), 0)
         except OSError:
             continue
-        if lck:
-            return Check("memlock", PASS, f"the running guard (pid {pid}) has {format_size(lck)} locked (mlockall)",
-                         None, {"pid": pid, "locked_bytes": lck})
-        return Check("memlock", WARN, f"the running guard (pid {pid}) has no memory locked: under heavy swap it "
-                     "can be paged out and react seconds late", "run it with LimitMEMLOCK=infinity (the unit does)",
-                     {"pid": pid, "locked_bytes": 0})
+    if locked:
+        bad = [pid for pid, n in locked.items() if not n]
+        desc = ", ".join(f"pid {pid}: {format_size(n)}" for pid, n in locked.items())
+        if bad:
+            return Check("memlock", WARN, f"guard pid {', '.join(map(str, bad))} has no memory locked ({desc}): "
+                         "under heavy swap it can be paged out and react seconds late",
+                         "run the guard as root or with LimitMEMLOCK=infinity (the unit does)", {"locked_bytes": locked})
+        return Check("memlock", PASS, f"running guard memory locked (mlockall; {desc})", None, {"locked_bytes": locked})
     from sparkguard.host.files import read_text
 
     unit = read_text(UNIT_FILE)
@@ -307,9 +322,12 @@ def _engine_timeout(pid: int, cmd: str) -> tuple[float | None, str]:
 
 
 def _engines(ctx: Context) -> list[tuple[int, str]]:
-    """Root processes of the engines ``targets.match`` selects: ``[(pid, cmdline)]``."""
+    """Root processes of the engines ``targets.match`` selects: ``[(pid, cmdline)]``.
+
+    The cmdline is argv joined with spaces, as the guard matches it (sparkguard/config.py).
+    """
     pats = [re.compile(p) for p in ctx.config.targets.match]
-    procs = ctx.processes()
+    procs = [(pid, ppid, " ".join(argv)) for pid, ppid, argv in ctx.processes()]
     hit = {pid: cmd for pid, _, cmd in procs if pid != os.getpid() and any(p.search(cmd) for p in pats)}
     parent = {pid: ppid for pid, ppid, _ in procs}
     return sorted((pid, cmd) for pid, cmd in hit.items() if parent.get(pid) not in hit)
