@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 from pathlib import Path
 
@@ -20,15 +22,22 @@ def live(key: str) -> int:
     return int(Path(KEYS[key]).read_text())
 
 
+#: held while a test changes sysctls, so that two runs of this suite at once (other engineers
+#: run it too) cannot save each other's values as "the original" and restore the wrong one
+LOCK = "/run/lock/sparkguard-tests-sysctl.lock" if os.path.isdir("/run/lock") else "/tmp/sparkguard-tests-sysctl.lock"
+
+
 @pytest.fixture
 def restore_sysctls(root_only):
-    """Remember the three sysctls tune touches and put them back afterwards."""
-    saved = {k: Path(p).read_text().strip() for k, p in KEYS.items()}
-    try:
-        yield saved
-    finally:
-        for k, v in saved.items():
-            Path(KEYS[k]).write_text(v + "\n")
+    """Remember the three sysctls tune touches and put them back afterwards (under LOCK)."""
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks until the other run has restored its values
+        saved = {k: Path(p).read_text().strip() for k, p in KEYS.items()}
+        try:
+            yield saved
+        finally:
+            for k, v in saved.items():
+                Path(KEYS[k]).write_text(v + "\n")
 
 
 def zram_or_zswap_active() -> bool:
