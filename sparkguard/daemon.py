@@ -78,6 +78,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     _setup_logging(args.log_level)
     from sparkguard import config, proctree
+    why = proctree.hidepid_blocks_view()
+    if why:
+        log.error("not starting: %s", why)
+        print(f"sparkguard: not starting: {why}", file=sys.stderr)
+        return 2
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
@@ -86,11 +91,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-    why = proctree.hidepid_blocks_view()
-    if why:
-        log.error("not starting: %s", why)
-        print(f"sparkguard: not starting: {why}", file=sys.stderr)
-        return 2
     guard = Guard(cfg, config_arg=args.config)
     try:
         guard.start()
@@ -248,7 +248,6 @@ class Guard:
             return
         from sparkguard import metrics
         self.metrics = metrics.start_server(listen, self.snapshot)
-        log.info("metrics on http://%s:%d/metrics", *listen)
 
     def _on_signal(self, signum, frame) -> None:
         self._flags.add(signum)
@@ -399,6 +398,7 @@ class Guard:
         from sparkguard import signals
         target = self._choose()
         if target is None:
+            self._fill_incident(None)
             if not retry:
                 self._event(now, value, "no_target", [], "nothing matches targets.match"
                             + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
@@ -428,12 +428,14 @@ class Guard:
         inc = self.incident
         if inc is None:
             return
-        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
-                         "mem_bytes": target.mem_bytes, "tree": target.tree}
         if isinstance(inc["meminfo"], bytes):
             inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
         inc["psi_memory"] = sysinfo.read_psi_memory()
         inc["zram"] = sysinfo.read_zram()
+        if target is None:
+            return
+        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
+                         "mem_bytes": target.mem_bytes, "tree": target.tree}
 
     def _kill(self, now: float, value: int) -> None:
         if self.tree is None:
@@ -507,6 +509,9 @@ class Guard:
         except config.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload failed, keeping the running config: %s", e)
+            self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
+                                       "available_bytes": self.value, "pids": [],
+                                       "detail": f"reload failed, running config kept: {e}"})
             self.notifier.ready()
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30

@@ -74,6 +74,7 @@ import mmap
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -701,7 +702,10 @@ def _make_server(cfg: _Cfg, state: _State):
                     state.running -= 1
             self._json(200, reply)
 
-    server = ThreadingHTTPServer((cfg.args.host, cfg.args.port), Handler, bind_and_activate=False)
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in cfg.args.host else socket.AF_INET
+
+    server = Server((cfg.args.host, cfg.args.port), Handler, bind_and_activate=False)
     server.daemon_threads = True
     server.block_on_close = False
     server.allow_reuse_address = True
@@ -887,7 +891,7 @@ class _Top:
     def _start_serving(self) -> None:
         if self.server:
             host, port = self.server.server_address[:2]
-            url = f"http://{host}:{port}"
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             self.log("INFO", self.where, f"Starting vLLM API server 0 on {url}")
             self.server.server_activate()  # listen(): only now do connections succeed
             threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
@@ -1047,6 +1051,8 @@ class FakeEngine:
         """Base URL, e.g. ``http://127.0.0.1:41234``; waits for readiness."""
         argv = self.argv
         host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
     def wait_serving(self, timeout: float = 30.0) -> str:
@@ -1059,7 +1065,13 @@ class FakeEngine:
             return "\n".join(self.lines)
 
     def start_fill(self) -> None:
-        """Send SIGUSR1 to the filling worker (for ``--fill-on-signal``)."""
+        """Send SIGUSR1 to the filling worker (for ``--fill-on-signal``); waits for readiness.
+
+        Raises:
+            ValueError: started without ``--fill-size`` (SIGUSR1 would kill that worker).
+        """
+        if "--fill-size" not in self.argv:
+            raise ValueError("start_fill(): this fake was started without --fill-size")
         pid = self.worker_pids[0]
         _signal(self._pidfds.get(pid), signal.SIGUSR1)
 

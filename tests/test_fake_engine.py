@@ -411,3 +411,10 @@ def test_http_keepalive_connection_reuse(fakes):
             assert (r.status, r.read()) == (200, b"")
     finally:
         conn.close()
+
+
+def test_start_fill_refuses_without_fill(fakes):
+    fe = fakes("--tp", "1", "--hold", "4MiB")
+    with pytest.raises(ValueError):
+        fe.start_fill()
+    assert exit_times(fe.pids(), timeout=0.2) == {}
