@@ -70,8 +70,11 @@ import time
 import uuid
 from pathlib import Path
 
-#: Packages given to ``debootstrap --include`` (minbase variant).
-PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv")
+#: Packages given to ``debootstrap --include`` (minbase variant).  procps: the unit's
+#: ``ExecReload=/bin/kill -HUP $MAINPID`` needs /bin/kill, which minbase lacks (reload failed
+#: with 203/EXEC "Failed to locate executable /bin/kill"); every real Debian/Ubuntu install has
+#: it (procps is Priority: important; ubuntu-minimal depends on it).
+PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "procps")
 SUITE = "bookworm"
 #: Where cached roots live; override with SPARKGUARD_TEST_CACHE.
 CACHE_DIR = Path(os.environ.get("SPARKGUARD_TEST_CACHE", "/var/cache/sparkguard-tests"))

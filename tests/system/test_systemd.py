@@ -187,7 +187,7 @@ def test_watchdog_kills_and_restarts_a_stopped_guard(machine):
     assert (int(p["MainPID"]), p["NRestarts"], p["ActiveState"]) == (pid, "0", "active"), \
         f"healthy guard was restarted:\n{guard_journal(c)}"
 
-    c.sh(f"kill -STOP {pid}")  # the shell builtin: minbase has no /bin/kill (procps)
+    c.run("kill", "-STOP", str(pid))
     s = wait_for("systemd to kill and restart the stopped guard",
                  lambda: (lambda s: s if int(s["NRestarts"]) >= 1 and s["ActiveState"] == "active"
                           and int(s["MainPID"]) not in (0, pid) else None)(
