@@ -1,0 +1,575 @@
+"""``sparkguard run``: the guard daemon, and ``sparkguard check-config``.
+
+The poll loop (``Guard.loop``) samples /proc/meminfo (see :mod:`sparkguard.meminfo`),
+feeds the pure decision core (:mod:`sparkguard.policy`) and carries out its actions:
+choose a target (:mod:`sparkguard.proctree`), SIGTERM/SIGKILL through pidfds
+(:mod:`sparkguard.signals`), then report (:mod:`sparkguard.reporter`) — act first, report
+after.  It sleeps in ``poll(2)`` on: a self-pipe for signals (SIGHUP reload, SIGTERM/SIGINT
+stop), an optional PSI trigger on /proc/pressure/memory (POLLPRI wakes the loop as soon
+as the kernel sees memory stalls), and the victim's pidfds (POLLIN when a member exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import signal
+import sys
+import time
+
+log = logging.getLogger("sparkguard")
+
+MCL_CURRENT, MCL_FUTURE = 1, 2
+M_ARENA_MAX = -8
+PSI_TRIGGERS = (b"some 100000 1000000\0", b"some 150000 2000000\0")
+STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
+THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``run`` and ``check-config``."""
+    p = sub.add_parser("run", help="run the guard daemon (systemd Type=notify)",
+                       description="Poll MemAvailable and SIGTERM the inference engine below the line; "
+                                   "SIGKILL its whole tree after the grace period.")
+    p.add_argument("--config", "-c", metavar="PATH", help="YAML config (default /etc/sparkguard/sparkguard.yaml; "
+                   "embedded defaults when that file is absent)")
+    p.add_argument("--dry-run", action="store_true", help="decide and report everything, signal nothing")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_run)
+    c = sub.add_parser("check-config", help="validate a config file and print the effective settings")
+    c.add_argument("path", nargs="?", help="file to check (default /etc/sparkguard/sparkguard.yaml)")
+    c.set_defaults(func=cmd_check_config)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate a config; exit 0 if valid, 1 with the error (file, key, value) otherwise."""
+    from sparkguard import config
+    from sparkguard.units import format_duration, format_size
+    try:
+        cfg = config.load(args.path, required=args.path is not None)
+    except config.ConfigError as e:
+        print(f"sparkguard: invalid config: {e}", file=sys.stderr)
+        return 1
+    g = cfg.guard
+    print(f"{cfg.path}: OK")
+    print(f"  guard: poll every {format_duration(g.poll_interval)}, SIGTERM below {format_size(g.term_below)} "
+          f"of {'MemAvailable' if g.signal == 'available' else 'MemAvailable+SwapFree'}, "
+          f"SIGKILL after {format_duration(g.grace)}"
+          + (f" or below {format_size(g.kill_below)}" if g.kill_below is not None else "")
+          + (" [dry run]" if g.dry_run else ""))
+    print(f"  targets: {len(cfg.targets.match)} patterns, {len(cfg.targets.protect)} protected, "
+          f"fallback {cfg.targets.fallback}")
+    m = cfg.metrics.listen
+    print(f"  metrics: {'http://%s:%d/metrics' % m if m else 'off'}")
+    print(f"  incidents: {cfg.incidents.dir}, journal {cfg.incidents.journal}")
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s sparkguard[%(process)d] %(levelname)s %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
+    _setup_logging(args.log_level)
+    from sparkguard import config, proctree
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as e:
+        log.error("invalid config, not starting: %s", e)
+        print(f"sparkguard: invalid config, not starting: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
+    why = proctree.hidepid_blocks_view()
+    if why:
+        log.error("not starting: %s", why)
+        print(f"sparkguard: not starting: {why}", file=sys.stderr)
+        return 2
+    guard = Guard(cfg, config_arg=args.config)
+    try:
+        guard.start()
+    except OSError as e:
+        log.error("not starting: %s", e)
+        print(f"sparkguard: not starting: {e}", file=sys.stderr)
+        return 2
+    return guard.loop()
+
+
+def harden_self() -> list[str]:
+    """Keep the guard's own pages in RAM and itself away from the OOM killer.
+
+    mlockall(MCL_CURRENT|MCL_FUTURE) (mlockall(2); needs CAP_IPC_LOCK or RLIMIT_MEMLOCK),
+    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), a single malloc arena and
+    small thread stacks so locked memory stays small.  Returns warnings for what was not
+    permitted; never raises.
+    """
+    import ctypes
+    import threading
+    warnings = []
+    threading.stack_size(THREAD_STACK)
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        libc.mallopt(M_ARENA_MAX, 1)
+    except AttributeError:
+        pass
+    if libc.mlockall(MCL_CURRENT | MCL_FUTURE) != 0:
+        err = ctypes.get_errno()
+        warnings.append(f"mlockall failed ({os.strerror(err)}): the guard can be paged out under heavy swap "
+                        "and react late; run as root or with LimitMEMLOCK=infinity / CAP_IPC_LOCK")
+    for adj in ("-1000", "-900"):
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write(adj)
+            break
+        except OSError as e:
+            last = e
+    else:
+        warnings.append(f"cannot lower oom_score_adj ({last.strerror}); the kernel OOM killer may pick the guard")
+    return warnings
+
+
+def open_psi_trigger(path: str = "/proc/pressure/memory") -> int | None:
+    """Open a PSI memory trigger fd that polls POLLPRI on stalls (Documentation/accounting/psi.rst).
+
+    Tries a 1 s window (needs CAP_SYS_RESOURCE below 2 s), then 2 s.  Returns the fd or None.
+    """
+    for trig in PSI_TRIGGERS:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            os.write(fd, trig)
+            return fd
+        except OSError:
+            os.close(fd)
+    return None
+
+
+class Guard:
+    """The daemon: state, the poll loop, and the actions.
+
+    Args:
+        cfg: ``config.Config``.
+        config_arg: the ``--config`` path given (re-read on SIGHUP), or None for the default.
+    """
+
+    def __init__(self, cfg, config_arg: str | None = None):
+        from sparkguard import policy
+        self.cfg = cfg
+        self.config_arg = config_arg
+        self.policy = policy.Policy(self._thresholds(cfg), cfg.guard.dry_run)
+        self.reader = None
+        self.reporter = None
+        self.notifier = None
+        self.metrics = None
+        self.psi_fd = None
+        self.tree = None
+        self.target = None
+        self.incident: dict | None = None
+        self.protector = None
+        self.stopping = False
+        self._flags: set[int] = set()
+        self.avail = self.swap_free = self.value = 0
+        self.poll_count = 0
+        self.poll_sum = 0.0
+        self.last_poll = 0.0
+        self.started = time.time()
+        self.signals_sent = {"SIGTERM": 0, "SIGKILL": 0}
+        self.incidents: dict[str, int] = {}
+        self.last_incident: float | None = None
+        self.reloads = {"ok": 0, "failed": 0}
+        self.read_errors = 0
+        self._next_status = 0.0
+        self._poller = None
+        self._tree_fds: set[int] = set()
+
+    @staticmethod
+    def _thresholds(cfg):
+        from sparkguard import policy
+        g = cfg.guard
+        return policy.Thresholds(term_below=g.term_below, kill_below=g.kill_below, grace=g.grace,
+                                 recovery_wait=g.recovery_wait)
+
+    # ---- start-up -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open everything the loop needs.  Raises OSError when /proc/meminfo is unusable."""
+        from sparkguard import meminfo, notify, proctree, reporter
+        for w in harden_self():
+            log.warning("%s", w)
+        self.reader = meminfo.MeminfoReader()
+        self.avail, self.swap_free = self.reader.sample()
+        self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
+        self.notifier = notify.Notifier()
+        self.protector = proctree.Protector(self.cfg.targets.protect)
+        self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
+        self.psi_fd = open_psi_trigger()
+        if self.psi_fd is None:
+            log.info("PSI memory trigger unavailable; polling only")
+        self._start_metrics()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        g = self.cfg.guard
+        log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
+                 _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
+                 " [DRY RUN]" if g.dry_run else "")
+
+    def _start_metrics(self) -> None:
+        listen = self.cfg.metrics.listen
+        if not listen:
+            return
+        from sparkguard import metrics
+        self.metrics = metrics.start_server(listen, self.snapshot)
+        log.info("metrics on http://%s:%d/metrics", *listen)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._flags.add(signum)
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def loop(self) -> int:
+        """Poll until stopped.  Returns the exit status (0)."""
+        from sparkguard import meminfo, policy
+        POLLIN, POLLPRI = select.POLLIN, select.POLLPRI
+        poller = self._poller = select.poll()
+        poller.register(self._wake_r, POLLIN)
+        if self.psi_fd is not None:
+            poller.register(self.psi_fd, POLLPRI)
+        sample = self.reader.sample
+        step = self.policy.step
+        next_interval = policy.next_interval
+        monotonic = time.monotonic
+        notifier = self.notifier
+        pol = self.policy
+        self._tick(monotonic(), first=True)
+        while not self.stopping:
+            t0 = monotonic()
+            try:
+                avail, swap_free = sample()
+            except (OSError, meminfo.MeminfoError) as e:
+                self._read_error(e)
+                timeout = self.cfg.guard.poll_interval
+            else:
+                self.avail, self.swap_free = avail, swap_free
+                value = avail + swap_free if self.cfg.guard.signal == "available+swap" else avail
+                self.value = value
+                actions = step(t0, value, self._victim_gone()) if pol.state != policy.OK or \
+                    value < pol.thresholds.term_below else ()
+                if actions:
+                    self._act(actions, t0, value)
+                t1 = monotonic()
+                self.poll_count += 1
+                self.poll_sum += t1 - t0
+                self.last_poll = t1
+                timeout = next_interval(value - pol.thresholds.term_below, self.cfg.guard.poll_interval)
+                dl = pol.deadline(t1)
+                if dl is not None and dl < timeout:
+                    timeout = dl
+            notifier.watchdog(t0)
+            if t0 >= self._next_status:
+                self._tick(t0)
+            for fd, ev in poller.poll(timeout * 1000.0):
+                if fd == self._wake_r:
+                    self._drain_wakeup()
+                elif fd in self._tree_fds:
+                    poller.unregister(fd)
+                    self._tree_fds.discard(fd)
+                elif fd == self.psi_fd and ev & (select.POLLERR | select.POLLNVAL):
+                    log.warning("PSI trigger failed; polling only")
+                    poller.unregister(fd)
+                    self.psi_fd = None
+        return self._shutdown()
+
+    def _victim_gone(self) -> bool:
+        if self.tree is None or self.policy.dry_run:
+            return False
+        return self.tree.gone()
+
+    def _read_error(self, e: Exception) -> None:
+        self.read_errors += 1
+        if self.read_errors == 1 or self.read_errors % 300 == 0:
+            log.error("reading /proc/meminfo failed (%d times so far): %s; still polling", self.read_errors, e)
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        flags, self._flags = self._flags, set()
+        if signal.SIGHUP in flags:
+            self.reload()
+        if flags & {signal.SIGTERM, signal.SIGINT}:
+            self.stopping = True
+            self.notifier.stopping()
+            log.info("stopping (signal)")
+
+    def _tick(self, now: float, first: bool = False) -> None:
+        """Refresh STATUS= (and send READY=1 after the first sample)."""
+        self._next_status = now + STATUS_EVERY
+        status = self.status_line()
+        if first:
+            self.notifier.ready(status)
+        else:
+            self.notifier.status(status)
+
+    def status_line(self) -> str:
+        """One line for STATUS=: available, line, state."""
+        g = self.cfg.guard
+        what = "MemAvailable" if g.signal == "available" else "MemAvailable+SwapFree"
+        line = f"{what} {_fmt_size(self.value)}, SIGTERM line {_fmt_size(g.term_below)}"
+        if g.kill_below is not None:
+            line += f", SIGKILL line {_fmt_size(g.kill_below)}"
+        state = self.policy.state
+        if self.target is not None and state != "ok":
+            state += f" (pid {self.target.root_pid})"
+        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "")
+
+    # ---- actions -----------------------------------------------------------------------
+
+    def _act(self, actions: tuple[str, ...], now: float, value: int) -> None:
+        from sparkguard import policy
+        for a in actions:
+            if a == policy.CROSSED:
+                self._open_incident(now, value)
+            elif a in (policy.TERM, policy.RETRY_TARGET):
+                self._term(now, value, retry=a == policy.RETRY_TARGET)
+            elif a == policy.KILL:
+                self._kill(now, value)
+            elif a == policy.EXITED:
+                self._event(now, value, "exited", self.tree.root and [self.tree.root] or [],
+                            f"victim tree gone {now - self.policy.t_term:.2f}s after SIGTERM")
+            elif a in (policy.RECOVERED, policy.GAVE_UP_WAITING):
+                self._close_incident(now, value, recovered=a == policy.RECOVERED)
+        self._tick(now)
+
+    def _open_incident(self, now: float, value: int) -> None:
+        from sparkguard import sysinfo
+        g = self.cfg.guard
+        wall = time.time()
+        self.incident = {
+            "id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + os.urandom(3).hex(),
+            "kind": "memory", "drill": False, "host": sysinfo.hostname(), "boot_id": sysinfo.boot_id(),
+            "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
+            "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
+                           "grace_seconds": g.grace, "signal": g.signal},
+            "meminfo": self.reader.raw(), "psi_memory": None, "zram": [], "target": None,
+            "timeline": [], "outcome": None, "summary": "",
+            "_t0": now, "_min": value,
+        }
+        self.incidents["memory"] = self.incidents.get("memory", 0) + 1
+        self.last_incident = wall
+        self._event(now, value, "crossed", [], f"{_fmt_size(value)} is below the SIGTERM line "
+                    f"{_fmt_size(g.term_below)}")
+
+    def _choose(self):
+        from sparkguard import proctree
+        targets = proctree.find_targets(self.cfg.targets)
+        return targets[0] if targets else None
+
+    def _term(self, now: float, value: int, retry: bool = False) -> None:
+        from sparkguard import signals
+        target = self._choose()
+        if target is None:
+            if not retry:
+                self._event(now, value, "no_target", [], "nothing matches targets.match"
+                            + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
+            self.policy.no_target(now)
+            return
+        self.target = target
+        self.tree = signals.Tree(target.pids, target.starttimes)
+        if self.policy.dry_run:
+            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title[:80]}")
+        else:
+            sent = self.tree.term_root()
+            if sent:
+                self.signals_sent["SIGTERM"] += 1
+            for fd in self.tree.fds.values():
+                self._poller.register(fd, select.POLLIN)
+                self._tree_fds.add(fd)
+            self._event(now, value, "sigterm", [target.root_pid],
+                        f"SIGTERM {target.title[:80]} (pid {target.root_pid}, {len(target.pids)} processes, "
+                        f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
+        if retry:
+            self.policy.target_found(now)
+        self._fill_incident(target)
+
+    def _fill_incident(self, target) -> None:
+        """After the signal: details that cost reads (act first, report after)."""
+        from sparkguard import sysinfo
+        inc = self.incident
+        if inc is None:
+            return
+        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
+                         "mem_bytes": target.mem_bytes, "tree": target.tree}
+        if isinstance(inc["meminfo"], bytes):
+            inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
+        inc["psi_memory"] = sysinfo.read_psi_memory()
+        inc["zram"] = sysinfo.read_zram()
+
+    def _kill(self, now: float, value: int) -> None:
+        if self.tree is None:
+            return
+        if self.policy.dry_run:
+            self._event(now, value, "would_kill", list(self.tree.fds), "dry run: would SIGKILL the tree")
+            return
+        before = set(self.tree.fds)
+        pids = self.tree.kill_all(self.protector)
+        for pid, fd in self.tree.fds.items():
+            if pid not in before:
+                self._poller.register(fd, select.POLLIN)
+                self._tree_fds.add(fd)
+        self.signals_sent["SIGKILL"] += len(pids)
+        why = "below the SIGKILL line" if (self.cfg.guard.kill_below is not None and value < self.cfg.guard.kill_below
+                                          and now - self.policy.t_term < self.cfg.guard.grace) else \
+            f"still alive {now - self.policy.t_term:.1f}s after SIGTERM (grace {self.cfg.guard.grace:g}s)"
+        self._event(now, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
+
+    def _close_incident(self, now: float, value: int, recovered: bool) -> None:
+        inc = self.incident
+        self._event(now, value, "recovered" if recovered else "recovery_timeout", [],
+                    (f"memory back to {_fmt_size(value)}" if recovered else
+                     f"victim gone but memory still {_fmt_size(value)} after {self.cfg.guard.recovery_wait:g}s")
+                    + f" {now - inc['_t0']:.2f}s after the crossing" if inc else "")
+        if inc is not None:
+            kinds = [e["event"] for e in inc["timeline"]]
+            inc["outcome"] = ("dry_run" if self.policy.dry_run else "killed" if "sigkill" in kinds else
+                              "terminated" if "sigterm" in kinds else "no_target" if "no_target" in kinds else
+                              "recovered")
+            if not recovered:
+                inc["outcome"] += "_memory_not_back"
+            inc["ended_at"] = time.time()
+            inc["min_available_bytes"] = inc.pop("_min")
+            inc.pop("_t0", None)
+            if isinstance(inc["meminfo"], bytes):
+                from sparkguard import sysinfo
+                inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
+            inc["summary"] = _summary(inc)
+            self.reporter.finish(inc)
+        self.incident = None
+        if self.tree is not None:
+            for fd in list(self._tree_fds):
+                try:
+                    self._poller.unregister(fd)
+                except KeyError:
+                    pass
+            self._tree_fds.clear()
+            self.tree.close()
+        self.tree = None
+        self.target = None
+
+    def _event(self, now: float, value: int, event: str, pids: list[int], detail: str) -> None:
+        inc = self.incident
+        ev = {"event": event, "t": round(now - inc["_t0"], 4) if inc else 0.0, "at": time.time(),
+              "available_bytes": value, "pids": pids, "detail": detail}
+        if inc is not None:
+            inc["timeline"].append(ev)
+            if value < inc["_min"]:
+                inc["_min"] = value
+            self.reporter.event(inc, ev)
+
+    # ---- reload / stop / snapshot -----------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success."""
+        from sparkguard import config, proctree
+        self.notifier.reloading()
+        try:
+            cfg = config.load(self.config_arg)
+        except config.ConfigError as e:
+            self.reloads["failed"] += 1
+            log.error("reload failed, keeping the running config: %s", e)
+            self.notifier.ready()
+            self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
+            self._next_status = time.monotonic() + 30
+            return False
+        if self.cfg.guard.dry_run and not cfg.guard.dry_run and self.config_arg is None:
+            pass
+        if cfg.metrics.listen != self.cfg.metrics.listen:
+            log.warning("metrics.listen changed to %s: takes effect after a restart", cfg.metrics.listen)
+        self.cfg = cfg
+        self.policy.thresholds = self._thresholds(cfg)
+        self.policy.dry_run = cfg.guard.dry_run
+        self.protector = proctree.Protector(cfg.targets.protect)
+        self.reloads["ok"] += 1
+        log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
+                 cfg.guard.grace)
+        self.notifier.ready()
+        self._tick(time.monotonic())
+        return True
+
+    def _shutdown(self) -> int:
+        if self.incident is not None:
+            self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.metrics is not None:
+            try:
+                self.metrics.stop()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        log.info("stopped")
+        return 0
+
+    def snapshot(self) -> dict:
+        """Current state for metrics/status (see TEAM interface); cheap, any thread."""
+        g = self.cfg.guard
+        mono_now = time.monotonic()
+        total = swap_total = 0
+        raw = self.reader.raw() if self.reader else b""
+        for line in raw.split(b"\n", 20):
+            if line.startswith(b"MemTotal:"):
+                total = int(line.split()[1]) * 1024
+            elif line.startswith(b"SwapTotal:"):
+                swap_total = int(line.split()[1]) * 1024
+        return {
+            "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
+            "swap_total_bytes": swap_total, "signal_bytes": self.value, "signal": g.signal,
+            "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below, "grace_seconds": g.grace,
+            "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
+            "signals_sent": dict(self.signals_sent), "incidents": dict(self.incidents),
+            "last_incident_timestamp": self.last_incident, "poll_count": self.poll_count,
+            "poll_seconds_sum": self.poll_sum,
+            "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
+            "started_timestamp": self.started, "config_path": self.cfg.path,
+            "config_reloads": dict(self.reloads),
+            "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
+        }
+
+
+def _fmt_size(n) -> str:
+    from sparkguard.units import format_size
+    return format_size(n) if n is not None else "off"
+
+
+def _summary(inc: dict) -> str:
+    """One line: what happened, to whom, memory."""
+    from sparkguard.units import format_size
+    th = inc["thresholds"]
+    t = inc.get("target") or {}
+    who = f"{t.get('title', '?')[:60]} (pid {t.get('root_pid')})" if t else "no target"
+    tl = {e["event"]: e for e in inc["timeline"]}
+    parts = [f"{'MemAvailable' if th['signal'] == 'available' else 'MemAvailable+SwapFree'} fell to "
+             f"{format_size(inc.get('min_available_bytes'))} (line {format_size(th['term_below_bytes'])})"]
+    if "sigterm" in tl:
+        parts.append(f"SIGTERM {who}")
+    elif "would_term" in tl:
+        parts.append(f"dry run, would SIGTERM {who}")
+    elif "no_target" in tl:
+        parts.append("nothing to signal")
+    if "sigkill" in tl:
+        parts.append(f"SIGKILL after {tl['sigkill']['t']:.1f}s")
+    if "exited" in tl:
+        parts.append(f"gone after {tl['exited']['t']:.2f}s")
+    end = tl.get("recovered") or tl.get("recovery_timeout")
+    if end:
+        parts.append(f"memory {format_size(end['available_bytes'])} after {end['t']:.2f}s")
+    return "; ".join(parts)

@@ -1,0 +1,82 @@
+"""The hot-path reader of /proc/meminfo.
+
+The file is opened once and re-read with ``pread`` at offset 0 into a preallocated
+buffer: the kernel regenerates the text on every read (``meminfo_proc_show``), so no
+reopen is needed.  Only MemAvailable and SwapFree are parsed per poll; the raw text of
+the last read is kept so that an incident can snapshot every field after the fact.
+Source: Documentation/filesystems/proc.rst ("meminfo"); MemAvailable exists since 3.14.
+"""
+
+from __future__ import annotations
+
+import os
+
+_AVAIL = b"MemAvailable:"
+_SWAPFREE = b"SwapFree:"
+_KB = b"kB"
+
+
+class MeminfoError(RuntimeError):
+    """/proc/meminfo lacks a field the guard needs (e.g. MemAvailable on kernels < 3.14)."""
+
+
+class MeminfoReader:
+    """Samples MemAvailable and SwapFree (bytes) from an open /proc/meminfo.
+
+    Args:
+        path: str, normally ``/proc/meminfo`` (tests may point at a copy).
+    Raises:
+        OSError: the file cannot be opened.
+        MeminfoError: the first read finds no ``MemAvailable:`` line.
+    """
+
+    __slots__ = ("path", "_fd", "_buf", "_view", "_n")
+
+    def __init__(self, path: str = "/proc/meminfo"):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._buf = bytearray(16384)
+        self._view = [self._buf]
+        self._n = 0
+        self.sample()
+
+    def sample(self) -> tuple[int, int]:
+        """Read the file now.
+
+        Returns:
+            ``(mem_available, swap_free)`` in bytes (swap_free is 0 without swap fields).
+        Raises:
+            OSError: the read failed (the caller logs it and polls again).
+            MeminfoError: MemAvailable is missing or unparsable.
+        """
+        n = os.preadv(self._fd, self._view, 0)
+        self._n = n
+        b = self._buf
+        i = b.find(_AVAIL, 0, n)
+        if i < 0:
+            raise MeminfoError(f"{self.path}: no MemAvailable line (kernel older than 3.14?)")
+        i += 13
+        j = b.find(_KB, i, n)
+        try:
+            avail = int(b[i:j]) * 1024
+        except ValueError:
+            raise MeminfoError(f"{self.path}: unparsable MemAvailable line {bytes(b[i - 13:j + 2])!r}") from None
+        k = b.find(_SWAPFREE, j, n)
+        if k < 0:
+            return avail, 0
+        k += 9
+        m = b.find(_KB, k, n)
+        try:
+            return avail, int(b[k:m]) * 1024
+        except ValueError:
+            return avail, 0
+
+    def raw(self) -> bytes:
+        """The text of the last read (bytes), for snapshots and metrics."""
+        return bytes(self._buf[: self._n])
+
+    def close(self) -> None:
+        """Close the file descriptor."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,186 @@
+"""The pure decision core: when to SIGTERM, when to escalate, when an incident ends.
+
+No I/O and no clock of its own: the caller passes the monotonic time and the memory
+signal on every poll and carries out the returned actions.  Tests drive it with a fake
+clock.
+
+One incident is one episode (issue #2): it opens at the crossing of ``term_below`` and
+closes when the victim is gone and memory is back above the line.  States::
+
+    OK --crossing--> TERM_SENT --victim gone--> RECOVERING --memory back--> OK
+                        |  grace over, or below kill_below   ^
+                        v                                    |
+                     KILL_SENT ------victim gone-------------+
+    OK --crossing, no target--> NO_TARGET --target found--> TERM_SENT
+                                   '--memory back--> OK
+
+Guarantees (FIELD-NOTES, "their users' worst reports"): a victim is SIGTERMed once; if
+it has not exited ``grace`` seconds later it is SIGKILLed (tree-wide), never re-TERMed;
+while a victim's memory is coming back (RECOVERING, up to ``recovery_wait`` seconds
+after it is gone) no second victim is chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OK, TERM_SENT, KILL_SENT, RECOVERING, NO_TARGET = "ok", "term_sent", "kill_sent", "recovering", "no_target"
+STATES = (OK, TERM_SENT, KILL_SENT, RECOVERING, NO_TARGET)
+
+# actions returned by Policy.step
+CROSSED = "crossed"        # open an incident (memory fell below term_below)
+TERM = "term"              # choose a target and SIGTERM its root
+KILL = "kill"              # SIGKILL every process of the victim's tree (again, if repeated)
+EXITED = "exited"          # the victim's tree is gone
+RECOVERED = "recovered"    # memory is back above the line: close the incident
+GAVE_UP_WAITING = "recovery_timeout"  # victim gone, memory still low after recovery_wait: close; next poll may act again
+RETRY_TARGET = "retry_target"          # NO_TARGET: look for a target again
+
+
+@dataclass
+class Thresholds:
+    """The lines, in bytes and seconds.
+
+    Attributes:
+        term_below: int bytes; below it the target gets SIGTERM.
+        kill_below: int bytes or None; below it the grace period is cut short.
+        grace: float seconds between SIGTERM and SIGKILL.
+        recovery_wait: float seconds to wait, after the victim is gone, for memory to come back
+            before a new incident may choose another victim.
+        kill_repeat: float seconds between repeated SIGKILL sweeps while the tree lingers.
+        retry_target: float seconds between target searches while nothing matches.
+    """
+
+    term_below: int
+    kill_below: int | None
+    grace: float
+    recovery_wait: float = 10.0
+    kill_repeat: float = 2.0
+    retry_target: float = 1.0
+
+
+class Policy:
+    """State machine of one guard.  ``step`` is called once per poll.
+
+    Args:
+        thresholds: :class:`Thresholds`; may be replaced (config reload) at any time via ``.thresholds``.
+        dry_run: bool; when True the victim is assumed never to exit and KILL is issued once.
+    """
+
+    __slots__ = ("thresholds", "dry_run", "state", "t_cross", "t_term", "t_kill", "t_gone", "t_retry", "min_value")
+
+    def __init__(self, thresholds: Thresholds, dry_run: bool = False):
+        self.thresholds = thresholds
+        self.dry_run = dry_run
+        self.state = OK
+        self.t_cross = self.t_term = self.t_kill = self.t_gone = self.t_retry = 0.0
+        self.min_value = 0
+
+    def step(self, now: float, value: int, victim_gone: bool = False) -> tuple[str, ...]:
+        """Advance the state machine.
+
+        Args:
+            now: monotonic time, seconds.
+            value: the memory signal now (MemAvailable, or MemAvailable+SwapFree), bytes.
+            victim_gone: True once every process of the victim's tree has exited.
+        Returns:
+            A tuple of actions (module constants) to carry out in order; ``()`` for nothing.
+        """
+        st = self.state
+        th = self.thresholds
+        if st == OK:
+            if value >= th.term_below:
+                return ()
+            self.t_cross = now
+            self.min_value = value
+            return self._term(now)
+        if value < self.min_value:
+            self.min_value = value
+        if st == TERM_SENT:
+            if victim_gone:
+                self.state, self.t_gone = RECOVERING, now
+                return (EXITED,) + self._recovery(now, value)
+            if now - self.t_term >= th.grace or (th.kill_below is not None and value < th.kill_below):
+                self.state, self.t_kill = KILL_SENT, now
+                return (KILL,)
+            return ()
+        if st == KILL_SENT:
+            if victim_gone:
+                self.state, self.t_gone = RECOVERING, now
+                return (EXITED,) + self._recovery(now, value)
+            if not self.dry_run and now - self.t_kill >= th.kill_repeat:
+                self.t_kill = now
+                return (KILL,)
+            if self.dry_run and value >= th.term_below:
+                self.state = OK
+                return (RECOVERED,)
+            return ()
+        if st == RECOVERING:
+            return self._recovery(now, value)
+        if st == NO_TARGET:
+            if value >= th.term_below:
+                self.state = OK
+                return (RECOVERED,)
+            if now - self.t_retry >= th.retry_target:
+                self.t_retry = now
+                return (RETRY_TARGET,)
+            return ()
+        raise AssertionError(st)
+
+    def _term(self, now: float) -> tuple[str, ...]:
+        self.state, self.t_term = TERM_SENT, now
+        return (CROSSED, TERM)
+
+    def _recovery(self, now: float, value: int) -> tuple[str, ...]:
+        if value >= self.thresholds.term_below:
+            self.state = OK
+            return (RECOVERED,)
+        if now - self.t_gone >= self.thresholds.recovery_wait:
+            self.state = OK
+            return (GAVE_UP_WAITING,)
+        return ()
+
+    def no_target(self, now: float) -> None:
+        """The caller found nothing to signal after TERM/RETRY_TARGET: wait in NO_TARGET."""
+        self.state, self.t_retry = NO_TARGET, now
+
+    def target_found(self, now: float) -> None:
+        """The caller found and SIGTERMed a target after RETRY_TARGET: start the grace period."""
+        self.state, self.t_term = TERM_SENT, now
+
+    def deadline(self, now: float) -> float | None:
+        """Seconds until the next time-driven transition (grace end, KILL repeat, recovery
+        timeout, target retry), or None when only memory can move the state."""
+        st, th = self.state, self.thresholds
+        if st == TERM_SENT:
+            return max(0.0, self.t_term + th.grace - now)
+        if st == KILL_SENT and not self.dry_run:
+            return max(0.0, self.t_kill + th.kill_repeat - now)
+        if st == RECOVERING:
+            return max(0.0, self.t_gone + th.recovery_wait - now)
+        if st == NO_TARGET:
+            return max(0.0, self.t_retry + th.retry_target - now)
+        return None
+
+
+def next_interval(headroom: int, poll_interval: float, fill_rate: float = 8 * 1024**3,
+                  min_interval: float = 0.002) -> float:
+    """Seconds to sleep before the next poll.
+
+    Sized so that memory filling at ``fill_rate`` cannot cross the line between two samples:
+    ``headroom / fill_rate``, clamped to ``[min_interval, poll_interval]`` (earlyoom sizes its
+    sleep the same way with an assumed 6000 MiB/s; we assume 8 GiB/s: FIELD-NOTES saw ~3 GiB/s
+    during prefill on a Spark).
+
+    Args:
+        headroom: bytes above the line (may be negative).
+        poll_interval: the configured (longest) interval, seconds.
+        fill_rate: assumed worst fill rate, bytes per second.
+        min_interval: the shortest interval, seconds.
+    """
+    if headroom <= 0:
+        return min_interval
+    t = headroom / fill_rate
+    if t >= poll_interval:
+        return poll_interval
+    return t if t > min_interval else min_interval

@@ -1,0 +1,257 @@
+"""Process discovery: one pass over /proc, pattern matching, engine trees, protection.
+
+Run only when a decision needs it (a crossing, an escalation), never per poll.  Reads
+/proc directly (stat, cmdline, status, oom_score, oom_score_adj) in one pass; a process
+that vanishes mid-scan is skipped.  Sources: proc(5) for /proc/PID/stat field numbers
+(ppid = 4, flags = 9, starttime = 22) and PF_KTHREAD (include/linux/sched.h, 0x00200000).
+
+Target choice (issue #2): processes whose cmdline (setproctitle titles are the whole
+cmdline, e.g. ``VLLM::Worker_TP0``) matches one of ``targets.match``; the root of an
+engine tree is the topmost matching process along the ancestry; the tree is that root and
+all its descendants.  Several engines: lowest pattern index first (configured order),
+then the largest tree memory (RSS + swap; RSS alone hides unified-memory GPU allocations,
+so the configured order comes first).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+PF_KTHREAD = 0x00200000
+
+
+@dataclass
+class Proc:
+    """One process from the scan.  ``starttime`` is in clock ticks since boot (proc(5) field 22)."""
+
+    pid: int
+    ppid: int
+    pgrp: int
+    comm: str
+    cmdline: str
+    starttime: int
+    kthread: bool
+
+
+@dataclass
+class Target:
+    """An engine tree chosen for signalling.
+
+    Attributes:
+        root_pid: int, the process that gets SIGTERM.
+        title: str, the root's cmdline (shortened to 200 chars).
+        pattern: str, the ``targets.match`` regex that matched (or ``"fallback:oom_score"``).
+        pids: list[int], root first, then descendants (breadth first), protected ones removed.
+        starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
+        mem_bytes: int, sum of VmRSS + VmSwap over the tree.
+        tree: list[dict] with keys pid, ppid, title, cmdline, rss_bytes, swap_bytes, oom_score.
+    """
+
+    root_pid: int
+    title: str
+    pattern: str
+    pids: list[int]
+    starttimes: dict[int, int]
+    mem_bytes: int = 0
+    tree: list[dict] = field(default_factory=list)
+    rank: int = 0
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def read_proc(pid: int) -> Proc | None:
+    """Read one process's stat and cmdline; None if it is gone or unreadable."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    lp, rp = stat.find(b"("), stat.rfind(b")")
+    comm = stat[lp + 1:rp].decode("utf-8", "replace")
+    f = stat[rp + 2:].split()
+    try:
+        ppid, pgrp, flags, start = int(f[1]), int(f[2]), int(f[6]), int(f[19])
+    except (IndexError, ValueError):
+        return None
+    kthread = bool(flags & PF_KTHREAD)
+    cmd = b"" if kthread else (_read(f"/proc/{pid}/cmdline") or b"")
+    cmdline = cmd.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+    return Proc(pid, ppid, pgrp, comm, cmdline, start, kthread)
+
+
+def scan() -> dict[int, Proc]:
+    """One pass over /proc.  Returns ``{pid: Proc}`` of every visible process."""
+    out: dict[int, Proc] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            p = read_proc(int(name))
+            if p is not None:
+                out[p.pid] = p
+    return out
+
+
+def children_map(procs: dict[int, Proc]) -> dict[int, list[int]]:
+    """``{ppid: [child pids]}`` for a scan."""
+    kids: dict[int, list[int]] = {}
+    for p in procs.values():
+        kids.setdefault(p.ppid, []).append(p.pid)
+    return kids
+
+
+def descendants(roots: list[int], kids: dict[int, list[int]]) -> list[int]:
+    """``roots`` and all their descendants, breadth first, each once."""
+    seen: set[int] = set()
+    out: list[int] = []
+    queue = list(roots)
+    while queue:
+        pid = queue.pop(0)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        queue.extend(kids.get(pid, ()))
+    return out
+
+
+def _status_mem(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmSwap) in bytes from /proc/PID/status; (0, 0) if unreadable."""
+    text = _read(f"/proc/{pid}/status") or b""
+    rss = swap = 0
+    for line in text.splitlines():
+        if line.startswith(b"VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+        elif line.startswith(b"VmSwap:"):
+            swap = int(line.split()[1]) * 1024
+    return rss, swap
+
+
+def _int_file(path: str, default: int = 0) -> int:
+    raw = _read(path)
+    try:
+        return int(raw) if raw is not None else default
+    except ValueError:
+        return default
+
+
+class Protector:
+    """Decides which processes must never be signalled.
+
+    Never: PID 1, kernel threads, PID 2's children, sparkguard itself (``self_pid``),
+    processes with oom_score_adj -1000 (the kernel's own "never kill" mark, proc(5)),
+    and processes whose comm or argv[0] basename fullmatches a ``targets.protect`` regex.
+    """
+
+    def __init__(self, patterns: tuple[str, ...] | list[str], self_pid: int | None = None):
+        self.regexes = [re.compile(p) for p in patterns]
+        self.self_pid = os.getpid() if self_pid is None else self_pid
+
+    def protected(self, p: Proc) -> bool:
+        """True if ``p`` must not be signalled."""
+        if p.pid <= 1 or p.kthread or p.ppid == 2 or p.pid == 2 or p.pid == self.self_pid:
+            return True
+        argv0 = os.path.basename(p.cmdline.split(" ", 1)[0]) if p.cmdline else ""
+        for r in self.regexes:
+            if r.fullmatch(p.comm) or (argv0 and r.fullmatch(argv0)):
+                return True
+        return _int_file(f"/proc/{p.pid}/oom_score_adj") == -1000
+
+
+def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]]:
+    total = 0
+    rows = []
+    for pid in pids:
+        p = procs[pid]
+        rss, swap = _status_mem(pid)
+        total += rss + swap
+        rows.append({"pid": pid, "ppid": p.ppid, "title": p.comm, "cmdline": p.cmdline[:400],
+                     "rss_bytes": rss, "swap_bytes": swap,
+                     "oom_score": _int_file(f"/proc/{pid}/oom_score", -1)})
+    return total, rows
+
+
+def build_target(root: int, pattern: str, procs: dict[int, Proc], kids: dict[int, list[int]],
+                 protector: Protector, rank: int = 0) -> Target:
+    """The :class:`Target` for the tree under ``root`` (protected members left out)."""
+    pids = [pid for pid in descendants([root], kids) if not protector.protected(procs[pid])]
+    mem, rows = _tree_info(pids, procs)
+    return Target(root_pid=root, title=procs[root].cmdline[:200] or procs[root].comm, pattern=pattern,
+                  pids=pids, starttimes={pid: procs[pid].starttime for pid in pids}, mem_bytes=mem,
+                  tree=rows, rank=rank)
+
+
+def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc] | None = None) -> list[Target]:
+    """Engine trees matching ``targets_cfg.match``, best first.
+
+    Args:
+        targets_cfg: ``config.TargetsConfig`` (``match``, ``protect``, ``fallback``).
+        self_pid: sparkguard's own pid (never a target); default ``os.getpid()``.
+        procs: a scan to reuse (default: scan now).
+    Returns:
+        list[Target], sorted by (pattern index, -mem_bytes).  With ``fallback: oom_score``
+        and no match, a single Target: the process with the largest /proc/PID/oom_score.
+    """
+    procs = scan() if procs is None else procs
+    protector = Protector(targets_cfg.protect, self_pid)
+    regexes = [re.compile(p) for p in targets_cfg.match]
+    rank: dict[int, int] = {}
+    for p in procs.values():
+        if p.kthread or not p.cmdline:
+            continue
+        for i, r in enumerate(regexes):
+            if r.search(p.cmdline):
+                rank[p.pid] = i
+                break
+    kids = children_map(procs)
+    roots: dict[int, int] = {}
+    for pid in rank:
+        top, cur, hops = pid, procs[pid].ppid, 0
+        while cur in procs and hops < 4096:
+            if cur in rank:
+                top = cur
+            cur, hops = procs[cur].ppid, hops + 1
+        roots.setdefault(top, 0)
+    out = []
+    for root in roots:
+        if protector.protected(procs[root]):
+            continue
+        tree_rank = min(rank[pid] for pid in descendants([root], kids) if pid in rank)
+        out.append(build_target(root, targets_cfg.match[tree_rank], procs, kids, protector, tree_rank))
+    out.sort(key=lambda t: (t.rank, -t.mem_bytes))
+    if not out and targets_cfg.fallback == "oom_score":
+        best, score = None, -1
+        for p in procs.values():
+            if protector.protected(p):
+                continue
+            s = _int_file(f"/proc/{p.pid}/oom_score", -1)
+            if s > score:
+                best, score = p.pid, s
+        if best is not None:
+            out.append(build_target(best, "fallback:oom_score", procs, kids, protector, len(regexes)))
+    return out
+
+
+def hidepid_blocks_view() -> str | None:
+    """Why this process cannot see other users' processes, or None if it can.
+
+    /proc mounted with ``hidepid=1|2|invisible|noaccess`` (proc(5)) hides other users'
+    /proc/PID from an unprivileged reader: the guard would then never find the engine.
+    Checked by reading PID 1's cmdline, which everyone can read without hidepid.
+    """
+    opts = ""
+    for line in (_read("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) > 4 and parts[4] == "/proc":
+            opts = parts[-1]
+    hide = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("hidepid=")), None)
+    if hide in (None, "0", "off"):
+        return None
+    if os.path.exists("/proc/1/stat") and _read("/proc/1/stat") is not None:
+        return None
+    return (f"/proc is mounted with hidepid={hide} and this process (uid {os.geteuid()}) cannot see "
+            "other users' processes; run sparkguard as root or add its group to /proc's gid= option")

@@ -1,0 +1,116 @@
+"""The pure decision core, driven by a fake clock (no I/O)."""
+
+from sparkguard import policy as P
+
+GiB = 1024**3
+LINE = int(0.75 * GiB)
+
+
+def mk(kill_below=None, grace=10.0, recovery_wait=10.0, dry_run=False):
+    return P.Policy(P.Thresholds(term_below=LINE, kill_below=kill_below, grace=grace,
+                                 recovery_wait=recovery_wait), dry_run=dry_run)
+
+
+def test_above_line_does_nothing():
+    p = mk()
+    for t in range(100):
+        assert p.step(t * 0.2, 5 * GiB) == ()
+    assert p.state == P.OK
+
+
+def test_crossing_terms_once_and_exit_closes_when_memory_back():
+    p = mk()
+    assert p.step(0.0, LINE - 1) == (P.CROSSED, P.TERM)
+    assert p.state == P.TERM_SENT
+    # still below, victim alive, within grace: nothing, and never a second TERM
+    for i in range(1, 49):
+        assert p.step(i * 0.2, LINE - 100) == ()
+    assert p.step(9.8, LINE - 100, victim_gone=True) == (P.EXITED,)
+    assert p.state == P.RECOVERING
+    assert p.step(10.0, LINE + 1) == (P.RECOVERED,)
+    assert p.state == P.OK
+
+
+def test_exit_with_memory_already_back_closes_at_once():
+    p = mk()
+    p.step(0.0, LINE - 1)
+    assert p.step(1.5, 2 * GiB, victim_gone=True) == (P.EXITED, P.RECOVERED)
+    assert p.state == P.OK
+
+
+def test_term_ignored_escalates_to_kill_after_grace_and_never_re_terms():
+    p = mk(grace=10.0)
+    p.step(0.0, LINE - 1)
+    assert p.step(9.99, LINE - 1) == ()
+    assert p.step(10.0, LINE - 1) == (P.KILL,)
+    assert p.state == P.KILL_SENT
+    # memory above the line does not cancel escalation of a TERMed victim
+    acts = [p.step(10.0 + i * 0.2, 3 * GiB) for i in range(1, 30)]
+    assert all(P.TERM not in a for a in acts)
+    assert sum(a.count(P.KILL) for a in acts) >= 1  # repeated KILL sweeps, never TERM
+    assert p.step(16.0, 3 * GiB, victim_gone=True) == (P.EXITED, P.RECOVERED)
+
+
+def test_kill_below_cuts_the_grace_short():
+    p = mk(kill_below=LINE // 2, grace=30.0)
+    p.step(0.0, LINE - 1)
+    assert p.step(0.2, LINE // 2 + 1) == ()
+    assert p.step(0.4, LINE // 2 - 1) == (P.KILL,)
+
+
+def test_no_second_victim_while_memory_comes_back():
+    p = mk(recovery_wait=10.0)
+    p.step(0.0, LINE - 1)
+    p.step(1.0, LINE - 1, victim_gone=True)
+    # memory still below the line for a while: no new TERM within recovery_wait
+    for i in range(1, 49):
+        assert p.step(1.0 + i * 0.2, LINE - 10) == ()
+    # recovery_wait over and memory still low: the incident closes; the next poll acts again
+    assert p.step(11.0, LINE - 10) == (P.GAVE_UP_WAITING,)
+    assert p.step(11.2, LINE - 10) == (P.CROSSED, P.TERM)
+
+
+def test_no_target_retries_and_closes_when_memory_is_back():
+    p = mk()
+    assert p.step(0.0, LINE - 1) == (P.CROSSED, P.TERM)
+    p.no_target(0.0)
+    assert p.step(0.5, LINE - 1) == ()
+    assert p.step(1.0, LINE - 1) == (P.RETRY_TARGET,)
+    p.no_target(1.0)
+    assert p.step(1.2, LINE + 5) == (P.RECOVERED,)
+    assert p.state == P.OK
+
+
+def test_target_found_on_retry_starts_grace():
+    p = mk(grace=5.0)
+    p.step(0.0, LINE - 1)
+    p.no_target(0.0)
+    assert p.step(1.0, LINE - 1) == (P.RETRY_TARGET,)
+    p.target_found(1.0)
+    assert p.step(5.9, LINE - 1) == ()
+    assert p.step(6.0, LINE - 1) == (P.KILL,)
+
+
+def test_dry_run_kills_once_and_closes_when_memory_back():
+    p = mk(grace=1.0, dry_run=True)
+    p.step(0.0, LINE - 1)
+    assert p.step(1.0, LINE - 1) == (P.KILL,)
+    assert [p.step(1.0 + i, LINE - 1) for i in range(1, 5)] == [()] * 4
+    assert p.step(6.0, LINE + 1) == (P.RECOVERED,)
+
+
+def test_deadline_follows_the_grace_period():
+    p = mk(grace=10.0)
+    assert p.deadline(0.0) is None
+    p.step(0.0, LINE - 1)
+    assert p.deadline(4.0) == 6.0
+
+
+def test_next_interval_shrinks_with_headroom():
+    assert P.next_interval(20 * GiB, 0.2) == 0.2
+    assert abs(P.next_interval(int(0.4 * GiB), 0.2) - 0.05) < 1e-6
+    assert P.next_interval(1024, 0.2) == 0.002
+    assert P.next_interval(-5, 0.2) == 0.002
+    # monotone: less headroom never means a longer sleep
+    xs = [P.next_interval(h, 0.2) for h in range(0, 4 * GiB, 64 * 1024**2)]
+    assert xs == sorted(xs)
