@@ -70,6 +70,13 @@ def test_bad_config_names_file_key_value(tmp_path, text, key, value, why):
     assert c.returncode == 1 and key in c.stderr and why in c.stderr
 
 
+def test_bare_off_is_off_not_a_bool(tmp_path):
+    path = tmp_path / "off.yaml"
+    path.write_text("targets:\n  fallback: off\nincidents:\n  journal: off\nmetrics:\n  listen: off\n")
+    cfg = config.load(str(path))
+    assert (cfg.targets.fallback, cfg.incidents.journal, cfg.metrics.listen) == ("off", "off", None)
+
+
 def test_check_config_ok(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("guard:\n  term_below: 1GiB\n  grace: 20s\n  kill_below: 512MiB\nmetrics:\n  listen: off\n")
