@@ -476,8 +476,7 @@ class LinkWatch:
             "started_at": start,
             "ended_at": None,
             "dry_run": False,
-            "thresholds": {"term_below_bytes": None, "kill_below_bytes": None, "grace_seconds": None,
-                           "signal": None, "down_after_seconds": self.down_after},
+            "thresholds": {"down_after_seconds": self.down_after},   # the memory lines do not apply
             "meminfo": p["meminfo"],
             "psi_memory": sysinfo.read_psi_memory(),
             "zram": sysinfo.read_zram(),

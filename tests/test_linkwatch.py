@@ -250,6 +250,37 @@ def test_deleted_and_recreated_interface(ns):
         w.stop()
 
 
+def test_incident_reaches_the_reporter_store_and_the_incidents_command(ns, tmp_path):
+    """on_incident wired to the real Reporter (as the daemon does): the JSON file ends complete."""
+    from conftest import run_sparkguard
+    from sparkguard.incidents import IncidentStore
+    from sparkguard.reporter import Reporter
+
+    rep = Reporter(str(tmp_path), journal="off")
+    rec = Recorder()
+
+    def on_incident(inc):
+        rep.finish(inc)
+        rec.on_incident(inc)
+
+    w = LinkWatch([ns.a], 0.2, on_incident, rec.on_change, netns=ns.name)
+    w.start()
+    try:
+        assert rec.change()[:2] == (ns.a, True)
+        ns.set(ns.b, "down")
+        inc, _ = rec.incident()
+        ns.set(ns.b, "up")
+        done, _ = rec.incident()
+    finally:
+        w.stop()
+        rep.close()
+    stored = IncidentStore(str(tmp_path)).load(inc["id"])
+    assert stored["outcome"] == "recovered" and [e["event"] for e in stored["timeline"]] == ["down", "incident", "up"]
+    p = run_sparkguard("incidents", inc["id"], "--dir", str(tmp_path), "--no-journal")
+    assert p.returncode == 0, p.stderr
+    assert inc["id"] in p.stdout and "link" in p.stdout and ns.a in p.stdout
+
+
 def test_callback_errors_do_not_stop_the_watch(ns):
     seen = queue.Queue()
 
