@@ -78,6 +78,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     _setup_logging(args.log_level)
     from sparkguard import config, proctree
+    why = proctree.hidepid_blocks_view()
+    if why:
+        log.error("not starting: %s", why)
+        print(f"sparkguard: not starting: {why}", file=sys.stderr)
+        return 2
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
@@ -86,11 +91,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-    why = proctree.hidepid_blocks_view()
-    if why:
-        log.error("not starting: %s", why)
-        print(f"sparkguard: not starting: {why}", file=sys.stderr)
-        return 2
     guard = Guard(cfg, config_arg=args.config)
     try:
         guard.start()
