@@ -6,12 +6,10 @@ Never touches zram0 or any device the test did not create: every command gets
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
