@@ -371,3 +371,57 @@ def test_importing_linkwatch_does_not_import_pyroute2():
     p = subprocess.run([sys.executable, "-c", code], env=sg_env(), cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stderr
+
+
+def test_daemon_reports_a_link_incident_and_exports_link_metrics(ns, tmp_path):
+    """``sparkguard run`` with ``link.interfaces``, started inside the test's namespace."""
+    import glob
+    import json
+
+    import yaml
+    inc_dir = tmp_path / "incidents"
+    cfg = tmp_path / "sg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "link": {"interfaces": [ns.a], "down_after": "300ms"},
+        "metrics": {"listen": "127.0.0.1:8799"},     # the namespace's own loopback
+        "incidents": {"dir": str(inc_dir), "journal": "off"},
+        "targets": {"match": ["^sgtest-never-matches-" + uuid.uuid4().hex]},
+    }))
+    ns.set("lo", "up")
+    log = open(tmp_path / "guard.log", "w")
+    guard = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "sparkguard", "run",
+                              "--config", str(cfg)], env=sg_env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def ns_scrape() -> str:
+        r = subprocess.run(["ip", "netns", "exec", ns.name, sys.executable, "-c",
+                            "import urllib.request;print(urllib.request.urlopen("
+                            "'http://127.0.0.1:8799/metrics',timeout=5).read().decode())"],
+                           capture_output=True, text=True, timeout=30)
+        return r.stdout if r.returncode == 0 else ""
+
+    def wait(pred, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = pred()
+            if v:
+                return v
+            time.sleep(0.1)  # polling files/HTTP of another process: no event to await
+        raise AssertionError((tmp_path / "guard.log").read_text()[-2000:])
+
+    try:
+        up_line = f'sparkguard_link_up{{interface="{ns.a}"}} 1.0'
+        wait(lambda: up_line in ns_scrape(), 30)
+        ns.set(ns.a, "down")
+        down_line = f'sparkguard_link_up{{interface="{ns.a}"}} 0.0'
+        wait(lambda: down_line in ns_scrape(), 10)
+        files = wait(lambda: glob.glob(str(inc_dir / "*.json")), 10)
+        inc = json.loads(open(files[0]).read())
+        assert inc["kind"] == "link" and ns.a in json.dumps(inc)
+        wait(lambda: 'sparkguard_incidents_total{kind="link"} 1.0' in ns_scrape(), 10)
+        ns.set(ns.a, "up")
+        wait(lambda: json.loads(open(files[0]).read()).get("outcome") == "recovered", 10)
+    finally:
+        guard.terminate()
+        guard.wait(15)
+        log.close()
+    assert guard.returncode == 0
