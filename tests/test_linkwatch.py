@@ -425,3 +425,28 @@ def test_daemon_reports_a_link_incident_and_exports_link_metrics(ns, tmp_path):
         guard.wait(15)
         log.close()
     assert guard.returncode == 0
+
+
+def test_status_and_doctor_show_the_links(ns, tmp_path):
+    """``sparkguard status`` and ``doctor`` run in the namespace name a down link and an up one."""
+    import json
+
+    import yaml
+    cfg = tmp_path / "sg.yaml"
+    cfg.write_text(yaml.safe_dump({"link": {"interfaces": ["lo", ns.a, "sgmissing0"]},
+                                   "metrics": {"listen": "off"}}))
+    ns.set("lo", "up")
+    ns.set(ns.a, "down")
+
+    def in_ns(*args):
+        return subprocess.run(["ip", "netns", "exec", ns.name, sys.executable, "-m", "sparkguard", *args],
+                              env=sg_env(), capture_output=True, text=True, timeout=60)
+
+    st = in_ns("status", "--config", str(cfg))
+    assert st.returncode == 0, st.stderr
+    assert "lo: UP" in st.stdout and f"{ns.a}: DOWN" in st.stdout and "sgmissing0: MISSING" in st.stdout
+    doc = in_ns("doctor", "--config", str(cfg), "--json")
+    checks = {c["name"]: c for c in json.loads(doc.stdout)["checks"]}
+    msg = checks["links"]["message"]
+    assert checks["links"]["status"] == "FAIL" and f"{ns.a} down" in msg and "sgmissing0 missing" in msg
+    assert doc.returncode != 0
