@@ -196,6 +196,8 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
+        self.linkwatch = None
+        self.links_up: dict[str, bool] = {}
 
     @staticmethod
     def _thresholds(cfg):
@@ -222,6 +224,7 @@ class Guard:
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
         self._start_metrics()
+        self._start_linkwatch()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -248,6 +251,32 @@ class Guard:
             return
         from sparkguard import metrics
         self.metrics = metrics.start_server(listen, self.snapshot)
+
+    def _start_linkwatch(self) -> None:
+        """Watch the TP fabric links (``link.interfaces``) through netlink events, in their own thread.
+
+        pyroute2 is imported only here: it costs ~19 MiB of RSS, paid only when links are configured.
+        """
+        if not self.cfg.link.interfaces:
+            return
+        from sparkguard import linkwatch
+        self.linkwatch = linkwatch.LinkWatch(self.cfg.link.interfaces, self.cfg.link.down_after,
+                                             on_incident=self._on_link_incident, on_change=self._on_link_change)
+        self.linkwatch.start()
+        if self.metrics is not None:
+            self.metrics.register_collector(self.linkwatch.collector())
+
+    def _on_link_incident(self, inc: dict) -> None:
+        """From the link-watch thread: a link stayed down past ``link.down_after`` (first call,
+        outcome ``link_down``) or came back (second call, same id).  Reported as a ``link`` incident."""
+        if inc.get("outcome") == "link_down":
+            self.incidents["link"] = self.incidents.get("link", 0) + 1
+            self.last_incident = time.time()
+        self.reporter.finish(inc)
+
+    def _on_link_change(self, ifname: str, up: bool) -> None:
+        """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
+        self.links_up[ifname] = up
 
     def _on_signal(self, signum, frame) -> None:
         self._flags.add(signum)
@@ -534,6 +563,8 @@ class Guard:
     def _shutdown(self) -> int:
         if self.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
+        if self.linkwatch is not None:
+            self.linkwatch.stop()
         if self.reporter is not None:
             self.reporter.close()
         if self.metrics is not None:

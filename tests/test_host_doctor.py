@@ -13,10 +13,9 @@ import pytest
 
 from conftest import run_sparkguard, sg_env
 from test_host_sysctl import restore_sysctls  # noqa: F401  (fixture)
-from test_host_zram import own_zram  # noqa: F401  (fixture)
 
 CHECKS = {"zram", "swappiness", "watermark_scale_factor", "page_cluster", "min_free_kbytes", "sysctl_boot",
-          "memlock", "psi", "hidepid", "unit", "engine_shutdown_timeout", "page_cache", "nvidia"}
+          "memlock", "psi", "hidepid", "unit", "engine_shutdown_timeout", "page_cache", "nvidia", "links"}
 
 
 def doctor_json(*args: str) -> tuple[int, dict]:

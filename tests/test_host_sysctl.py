@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from conftest import run_sparkguard
-from test_host_zram import own_zram  # noqa: F401  (fixture)
 
 KEYS = {"vm.swappiness": "/proc/sys/vm/swappiness",
         "vm.watermark_scale_factor": "/proc/sys/vm/watermark_scale_factor",

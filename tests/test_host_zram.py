@@ -6,12 +6,10 @@ Never touches zram0 or any device the test did not create: every command gets
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -44,41 +42,6 @@ def selected_algorithm(name: str) -> str:
 
 def offered_algorithms(name: str) -> list[str]:
     return [w.strip("[]") for w in sysfs(name, "comp_algorithm").split()]
-
-
-def remove_device(name: str) -> None:
-    """swapoff, reset, hot_remove ``name`` if it still exists (test cleanup); fails loudly on a leak."""
-    assert name != "zram0"
-    if name in swaps():
-        subprocess.run(["swapoff", f"/dev/{name}"], timeout=300, check=False)
-    if not os.path.isdir(f"/sys/block/{name}"):
-        return
-    try:
-        Path(f"/sys/block/{name}/reset").write_text("1")
-    except OSError:
-        pass
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            Path("/sys/class/zram-control/hot_remove").write_text(name[4:])
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                raise AssertionError(f"test zram device {name} could not be removed: {e}") from None
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def own_zram(root_only):
-    """A zram device made for this test with hot_add; removed afterwards whatever happened."""
-    if not os.path.exists(HOT_ADD):
-        pytest.skip("no /sys/class/zram-control (zram module not loaded)")
-    name = "zram" + Path(HOT_ADD).read_text().strip()
-    assert name != "zram0"
-    try:
-        yield name
-    finally:
-        remove_device(name)
 
 
 def algo_for(name: str) -> str:

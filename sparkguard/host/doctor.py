@@ -440,9 +440,28 @@ def check_boot_sysctls(ctx: Context) -> Check:
                  ", ".join(f"{k} = {v}" for k, v in persisted.items()), None, {"persisted": persisted})
 
 
+def check_links(ctx: Context) -> Check:
+    """The TP fabric links named in ``link.interfaces`` exist and are up (INFO when none are configured)."""
+    names = list(ctx.config.link.interfaces)
+    if not names:
+        return Check("links", INFO, "no TP links watched (link.interfaces is empty)",
+                     "list the ConnectX-7 ports under link.interfaces to have link drops reported")
+    from sparkguard import linkwatch
+
+    links = linkwatch.read_links(names)
+    missing = [n for n, ln in links.items() if not ln.get("present")]
+    down = [n for n, ln in links.items() if ln.get("present") and not ln.get("up")]
+    if missing or down:
+        what = "; ".join([f"{n} missing" for n in missing] + [f"{n} down" for n in down])
+        return Check("links", FAIL, f"TP link trouble: {what}",
+                     "check the cable/port (ip link show), fix link.interfaces names", {"links": links})
+    return Check("links", PASS, "TP links up: " + ", ".join(names), None, {"links": links})
+
+
 CHECKS: list[Callable[[Context], Check]] = [
     check_zram, check_swappiness, check_watermark, check_page_cluster, check_min_free, check_boot_sysctls,
     check_memlock, check_psi, check_hidepid, check_unit, check_engine_timeout, check_page_cache, check_nvidia,
+    check_links,
 ]
 
 
