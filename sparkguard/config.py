@@ -12,6 +12,7 @@ Sections and keys (see README "Configuration"):
 * ``targets``: ``match``, ``protect``, ``fallback``
 * ``metrics``: ``listen``
 * ``incidents``: ``dir``, ``journal``
+* ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class ConfigError(ValueError):
 
     def __init__(self, path: str, key: str, value: Any, reason: str):
         self.path, self.key, self.value, self.reason = path, key, value, reason
-        super().__init__(f"{path}: {key}: {value!r}: {reason}")
+        if key.startswith("("):        # (file), (syntax): no value to show
+            super().__init__(f"{path}: {reason}")
+        else:
+            super().__init__(f"{path}: {key}: {value!r}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,21 @@ class IncidentsConfig:
 
 
 @dataclass(frozen=True)
+class LinkConfig:
+    """``link:``: the TP fabric interfaces watched through netlink (see sparkguard.linkwatch).
+
+    ``interfaces`` is a tuple of interface names; empty (the default) turns the watch off
+    and pyroute2 is never imported.  ``down_after`` is seconds a link must stay down before
+    it is an incident.  ``mark_unhealthy``: a link incident also marks the supervised
+    engine unhealthy, so that it is restarted once the link is back.
+    """
+
+    interfaces: tuple[str, ...] = ()
+    down_after: float = 5.0
+    mark_unhealthy: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; ``path`` is where it came from (``"<defaults>"`` if embedded)."""
 
@@ -116,6 +135,7 @@ class Config:
     targets: TargetsConfig = field(default_factory=TargetsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
     path: str = "<defaults>"
 
 
@@ -135,10 +155,23 @@ def _positive_duration(v: Any) -> float:
     return d
 
 
+MIN_LINE = 16 * 1024**2   # bytes; a line lower than this cannot save the box
+
+
+def _line_size(v: Any) -> int:
+    """A threshold: a size of at least 16 MiB; a small bare number is taken for a unit slip."""
+    n = parse_size(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and n < MIN_LINE:
+        raise ValueError(f"a bare number is bytes; did you mean {v}GiB?")
+    if n < MIN_LINE:
+        raise ValueError("must be at least 16MiB: a lower line cannot act before the kernel livelocks")
+    return n
+
+
 def _optional_size(v: Any) -> int | None:
-    if v is None or (isinstance(v, str) and v.lower() in ("off", "none")):
+    if v is None or v is False or (isinstance(v, str) and v.lower() in ("off", "none")):
         return None
-    return parse_size(v)
+    return _line_size(v)
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -175,9 +208,25 @@ def _listen(v: Any) -> tuple[str, int] | None:
     return (host or "127.0.0.1", int(port))
 
 
+def _ifname_list(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError("expected a list of interface names such as [enp1s0f0np0]")
+    for x in v:
+        # net/core/dev.c dev_valid_name: 1-15 bytes, no '/', ':' or whitespace, not '.' or '..'
+        if not 0 < len(x.encode()) < 16 or x in (".", "..") or any(c in x for c in "/: \t\n"):
+            raise ValueError(f"{x!r} is not a valid interface name (1-15 characters, no '/', ':' or spaces)")
+    if len(set(v)) != len(v):
+        raise ValueError("an interface is listed twice")
+    return tuple(v)
+
+
 def _path(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("expected a path")
+    if not os.path.isabs(v):
+        raise ValueError("expected an absolute path (the daemon's working directory is /)")
     return v
 
 
@@ -185,7 +234,7 @@ def _path(v: Any) -> str:
 SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     "guard": (GuardConfig, {
         "poll_interval": _positive_duration,
-        "term_below": parse_size,
+        "term_below": _line_size,
         "kill_below": _optional_size,
         "grace": parse_duration,
         "signal": _choice("available", "available+swap"),
@@ -199,6 +248,11 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     }),
     "metrics": (MetricsConfig, {"listen": _listen}),
     "incidents": (IncidentsConfig, {"dir": _path, "journal": _choice("auto", "on", "off")}),
+    "link": (LinkConfig, {
+        "interfaces": _ifname_list,
+        "down_after": parse_duration,
+        "mark_unhealthy": _bool,
+    }),
 }
 
 
@@ -301,11 +355,42 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
         return from_dict({}, "<defaults>", mem_total)
     except OSError as e:
         raise ConfigError(p, "(file)", None, f"cannot read: {e.strerror}") from None
+    p = os.path.abspath(p)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_loader())
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: " if e.problem_mark else ""
+        raise ConfigError(p, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(p, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
-    return from_dict(data, os.path.abspath(p), mem_total)
+    return from_dict(data, p, mem_total)
+
+
+_LOADER = None
+
+
+def _loader():
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        def mapping(loader, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = loader.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice", key_node.start_mark)
+                seen.add(key)
+            return loader.construct_mapping(node, deep)
+
+        Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        _LOADER = Loader
+    return _LOADER
 
 
 def replace(cfg: Config, **sections: Any) -> Config:

@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import time
 
 log = logging.getLogger("sparkguard")
@@ -38,10 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", metavar="PATH", help="YAML config (default /etc/sparkguard/sparkguard.yaml; "
                    "embedded defaults when that file is absent)")
     p.add_argument("--dry-run", action="store_true", help="decide and report everything, signal nothing")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default info)")
     p.set_defaults(func=cmd_run)
-    c = sub.add_parser("check-config", help="validate a config file and print the effective settings")
+    c = sub.add_parser("check-config", help="validate a config file and print the effective settings",
+                       description="Validate a sparkguard config (every error names the file, key and value) "
+                                   "and print the effective settings. Exit 0 if valid, 1 if not.")
     c.add_argument("path", nargs="?", help="file to check (default /etc/sparkguard/sparkguard.yaml)")
+    c.add_argument("--config", "-c", dest="config_opt", metavar="PATH", help="the same as PATH")
     c.set_defaults(func=cmd_check_config)
 
 
@@ -49,8 +54,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config; exit 0 if valid, 1 with the error (file, key, value) otherwise."""
     from sparkguard import config
     from sparkguard.units import format_duration, format_size
+    path = args.config_opt or args.path
     try:
-        cfg = config.load(args.path, required=args.path is not None)
+        cfg = config.load(path, required=path is not None)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config: {e}", file=sys.stderr)
         return 1
@@ -66,6 +72,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     m = cfg.metrics.listen
     print(f"  metrics: {'http://%s:%d/metrics' % m if m else 'off'}")
     print(f"  incidents: {cfg.incidents.dir}, journal {cfg.incidents.journal}")
+    links = cfg.link.interfaces
+    print(f"  link watch: {', '.join(links) + f' (incident after {format_duration(cfg.link.down_after)} down)' if links else 'off'}")
     return 0
 
 
@@ -79,24 +87,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     _setup_logging(args.log_level)
     from sparkguard import config, proctree
+    why = proctree.hidepid_blocks_view()
+    if why:
+        print(f"sparkguard: not starting: {why}", file=sys.stderr)
+        return 2
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
-        log.error("invalid config, not starting: %s", e)
         print(f"sparkguard: invalid config, not starting: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-    why = proctree.hidepid_blocks_view()
-    if why:
-        log.error("not starting: %s", why)
-        print(f"sparkguard: not starting: {why}", file=sys.stderr)
-        return 2
-    guard = Guard(cfg, config_arg=args.config)
+    guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run)
     try:
         guard.start()
     except OSError as e:
-        log.error("not starting: %s", e)
         print(f"sparkguard: not starting: {e}", file=sys.stderr)
         return 2
     return guard.loop()
@@ -175,12 +180,14 @@ class Guard:
     Args:
         cfg: ``config.Config``.
         config_arg: the ``--config`` path given (re-read on SIGHUP), or None for the default.
+        force_dry_run: ``--dry-run`` was given: stays in force across reloads.
     """
 
-    def __init__(self, cfg, config_arg: str | None = None):
+    def __init__(self, cfg, config_arg: str | None = None, force_dry_run: bool = False):
         from sparkguard import policy
         self.cfg = cfg
         self.config_arg = config_arg
+        self.force_dry_run = force_dry_run
         self.policy = policy.Policy(self._thresholds(cfg), cfg.guard.dry_run)
         self.reader = None
         self.reporter = None
@@ -206,6 +213,8 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
+        self.linkwatch = None
+        self.links_up: dict[str, bool] = {}
 
     @staticmethod
     def _thresholds(cfg):
@@ -228,10 +237,12 @@ class Guard:
         self.notifier = notify.Notifier()
         self.protector = proctree.Protector(self.cfg.targets.protect)
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
+        self._check_incident_dir()
         self.psi_fd = open_psi_trigger()
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
         self._start_metrics()
+        self._start_linkwatch()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -241,13 +252,27 @@ class Guard:
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
 
+    def _check_incident_dir(self) -> None:
+        """Create ``incidents.dir`` now and prove it writable, so a bad path is known at start,
+        not lost at the first incident (the guard still runs: the journal gets the reports)."""
+        d = self.cfg.incidents.dir
+        try:
+            os.makedirs(d, mode=0o750, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+            log.info("incidents go to %s%s", d, "" if self.cfg.incidents.journal == "off" else " and the journal")
+        except OSError as e:
+            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d,
+                      e.strerror or e, "" if self.cfg.incidents.journal == "off" else "; the journal still gets them")
+
     def _warm_up(self) -> None:
         """Run the target search once (touching, hence locking, its code pages) and log what it sees."""
         from sparkguard import proctree, signals
         targets = proctree.find_targets(self.cfg.targets)
         signals.Tree([], {}).close()
         if targets:
-            log.info("targets now: %s", "; ".join(f"{t.title[:60]} (pid {t.root_pid}, {len(t.pids)} processes)"
+            log.info("targets now: %s", "; ".join(f"{t.title} (pid {t.root_pid}, {len(t.pids)} processes)"
                                                   for t in targets[:5]))
         else:
             log.info("no process matches targets.match right now")
@@ -258,6 +283,32 @@ class Guard:
             return
         from sparkguard import metrics
         self.metrics = metrics.start_server(listen, self.snapshot)
+
+    def _start_linkwatch(self) -> None:
+        """Watch the TP fabric links (``link.interfaces``) through netlink events, in their own thread.
+
+        pyroute2 is imported only here: it costs ~19 MiB of RSS, paid only when links are configured.
+        """
+        if not self.cfg.link.interfaces:
+            return
+        from sparkguard import linkwatch
+        self.linkwatch = linkwatch.LinkWatch(self.cfg.link.interfaces, self.cfg.link.down_after,
+                                             on_incident=self._on_link_incident, on_change=self._on_link_change)
+        self.linkwatch.start()
+        if self.metrics is not None:
+            self.metrics.register_collector(self.linkwatch.collector())
+
+    def _on_link_incident(self, inc: dict) -> None:
+        """From the link-watch thread: a link stayed down past ``link.down_after`` (first call,
+        outcome ``link_down``) or came back (second call, same id).  Reported as a ``link`` incident."""
+        if inc.get("outcome") == "link_down":
+            self.incidents["link"] = self.incidents.get("link", 0) + 1
+            self.last_incident = time.time()
+        self.reporter.finish(inc)
+
+    def _on_link_change(self, ifname: str, up: bool) -> None:
+        """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
+        self.links_up[ifname] = up
 
     def _on_signal(self, signum, frame) -> None:
         self._flags.add(signum)
@@ -396,8 +447,8 @@ class Guard:
         }
         self.incidents["memory"] = self.incidents.get("memory", 0) + 1
         self.last_incident = wall
-        self._event(now, value, "crossed", [], f"{_fmt_size(value)} is below the SIGTERM line "
-                    f"{_fmt_size(g.term_below)}")
+        self._event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
+                    f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _choose(self):
         from sparkguard import proctree
@@ -408,6 +459,7 @@ class Guard:
         from sparkguard import signals
         target = self._choose()
         if target is None:
+            self._fill_incident(None)
             if not retry:
                 self._event(now, value, "no_target", [], "nothing matches targets.match"
                             + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
@@ -416,7 +468,7 @@ class Guard:
         self.target = target
         self.tree = signals.Tree(target.pids, target.starttimes)
         if self.policy.dry_run:
-            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title[:80]}")
+            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
             sent = self.tree.term_root()
             if sent:
@@ -425,7 +477,7 @@ class Guard:
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
             self._event(now, value, "sigterm", [target.root_pid],
-                        f"SIGTERM {target.title[:80]} (pid {target.root_pid}, {len(target.pids)} processes, "
+                        f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
         if retry:
             self.policy.target_found(now)
@@ -437,12 +489,16 @@ class Guard:
         inc = self.incident
         if inc is None:
             return
-        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
-                         "mem_bytes": target.mem_bytes, "tree": target.tree}
         if isinstance(inc["meminfo"], bytes):
             inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
         inc["psi_memory"] = sysinfo.read_psi_memory()
         inc["zram"] = sysinfo.read_zram()
+        if target is None:
+            from sparkguard import proctree
+            inc["top_consumers"] = proctree.top_consumers(5)
+            return
+        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
+                         "mem_bytes": target.mem_bytes, "tree": target.tree}
 
     def _kill(self, now: float, value: int) -> None:
         if self.tree is None:
@@ -516,12 +572,15 @@ class Guard:
         except config.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload failed, keeping the running config: %s", e)
+            self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
+                                       "available_bytes": self.value, "pids": [],
+                                       "detail": f"reload failed, running config kept: {e}"})
             self.notifier.ready()
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30
             return False
-        if self.cfg.guard.dry_run and not cfg.guard.dry_run and self.config_arg is None:
-            pass
+        if self.force_dry_run and not cfg.guard.dry_run:
+            cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
         if cfg.metrics.listen != self.cfg.metrics.listen:
             log.warning("metrics.listen changed to %s: takes effect after a restart", cfg.metrics.listen)
         self.cfg = cfg
@@ -538,6 +597,8 @@ class Guard:
     def _shutdown(self) -> int:
         if self.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
+        if self.linkwatch is not None:
+            self.linkwatch.stop()
         if self.reporter is not None:
             self.reporter.close()
         if self.metrics is not None:
@@ -584,7 +645,7 @@ def _summary(inc: dict) -> str:
     from sparkguard.units import format_size
     th = inc["thresholds"]
     t = inc.get("target") or {}
-    who = f"{t.get('title', '?')[:60]} (pid {t.get('root_pid')})" if t else "no target"
+    who = f"{t.get('title', '?')} (pid {t.get('root_pid')})" if t else "no target"
     tl = {e["event"]: e for e in inc["timeline"]}
     parts = [f"{'MemAvailable' if th['signal'] == 'available' else 'MemAvailable+SwapFree'} fell to "
              f"{format_size(inc.get('min_available_bytes'))} (line {format_size(th['term_below_bytes'])})"]

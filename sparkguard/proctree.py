@@ -41,12 +41,13 @@ class Target:
 
     Attributes:
         root_pid: int, the process that gets SIGTERM.
-        title: str, the root's cmdline (shortened to 200 chars).
+        title: str, the root's cmdline as :func:`short_title` shows it.
         pattern: str, the ``targets.match`` regex that matched (or ``"fallback:oom_score"``).
         pids: list[int], root first, then descendants (breadth first), protected ones removed.
         starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
         mem_bytes: int, sum of VmRSS + VmSwap over the tree.
-        tree: list[dict] with keys pid, ppid, title, cmdline, rss_bytes, swap_bytes, oom_score.
+        tree: list[dict] with keys pid, ppid, title (:func:`short_title` of the cmdline, which
+            setproctitle makes the title), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
     """
 
     root_pid: int
@@ -94,6 +95,22 @@ def scan() -> dict[int, Proc]:
             if p is not None:
                 out[p.pid] = p
     return out
+
+
+def short_title(cmdline: str, comm: str = "", limit: int = 160) -> str:
+    """A name people recognise: ``/usr/bin/python3 /usr/local/bin/vllm serve M --tp 2`` ->
+    ``vllm serve M --tp 2``; setproctitle titles (``VLLM::Worker_TP0``) unchanged; comm for an
+    empty cmdline.  Longer than ``limit`` characters: cut, ending in ``…``."""
+    if not cmdline:
+        return comm
+    toks = cmdline.split(" ")
+    first = os.path.basename(toks[0])
+    if first.startswith("python") and len(toks) > 1 and not toks[1].startswith("-"):
+        toks = [os.path.basename(toks[1])] + toks[2:]
+    elif "/" in toks[0]:
+        toks[0] = first
+    t = " ".join(toks)
+    return t if len(t) <= limit else t[:limit - 1] + "…"
 
 
 def children_map(procs: dict[int, Proc]) -> dict[int, list[int]]:
@@ -169,7 +186,8 @@ def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]
         p = procs[pid]
         rss, swap = _status_mem(pid)
         total += rss + swap
-        rows.append({"pid": pid, "ppid": p.ppid, "title": p.comm, "cmdline": p.cmdline[:400],
+        rows.append({"pid": pid, "ppid": p.ppid, "title": short_title(p.cmdline, p.comm), "comm": p.comm,
+                     "cmdline": p.cmdline[:400],
                      "rss_bytes": rss, "swap_bytes": swap,
                      "oom_score": _int_file(f"/proc/{pid}/oom_score", -1)})
     return total, rows
@@ -180,7 +198,7 @@ def build_target(root: int, pattern: str, procs: dict[int, Proc], kids: dict[int
     """The :class:`Target` for the tree under ``root`` (protected members left out)."""
     pids = [pid for pid in descendants([root], kids) if not protector.protected(procs[pid])]
     mem, rows = _tree_info(pids, procs)
-    return Target(root_pid=root, title=procs[root].cmdline[:200] or procs[root].comm, pattern=pattern,
+    return Target(root_pid=root, title=short_title(procs[root].cmdline, procs[root].comm), pattern=pattern,
                   pids=pids, starttimes={pid: procs[pid].starttime for pid in pids}, mem_bytes=mem,
                   tree=rows, rank=rank)
 
@@ -236,12 +254,30 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
     return out
 
 
+def top_consumers(n: int = 5, procs: dict[int, Proc] | None = None) -> list[dict]:
+    """The ``n`` processes holding the most RSS + swap (bytes), for a report with no target.
+
+    Returns rows like :class:`Target`'s tree rows.  RSS hides unified-memory GPU allocations, so
+    this is a hint for people, never a choice of victim.
+    """
+    procs = scan() if procs is None else procs
+    sized = []
+    for p in procs.values():
+        if p.kthread:
+            continue
+        rss, swap = _status_mem(p.pid)
+        sized.append((rss + swap, p.pid))
+    sized.sort(reverse=True)
+    pids = [pid for _, pid in sized[:n] if pid in procs]
+    return _tree_info(pids, procs)[1]
+
+
 def hidepid_blocks_view() -> str | None:
     """Why this process cannot see other users' processes, or None if it can.
 
     /proc mounted with ``hidepid=1|2|invisible|noaccess`` (proc(5)) hides other users'
     /proc/PID from an unprivileged reader: the guard would then never find the engine.
-    Checked by reading PID 1's cmdline, which everyone can read without hidepid.
+    Checked by reading PID 1's stat (hidden or unreadable under hidepid for non-root).
     """
     opts = ""
     for line in (_read("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
@@ -251,7 +287,7 @@ def hidepid_blocks_view() -> str | None:
     hide = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("hidepid=")), None)
     if hide in (None, "0", "off"):
         return None
-    if os.path.exists("/proc/1/stat") and _read("/proc/1/stat") is not None:
+    if os.getpid() == 1 or _read("/proc/1/stat") is not None:
         return None
     return (f"/proc is mounted with hidepid={hide} and this process (uid {os.geteuid()}) cannot see "
             "other users' processes; run sparkguard as root or add its group to /proc's gid= option")
