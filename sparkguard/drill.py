@@ -400,7 +400,7 @@ class Drill:
             return "FAIL", (f"memory was still under the line {self.recover:g}s after the tree was gone "
                             f"({_fs(r['after_bytes'])} < {_fs(r['term_below_bytes'])})")
         how = "SIGKILL after the grace period" if r["escalated"] else "SIGTERM"
-        return "PASS", (f"{how} {r['crossing_to_sigterm_seconds'] * 1000:.0f} ms after the crossing, tree gone, "
+        return "PASS", (f"{how} {r['crossing_to_sigterm_seconds'] * 1000:.1f} ms after the crossing, tree gone, "
                         f"memory back above the line")
 
 
@@ -461,7 +461,8 @@ def format_report(r: dict) -> str:
              + (", ignores SIGTERM" if r["ignore_term"] else ""),
              f"  memory            start {_fs(r['start_bytes'])}, lowest {_fs(r['min_bytes'])}, "
              f"overshoot past the line {_fs(r['overshoot_bytes'])}",
-             f"  crossing->SIGTERM {fd(r['crossing_to_sigterm_seconds'])}",
+             f"  crossing->SIGTERM " + ("-" if r["crossing_to_sigterm_seconds"] is None else
+                                        f"{r['crossing_to_sigterm_seconds'] * 1000:.1f} ms"),
              f"  SIGTERM->exit     {fd(r['sigterm_to_exit_seconds'])}",
              f"  escalation        " + (f"yes, SIGKILL {fd(r['sigkill_after_sigterm_seconds'])} after SIGTERM"
                                         if r["escalated"] else "no"),
