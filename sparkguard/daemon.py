@@ -173,6 +173,7 @@ class Guard:
         self.target = None
         self.incident: dict | None = None
         self.protector = None
+        self.supervisor = None
         self.stopping = False
         self._flags: set[int] = set()
         self.avail = self.swap_free = self.value = 0
@@ -219,6 +220,7 @@ class Guard:
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
+        self._start_supervisor()
 
     def _start_metrics(self) -> None:
         listen = self.cfg.metrics.listen
@@ -370,7 +372,11 @@ class Guard:
 
     def _choose(self):
         from sparkguard import proctree
-        targets = proctree.find_targets(self.cfg.targets)
+        procs = proctree.scan()
+        engine = self._engine_target(procs)
+        if engine is not None:
+            return engine
+        targets = proctree.find_targets(self.cfg.targets, procs=procs)
         return targets[0] if targets else None
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
@@ -451,7 +457,7 @@ class Guard:
                 from sparkguard import sysinfo
                 inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
             inc["summary"] = _summary(inc)
-            self.reporter.finish(inc)
+            self._finish_incident(inc)
         self.incident = None
         if self.tree is not None:
             for fd in list(self._tree_fds):
@@ -473,6 +479,8 @@ class Guard:
             if value < inc["_min"]:
                 inc["_min"] = value
             self.reporter.event(inc, ev)
+            if self.supervisor is not None:
+                self.supervisor.on_guard_event(inc, ev)
 
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
@@ -497,6 +505,7 @@ class Guard:
         self.policy.thresholds = self._thresholds(cfg)
         self.policy.dry_run = cfg.guard.dry_run
         self.protector = proctree.Protector(cfg.targets.protect)
+        self._reload_supervisor(cfg)
         self.reloads["ok"] += 1
         log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
                  cfg.guard.grace)
@@ -505,6 +514,7 @@ class Guard:
         return True
 
     def _shutdown(self) -> int:
+        self._stop_supervisor()
         if self.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
         if self.reporter is not None:
@@ -516,6 +526,46 @@ class Guard:
                 pass
         log.info("stopped")
         return 0
+
+    # ---- engine supervisor hooks (issue 5; sparkguard.supervisor runs in its own threads) ----------
+
+    def _start_supervisor(self) -> None:
+        """Start supervising ``engine:`` when configured.  Raises OSError (control socket)."""
+        if not self.cfg.engine.enabled:
+            return
+        from sparkguard import supervisor
+        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self._count_incident)
+        self.supervisor.start()
+        register = getattr(self.metrics, "register_collector", None)
+        if register is not None:
+            register(self.supervisor.collector())
+
+    def _engine_target(self, procs):
+        """The supervised engine's tree (the guard's first target), or None."""
+        if self.supervisor is None:
+            return None
+        return self.supervisor.target(procs, self.protector)
+
+    def _finish_incident(self, inc: dict) -> None:
+        """Report a closed incident; with an engine the supervisor adds its state and the restart."""
+        if self.supervisor is None or not self.supervisor.take_incident(inc):
+            self.reporter.finish(inc)
+
+    def _count_incident(self, kind: str, wall: float) -> None:
+        """An incident opened outside the poll loop (the supervisor's ``wedged``)."""
+        self.incidents[kind] = self.incidents.get(kind, 0) + 1
+        self.last_incident = wall
+
+    def _reload_supervisor(self, cfg) -> None:
+        if self.supervisor is not None and cfg.engine.enabled:
+            self.supervisor.reload(cfg)
+        elif cfg.engine.enabled != (self.supervisor is not None):
+            log.warning("engine: section added or removed: takes effect after a restart")
+
+    def _stop_supervisor(self) -> None:
+        """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     def snapshot(self) -> dict:
         """Current state for metrics/status (see TEAM interface); cheap, any thread."""
