@@ -208,6 +208,9 @@ def _optional_size(v: Any) -> int | None:
 
 def _choice(*choices: str) -> Callable[[Any], str]:
     def parse(v: Any) -> str:
+        # YAML 1.1 reads a bare off/on/no/yes as a bool: take it as the word the user wrote
+        if isinstance(v, bool):
+            v = "on" if v else "off"
         if v not in choices:
             raise ValueError("expected one of " + ", ".join(choices))
         return v

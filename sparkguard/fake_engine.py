@@ -1,0 +1,1157 @@
+"""A fake vLLM for tests and ``sparkguard drill``: real processes that look and die like vLLM's.
+
+What sparkguard can observe of a vLLM engine is imitated with real processes, real memory and a
+real HTTP port; nothing is mocked.  Facts imitated (FIELD-NOTES "vLLM, the main engine guarded",
+read from vLLM 0.33: ``vllm/entrypoints/cli/serve.py``, ``vllm/v1/engine/core.py``,
+``vllm/v1/executor/multiproc_executor.py``, ``vllm/v1/utils.py:shutdown``):
+
+Process tree (all in the launcher's process group; nothing calls setsid, nothing sets PDEATHSIG)::
+
+    python3 .../sparkguard/fakes/vllm serve MODEL ...   (cmdline intact, not renamed: the API server)
+      `- VLLM::EngineCore                               (setproctitle: cmdline is the title alone,
+           |- VLLM::Worker_TP0                           /proc/PID/comm cut to 15 bytes:
+           `- VLLM::Worker_TP1 ... TP<N-1>               "VLLM::EngineCor", "VLLM::Worker_TP")
+
+    --headless --node-rank k:   vllm serve ... -> VLLM::Worker_TP<k>   (no API server, no HTTP)
+
+Every process holds real, touched, incompressible memory (``--hold-api``, ``--hold-core``,
+``--hold`` per worker), so RSS is real.
+
+Shutdown, as vLLM's API server does it: on SIGTERM/SIGINT the top sends SIGTERM to the engine and
+waits up to the shutdown timeout (``--shutdown-timeout`` if given, else the environment variable
+``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, else 0), then SIGKILLs the engine and its workers.  With the
+default 0 the engine processes are therefore SIGKILLed within milliseconds.  EngineCore forwards
+SIGTERM to its workers and exits once they are gone.  Each process "tears down CUDA" for
+``--exit-delay`` seconds (counted from its SIGTERM) before it exits 0.
+
+If the top is SIGKILLed, EngineCore and the workers stay alive, reparented, holding memory (the open
+vLLM issue); this happens in every mode, ``orphans`` only names it.  If a worker dies unexpectedly,
+EngineCore kills the other workers and exits 1; if EngineCore dies unexpectedly, the top answers 503
+on /health for ``--dead-linger`` seconds and exits 1 (workers that EngineCore did not take down stay
+orphans, as in vLLM).
+
+Modes (``--mode``, comma-separated, combinable):
+    clean        default: SIGTERM -> exit after ``--exit-delay``.
+    orphans      same as clean (orphans are left whenever the top is SIGKILLed).
+    ignore-term  every process ignores SIGTERM and SIGINT; only SIGKILL ends them.
+    crash        ``--crash-after S`` seconds after serving starts EngineCore hits a fatal error: it
+                 SIGKILLs its workers and exits 1, the top then exits 1 (``--crash-after`` implies it).
+    wedge        ``--wedge-after S`` seconds after serving starts, completions hang forever while
+                 /health keeps answering 200 (``--wedge-after`` implies it).
+
+HTTP (only with ``--port``; 0 picks a free port): the port is bound at start but listens only once
+"loading" (``--load-time``) is done, as vLLM does.  ``GET /health`` (200, empty body; 503 once the
+engine is known dead), ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/chat/completions``
+(one token), ``GET /metrics`` (Prometheus text: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``),
+``GET /ping``, ``GET /version``.
+
+Memory fill for drills: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
+bytes at ``--fill-rate`` bytes/s (``max`` = as fast as it can), then holds them.  The fill starts
+``--fill-delay`` seconds after the tree is ready, or, with ``--fill-on-signal``, when TP0 receives
+SIGUSR1 (``FakeEngine.start_fill``).
+
+Output: log lines like vLLM's (``INFO 05-14 10:22:33 [api_server.py:1] ...``; children prefixed
+``(EngineCore pid=N)`` / ``(Worker_TP0 pid=N)``), uvicorn-style access lines, one ``write`` per line,
+to stdout.  Machine-readable lines, unprefixed:
+
+    fake-vllm: ready pids=<top>,<core>,<w0>,<w1>[ port=<port>]   tree titled and holding memory
+                                                                  (headless: pids=<top>,<w_k>)
+    fake-vllm: serving url=http://HOST:PORT                        the port listens (or, without
+                                                                  --port, "serving" after load-time)
+    fake-vllm: fill pid=N bytes=N target=N [done]                  fill progress (about 1/s)
+
+``--ready-file PATH`` also gets the ready line (written atomically).
+
+Python API: ``command(model, *opts)`` (argv) and ``start(model, *opts, **popen_kw) -> FakeEngine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from sparkguard.units import parse_duration, parse_size
+
+#: the vLLM version whose behaviour this fake imitates (FIELD-NOTES)
+VLLM_VERSION = "0.33.0"
+MODES = ("clean", "orphans", "ignore-term", "crash", "wedge")
+READY_PREFIX = "fake-vllm: ready "
+SERVING_PREFIX = "fake-vllm: serving "
+FILL_PREFIX = "fake-vllm: fill "
+_PAGE = mmap.PAGESIZE
+_BLOCK = 1 << 20
+_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+
+
+def script_path() -> str:
+    """Absolute path of the ``vllm`` launcher script shipped in ``sparkguard/fakes/``.
+
+    Raises:
+        FileNotFoundError: the package was installed without its ``fakes/vllm`` data file.
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakes", "vllm")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"fake vllm launcher missing: {path} (package data not installed?)")
+    return path
+
+
+def command(model: str, *opts: str) -> list[str]:
+    """argv that starts a fake vLLM: ``[sys.executable, <pkg>/fakes/vllm, "serve", model, *opts]``.
+
+    The top process's /proc/PID/cmdline is then exactly this list, like real vLLM's
+    ``/usr/bin/python3 /usr/local/bin/vllm serve MODEL ...``.  ``opts`` are strings (``"--tp", "4"``);
+    see the module docstring or ``build_parser()`` for the options.
+    """
+    return [sys.executable, script_path(), "serve", str(model), *[str(o) for o in opts]]
+
+
+# --------------------------------------------------------------------------------------------
+# options
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _rate(text: str) -> float | None:
+    """``max`` -> None (unlimited); ``1GiB/s``, ``512MiB``, ``1000000`` -> bytes per second."""
+    t = text.strip()
+    if t.lower() == "max":
+        return None
+    if t.lower().endswith("/s"):
+        t = t[:-2]
+    try:
+        rate = parse_size(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate like 1GiB/s, 512MiB or max, got {text!r}") from None
+    if rate <= 0:
+        raise argparse.ArgumentTypeError(f"rate must be positive, got {text!r}")
+    return float(rate)
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from {', '.join(MODES)} (comma-separated)")
+    return modes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Parser of ``vllm serve MODEL [options]``.  Unknown vLLM options are accepted and ignored.
+
+    Sizes take units (``64MiB``), durations too (``500ms``); see ``sparkguard.units``.
+    """
+    p = argparse.ArgumentParser(prog="vllm serve", description="sparkguard's fake vLLM (see sparkguard.fake_engine)")
+    p.add_argument("model")
+    p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=2,
+                   help="workers VLLM::Worker_TP0..N-1 under EngineCore (default 2)")
+    p.add_argument("--headless", action="store_true", help="no API server, no EngineCore: one worker of rank --node-rank")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--mode", type=_modes, default=["clean"], help=f"comma-separated, from: {', '.join(MODES)}")
+    p.add_argument("--exit-delay", type=_duration, default=0.2,
+                   help="seconds each process takes to exit after SIGTERM (CUDA teardown; default 0.2)")
+    p.add_argument("--shutdown-timeout", type=_duration, default=None,
+                   help=f"seconds the engine gets to exit after SIGTERM before SIGKILL (default: ${_SHUTDOWN_ENV} or 0)")
+    p.add_argument("--hold", type=_size, default=parse_size("64MiB"), help="memory each worker holds (default 64MiB)")
+    p.add_argument("--hold-core", type=_size, default=parse_size("32MiB"), help="memory EngineCore holds (default 32MiB)")
+    p.add_argument("--hold-api", type=_size, default=parse_size("16MiB"), help="memory the top holds (default 16MiB)")
+    p.add_argument("--fill-rate", type=_rate, default=None, help="bytes/s worker TP0 fills at (1GiB/s, 512MiB, max)")
+    p.add_argument("--fill-size", type=_size, default=None, help="bytes worker TP0 fills (then holds)")
+    p.add_argument("--fill-delay", type=_duration, default=0.0, help="seconds after ready before the fill starts")
+    p.add_argument("--fill-on-signal", action="store_true", help="start the fill when TP0 receives SIGUSR1")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="serve HTTP on this port (0: any free port); none: no HTTP")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--load-time", type=_duration, default=0.0, help="seconds of 'loading' before the port listens")
+    p.add_argument("--crash-after", type=_duration, default=None, help="seconds of serving before EngineCore crashes")
+    p.add_argument("--wedge-after", type=_duration, default=None, help="seconds of serving before completions hang")
+    p.add_argument("--dead-linger", type=_duration, default=1.0,
+                   help="seconds the top answers 503 after the engine died, before it exits 1 (default 1)")
+    p.add_argument("--ready-file", default=None, help="also write the ready line to this file")
+    p.add_argument("--ready-timeout", type=_duration, default=120.0, help="seconds to wait for the tree to come up")
+    return p
+
+
+@dataclass
+class _Cfg:
+    args: argparse.Namespace
+    extra: list[str]
+    shutdown_timeout: float
+    modes: set = field(default_factory=set)
+
+    @property
+    def ignore_term(self) -> bool:
+        return "ignore-term" in self.modes
+
+
+def _parse(argv: list[str]) -> _Cfg:
+    if not argv or argv[0] != "serve":
+        print("usage: vllm serve MODEL [options]   (sparkguard fake vLLM)", file=sys.stderr)
+        raise SystemExit(2)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv[1:])
+    modes = set(args.mode)
+    if args.crash_after is not None:
+        modes.add("crash")
+    elif "crash" in modes:
+        args.crash_after = 0.0
+    if args.wedge_after is not None:
+        modes.add("wedge")
+    elif "wedge" in modes:
+        args.wedge_after = 0.0
+    if args.tp < 1:
+        parser.error(f"--tp must be at least 1, got {args.tp}")
+    if args.node_rank < 0:
+        parser.error(f"--node-rank must not be negative, got {args.node_rank}")
+    if args.fill_rate is not None and args.fill_size is None:
+        parser.error("--fill-rate needs --fill-size")
+    timeout = args.shutdown_timeout
+    if timeout is None:
+        env = os.environ.get(_SHUTDOWN_ENV, "").strip()
+        try:
+            timeout = parse_duration(env) if env else 0.0
+        except ValueError:
+            parser.error(f"environment {_SHUTDOWN_ENV}={env!r}: expected seconds")
+    return _Cfg(args=args, extra=extra, shutdown_timeout=float(timeout), modes=modes)
+
+
+# --------------------------------------------------------------------------------------------
+# per-process plumbing: logging, signals, memory
+
+class _Log:
+    """vLLM-style log lines, one write(2) per line to stdout (atomic on a pipe below PIPE_BUF)."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+
+    def raw(self, line: str) -> None:
+        data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
+        try:
+            os.write(1, data)
+        except OSError:
+            pass  # reader gone: an orphan keeps running without its log, as vLLM's would
+
+    def __call__(self, level: str, where: str, msg: str) -> None:
+        self.raw(f"{self.prefix}{level} {time.strftime('%m-%d %H:%M:%S')} [{where}] {msg}")
+
+
+class _Signals:
+    """Self-pipe for signals: handlers only wake ``rfd``; the owning loop decides what to do."""
+
+    CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, ignore_term: bool, catch_usr1: bool = False):
+        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN if ignore_term else _noop)
+        signal.signal(signal.SIGUSR1, _noop if catch_usr1 else signal.SIG_DFL)
+
+    def read(self) -> list[int]:
+        """Signal numbers received since the last read (non-blocking)."""
+        try:
+            return list(os.read(self.rfd, 512))
+        except BlockingIOError:
+            return []
+
+    def fds(self) -> list[int]:
+        return [self.rfd, self.wfd]
+
+
+def _noop(signum, frame) -> None:  # the wakeup fd carries the signal number
+    return None
+
+
+class _Memory:
+    """Anonymous private mappings filled with random bytes: resident, and incompressible for zram/KSM."""
+
+    def __init__(self) -> None:
+        self.maps: list[mmap.mmap] = []
+        self.nbytes = 0
+        self._block = os.urandom(_BLOCK)
+
+    def add(self, nbytes: int) -> None:
+        """Allocate and touch ``nbytes`` (rounded up to a page).  Raises OSError (ENOMEM) like malloc would."""
+        nbytes = -(-int(nbytes) // _PAGE) * _PAGE
+        if nbytes <= 0:
+            return
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        off = 0
+        while off < nbytes:
+            n = min(_BLOCK, nbytes - off)
+            m[off:off + n] = self._block[:n]
+            off += n
+        self.maps.append(m)
+        self.nbytes += nbytes
+
+
+def _settitle(title: str) -> None:
+    """Rename this process as vLLM does (setproctitle: cmdline = title, comm = title[:15])."""
+    import setproctitle  # imported only in the children: the top must keep its cmdline
+
+    setproctitle.setproctitle(title)
+
+
+def _wait_fds(fds: list[int], timeout: float | None) -> list[int]:
+    if timeout is not None:
+        timeout = max(0.0, timeout)
+    try:
+        return select.select(fds, [], [], timeout)[0]
+    except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for safety
+        return []
+
+
+def _exited(pidfd: int) -> bool:
+    return bool(_wait_fds([pidfd], 0))
+
+
+def _signal(pidfd: int | None, sig: int) -> None:
+    if pidfd is None:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+    except (ProcessLookupError, OSError):
+        pass
+
+
+def _reap(pid: int, block: bool) -> int | None:
+    """waitpid a child; returns its exit status (negative signal like Popen) or None if still running."""
+    try:
+        got, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if got == 0:
+        return None
+    return os.waitstatus_to_exitcode(status)
+
+
+_BLOCKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+
+
+def _fork(child_main, close_fds: list[int]) -> int:
+    """fork with the caught signals blocked, so none reaches the child before it installs its own.
+
+    The child closes ``close_fds`` (the parent's wakeup pipe, sockets, pidfds), runs
+    ``child_main()`` (which unblocks the signals once its handlers are in place) and always
+    leaves with os._exit, never through the parent's stack.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            signal.set_wakeup_fd(-1)
+            for fd in close_fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            code = child_main()
+        except BaseException as e:  # noqa: BLE001 - a child must never return into the parent's code
+            try:
+                _Log(f"(pid={os.getpid()}) ").raw(f"ERROR fake-vllm child failed: {e!r}")
+            finally:
+                os._exit(70)
+        os._exit(code if isinstance(code, int) else 0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return pid
+
+
+# --------------------------------------------------------------------------------------------
+# worker
+
+def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | None) -> int:
+    """VLLM::Worker_TP<rank>: hold memory, report ready, fill if asked, exit after exit-delay on TERM."""
+    a = cfg.args
+    _settitle(f"VLLM::Worker_TP{rank}")
+    log = _Log(f"(Worker_TP{rank} pid={os.getpid()}) ")
+    sigs = _Signals(cfg.ignore_term, catch_usr1=fills)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
+    mem = _Memory()
+    mem.add(a.hold)
+    log("INFO", "gpu_model_runner.py:1", f"Model loading took {mem.nbytes / 2**30:.4f} GiB")
+    try:
+        os.write(ready_w, f"W {rank} {os.getpid()}\n".encode())
+    except OSError:
+        pass
+    os.close(ready_w)
+
+    fill_at = None
+    if fills and not a.fill_on_signal:
+        fill_at = time.monotonic() + a.fill_delay
+    fill = _Fill(mem, a.fill_rate, a.fill_size, log) if fills else None
+    crash_at = None
+    watch = [sigs.rfd] + ([cmd_r] if cmd_r is not None else [])
+    while True:
+        now = time.monotonic()
+        timeouts = []
+        if fill is not None and fill.active:
+            timeouts.append(fill.next_due(now))
+        elif fill_at is not None:
+            timeouts.append(fill_at - now)
+        if crash_at is not None:
+            timeouts.append(crash_at - now)
+        ready = _wait_fds(watch, min(timeouts) if timeouts else None)
+        now = time.monotonic()
+        for s in sigs.read():
+            if s in (signal.SIGTERM, signal.SIGINT) and not cfg.ignore_term:
+                log("INFO", "multiproc_executor.py:1", "Worker received SIGTERM, shutting down (CUDA teardown)")
+                _sleep_until(now + a.exit_delay)
+                return 0
+            if s == signal.SIGUSR1 and fill is not None and not fill.started:
+                fill_at = now
+        if cmd_r is not None and cmd_r in ready:
+            crash_at, eof = _read_cmd(cmd_r, cfg, now, crash_at)
+            if eof:
+                watch.remove(cmd_r)
+                os.close(cmd_r)
+                cmd_r = None
+        if crash_at is not None and now >= crash_at:
+            log("ERROR", "multiproc_executor.py:1", "Worker hit a fatal error (fake crash mode): CUDA error: an illegal memory access was encountered")
+            return 1
+        if fill is not None:
+            if not fill.started and fill_at is not None and now >= fill_at:
+                fill.begin(now)
+                fill_at = None
+            if fill.active:
+                fill.step(now)
+
+
+class _Fill:
+    """Allocate ``size`` bytes at ``rate`` bytes/s (None = as fast as possible), then hold them."""
+
+    MAX_STEP = 64 << 20
+
+    def __init__(self, mem: _Memory, rate: float | None, size: int, log: _Log):
+        self.mem, self.rate, self.size, self.log = mem, rate, int(size), log
+        self.done = 0
+        self.started = False
+        self.active = False
+        self.t0 = 0.0
+        self.last_report = 0.0
+        self.min_step = _BLOCK if rate is None else max(_PAGE, min(self.MAX_STEP, int(rate * 0.005) // _PAGE * _PAGE))
+
+    def begin(self, now: float) -> None:
+        self.started = self.active = True
+        self.t0 = self.last_report = now
+        self.log("INFO", "fake_engine.py:1", f"filling {self.size} bytes at "
+                 f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}")
+
+    def next_due(self, now: float) -> float:
+        """Seconds until the next step is due (0 when behind or unlimited)."""
+        if self.rate is None:
+            return 0.0
+        return self.t0 + min(self.size, self.done + self.min_step) / self.rate - now
+
+    def step(self, now: float) -> None:
+        if self.rate is None:
+            target = self.size
+        else:
+            target = min(self.size, int(self.rate * (now - self.t0)))
+        n = min(self.MAX_STEP, target - self.done)
+        if n > 0 and (n >= self.min_step or target == self.size):
+            try:
+                self.mem.add(n)
+            except OSError as e:
+                self.log("ERROR", "fake_engine.py:1", f"fill allocation failed: {e}; holding {self.done} bytes")
+                self.active = False
+                return
+            self.done += n
+        finished = self.done >= self.size
+        if finished or now - self.last_report >= 1.0:
+            self.last_report = now
+            self.log.raw(f"{FILL_PREFIX}pid={os.getpid()} bytes={self.done} target={self.size}" + (" done" if finished else ""))
+        if finished:
+            self.active = False
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep to a monotonic deadline; signals meanwhile only wake the (unread) pipe."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
+def _read_cmd(cmd_r: int, cfg: _Cfg, now: float, crash_at: float | None) -> tuple[float | None, bool]:
+    """Read the top's command pipe: ``S`` = serving started (arms the crash timer in crash mode).
+
+    Returns ``(crash deadline (monotonic s) or None, eof)``; on EOF the top is gone and the
+    caller keeps running, as vLLM's engine does.
+    """
+    try:
+        data = os.read(cmd_r, 64)
+    except BlockingIOError:
+        return crash_at, False
+    except OSError:
+        return crash_at, True
+    if not data:
+        return crash_at, True
+    if b"S" in data and "crash" in cfg.modes and crash_at is None:
+        return now + (cfg.args.crash_after or 0.0), False
+    return crash_at, False
+
+
+# --------------------------------------------------------------------------------------------
+# EngineCore
+
+def _core_main(cfg: _Cfg, ready_w: int, cmd_r: int) -> int:
+    """VLLM::EngineCore: fork the workers, hold memory, watch the workers, shut them down on TERM."""
+    a = cfg.args
+    _settitle("VLLM::EngineCore")
+    log = _Log(f"(EngineCore pid={os.getpid()}) ")
+    log("INFO", "core.py:1", f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model={a.model!r}, "
+        f"tensor_parallel_size={a.tp}")
+    workers: dict[int, tuple[int, int]] = {}  # pid -> (rank, pidfd)
+    for rank in range(a.tp):
+        pid = _fork(lambda r=rank: _worker_main(cfg, r, r == 0 and a.fill_size is not None, ready_w, None),
+                    [cmd_r] + [fd for _, fd in workers.values()])
+        workers[pid] = (rank, os.pidfd_open(pid))
+    sigs = _Signals(cfg.ignore_term)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
+    mem = _Memory()
+    mem.add(a.hold_core)
+    try:
+        os.write(ready_w, f"C {os.getpid()}\n".encode())
+    except OSError:
+        pass
+    os.close(ready_w)
+
+    os.set_blocking(cmd_r, False)
+    crash_at: float | None = None
+    stopping_since: float | None = None
+    while True:
+        now = time.monotonic()
+        fds = [sigs.rfd] + [fd for _, fd in workers.values()] + ([cmd_r] if cmd_r is not None else [])
+        ready = _wait_fds(fds, None if crash_at is None else crash_at - now)
+        now = time.monotonic()
+        for s in sigs.read():
+            if s in (signal.SIGTERM, signal.SIGINT) and stopping_since is None and not cfg.ignore_term:
+                stopping_since = now
+                log("INFO", "core.py:1", "EngineCore received SIGTERM, shutting down workers")
+                for _, fd in workers.values():
+                    _signal(fd, signal.SIGTERM)
+        if cmd_r is not None and cmd_r in ready:
+            crash_at, eof = _read_cmd(cmd_r, cfg, now, crash_at)
+            if eof:
+                os.close(cmd_r)
+                cmd_r = None
+        for pid, (rank, fd) in list(workers.items()):
+            if fd in ready:
+                code = _reap(pid, block=True)
+                os.close(fd)
+                del workers[pid]
+                if stopping_since is None:
+                    log("ERROR", "multiproc_executor.py:1",
+                        f"Worker proc VLLM::Worker_TP{rank} died unexpectedly (exit {code}), shutting down executor.")
+                    return _core_abort(workers, 1)
+        if crash_at is not None and now >= crash_at and stopping_since is None:
+            log("ERROR", "core.py:1", "EngineCore encountered a fatal error (fake crash mode).")
+            return _core_abort(workers, 1)
+        if stopping_since is not None and not workers:
+            _sleep_until(stopping_since + a.exit_delay)
+            return 0
+
+
+def _core_abort(workers: dict[int, tuple[int, int]], code: int) -> int:
+    """Kill the remaining workers (SIGKILL, as vLLM's executor shutdown does), reap them, return ``code``."""
+    for _, fd in workers.values():
+        _signal(fd, signal.SIGKILL)
+    for pid in workers:
+        _reap(pid, block=True)
+    return code
+
+
+# --------------------------------------------------------------------------------------------
+# API server (the top process)
+
+class _State:
+    """What the HTTP threads read; written by the top's main loop."""
+
+    def __init__(self, cfg: _Cfg, log: _Log):
+        self.cfg = cfg
+        self.log = log
+        self.model = cfg.args.model
+        self.served = cfg.args.served_model_name or cfg.args.model
+        self.lock = threading.Lock()
+        self.serving_since: float | None = None
+        self.dead = False
+        self.stopping = False
+        self.running = 0
+        self.success = 0
+        self.forever = threading.Event()  # never set: what wedged requests wait on
+
+    def wedged(self) -> bool:
+        w = self.cfg.args.wedge_after
+        return (w is not None and self.serving_since is not None
+                and time.monotonic() >= self.serving_since + w)
+
+
+def _make_server(cfg: _Cfg, state: _State):
+    """A ThreadingHTTPServer bound (not yet listening) to --host/--port, like vLLM's early bind."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "uvicorn"
+        sys_version = ""
+
+        def log_message(self, fmt, *args):  # uvicorn's access line
+            pass
+
+        def _send(self, code: int, body: bytes = b"", ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("content-type", ctype)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            if body and self.command != "HEAD":
+                self.wfile.write(body)
+            state.log.raw(f'INFO:     {self.client_address[0]}:{self.client_address[1]} - '
+                          f'"{self.command} {self.path} {self.request_version}" {code} {_phrase(code)}')
+
+        def _json(self, code: int, obj) -> None:
+            self._send(code, json.dumps(obj).encode())
+
+        def _error(self, code: int, kind: str, msg: str) -> None:
+            self._json(code, {"error": {"message": msg, "type": kind, "param": None, "code": code}})
+
+        def do_GET(self):  # noqa: N802 - http.server naming
+            path = self.path.split("?", 1)[0]
+            if path in ("/health", "/ping"):
+                self._send(503 if state.dead or state.stopping else 200, b"")
+            elif path == "/version":
+                self._json(200, {"version": VLLM_VERSION})
+            elif path == "/v1/models":
+                self._json(200, {"object": "list", "data": [{
+                    "id": state.served, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                    "root": state.model, "parent": None, "max_model_len": 4096}]})
+            elif path == "/metrics":
+                self._send(200, _metrics_text(state).encode(), "text/plain; version=0.0.4; charset=utf-8")
+            else:
+                self._json(404, {"detail": "Not Found"})
+
+        def do_HEAD(self):  # noqa: N802
+            self.do_GET()
+
+        def do_POST(self):  # noqa: N802
+            path = self.path.split("?", 1)[0]
+            try:
+                n = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                if not isinstance(body, dict):
+                    raise ValueError("body is not a JSON object")
+            except ValueError as e:
+                self._error(400, "BadRequestError", f"invalid JSON body: {e}")
+                return
+            if path not in ("/v1/completions", "/v1/chat/completions"):
+                self._json(404, {"detail": "Not Found"})
+                return
+            if body.get("model", state.served) not in (state.served, state.model):
+                self._error(404, "NotFoundError", f"The model `{body.get('model')}` does not exist.")
+                return
+            if state.dead:
+                self._error(500, "EngineDeadError", "EngineCore encountered an issue. See stack trace for the root cause.")
+                return
+            with state.lock:
+                state.running += 1
+            try:
+                if state.wedged():
+                    state.forever.wait()  # hangs like a wedged engine: the client's timeout ends it
+                prompt = body.get("prompt", "")
+                ptoks = max(1, len(str(prompt).split()))
+                created = int(time.time())
+                if path == "/v1/completions":
+                    reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
+                             "model": state.served, "choices": [{"index": 0, "text": " the", "logprobs": None,
+                                                                 "finish_reason": "length", "stop_reason": None}],
+                             "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + 1, "completion_tokens": 1}}
+                else:
+                    reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
+                             "model": state.served, "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                 "content": "The"}, "finish_reason": "length"}],
+                             "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + 1, "completion_tokens": 1}}
+                with state.lock:
+                    state.success += 1
+            finally:
+                with state.lock:
+                    state.running -= 1
+            self._json(200, reply)
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in cfg.args.host else socket.AF_INET
+
+    server = Server((cfg.args.host, cfg.args.port), Handler, bind_and_activate=False)
+    server.daemon_threads = True
+    server.block_on_close = False
+    server.allow_reuse_address = True
+    server.server_bind()
+    return server
+
+
+def _phrase(code: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(code).phrase
+    except ValueError:
+        return ""
+
+
+def _metrics_text(state: _State) -> str:
+    """Prometheus text exposition of the vLLM metrics sparkguard and people read."""
+    lbl = f'engine="0",model_name="{state.served}"'
+    with state.lock:
+        running, success = state.running, state.success
+    return (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{lbl}}} {float(running)}\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{lbl}}} 0.0\n"
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{{{lbl}}} {min(1.0, 0.01 * running)}\n"
+        "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+        "# TYPE vllm:request_success_total counter\n"
+        f'vllm:request_success_total{{{lbl},finished_reason="length"}} {float(success)}\n'
+    )
+
+
+def _write_ready_file(path: str, line: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fakes/vllm`` script: ``serve MODEL [options]``; returns the exit status.
+
+    Exit status: 0 after a SIGTERM/SIGINT shutdown; 1 when the engine died (crash mode, a child
+    killed) or the tree failed to come up; 2 on bad options (argparse).
+    """
+    cfg = _parse(sys.argv[1:] if argv is None else argv)
+    a = cfg.args
+    log = _Log("")
+    where = "api_server.py:1"
+    log("INFO", where, f"vLLM API server version {VLLM_VERSION} (sparkguard fake)")
+    log("INFO", where, f"non-default args: model={a.model!r}, tp={a.tp}, modes={sorted(cfg.modes)}, "
+        f"headless={a.headless}, shutdown_timeout={cfg.shutdown_timeout}" + (f", ignored={cfg.extra}" if cfg.extra else ""))
+    state = _State(cfg, log)
+    server = None
+    if a.port is not None and not a.headless:
+        try:
+            server = _make_server(cfg, state)
+        except OSError as e:
+            log("ERROR", where, f"could not bind {a.host}:{a.port}: {e}")
+            return 1
+    elif a.port is not None:
+        log("WARNING", where, "--headless: no API server, --port ignored")
+
+    sigs = _Signals(cfg.ignore_term)
+    ready_r, ready_w = os.pipe()
+    cmd_r, cmd_w = os.pipe()
+    parent_only = [ready_r, cmd_w] + sigs.fds() + ([server.fileno()] if server else [])
+    if a.headless:
+        child = _fork(lambda: _worker_main(cfg, a.node_rank, a.fill_size is not None, ready_w, cmd_r),
+                      parent_only)
+    else:
+        child = _fork(lambda: _core_main(cfg, ready_w, cmd_r), parent_only)
+    os.close(ready_w)
+    os.close(cmd_r)
+    child_fd = os.pidfd_open(child)
+    mem = _Memory()
+    mem.add(a.hold_api)
+
+    top = _Top(cfg, log, state, server, sigs, child, child_fd, cmd_w)
+    return top.run(ready_r)
+
+
+class _Top:
+    """The top process's main loop: bring-up, loading, serving, shutdown, engine death."""
+
+    def __init__(self, cfg, log, state, server, sigs, child, child_fd, cmd_w):
+        self.cfg, self.a, self.log, self.state, self.server = cfg, cfg.args, log, state, server
+        self.sigs, self.child, self.child_fd, self.cmd_w = sigs, child, child_fd, cmd_w
+        self.worker_fds: dict[int, int] = {}
+        self.where = "api_server.py:1"
+
+    def _term_requested(self) -> bool:
+        return any(s in (signal.SIGTERM, signal.SIGINT) for s in self.sigs.read()) and not self.cfg.ignore_term
+
+    def run(self, ready_r: int) -> int:
+        a = self.a
+        t_term = None
+        # 1. bring-up: wait for EngineCore and every worker to report (titled, memory held)
+        want_workers = {a.node_rank} if a.headless else set(range(a.tp))
+        core_pid = None
+        workers: dict[int, int] = {}
+        buf = b""
+        deadline = time.monotonic() + a.ready_timeout
+        while (not a.headless and core_pid is None) or set(workers) != want_workers:
+            ready = _wait_fds([ready_r, self.sigs.rfd, self.child_fd], deadline - time.monotonic())
+            if self.sigs.rfd in ready and self._term_requested():
+                t_term = time.monotonic()
+                break
+            if ready_r in ready:
+                data = os.read(ready_r, 4096)
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    parts = line.decode().split()
+                    if parts[0] == "C":
+                        core_pid = int(parts[1])
+                    elif parts[0] == "W":
+                        pid = int(parts[2])
+                        workers[int(parts[1])] = pid
+                        try:
+                            self.worker_fds[pid] = os.pidfd_open(pid)
+                        except OSError:
+                            pass
+                if not data:
+                    self.log("ERROR", self.where, "engine processes exited during start-up")
+                    return self._abort(1)
+            elif self.child_fd in ready:
+                self.log("ERROR", self.where, "Engine core initialization failed. See root cause above.")
+                return self._abort(1)
+            if time.monotonic() >= deadline:
+                self.log("ERROR", self.where, f"engine did not come up within {a.ready_timeout} s")
+                return self._abort(1)
+        os.close(ready_r)
+        if t_term is not None:
+            return self._shutdown(t_term)
+        pids = [os.getpid()] + ([] if a.headless else [core_pid]) + [workers[r] for r in sorted(workers)]
+        line = READY_PREFIX + "pids=" + ",".join(map(str, pids))
+        if self.server:
+            line += f" port={self.server.server_address[1]}"
+        if a.ready_file:
+            _write_ready_file(a.ready_file, line)
+        self.log.raw(line)
+
+        # 2. loading, then serving
+        load_done = time.monotonic() + a.load_time
+        serving = False
+        linger_until = None
+        while True:
+            now = time.monotonic()
+            timeout = None
+            if not serving:
+                timeout = load_done - now
+            if linger_until is not None:
+                timeout = linger_until - now
+            fds = [self.sigs.rfd] + ([self.child_fd] if linger_until is None else [])
+            ready = _wait_fds(fds, timeout)
+            now = time.monotonic()
+            if self.sigs.rfd in ready and self._term_requested():
+                if linger_until is not None:
+                    return self._finish(now, 1)
+                return self._shutdown(now)
+            if self.child_fd in ready and linger_until is None:
+                code = _reap(self.child, block=True)
+                self.state.dead = True
+                self.log("ERROR", "core_client.py:1",
+                         f"Engine core proc {'VLLM::Worker' if a.headless else 'EngineCore'} died unexpectedly "
+                         f"(exit {code}), shutting down client.")
+                linger_until = now + a.dead_linger
+                continue
+            if linger_until is not None and now >= linger_until:
+                return self._finish(now, 1)
+            if not serving and now >= load_done:
+                serving = True
+                self._start_serving()
+
+    def _start_serving(self) -> None:
+        if self.server:
+            host, port = self.server.server_address[:2]
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            self.log("INFO", self.where, f"Starting vLLM API server 0 on {url}")
+            self.server.server_activate()  # listen(): only now do connections succeed
+            threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                             name="http", daemon=True).start()
+            self.log.raw(f"INFO:     Started server process [{os.getpid()}]")
+            self.log.raw("INFO:     Waiting for application startup.")
+            self.log.raw("INFO:     Application startup complete.")
+        else:
+            url = "none"
+        self.state.serving_since = time.monotonic()
+        try:
+            os.write(self.cmd_w, b"S\n")
+        except OSError:
+            pass
+        self.log.raw(f"{SERVING_PREFIX}url={url}")
+
+    def _stop_http(self) -> None:
+        """Stop accepting (in a thread: shutdown() waits for the serve loop) and answer 503 meanwhile."""
+        if self.state.stopping:
+            return
+        self.state.stopping = True
+        if self.server and self.state.serving_since is not None:
+            threading.Thread(target=self.server.shutdown, daemon=True).start()
+
+    def _shutdown(self, t_term: float) -> int:
+        """vllm/v1/utils.py:shutdown: SIGTERM the engine, join up to the timeout, then kill its tree."""
+        self.log.raw("INFO:     Shutting down")
+        self._stop_http()
+        T = self.cfg.shutdown_timeout
+        self.log("INFO", "core_client.py:1", f"Shutting down engine (timeout {T} s)")
+        _signal(self.child_fd, signal.SIGTERM)
+        if T > 0:
+            _wait_fds([self.child_fd], t_term + T - time.monotonic())
+        if not _exited(self.child_fd):
+            self.log("WARNING", "utils.py:1", "Engine did not exit in time: killing its process tree")
+        self._kill_all()
+        _reap(self.child, block=True)
+        return self._finish(t_term, 0)
+
+    def _kill_all(self) -> None:
+        for fd in [self.child_fd, *self.worker_fds.values()]:
+            if not _exited(fd):
+                _signal(fd, signal.SIGKILL)
+
+    def _abort(self, code: int) -> int:
+        self._kill_all()
+        _reap(self.child, block=True)
+        return code
+
+    def _finish(self, t_term: float, code: int) -> int:
+        self._stop_http()
+        _sleep_until(t_term + self.a.exit_delay)
+        self.log.raw("INFO:     Application shutdown complete.")
+        return code
+
+
+# --------------------------------------------------------------------------------------------
+# test / drill helper
+
+class FakeEngine:
+    """A running fake vLLM started by ``start()``: its Popen, its output, its tree's pids.
+
+    Attributes:
+        proc: subprocess.Popen of the top process (stdout+stderr are a pipe drained by a thread).
+        argv: list[str], the command line.
+        lines: list[str], every output line so far (without newline).
+        headless: bool.
+    """
+
+    def __init__(self, argv: list[str], on_line=None, **popen_kw):
+        self.argv = argv
+        self.headless = "--headless" in argv
+        self.lines: list[str] = []
+        self._on_line = on_line
+        self._cond = threading.Condition()
+        self._ready_line: str | None = None
+        self._pidfds: dict[int, int] = {}
+        self._own_session = popen_kw.setdefault("start_new_session", True)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, **popen_kw)
+        self._pidfds[self.proc.pid] = os.pidfd_open(self.proc.pid)
+        self._reader = threading.Thread(target=self._read, name=f"fake-vllm-{self.proc.pid}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._cond:
+                if line.startswith(READY_PREFIX) and self._ready_line is None:
+                    for pid in _parse_ready(line)["pids"]:
+                        if pid not in self._pidfds:
+                            try:
+                                self._pidfds[pid] = os.pidfd_open(pid)
+                            except OSError:
+                                pass
+                    self._ready_line = line
+                self.lines.append(line)
+                self._cond.notify_all()
+            if self._on_line:
+                try:
+                    self._on_line(line)
+                except Exception:  # noqa: BLE001 - a callback must not stop the draining
+                    pass
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_line(self, substring: str, timeout: float = 30.0, start: int = 0) -> str:
+        """Wait for an output line containing ``substring`` (searching from index ``start``).
+
+        Raises:
+            TimeoutError: not seen within ``timeout`` seconds, or the output ended first.
+        """
+        deadline = time.monotonic() + timeout
+        i = start
+        with self._cond:
+            while True:
+                while i < len(self.lines):
+                    if substring in self.lines[i]:
+                        return self.lines[i]
+                    i += 1
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._reader.is_alive():
+                    tail = "\n".join(self.lines[-20:])
+                    raise TimeoutError(f"fake vllm: no line with {substring!r} within {timeout} s; output tail:\n{tail}")
+                self._cond.wait(left)
+
+    def pids(self, timeout: float = 30.0) -> list[int]:
+        """Wait for the ready line; return ``[top, core, w0, w1, ...]`` (headless: ``[top, w_k]``).
+
+        Raises:
+            TimeoutError: the tree was not up within ``timeout`` seconds (or the fake exited).
+        """
+        return _parse_ready(self.wait_line(READY_PREFIX, timeout))["pids"]
+
+    @property
+    def top_pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def core_pid(self) -> int | None:
+        """EngineCore's pid (None when headless); waits for readiness."""
+        return None if self.headless else self.pids()[1]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Worker pids by rank; waits for readiness."""
+        return self.pids()[1 if self.headless else 2:]
+
+    @property
+    def port(self) -> int | None:
+        """The HTTP port (useful with ``--port 0``); waits for readiness.  None without --port."""
+        self.pids()
+        return _parse_ready(self._ready_line).get("port")
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234``; waits for readiness."""
+        argv = self.argv
+        host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def wait_serving(self, timeout: float = 30.0) -> str:
+        """Wait until the port listens (after --load-time); returns the serving line."""
+        return self.wait_line(SERVING_PREFIX, timeout)
+
+    def output(self) -> str:
+        """All output so far, newline-joined."""
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def start_fill(self) -> None:
+        """Send SIGUSR1 to the filling worker (for ``--fill-on-signal``); waits for readiness.
+
+        Raises:
+            ValueError: started without ``--fill-size`` (SIGUSR1 would kill that worker).
+        """
+        if "--fill-size" not in self.argv:
+            raise ValueError("start_fill(): this fake was started without --fill-size")
+        pid = self.worker_pids[0]
+        _signal(self._pidfds.get(pid), signal.SIGUSR1)
+
+    def exited(self, pid: int) -> bool:
+        """True once process ``pid`` of this tree has exited (pidfd readable; zombie counts as exited)."""
+        fd = self._pidfds.get(pid)
+        if fd is None:
+            raise KeyError(f"pid {pid} is not part of this fake engine")
+        return _exited(fd)
+
+    def wait_gone(self, pids: list[int], timeout: float) -> bool:
+        """Wait until every pid in ``pids`` (of this tree) has exited; False on timeout."""
+        fds = [self._pidfds[p] for p in pids]
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [fd for fd in fds if not _exited(fd)]
+            if not left:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            _wait_fds(left[:1], remaining)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGKILL the whole tree this started (every recorded pid, by pidfd, plus its process group
+        while the top is unreaped and in its own session), reap the top, close the pidfds.  Idempotent."""
+        for fd in list(self._pidfds.values()):
+            _signal(fd, signal.SIGKILL)
+        if self._own_session and self.proc.returncode is None:
+            try:  # the top is unreaped, so its pid (= our pgid) cannot have been reused
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self.wait_gone(list(self._pidfds), timeout)
+        self._reader.join(timeout)
+        for fd in self._pidfds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._pidfds = {}
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> "FakeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _parse_ready(line: str) -> dict:
+    """``fake-vllm: ready pids=1,2,3 port=80`` -> ``{"pids": [1, 2, 3], "port": 80}``."""
+    out: dict = {}
+    for word in line[len(READY_PREFIX):].split():
+        key, _, val = word.partition("=")
+        if key == "pids":
+            out["pids"] = [int(p) for p in val.split(",") if p]
+        elif key == "port":
+            out["port"] = int(val)
+    return out
+
+
+def start(model: str, *opts: str, on_line=None, **popen_kw) -> FakeEngine:
+    """Start ``vllm serve MODEL *opts`` (the fake) and return its FakeEngine at once (not yet ready).
+
+    Args:
+        model: a model name; use a unique one per test so ``targets.match`` hits only this tree.
+        opts: fake vLLM options as strings (see the module docstring).
+        on_line: optional callable(str) called from the reader thread for each output line.
+        popen_kw: passed to subprocess.Popen (env, cwd, ...); stdout/stderr are taken by the helper;
+            ``start_new_session`` defaults to True (the tree gets its own process group).
+    Raises:
+        ValueError: stdout/stderr given in popen_kw.
+    Use ``fe.pids()`` to wait for the tree and ``fe.stop()`` in a ``finally``.
+    """
+    if "stdout" in popen_kw or "stderr" in popen_kw:
+        raise ValueError("start(): the helper owns stdout/stderr; use on_line= or .lines")
+    return FakeEngine(command(model, *opts), on_line=on_line, **popen_kw)

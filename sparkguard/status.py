@@ -1,0 +1,315 @@
+"""``sparkguard status``: one screen a person reads.
+
+Memory and headroom above the lines, the thresholds, which processes would be signalled,
+swap and zram, memory pressure (PSI), and the running daemon's state as read from its
+metrics endpoint (``metrics.listen`` of the configuration, or ``--url``).  Everything but
+the daemon's state is read here and now from /proc and /sys, so the command is useful
+also when the daemon is not running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``sparkguard status [--config PATH] [--url URL] [--json]``."""
+    p = subparsers.add_parser(
+        "status", help="memory, headroom, targets, swap/zram, PSI and the daemon's state",
+        description="Show memory and headroom above the guard's lines, the thresholds, matched "
+                    "targets, swap and zram, memory pressure, and the running daemon's state "
+                    "(scraped from its metrics endpoint).")
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help="configuration file (default /etc/sparkguard/sparkguard.yaml; embedded "
+                        "defaults when absent)")
+    p.add_argument("--url", metavar="URL", default=None,
+                   help="the daemon's metrics URL (default: http://<metrics.listen>/metrics)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.set_defaults(func=handler)
+
+
+def metrics_url(listen: tuple[str, int] | None) -> str | None:
+    """``http://host:port/metrics`` for a ``metrics.listen`` value; None when metrics are off.
+
+    A wildcard bind (0.0.0.0, ::) is reached on loopback.
+    """
+    if listen is None:
+        return None
+    host, port = listen
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+
+
+def read_daemon(url: str, timeout: float = 3.0) -> dict:
+    """Scrape the daemon's metrics endpoint and return its state as a dict.
+
+    Returns:
+        ``{"url", "running": False, "error": str, "detail": str}`` when nothing (or something else) answers;
+        otherwise ``{"url", "running": True, "state", "dry_run", "version", "available_bytes",
+        "signal_bytes", "term_below_bytes", "kill_below_bytes", "signals": {sig: n},
+        "incidents": {kind: n}, "last_incident_timestamp", "last_poll_timestamp",
+        "start_time", "polls", "poll_seconds_sum", "rss_bytes", "config_reloads": {result: n}}``
+        (absent metrics give None).  Never raises.
+    Source: the metric names of sparkguard.metrics (README "Metrics").
+    """
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {"url": url, "running": False}
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            text = r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        out["error"] = f"{url} answered HTTP {e.code} {e.reason}: not a sparkguard metrics endpoint"
+        return out
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        out["error"] = f"no answer at {url}"
+        reason = getattr(e, "reason", e)
+        out["detail"] = getattr(reason, "strerror", None) or str(reason)
+        return out
+    try:
+        fams = list(text_string_to_metric_families(text))
+    except Exception as e:  # not Prometheus text at all
+        out["error"] = f"{url} answered, but not with Prometheus metrics ({e})"
+        return out
+    one: dict[str, float] = {}
+    by: dict[str, dict[str, float]] = {}
+    version = None
+    for fam in fams:
+        for s in fam.samples:
+            if s.name == "sparkguard_build_info":
+                version = s.labels.get("version")
+            elif s.labels:
+                key = next(iter(s.labels.values()))
+                by.setdefault(s.name, {})[key] = s.value
+            else:
+                one[s.name] = s.value
+    if version is None and not any(k.startswith("sparkguard_") for k in list(one) + list(by)):
+        out["error"] = f"{url} answered, but it is not sparkguard (no sparkguard_ metrics)"
+        return out
+
+    def num(name: str, cast=float):
+        v = one.get(name)
+        return None if v is None else cast(v)
+
+    states = by.get("sparkguard_guard_state", {})
+    dry = num("sparkguard_dry_run")
+    out.update({
+        "running": True,
+        "version": version,
+        "state": next((k for k, v in states.items() if v == 1), None),
+        "dry_run": None if dry is None else bool(dry),
+        "available_bytes": num("sparkguard_memory_available_bytes", int),
+        "signal_bytes": num("sparkguard_guard_signal_bytes", int),
+        "term_below_bytes": num("sparkguard_term_below_bytes", int),
+        "kill_below_bytes": num("sparkguard_kill_below_bytes", int),
+        "grace_seconds": num("sparkguard_grace_seconds"),
+        "signals": {k: int(v) for k, v in by.get("sparkguard_signals_total", {}).items()},
+        "incidents": {k: int(v) for k, v in by.get("sparkguard_incidents_total", {}).items()},
+        "config_reloads": {k: int(v) for k, v in by.get("sparkguard_config_reloads_total", {}).items()},
+        "last_incident_timestamp": num("sparkguard_last_incident_timestamp_seconds"),
+        "last_poll_timestamp": num("sparkguard_last_poll_timestamp_seconds"),
+        "start_time": num("sparkguard_start_time_seconds"),
+        "polls": num("sparkguard_poll_duration_seconds_count", int),
+        "poll_seconds_sum": num("sparkguard_poll_duration_seconds_sum"),
+        "rss_bytes": num("process_resident_memory_bytes", int),
+    })
+    return out
+
+
+def gather(cfg, url: str | None) -> dict:
+    """Everything the screen shows, as a JSON-ready dict.
+
+    Args:
+        cfg: ``config.Config``.
+        url: the daemon's metrics URL, or None when metrics are off and none was given.
+    Reads /proc/meminfo, /proc/swaps, /sys/block/zram*, /proc/pressure/memory, scans /proc
+    for targets (``proctree.find_targets``) and scrapes ``url``.
+    """
+    from sparkguard import sysinfo
+
+    g = cfg.guard
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            mi = sysinfo.parse_meminfo(f.read())
+    except OSError as e:
+        mi = {}
+        mem_error = f"cannot read /proc/meminfo: {e.strerror}"
+    else:
+        mem_error = None
+    avail, total = mi.get("MemAvailable"), mi.get("MemTotal")
+    swap_free, swap_total = mi.get("SwapFree"), mi.get("SwapTotal")
+    signal = None
+    if avail is not None:
+        signal = avail + (swap_free or 0) if g.signal == "available+swap" else avail
+    memory = {
+        "total_bytes": total, "available_bytes": avail,
+        "swap_free_bytes": swap_free, "swap_total_bytes": swap_total,
+        "signal": g.signal, "signal_bytes": signal,
+        "headroom_term_bytes": None if signal is None else signal - g.term_below,
+        "headroom_kill_bytes": None if signal is None or g.kill_below is None else signal - g.kill_below,
+        "error": mem_error,
+    }
+    thresholds = {
+        "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
+        "grace_seconds": g.grace, "poll_interval_seconds": g.poll_interval,
+        "signal": g.signal, "dry_run": g.dry_run, "fallback": cfg.targets.fallback,
+    }
+
+    targets: list[dict] = []
+    targets_error = None
+    try:
+        from sparkguard import proctree
+
+        for t in proctree.find_targets(cfg.targets):
+            targets.append({"root_pid": t.root_pid, "title": t.title, "pattern": t.pattern,
+                            "pids": list(t.pids), "mem_bytes": t.mem_bytes})
+    except Exception as e:  # hidepid, a vanished process, ...: show the rest anyway
+        targets_error = f"cannot scan processes: {type(e).__name__}: {e}"
+
+    zram = []
+    for d in sysinfo.read_zram():
+        orig, compr = d.get("orig_data_bytes"), d.get("compr_data_bytes")
+        d = dict(d)
+        d["compression_ratio"] = round(orig / compr, 2) if orig and compr else None
+        zram.append(d)
+
+    if url is None:
+        daemon = {"url": None, "running": None,
+                  "error": "metrics.listen is off in the configuration; pass --url to ask the daemon"}
+    else:
+        daemon = read_daemon(url)
+    return {
+        "config_path": cfg.path, "memory": memory, "thresholds": thresholds,
+        "targets": targets, "targets_error": targets_error,
+        "swaps": sysinfo.read_swaps(), "zram": zram, "psi_memory": sysinfo.read_psi_memory(),
+        "daemon": daemon, "timestamp": time.time(),
+    }
+
+
+def render(st: dict) -> str:
+    """The human screen for a :func:`gather` dict."""
+    from sparkguard.units import format_duration as fd
+    from sparkguard.units import format_size as fs
+
+    m, th, d = st["memory"], st["thresholds"], st["daemon"]
+    now = st["timestamp"]
+    L: list[str] = [f"sparkguard status   (config: {st['config_path']})", ""]
+
+    L.append("Memory")
+    if m["error"]:
+        L.append(f"  {m['error']}")
+    L.append(f"  MemTotal      {fs(m['total_bytes']):>11}")
+    L.append(f"  MemAvailable  {fs(m['available_bytes']):>11}")
+    if m["signal"] == "available+swap":
+        L.append(f"  + SwapFree    {fs(m['swap_free_bytes']):>11}   = signal {fs(m['signal_bytes'])}")
+    ht = m["headroom_term_bytes"]
+    if ht is not None:
+        word = "above" if ht >= 0 else "BELOW"
+        L.append(f"  headroom      {fs(abs(ht)):>11}   {word} term_below ({fs(th['term_below_bytes'])})")
+    hk = m["headroom_kill_bytes"]
+    if hk is not None:
+        word = "above" if hk >= 0 else "BELOW"
+        L.append(f"                {fs(abs(hk)):>11}   {word} kill_below ({fs(th['kill_below_bytes'])})")
+    L.append("")
+
+    L.append("Thresholds")
+    kill = fs(th["kill_below_bytes"]) if th["kill_below_bytes"] is not None else "off"
+    L.append(f"  term_below {fs(th['term_below_bytes'])}   kill_below {kill}   grace {fd(th['grace_seconds'])}"
+             f"   poll every {fd(th['poll_interval_seconds'])} (or faster)")
+    L.append(f"  signal {th['signal']}   dry_run {'yes' if th['dry_run'] else 'no'}   fallback {th['fallback']}")
+    L.append("")
+
+    L.append("Targets (SIGTERM goes to the first, then SIGKILL to its whole tree after the grace)")
+    if st["targets_error"]:
+        L.append(f"  {st['targets_error']}")
+    elif not st["targets"]:
+        what = ("the process with the largest oom_score" if th["fallback"] == "oom_score"
+                else "nothing (targets.fallback: off)")
+        L.append(f"  no process matches targets.match; below the line sparkguard would signal {what}")
+    for i, t in enumerate(st["targets"]):
+        mark = "*" if i == 0 else " "
+        L.append(f"  {mark} pid {t['root_pid']:<7} {t['title'][:60]}")
+        L.append(f"      {fs(t['mem_bytes'])} RSS+swap in {len(t['pids'])} process(es), "
+                 f"matched by {t['pattern']}")
+    L.append("")
+
+    L.append("Swap")
+    if not st["swaps"]:
+        L.append("  none active")
+    for s in st["swaps"]:
+        L.append(f"  {s['filename']:<20} {s['type']:<9} {fs(s['size_bytes']):>10}, used {fs(s['used_bytes'])}, "
+                 f"priority {s['priority']}")
+    if m["swap_total_bytes"]:
+        L.append(f"  SwapFree {fs(m['swap_free_bytes'])} of {fs(m['swap_total_bytes'])}")
+    for z in st["zram"]:
+        ratio = f"{z['compression_ratio']:.2f}x" if z.get("compression_ratio") else "-"
+        L.append(f"  zram {z['device']} ({z.get('comp_algorithm') or '?'}): {fs(z['disksize_bytes'])} disk, "
+                 f"holds {fs(z.get('orig_data_bytes'))} in {fs(z.get('compr_data_bytes'))} "
+                 f"(ratio {ratio}), uses {fs(z.get('mem_used_bytes'))} of RAM")
+    if not st["zram"]:
+        L.append("  no zram device")
+    L.append("")
+
+    L.append("Memory pressure (PSI, share of time stalled)")
+    psi = st["psi_memory"]
+    if not psi:
+        L.append("  not available (kernel without PSI, or psi=0)")
+    else:
+        for kind in ("some", "full"):
+            v = psi.get(kind) or {}
+            L.append(f"  {kind:<5} " + "   ".join(f"{w} {v[w]:5.2f}%" for w in ("avg10", "avg60", "avg300") if w in v)
+                     + (f"   total {v['total_us'] / 1e6:.1f} s" if "total_us" in v else ""))
+    L.append("")
+
+    L.append(f"Daemon   ({d['url'] or 'metrics off'})")
+    if not d.get("running"):
+        if d["url"] is None:
+            L.append(f"  state unknown: {d['error']}")
+        elif d["error"].startswith("no answer"):
+            L.append(f"  daemon not running ({d['error']})")
+            if d.get("detail"):
+                L.append(f"  ({d['detail']}; start it with `sparkguard run`, or pass --url)")
+        else:
+            L.append(f"  {d['error']}")
+    else:
+        up = fd(now - d["start_time"]) if d.get("start_time") else "?"
+        last = fd(max(0.0, now - d["last_poll_timestamp"])) + " ago" if d.get("last_poll_timestamp") else "?"
+        L.append(f"  running (sparkguard {d.get('version') or '?'}), state {d.get('state') or '?'}"
+                 f"{'  [DRY RUN: signals nothing]' if d.get('dry_run') else ''}")
+        L.append(f"  up {up}, last poll {last}, {d.get('polls') or 0} polls"
+                 + (f", RSS {fs(d['rss_bytes'])}" if d.get("rss_bytes") else ""))
+        if d.get("signal_bytes") is not None:
+            L.append(f"  it sees {fs(d['signal_bytes'])} against term_below {fs(d.get('term_below_bytes'))}")
+        sig = ", ".join(f"{k} {v}" for k, v in sorted(d["signals"].items(), reverse=True)) or "none"
+        inc = ", ".join(f"{k} {v}" for k, v in sorted(d["incidents"].items())) or "none"
+        L.append(f"  signals sent: {sig};  incidents: {inc}")
+        if d.get("last_incident_timestamp"):
+            ago = fd(max(0.0, now - d["last_incident_timestamp"]))
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_incident_timestamp"]))
+            L.append(f"  last incident {stamp} ({ago} ago); see `sparkguard incidents`")
+    return "\n".join(L) + "\n"
+
+
+def handler(args: argparse.Namespace) -> int:
+    """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid."""
+    from sparkguard import config
+
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as e:
+        print(f"sparkguard status: {e}", file=sys.stderr)
+        return 2
+    url = args.url or metrics_url(cfg.metrics.listen)
+    st = gather(cfg, url)
+    if args.json:
+        json.dump(st, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render(st))
+    return 0

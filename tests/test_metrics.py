@@ -1,0 +1,446 @@
+"""The metrics endpoint: a real HTTP server on loopback, scraped over HTTP, linted by promtool."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkguard import __version__, config, metrics
+
+GiB = 1024**3
+
+
+def snapshot_dict(**over) -> dict:
+    """A snapshot as the daemon's Guard.snapshot() returns it mid-incident (TEAM.md)."""
+    now = time.time()
+    s = {
+        "available_bytes": int(0.6 * GiB), "total_bytes": int(121.7 * GiB),
+        "swap_free_bytes": 5 * GiB, "swap_total_bytes": 6 * GiB,
+        "signal_bytes": int(0.6 * GiB), "signal": "available",
+        "term_below_bytes": int(0.75 * GiB), "kill_below_bytes": None,
+        "grace_seconds": 10.0, "poll_interval_seconds": 0.2,
+        "state": "term_sent", "dry_run": False,
+        "signals_sent": {"SIGTERM": 1, "SIGKILL": 0},
+        "incidents": {"memory": 3, "drill": 1},
+        "last_incident_timestamp": now - 2.5,
+        "poll_count": 123456, "poll_seconds_sum": 0.987,
+        "last_poll_timestamp": now - 0.1, "started_timestamp": now - 3600,
+        "config_path": "/etc/sparkguard/sparkguard.yaml",
+        "config_reloads": {"ok": 2, "failed": 1},
+        "victim": {"pid": 4242, "title": "vllm serve demo"},
+    }
+    s.update(over)
+    return s
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        return r.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted label items): value} from exposition text (prometheus_client's parser)."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def types(text: str) -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def promtool(text: str) -> subprocess.CompletedProcess:
+    assert shutil.which("promtool"), "promtool missing: run tests/install-deps (Debian package prometheus)"
+    return subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def server():
+    """Start servers on free loopback ports; stop them all afterwards."""
+    started = []
+
+    def start(snapshot, **kw):
+        srv = metrics.start_server(("127.0.0.1", 0), snapshot, **kw)
+        started.append(srv)
+        return srv
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def test_scrape_over_http_carries_the_snapshot_and_passes_promtool(server):
+    snap = snapshot_dict()
+    srv = server(lambda: snap)
+    assert srv.address[0] == "127.0.0.1" and srv.address[1] > 0
+    text = scrape(srv.url)
+    v = samples(text)
+
+    assert v[("sparkguard_memory_available_bytes", ())] == int(0.6 * GiB)
+    assert v[("sparkguard_memory_total_bytes", ())] == int(121.7 * GiB)
+    assert v[("sparkguard_swap_free_bytes", ())] == 5 * GiB
+    assert v[("sparkguard_swap_total_bytes", ())] == 6 * GiB
+    assert v[("sparkguard_guard_signal_bytes", ())] == int(0.6 * GiB)
+    assert v[("sparkguard_term_below_bytes", ())] == int(0.75 * GiB)
+    assert v[("sparkguard_grace_seconds", ())] == 10.0
+    assert v[("sparkguard_poll_interval_seconds", ())] == 0.2
+    assert v[("sparkguard_dry_run", ())] == 0
+    # one-hot state
+    state = {dict(k[1])["state"]: val for k, val in v.items() if k[0] == "sparkguard_guard_state"}
+    assert state == {"ok": 0, "term_sent": 1, "kill_sent": 0, "recovering": 0}
+    # counters with _total and labels; SIGKILL present at 0 so rate() works from the first kill
+    assert v[("sparkguard_signals_total", (("signal", "SIGTERM"),))] == 1
+    assert v[("sparkguard_signals_total", (("signal", "SIGKILL"),))] == 0
+    assert v[("sparkguard_incidents_total", (("kind", "memory"),))] == 3
+    assert v[("sparkguard_incidents_total", (("kind", "drill"),))] == 1
+    assert v[("sparkguard_config_reloads_total", (("result", "ok"),))] == 2
+    assert v[("sparkguard_config_reloads_total", (("result", "failed"),))] == 1
+    assert v[("sparkguard_poll_duration_seconds_count", ())] == 123456
+    assert v[("sparkguard_poll_duration_seconds_sum", ())] == pytest.approx(0.987)
+    assert v[("sparkguard_last_incident_timestamp_seconds", ())] == pytest.approx(snap["last_incident_timestamp"])
+    assert v[("sparkguard_last_poll_timestamp_seconds", ())] == pytest.approx(snap["last_poll_timestamp"])
+    assert v[("sparkguard_start_time_seconds", ())] == pytest.approx(snap["started_timestamp"])
+    assert v[("sparkguard_build_info", (("version", __version__),))] == 1
+    # kill_below is off: the metric is absent, not 0 (0 would read as "a floor at 0 bytes")
+    assert not any(k[0] == "sparkguard_kill_below_bytes" for k in v)
+    # the process collector of this process
+    assert v[("process_resident_memory_bytes", ())] > 1024 * 1024
+    assert ("process_cpu_seconds_total", ()) in v
+
+    t = types(text)
+    assert t["sparkguard_signals"] == "counter"
+    assert t["sparkguard_incidents"] == "counter"
+    assert t["sparkguard_poll_duration_seconds"] == "summary"
+    assert t["sparkguard_memory_available_bytes"] == "gauge"
+    assert "# TYPE sparkguard_signals_total counter" in text
+
+    # every HELP says something
+    for line in text.splitlines():
+        if line.startswith("# HELP sparkguard_"):
+            assert len(line.split(" ", 3)[3]) > 20, line
+
+    r = promtool(text)
+    assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
+
+
+def test_kill_below_appears_when_configured_and_dry_run_is_one(server):
+    srv = server(lambda: snapshot_dict(kill_below_bytes=256 * 1024**2, dry_run=True, state="ok"))
+    text = scrape(srv.url)
+    v = samples(text)
+    assert v[("sparkguard_kill_below_bytes", ())] == 256 * 1024**2
+    assert v[("sparkguard_dry_run", ())] == 1
+    assert v[("sparkguard_guard_state", (("state", "ok"),))] == 1
+    assert promtool(text).returncode == 0
+
+
+def test_values_are_read_at_scrape_time(server):
+    """The collector holds nothing: each scrape calls snapshot() and reads PSI anew."""
+    calls = []
+
+    def snap():
+        calls.append(1)
+        return snapshot_dict(available_bytes=len(calls) * GiB)
+
+    srv = server(snap)
+    assert samples(scrape(srv.url))[("sparkguard_memory_available_bytes", ())] == 1 * GiB
+    assert samples(scrape(srv.url))[("sparkguard_memory_available_bytes", ())] == 2 * GiB
+
+
+def psi_totals() -> dict[str, float]:
+    out = {}
+    with open("/proc/pressure/memory") as f:
+        for line in f:
+            p = line.split()
+            out[p[0]] = int(p[-1].partition("=")[2]) / 1e6
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/pressure/memory"), reason="kernel without PSI")
+def test_psi_is_read_from_the_kernel_as_ratios(server):
+    before = psi_totals()
+    srv = server(snapshot_dict)
+    v = samples(scrape(srv.url))
+    after = psi_totals()
+    for kind in ("some", "full"):
+        for w in ("avg10", "avg60", "avg300"):
+            r = v[(f"sparkguard_pressure_memory_{kind}_ratio", (("window", w),))]
+            assert 0.0 <= r <= 1.0
+        stalled = v[("sparkguard_pressure_memory_stalled_seconds_total", (("kind", kind),))]
+        assert before[kind] <= stalled <= after[kind]
+
+
+def test_snapshot_failure_still_answers_with_kernel_metrics(server, caplog):
+    def broken():
+        raise RuntimeError("guard not started")
+
+    srv = server(broken)
+    text = scrape(srv.url)
+    v = samples(text)
+    assert not any(k[0].startswith("sparkguard_memory_") for k in v)
+    assert ("sparkguard_build_info", (("version", __version__),)) in v
+    assert ("process_resident_memory_bytes", ()) in v
+    assert "guard not started" in caplog.text
+    assert promtool(text).returncode == 0
+
+
+def test_extra_collectors_and_register_collector(server):
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    class Engine:
+        def collect(self):
+            yield GaugeMetricFamily("sparkguard_engine_up", "1 when the engine process runs.", value=1)
+
+    class Link:
+        def collect(self):
+            g = GaugeMetricFamily("sparkguard_link_up", "1 when the interface is up.", labels=["interface"])
+            g.add_metric(["enp1s0f0np0"], 1)
+            yield g
+
+    srv = server(snapshot_dict, extra_collectors=[Engine()])
+    assert samples(scrape(srv.url))[("sparkguard_engine_up", ())] == 1
+    metrics.register_collector(Link())  # most recently started server
+    text = scrape(srv.url)
+    assert samples(text)[("sparkguard_link_up", (("interface", "enp1s0f0np0"),))] == 1
+    assert promtool(text).returncode == 0
+
+
+def test_prometheus_style_request_gzip_openmetrics(server):
+    """Prometheus itself asks for OpenMetrics, gzipped; the small-stack thread must serve that too."""
+    import gzip
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+
+    srv = server(snapshot_dict)
+    req = urllib.request.Request(srv.url, headers={
+        "Accept-Encoding": "gzip",
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = gzip.decompress(r.read()).decode()
+    fams = {f.name: f for f in om_parse(text)}
+    assert fams["sparkguard_signals"].type == "counter"
+    assert {s.labels["signal"]: s.value for s in fams["sparkguard_signals"].samples
+            if s.name == "sparkguard_signals_total"} == {"SIGTERM": 1, "SIGKILL": 0}
+    assert fams["sparkguard_build"].type == "info"
+
+
+def test_port_in_use_names_the_address():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(metrics.MetricsListenError) as ei:
+            metrics.start_server(("127.0.0.1", port), snapshot_dict)
+    assert ei.value.errno == errno.EADDRINUSE
+    assert f"127.0.0.1:{port}" in str(ei.value)
+    assert "metrics.listen" in str(ei.value)
+    assert isinstance(ei.value, OSError)
+
+
+def test_stop_closes_the_port(server):
+    srv = metrics.start_server(("127.0.0.1", 0), snapshot_dict)
+    url, port = srv.url, srv.address[1]
+    scrape(url)
+    srv.stop()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
+    # the port is free again: a restarted daemon can bind it
+    again = metrics.start_server(("127.0.0.1", port), snapshot_dict)
+    try:
+        assert samples(scrape(again.url))[("sparkguard_memory_available_bytes", ())] > 0
+    finally:
+        again.stop()
+
+
+def test_defaults_listen_on_loopback_8799():
+    assert metrics.DEFAULT_LISTEN == ("127.0.0.1", 8799)
+    assert config.Config().metrics.listen == metrics.DEFAULT_LISTEN
+
+
+def test_empty_host_binds_loopback_not_all_interfaces(server):
+    srv = metrics.start_server(("", 0), snapshot_dict)
+    try:
+        assert srv.address[0] == "127.0.0.1"
+    finally:
+        srv.stop()
+
+
+def test_scrapes_cost_no_stack_memory_under_mlockall(tmp_path):
+    """The daemon mlockall()s: a scrape thread with an 8 MiB default stack would add 8 MiB RSS."""
+    script = tmp_path / "locked.py"
+    script.write_text(textwrap.dedent("""
+        import ctypes, sys, urllib.request
+        from sparkguard import metrics
+        def rss():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mlockall(3) != 0:   # MCL_CURRENT | MCL_FUTURE
+            print("SKIP mlockall failed", ctypes.get_errno()); sys.exit(0)
+        srv = metrics.start_server(("127.0.0.1", 0), dict)
+        before = rss()   # glibc caches a dead thread's stack: the first scrape is the one that shows
+        for _ in range(5):
+            urllib.request.urlopen(srv.url, timeout=10).read()
+        print("GROWTH", rss() - before)
+        srv.stop()
+    """))
+    from conftest import sg_env
+    r = subprocess.run([sys.executable, str(script)], env=sg_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    if r.stdout.startswith("SKIP"):
+        pytest.skip(r.stdout)
+    growth = int(r.stdout.split()[-1])
+    assert growth < 4 * 1024**2, f"RSS grew {growth} bytes over 5 scrapes"
+
+
+@pytest.fixture
+def zram_device(root_only):
+    """A zram device of our own (hot_add), with compressible data written to it; removed afterwards."""
+    ctl = "/sys/class/zram-control"
+    if not os.path.exists(ctl):
+        subprocess.run(["modprobe", "zram", "num_devices=0"], capture_output=True, timeout=30)
+    if not os.path.exists(ctl):
+        pytest.skip("no zram in this kernel")
+    with open(f"{ctl}/hot_add") as f:
+        n = int(f.read())
+    name = f"zram{n}"
+    try:
+        with open(f"/sys/block/{name}/disksize", "w") as f:
+            f.write(str(64 * 1024**2))
+        data = (b"sparkguard metrics test " * 200)[:4096] * 1024   # 4 MiB, compresses well
+        fd = os.open(f"/dev/{name}", os.O_WRONLY)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        yield name
+    finally:
+        try:
+            with open(f"/sys/block/{name}/reset", "w") as f:
+                f.write("1")
+        except OSError:
+            pass
+        with open(f"{ctl}/hot_remove", "w") as f:
+            f.write(str(n))
+
+
+def test_zram_device_stats(server, zram_device):
+    srv = server(snapshot_dict)
+    text = scrape(srv.url)
+    v = samples(text)
+    lab = (("device", zram_device),)
+    with open(f"/sys/block/{zram_device}/mm_stat") as f:
+        mm = [int(x) for x in f.read().split()]
+    assert v[("sparkguard_zram_disksize_bytes", lab)] == 64 * 1024**2
+    assert v[("sparkguard_zram_orig_data_bytes", lab)] == mm[0] >= 4 * 1024**2
+    assert 0 < v[("sparkguard_zram_compr_data_bytes", lab)] < v[("sparkguard_zram_orig_data_bytes", lab)]
+    assert v[("sparkguard_zram_mem_used_bytes", lab)] > 0
+    r = promtool(text)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def wait_for_scrape(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """Scrape ``url`` as soon as the daemon listens; fail if it exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return scrape(url)
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                out, err = proc.communicate(timeout=5)
+                pytest.fail(f"sparkguard run exited {proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"sparkguard run did not serve {url} within {timeout} s")
+            time.sleep(0.05)  # nothing to await across processes but the port itself
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sparkguard.daemon") is None, reason="sparkguard.daemon not merged yet")
+def test_sparkguard_run_serves_metrics_end_to_end(tmp_path):
+    from conftest import mem_available, sg_env, sparkguard_cmd
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        guard:
+          term_below: 128MiB
+          dry_run: true
+        targets:
+          match: ['^sgtest-never-{os.getpid()}-{time.monotonic_ns()}$']
+        metrics:
+          listen: 127.0.0.1:{port}
+        incidents:
+          dir: {tmp_path}/incidents
+          journal: "off"
+    """))
+    proc = subprocess.Popen(sparkguard_cmd("run", "--config", str(cfg)), env=sg_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = wait_for_scrape(url, proc)
+        deadline = time.monotonic() + 30
+        while not samples(text).get(("sparkguard_poll_duration_seconds_count", ())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            text = scrape(url)
+        v = samples(text)
+        assert v[("sparkguard_poll_duration_seconds_count", ())] > 0
+        assert abs(v[("sparkguard_memory_available_bytes", ())] - mem_available()) < 2 * GiB
+        assert v[("sparkguard_term_below_bytes", ())] == 128 * 1024**2
+        assert v[("sparkguard_guard_state", (("state", "ok"),))] == 1
+        assert v[("sparkguard_dry_run", ())] == 1
+        assert v[("sparkguard_signals_total", (("signal", "SIGTERM"),))] == 0
+        assert time.time() - v[("sparkguard_last_poll_timestamp_seconds", ())] < 10
+        assert v[("sparkguard_build_info", (("version", __version__),))] == 1
+        with open(f"/proc/{proc.pid}/status") as f:
+            rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+        assert abs(v[("process_resident_memory_bytes", ())] - rss) < 16 * 1024**2  # the daemon's own RSS
+        r = promtool(text)
+        assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+        from conftest import run_sparkguard
+        st = run_sparkguard("status", "--config", str(cfg))
+        assert st.returncode == 0, st.stderr
+        assert "state ok" in st.stdout and "DRY RUN" in st.stdout
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sparkguard.daemon") is None, reason="sparkguard.daemon not merged yet")
+def test_sparkguard_run_refuses_a_taken_port_and_names_it(tmp_path):
+    from conftest import run_sparkguard
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "sparkguard.yaml"
+        cfg.write_text(f"guard:\n  dry_run: true\ntargets:\n  match: ['^sgtest-never-{os.getpid()}$']\n"
+                       f"metrics:\n  listen: 127.0.0.1:{port}\nincidents:\n  dir: {tmp_path}\n  journal: 'off'\n")
+        r = run_sparkguard("run", "--config", str(cfg), timeout=60)
+    assert r.returncode != 0
+    assert f"cannot listen for metrics on 127.0.0.1:{port} (metrics.listen): Address already in use" in r.stderr

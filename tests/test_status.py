@@ -1,0 +1,173 @@
+"""``sparkguard status`` run as a command, against a real metrics server and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from conftest import mem_available, run_sparkguard
+from sparkguard import metrics
+from sparkguard.units import format_size
+from test_metrics import snapshot_dict, zram_device  # noqa: F401  (fixture)
+
+GiB = 1024**3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path, body: str) -> str:
+    p = tmp_path / "sparkguard.yaml"
+    p.write_text(body)
+    return str(p)
+
+
+def mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError
+
+
+@pytest.fixture
+def daemon_endpoint():
+    """A real metrics server on a free loopback port serving a mid-incident snapshot."""
+    snap = snapshot_dict(dry_run=True)
+    srv = metrics.start_server(("127.0.0.1", 0), lambda: snap)
+    yield srv
+    srv.stop()
+
+
+def test_status_reads_the_daemon_from_metrics_listen(tmp_path, daemon_endpoint):
+    host, port = daemon_endpoint.address
+    cfg = write_config(tmp_path, f"metrics:\n  listen: {host}:{port}\nguard:\n  term_below: 1GiB\n  grace: 20s\n")
+    r = run_sparkguard("status", "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"config: {cfg}" in out
+    assert f"Daemon   (http://127.0.0.1:{port}/metrics)" in out
+    assert "running (sparkguard 0.1.0), state term_sent" in out
+    assert "DRY RUN" in out
+    assert "signals sent: SIGTERM 1, SIGKILL 0" in out
+    assert "incidents: drill 1, memory 3" in out
+    assert "last incident" in out and "sparkguard incidents" in out
+    assert f"it sees {format_size(int(0.6 * GiB))} against term_below {format_size(int(0.75 * GiB))}" in out
+    # the screen's own thresholds come from the config given
+    assert "term_below 1.00 GiB   kill_below off   grace 20.0 s" in out
+    assert f"MemTotal      {format_size(mem_total()):>11}" in out
+    assert "above term_below (1.00 GiB)" in out
+
+
+def test_status_with_url_and_json(daemon_endpoint):
+    before = mem_available()
+    r = run_sparkguard("status", "--url", daemon_endpoint.url, "--json")
+    after = mem_available()
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    m = st["memory"]
+    lo, hi = sorted((before, after))
+    assert lo - 256 * 1024**2 <= m["available_bytes"] <= hi + 256 * 1024**2
+    assert m["total_bytes"] == mem_total()
+    assert m["headroom_term_bytes"] == m["signal_bytes"] - int(0.75 * GiB)
+    assert m["headroom_kill_bytes"] is None
+    d = st["daemon"]
+    assert d["running"] is True and d["state"] == "term_sent" and d["dry_run"] is True
+    assert d["signals"] == {"SIGTERM": 1, "SIGKILL": 0}
+    assert d["incidents"] == {"memory": 3, "drill": 1}
+    assert d["polls"] == 123456
+    assert d["rss_bytes"] > 0          # the process collector of the serving process
+    assert st["thresholds"]["term_below_bytes"] == int(0.75 * GiB)
+
+
+def test_status_without_daemon_says_so_and_exits_0(tmp_path):
+    port = free_port()
+    cfg = write_config(tmp_path, f"metrics:\n  listen: 127.0.0.1:{port}\nguard:\n  kill_below: 256MiB\n")
+    r = run_sparkguard("status", "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    assert f"daemon not running (no answer at http://127.0.0.1:{port}/metrics)" in r.stdout
+    # the rest of the screen is still there, read from /proc
+    assert "MemAvailable" in r.stdout and "Memory pressure (PSI" in r.stdout
+    assert f"above kill_below ({format_size(256 * 1024**2)})" in r.stdout
+    assert "Connection refused; start it with `sparkguard run`" in r.stdout
+
+
+def test_status_metrics_off(tmp_path):
+    cfg = write_config(tmp_path, "metrics:\n  listen: off\n")
+    r = run_sparkguard("status", "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    assert "metrics.listen is off" in r.stdout
+
+
+def test_status_something_else_on_the_port():
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), NotFound)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+        r = run_sparkguard("status", "--url", url)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.returncode == 0, r.stderr
+    assert "answered HTTP 404" in r.stdout and "not a sparkguard metrics endpoint" in r.stdout
+
+
+def test_status_lists_matched_targets(tmp_path):
+    model = "sgtest-" + secrets.token_hex(4)
+    title = f"vllm serve {model}"
+    proc = subprocess.Popen(["bash", "-c", f"exec -a '{title}' sleep 120"])
+    try:
+        cfg = write_config(tmp_path, f"targets:\n  match: ['serve {model}']\nmetrics:\n  listen: off\n")
+        r = run_sparkguard("status", "--config", cfg)
+        assert r.returncode == 0, r.stderr
+        assert f"* pid {proc.pid:<7} {title}" in r.stdout
+        assert f"matched by serve {model}" in r.stdout
+
+        r = run_sparkguard("status", "--config", cfg, "--json")
+        t = json.loads(r.stdout)["targets"]
+        assert [x["root_pid"] for x in t] == [proc.pid]
+        assert t[0]["mem_bytes"] > 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+    r = run_sparkguard("status", "--config", cfg)
+    assert "no process matches targets.match" in r.stdout
+    assert "nothing (targets.fallback: off)" in r.stdout
+
+
+def test_status_bad_config_names_file_key_value(tmp_path):
+    cfg = write_config(tmp_path, "guard:\n  grace: soon\n")
+    r = run_sparkguard("status", "--config", cfg)
+    assert r.returncode == 2
+    assert cfg in r.stderr and "guard.grace" in r.stderr and "'soon'" in r.stderr
+
+
+def test_status_shows_zram_with_compression_ratio(tmp_path, zram_device):  # noqa: F811
+    cfg = write_config(tmp_path, "metrics:\n  listen: off\n")
+    r = run_sparkguard("status", "--config", cfg, "--json")
+    z = {d["device"]: d for d in json.loads(r.stdout)["zram"]}[zram_device]
+    assert z["disksize_bytes"] == 64 * 1024**2
+    assert z["compression_ratio"] == round(z["orig_data_bytes"] / z["compr_data_bytes"], 2) > 2
+    r = run_sparkguard("status", "--config", cfg)
+    line = next(x for x in r.stdout.splitlines() if f"zram {zram_device} (" in x)
+    assert f"{format_size(64 * 1024**2)} disk, holds {format_size(z['orig_data_bytes'])}" in line
+    assert f"(ratio {z['compression_ratio']:.2f}x)" in line
