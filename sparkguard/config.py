@@ -616,9 +616,6 @@ def _check_engine(cfg: Config, data: dict, path: str, total: int | None) -> None
     if e.probe is not None and e.probe.url is None and e.health_url is None:
         raise ConfigError(path, "engine.probe", body.get("probe"),
                           "needs probe.url, or engine.health_url to derive /v1/completions from")
-    if e.probe is not None and e.probe.timeout > e.probe.interval:
-        raise ConfigError(path, "engine.probe.timeout", e.probe.timeout,
-                          f"longer than engine.probe.interval ({e.probe.interval:g} s)")
     grace = cfg.guard.grace
     for key, raw in _shutdown_values(e):
         try:

@@ -827,6 +827,7 @@ class Supervisor:
             self._history("drop_caches", drop_caches())
         gate = QuiesceGate(e.start_above, e.stable_for, e.stable_band)
         timed_out = False
+        announced: bool | str = False
         from sparkguard.units import format_size
         while True:
             now = time.monotonic()
@@ -842,6 +843,9 @@ class Supervisor:
                 break
             self._set("waiting", f"quiesce: MemAvailable {format_size(avail)}, need >= {format_size(e.start_above)} "
                                  f"stable for {e.stable_for:g} s")
+            if not announced:
+                announced = True
+                self._history("waiting", f"{self.detail}; starting anyway after {e.quiesce_timeout:g} s")
             if self._wait(min(MEM_SAMPLE, deadline - now)):
                 return False
             if self.incident_open:
@@ -861,6 +865,9 @@ class Supervisor:
                 waiting = "; ".join(f"{s.url}: " + (s.error or f"{format_size(s.available_bytes)} available")
                                     for s in states if not s.ok)
                 self._set("waiting", f"peers: {waiting}; need >= {format_size(e.start_above)} each")
+                if announced != "peers":
+                    announced = "peers"
+                    self._history("waiting", self.detail)
                 if self._wait(min(PEER_EVERY, deadline - now)):
                     return False
         waited = time.monotonic() - t0
@@ -1185,7 +1192,7 @@ class Supervisor:
         next_members = 0.0
         next_probe = None
         model = None
-        while not run.done.is_set() and run.exit is None:
+        while not run.done.is_set() and run.exit is None and run.term_reason is None:
             now = time.monotonic()
             e = self.ecfg
             if now >= next_members:
