@@ -132,8 +132,10 @@ class Daemon:
             return len(self.lines)
 
     def output(self) -> str:
+        """The last 200 lines, the engine's HTTP access lines left out."""
         with self.cv:
-            return "\n".join(self.lines[-200:])
+            lines = [ln for ln in self.lines if '"GET /health HTTP' not in ln]
+        return "\n".join(lines[-200:])
 
     def wait_control(self, timeout: float = 30.0) -> None:
         """Until the control socket is served (the daemon logs it once bound)."""
