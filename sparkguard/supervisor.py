@@ -1204,6 +1204,7 @@ class Supervisor:
                     ok = self._health(e.health_url, e.health_interval)
                 if ok:
                     self._became_ready(run)
+                    self._refresh_members(run)      # the whole tree exists once it serves
                     if e.probe is not None:
                         next_probe = time.monotonic() + e.probe.interval
                 elif now - run.t_spawn >= e.ready_timeout:

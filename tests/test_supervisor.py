@@ -304,3 +304,29 @@ def test_headless_rank_restarted_when_its_head_goes_away(tmp_path):
         head.stop()
         if d is not None:
             d.cleanup()
+
+
+def test_engine_left_by_a_killed_daemon_is_swept_before_the_new_start(tmp_path):
+    model, port = unique(), free_port()
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port), port)
+    d = Daemon(tmp_path, cfg)
+    d2 = None
+    try:
+        d.wait_control()
+        d.wait_ready()
+        old = list(d.engine_pids)
+        d.proc.kill()                      # the daemon dies; its engine keeps running, reparented
+        d.proc.wait(10)
+        assert all(os.path.exists(f"/proc/{p}") for p in old)
+        d2 = Daemon(tmp_path, cfg, name="again")
+        d2.wait_control()
+        st = d2.wait_ready()
+        assert wait_gone(old, 5) == [], "the old engine is still running"
+        assert st["pid"] not in old and http_get(f"http://127.0.0.1:{port}/health")[0] == 200
+        sweep = history(st, "sweep")
+        assert sweep and f"{len(old)} leftover processes" in sweep[0]["detail"]
+    finally:
+        d.cleanup()
+        if d2 is not None:
+            d2.cleanup()
+        kill_pids(d.engine_pids)
