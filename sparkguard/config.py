@@ -14,6 +14,7 @@ Sections and keys (see README "Configuration"):
 * ``incidents``: ``dir``, ``journal``
 * ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
   gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
+* ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
 """
 
 from __future__ import annotations
@@ -173,6 +174,21 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class LinkConfig:
+    """``link:``: the TP fabric interfaces watched through netlink (see sparkguard.linkwatch).
+
+    ``interfaces`` is a tuple of interface names; empty (the default) turns the watch off
+    and pyroute2 is never imported.  ``down_after`` is seconds a link must stay down before
+    it is an incident.  ``mark_unhealthy``: a link incident also marks the supervised
+    engine unhealthy, so that it is restarted once the link is back.
+    """
+
+    interfaces: tuple[str, ...] = ()
+    down_after: float = 5.0
+    mark_unhealthy: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; ``path`` is where it came from (``"<defaults>"`` if embedded)."""
 
@@ -181,6 +197,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
     path: str = "<defaults>"
 
 
@@ -238,6 +255,20 @@ def _listen(v: Any) -> tuple[str, int] | None:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError("port must be 1-65535")
     return (host or "127.0.0.1", int(port))
+
+
+def _ifname_list(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError("expected a list of interface names such as [enp1s0f0np0]")
+    for x in v:
+        # net/core/dev.c dev_valid_name: 1-15 bytes, no '/', ':' or whitespace, not '.' or '..'
+        if not 0 < len(x.encode()) < 16 or x in (".", "..") or any(c in x for c in "/: \t\n"):
+            raise ValueError(f"{x!r} is not a valid interface name (1-15 characters, no '/', ':' or spaces)")
+    if len(set(v)) != len(v):
+        raise ValueError("an interface is listed twice")
+    return tuple(v)
 
 
 def _path(v: Any) -> str:
@@ -465,6 +496,11 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "peers": _url_list,
         "head_url": _optional_url,
         "head_lost_after": _positive_duration,
+    }),
+    "link": (LinkConfig, {
+        "interfaces": _ifname_list,
+        "down_after": parse_duration,
+        "mark_unhealthy": _bool,
     }),
 }
 

@@ -78,6 +78,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     _setup_logging(args.log_level)
     from sparkguard import config, proctree
+    why = proctree.hidepid_blocks_view()
+    if why:
+        log.error("not starting: %s", why)
+        print(f"sparkguard: not starting: {why}", file=sys.stderr)
+        return 2
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
@@ -86,11 +91,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-    why = proctree.hidepid_blocks_view()
-    if why:
-        log.error("not starting: %s", why)
-        print(f"sparkguard: not starting: {why}", file=sys.stderr)
-        return 2
     guard = Guard(cfg, config_arg=args.config)
     try:
         guard.start()
@@ -197,6 +197,8 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
+        self.linkwatch = None
+        self.links_up: dict[str, bool] = {}
 
     @staticmethod
     def _thresholds(cfg):
@@ -223,6 +225,7 @@ class Guard:
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
         self._start_metrics()
+        self._start_linkwatch()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -250,6 +253,32 @@ class Guard:
             return
         from sparkguard import metrics
         self.metrics = metrics.start_server(listen, self.snapshot)
+
+    def _start_linkwatch(self) -> None:
+        """Watch the TP fabric links (``link.interfaces``) through netlink events, in their own thread.
+
+        pyroute2 is imported only here: it costs ~19 MiB of RSS, paid only when links are configured.
+        """
+        if not self.cfg.link.interfaces:
+            return
+        from sparkguard import linkwatch
+        self.linkwatch = linkwatch.LinkWatch(self.cfg.link.interfaces, self.cfg.link.down_after,
+                                             on_incident=self._on_link_incident, on_change=self._on_link_change)
+        self.linkwatch.start()
+        if self.metrics is not None:
+            self.metrics.register_collector(self.linkwatch.collector())
+
+    def _on_link_incident(self, inc: dict) -> None:
+        """From the link-watch thread: a link stayed down past ``link.down_after`` (first call,
+        outcome ``link_down``) or came back (second call, same id).  Reported as a ``link`` incident."""
+        if inc.get("outcome") == "link_down":
+            self.incidents["link"] = self.incidents.get("link", 0) + 1
+            self.last_incident = time.time()
+        self.reporter.finish(inc)
+
+    def _on_link_change(self, ifname: str, up: bool) -> None:
+        """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
+        self.links_up[ifname] = up
 
     def _on_signal(self, signum, frame) -> None:
         self._flags.add(signum)
@@ -404,6 +433,7 @@ class Guard:
         from sparkguard import signals
         target = self._choose()
         if target is None:
+            self._fill_incident(None)
             if not retry:
                 self._event(now, value, "no_target", [], "nothing matches targets.match"
                             + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
@@ -433,12 +463,14 @@ class Guard:
         inc = self.incident
         if inc is None:
             return
-        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
-                         "mem_bytes": target.mem_bytes, "tree": target.tree}
         if isinstance(inc["meminfo"], bytes):
             inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
         inc["psi_memory"] = sysinfo.read_psi_memory()
         inc["zram"] = sysinfo.read_zram()
+        if target is None:
+            return
+        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
+                         "mem_bytes": target.mem_bytes, "tree": target.tree}
 
     def _kill(self, now: float, value: int) -> None:
         if self.tree is None:
@@ -514,6 +546,9 @@ class Guard:
         except config.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload failed, keeping the running config: %s", e)
+            self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
+                                       "available_bytes": self.value, "pids": [],
+                                       "detail": f"reload failed, running config kept: {e}"})
             self.notifier.ready()
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30
@@ -538,6 +573,8 @@ class Guard:
         self._stop_supervisor()
         if self.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
+        if self.linkwatch is not None:
+            self.linkwatch.stop()
         if self.reporter is not None:
             self.reporter.close()
         if self.metrics is not None:

@@ -241,7 +241,7 @@ def hidepid_blocks_view() -> str | None:
 
     /proc mounted with ``hidepid=1|2|invisible|noaccess`` (proc(5)) hides other users'
     /proc/PID from an unprivileged reader: the guard would then never find the engine.
-    Checked by reading PID 1's cmdline, which everyone can read without hidepid.
+    Checked by reading PID 1's stat (hidden or unreadable under hidepid for non-root).
     """
     opts = ""
     for line in (_read("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
@@ -251,7 +251,7 @@ def hidepid_blocks_view() -> str | None:
     hide = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("hidepid=")), None)
     if hide in (None, "0", "off"):
         return None
-    if os.path.exists("/proc/1/stat") and _read("/proc/1/stat") is not None:
+    if os.getpid() == 1 or _read("/proc/1/stat") is not None:
         return None
     return (f"/proc is mounted with hidepid={hide} and this process (uid {os.geteuid()}) cannot see "
             "other users' processes; run sparkguard as root or add its group to /proc's gid= option")

@@ -1,17 +1,299 @@
-"""Placeholder reporter (logs only); replaced by the report branch."""
+"""Incident reporting off the poll loop: journal entries, the JSON file, a log line.
+
+Act first, report after: the poll loop calls :meth:`Reporter.event` and
+:meth:`Reporter.finish`, which only snapshot what they need and put it on a queue; one
+daemon thread (256 KiB stack) does the slow parts: it logs a one-line summary (logger
+``sparkguard.reporter``, so a person running ``sparkguard run`` in a terminal sees it),
+sends the journal entry over the native protocol (:mod:`sparkguard.journal`) and writes
+the incident file (:class:`sparkguard.incidents.IncidentStore`).  Nothing here blocks or
+raises to the caller; a failing journal or disk is logged once per failure streak
+(later failures of the same kind at WARNING/DEBUG) and survived.
+
+Journal entries (see README "Incidents" and ``sparkguard/data/catalog/sparkguard.catalog``):
+
+* per event: ``MESSAGE`` (one line), ``MESSAGE_ID`` of the event kind, ``PRIORITY``,
+  ``SPARKGUARD_INCIDENT``, ``SPARKGUARD_EVENT``, ``SPARKGUARD_KIND``, ``SPARKGUARD_PIDS``
+  (space-separated), ``SPARKGUARD_AVAILABLE_BYTES``, ``SPARKGUARD_T_SECONDS`` (since the
+  crossing), ``SPARKGUARD_DETAIL``, ``SPARKGUARD_DRY_RUN``, ``SPARKGUARD_DRILL``,
+  ``SPARKGUARD_TARGET_PID``/``_TITLE``, plus any extra scalar keys of the event as
+  ``SPARKGUARD_<KEY>``;
+* per incident (finish): ``MESSAGE`` (the summary), ``MESSAGE_ID`` = report id,
+  ``SPARKGUARD_OUTCOME``, ``SPARKGUARD_TARGET_PID``, ``SPARKGUARD_REPORT`` (the whole record
+  as JSON; large ones travel by memfd), ``SPARKGUARD_FILE`` (where it was saved, absent if
+  the file could not be written) and flat numbers: ``SPARKGUARD_TERM_BELOW_BYTES``,
+  ``SPARKGUARD_KILL_BELOW_BYTES``, ``SPARKGUARD_GRACE_SECONDS``,
+  ``SPARKGUARD_AVAILABLE_BYTES`` (at the crossing), ``SPARKGUARD_MIN_AVAILABLE_BYTES``,
+  ``SPARKGUARD_DURATION_SECONDS``, ``SPARKGUARD_STARTED_AT``/``_ENDED_AT`` (unix s),
+  ``SPARKGUARD_TARGET_MEM_BYTES``, ``SPARKGUARD_PIDS`` (the target tree).
+"""
+
+from __future__ import annotations
+
+import copy
 import logging
+import os
+import queue
+import sys
+import threading
+from typing import Any
+
+from sparkguard import incidents, journal
+
 log = logging.getLogger("sparkguard.reporter")
+
+JOURNAL_MODES = ("auto", "on", "off")
+_STOP = object()
+_STACK = 256 * 1024
+_EVENT_KEYS = {"event", "t", "at", "available_bytes", "pids", "detail"}
+
+
+def _level(prio: int) -> int:
+    return logging.ERROR if prio <= 3 else logging.WARNING if prio == 4 else logging.INFO
+
+
+def _stderr_is_journal() -> bool:
+    """True when stderr is already connected to journald (``$JOURNAL_STREAM`` = device:inode of
+    fd 2, ``man:systemd.exec(5)``): the log line would then duplicate the native entry."""
+    js = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(x) for x in js.split(":"))
+        st = os.fstat(sys.stderr.fileno())
+        return st.st_dev == dev and st.st_ino == ino
+    except (ValueError, OSError, AttributeError):
+        return False
 
 
 class Reporter:
-    def __init__(self, incidents_dir, journal="auto", journal_socket="/run/systemd/journal/socket"):
-        pass
+    """Reports incidents without delaying the caller.
 
-    def event(self, incident, event):
-        log.warning("incident %s: %s: %s", incident["id"], event["event"], event["detail"])
+    Args:
+        incidents_dir: str, directory of the JSON store (``incidents.dir``).
+        journal: ``"auto"`` (send when the journal socket exists), ``"on"`` (always try;
+            a missing journal is logged as an error once), ``"off"`` (never).
+        journal_socket: str, path of journald's native socket.
+        queue_size: int, reports waiting at most; beyond it new ones are dropped and counted
+            (the caller is never blocked).
+    Raises:
+        ValueError: ``journal`` is not one of auto/on/off (from the constructor only).
 
-    def finish(self, incident):
-        log.warning("incident %s finished: %s", incident["id"], incident["summary"])
+    ``stats`` (dict of ints) counts events, reports, journal_sent, journal_memfd,
+    journal_failed, files_written, files_failed, dropped, errors.
+    """
 
-    def close(self, timeout=5.0):
-        pass
+    def __init__(self, incidents_dir: str, journal: str = "auto",
+                 journal_socket: str = "/run/systemd/journal/socket", queue_size: int = 1024):
+        if journal not in JOURNAL_MODES:
+            raise ValueError(f"journal mode {journal!r}: expected one of auto, on, off")
+        self.store = incidents.IncidentStore(incidents_dir)
+        self.journal_mode = journal
+        self.journal_socket = journal_socket
+        self.stats = {k: 0 for k in ("events", "reports", "journal_sent", "journal_memfd", "journal_failed",
+                                     "files_written", "files_failed", "dropped", "errors")}
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._journal_failing = False
+        self._disk_failing = False
+        self._dropped_logged = 0
+        self._quiet_stderr = _stderr_is_journal()
+        self._thread = threading.Thread(target=self._run, name="sparkguard-reporter", daemon=True)
+        old = None
+        try:
+            old = threading.stack_size(_STACK)
+        except (ValueError, RuntimeError):
+            pass
+        try:
+            self._thread.start()
+        finally:
+            if old is not None:
+                threading.stack_size(old)
+
+    # ---- caller side (poll loop): snapshot + enqueue, never block, never raise ----------
+
+    def event(self, incident: dict | None, event: dict) -> None:
+        """Queue one journal entry (and log line) for ``event`` of ``incident``.
+
+        Args:
+            incident: the open incident record (TEAM.md "Incident record"), or None for
+                events outside an incident (``config_reload_failed``).  Only id, kind,
+                flags and target are read, now; the record may change afterwards.
+            event: ``{event, t, at, available_bytes, pids, detail, ...}``; copied now.
+        """
+        try:
+            inc = incident if isinstance(incident, dict) else {}
+            tgt = inc.get("target") if isinstance(inc.get("target"), dict) else {}
+            snap = {
+                "incident": inc.get("id"), "kind": inc.get("kind"), "dry_run": inc.get("dry_run"),
+                "drill": inc.get("drill"), "target_pid": tgt.get("root_pid"), "target_title": tgt.get("title"),
+                "ev": {k: (list(v) if isinstance(v, list | tuple) else v) for k, v in event.items()},
+            }
+            self._put(("event", snap))
+        except Exception:  # noqa: BLE001 - reporting must never hurt the guard
+            self.stats["errors"] += 1
+
+    def finish(self, incident: dict) -> None:
+        """Queue the full report: the JSON file, the journal report entry, a log line.
+
+        Args:
+            incident: the closed incident record; deep-copied now (so the caller may reuse
+                or drop it), keys starting with ``_`` (loop-private state) are left out.
+        """
+        try:
+            rec = copy.deepcopy({k: v for k, v in incident.items() if not str(k).startswith("_")})
+            self._put(("finish", rec))
+        except Exception:  # noqa: BLE001
+            self.stats["errors"] += 1
+
+    def _put(self, item: tuple) -> None:
+        if self._closed:
+            self.stats["dropped"] += 1
+            return
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            self.stats["dropped"] += 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Report what is queued, then stop the thread; waits at most ``timeout`` seconds.
+
+        Later :meth:`event`/:meth:`finish` calls are dropped (counted).  Safe to call twice.
+        """
+        if not self._closed:
+            self._closed = True
+            try:
+                self._q.put(_STOP, timeout=max(timeout, 0.01))
+            except queue.Full:
+                log.error("reporter queue still full after %.1fs at close; unsent reports are lost", timeout)
+                return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("reporter did not finish within %.1fs; unsent reports may be lost", timeout)
+
+    # ---- reporter thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                break
+            try:
+                if item[0] == "event":
+                    self._do_event(item[1])
+                else:
+                    self._do_finish(item[1])
+            except Exception:  # noqa: BLE001 - keep reporting the next ones
+                self.stats["errors"] += 1
+                log.exception("reporting failed")
+            if self.stats["dropped"] != self._dropped_logged:
+                log.error("%d incident reports dropped (queue full or reporter closed)",
+                          self.stats["dropped"] - self._dropped_logged)
+                self._dropped_logged = self.stats["dropped"]
+
+    def _do_event(self, s: dict) -> None:
+        from sparkguard.units import format_size
+        ev = s["ev"]
+        name = str(ev.get("event") or "event")
+        prio = journal.priority(name)
+        avail = ev.get("available_bytes")
+        detail = str(ev.get("detail") or "")
+        iid = s.get("incident")
+        ctx = [f"available {format_size(avail)}"] if isinstance(avail, int | float) else []
+        if iid:
+            ctx.append(f"incident {iid}")
+        msg = f"{name}: {detail}" if detail else name
+        if ctx:
+            msg += " (" + "; ".join(ctx) + ")"
+        msg = msg.replace("\n", " ")
+        self.stats["events"] += 1
+        fields: dict[str, Any] = {
+            "MESSAGE": msg, "MESSAGE_ID": journal.message_id(name), "PRIORITY": prio,
+            "SPARKGUARD_INCIDENT": iid, "SPARKGUARD_EVENT": name, "SPARKGUARD_KIND": s.get("kind"),
+            "SPARKGUARD_PIDS": journal.flatten_pids(ev.get("pids")),
+            "SPARKGUARD_AVAILABLE_BYTES": avail, "SPARKGUARD_T_SECONDS": ev.get("t"),
+            "SPARKGUARD_DETAIL": detail or None,
+            "SPARKGUARD_DRY_RUN": s.get("dry_run"), "SPARKGUARD_DRILL": s.get("drill"),
+            "SPARKGUARD_TARGET_PID": s.get("target_pid"), "SPARKGUARD_TARGET_TITLE": s.get("target_title"),
+        }
+        for k, v in ev.items():  # extra facts from later event kinds (engine, link...)
+            name_k = "SPARKGUARD_" + str(k).upper()
+            if k not in _EVENT_KEYS and name_k not in fields and journal.valid_field_name(name_k) \
+                    and isinstance(v, str | int | float | bool):
+                fields[name_k] = v
+        sent = self._journal(fields)
+        self._log(prio, sent, "%s", msg)
+
+    def _do_finish(self, rec: dict) -> None:
+        import json
+        self.stats["reports"] += 1
+        if isinstance(rec.get("meminfo"), bytes | bytearray):
+            from sparkguard import sysinfo
+            rec["meminfo"] = sysinfo.parse_meminfo(rec["meminfo"])
+        iid = rec.get("id")
+        path = self.store.save(rec, log_errors=False)
+        if path is not None:
+            self.stats["files_written"] += 1
+            if self._disk_failing:
+                log.info("incident files are written again (%s)", path)
+                self._disk_failing = False
+        else:
+            self.stats["files_failed"] += 1
+            level = logging.WARNING if self._disk_failing else logging.ERROR
+            log.log(level, "incident %s not saved in %s: %s%s", iid, self.store.dir, self.store.last_error,
+                    "" if self._disk_failing else " (the journal entry still carries the full report)")
+            self._disk_failing = True
+
+        th = rec.get("thresholds") if isinstance(rec.get("thresholds"), dict) else {}
+        tgt = rec.get("target") if isinstance(rec.get("target"), dict) else {}
+        outcome = rec.get("outcome")
+        prio = journal.report_priority(outcome)
+        summ = incidents.summary(rec).replace("\n", " ")
+        msg = f"incident {iid}: {outcome}: {summ}"
+        tree_pids = [e.get("pid") for e in tgt.get("tree") or [] if isinstance(e, dict)
+                     and isinstance(e.get("pid"), int)]
+        fields: dict[str, Any] = {
+            "MESSAGE": msg, "MESSAGE_ID": journal.MESSAGE_IDS["report"], "PRIORITY": prio,
+            "SPARKGUARD_INCIDENT": iid, "SPARKGUARD_EVENT": "report", "SPARKGUARD_KIND": rec.get("kind"),
+            "SPARKGUARD_OUTCOME": outcome, "SPARKGUARD_DRY_RUN": rec.get("dry_run"),
+            "SPARKGUARD_DRILL": rec.get("drill"),
+            "SPARKGUARD_TARGET_PID": tgt.get("root_pid"), "SPARKGUARD_TARGET_TITLE": tgt.get("title"),
+            "SPARKGUARD_TARGET_MEM_BYTES": tgt.get("mem_bytes"),
+            "SPARKGUARD_PIDS": journal.flatten_pids(tree_pids) or None,
+            "SPARKGUARD_TERM_BELOW_BYTES": th.get("term_below_bytes"),
+            "SPARKGUARD_KILL_BELOW_BYTES": th.get("kill_below_bytes"),
+            "SPARKGUARD_GRACE_SECONDS": th.get("grace_seconds"), "SPARKGUARD_SIGNAL": th.get("signal"),
+            "SPARKGUARD_AVAILABLE_BYTES": incidents.available_at_crossing(rec),
+            "SPARKGUARD_MIN_AVAILABLE_BYTES": incidents.min_available(rec),
+            "SPARKGUARD_DURATION_SECONDS": incidents.duration(rec),
+            "SPARKGUARD_STARTED_AT": rec.get("started_at"), "SPARKGUARD_ENDED_AT": rec.get("ended_at"),
+            "SPARKGUARD_FILE": path,
+            "SPARKGUARD_REPORT": json.dumps(rec, separators=(",", ":"), default=str),
+        }
+        sent = self._journal(fields)
+        self._log(prio, sent, "%s%s", msg, f" [saved {path}]" if path else " [NOT saved to disk]")
+
+    def _journal(self, fields: dict) -> bool:
+        """Send one entry per the journal mode; True if journald took it."""
+        if self.journal_mode == "off":
+            return False
+        if self.journal_mode == "auto" and not os.path.exists(self.journal_socket):
+            return False
+        try:
+            how = journal.send(fields, self.journal_socket)
+        except (OSError, ValueError) as e:
+            self.stats["journal_failed"] += 1
+            if not self._journal_failing:
+                log.error("cannot write to the journal at %s: %s (logged once until it works again)",
+                          self.journal_socket, getattr(e, "strerror", None) or e)
+                self._journal_failing = True
+            return False
+        self.stats["journal_sent"] += 1
+        if how == "memfd":
+            self.stats["journal_memfd"] += 1
+        if self._journal_failing:
+            log.info("journal at %s works again", self.journal_socket)
+            self._journal_failing = False
+        return True
+
+    def _log(self, prio: int, sent: bool, fmt: str, *args: Any) -> None:
+        # under systemd stderr is the journal too: the native entry already says it
+        level = logging.DEBUG if sent and self._quiet_stderr else _level(prio)
+        log.log(level, fmt, *args)

@@ -184,7 +184,15 @@ def gather(cfg, url: str | None) -> dict:
                   "error": "metrics.listen is off in the configuration; pass --url to ask the daemon"}
     else:
         daemon = read_daemon(url)
+    links, links_error = {}, None
+    if cfg.link.interfaces:
+        try:
+            from sparkguard import linkwatch
+            links = linkwatch.read_links(cfg.link.interfaces)
+        except OSError as e:
+            links_error = f"cannot read links over netlink: {e}"
     return {
+        "links": links, "links_error": links_error,
         "config_path": cfg.path, "memory": memory, "thresholds": thresholds,
         "targets": targets, "targets_error": targets_error,
         "swaps": sysinfo.read_swaps(), "zram": zram, "psi_memory": sysinfo.read_psi_memory(),
@@ -255,6 +263,22 @@ def render(st: dict) -> str:
     if not st["zram"]:
         L.append("  no zram device")
     L.append("")
+
+    if st.get("links") or st.get("links_error"):
+        L.append("TP links (link.interfaces)")
+        if st.get("links_error"):
+            L.append(f"  {st['links_error']}")
+        for name, ln in st["links"].items():
+            if not ln.get("present"):
+                L.append(f"  {name}: MISSING (no such interface)")
+                continue
+            speed = ln.get("speed_bytes_per_second")
+            L.append(f"  {name}: {'UP' if ln.get('up') else 'DOWN'} (operstate {ln.get('operstate')}, "
+                     f"carrier {ln.get('carrier')}"
+                     + (f", {speed * 8 / 1e9:g} Gb/s" if speed else "")
+                     + f", carrier changes {ln.get('carrier_changes')}, rx/tx errors "
+                     f"{ln.get('rx_errors')}/{ln.get('tx_errors')}, drops {ln.get('rx_dropped')}/{ln.get('tx_dropped')})")
+        L.append("")
 
     L.append("Memory pressure (PSI, share of time stalled)")
     psi = st["psi_memory"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -49,3 +51,48 @@ def root_only():
     """Skip unless running as root (CI runs as root)."""
     if os.geteuid() != 0:
         pytest.skip("needs root")
+
+
+ZRAM_CONTROL = "/sys/class/zram-control"
+
+
+def remove_zram_device(name: str) -> None:
+    """swapoff, reset and hot_remove a test's own zram device (retrying EBUSY: the kernel
+    holds a device briefly after swapoff/reset).  Fails loudly rather than leak it."""
+    assert name != "zram0", "tests never touch zram0"
+    with open("/proc/swaps") as f:
+        if any(line.split()[0] == f"/dev/{name}" for line in f.readlines()[1:]):
+            subprocess.run(["swapoff", f"/dev/{name}"], timeout=300, check=False)
+    if not os.path.isdir(f"/sys/block/{name}"):
+        return
+    try:
+        with open(f"/sys/block/{name}/reset", "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(f"{ZRAM_CONTROL}/hot_remove", "w") as f:
+                f.write(name[4:])
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise AssertionError(f"test zram device {name} could not be removed: {e}") from None
+        time.sleep(0.05)  # no event exists for "no longer busy"
+
+
+@pytest.fixture
+def own_zram(root_only):
+    """Name (``"zramN"``) of a zram device made for this test with hot_add; removed afterwards."""
+    if not os.path.exists(ZRAM_CONTROL):
+        subprocess.run(["modprobe", "zram", "num_devices=0"], capture_output=True, timeout=30)
+    if not os.path.exists(ZRAM_CONTROL):
+        pytest.skip("no /sys/class/zram-control (zram module not loaded)")
+    with open(f"{ZRAM_CONTROL}/hot_add") as f:
+        name = "zram" + f.read().strip()
+    assert name != "zram0"
+    try:
+        yield name
+    finally:
+        remove_zram_device(name)

@@ -312,35 +312,19 @@ def test_scrapes_cost_no_stack_memory_under_mlockall(tmp_path):
 
 
 @pytest.fixture
-def zram_device(root_only):
-    """A zram device of our own (hot_add), with compressible data written to it; removed afterwards."""
-    ctl = "/sys/class/zram-control"
-    if not os.path.exists(ctl):
-        subprocess.run(["modprobe", "zram", "num_devices=0"], capture_output=True, timeout=30)
-    if not os.path.exists(ctl):
-        pytest.skip("no zram in this kernel")
-    with open(f"{ctl}/hot_add") as f:
-        n = int(f.read())
-    name = f"zram{n}"
+def zram_device(own_zram):
+    """Our own zram device (conftest.own_zram) with 4 MiB of compressible data written to it."""
+    name = own_zram
+    with open(f"/sys/block/{name}/disksize", "w") as f:
+        f.write(str(64 * 1024**2))
+    data = (b"sparkguard metrics test " * 200)[:4096] * 1024   # 4 MiB, compresses well
+    fd = os.open(f"/dev/{name}", os.O_WRONLY)
     try:
-        with open(f"/sys/block/{name}/disksize", "w") as f:
-            f.write(str(64 * 1024**2))
-        data = (b"sparkguard metrics test " * 200)[:4096] * 1024   # 4 MiB, compresses well
-        fd = os.open(f"/dev/{name}", os.O_WRONLY)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        yield name
+        os.write(fd, data)
+        os.fsync(fd)
     finally:
-        try:
-            with open(f"/sys/block/{name}/reset", "w") as f:
-                f.write("1")
-        except OSError:
-            pass
-        with open(f"{ctl}/hot_remove", "w") as f:
-            f.write(str(n))
+        os.close(fd)
+    return name
 
 
 def test_zram_device_stats(server, zram_device):

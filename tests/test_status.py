@@ -15,7 +15,7 @@ import pytest
 from conftest import mem_available, run_sparkguard
 from sparkguard import metrics
 from sparkguard.units import format_size
-from test_metrics import snapshot_dict, zram_device  # noqa: F401  (fixture)
+from test_metrics import snapshot_dict, zram_device  # noqa: F401  (fixture; uses conftest.own_zram)
 
 GiB = 1024**3
 

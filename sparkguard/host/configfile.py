@@ -1,0 +1,129 @@
+"""The commented default ``/etc/sparkguard/sparkguard.yaml`` that ``install`` writes.
+
+It is generated from :data:`sparkguard.config.SCHEMA` and the dataclass defaults, so it
+is exactly the embedded defaults for every section, including sections added later: each
+value is rendered in the most readable form (``0.75GiB``, ``200ms``, ``127.0.0.1:8799``)
+that the key's own parser turns back into the default, and :func:`render` checks the
+whole text with :func:`sparkguard.config.from_dict` before returning it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from sparkguard import __version__
+
+#: first line of the file we write; the rest says how to change it
+HEADER = """\
+# sparkguard configuration: written by `sparkguard install` ({version}).
+# Every value below is the built-in default; change what you need and run
+# `systemctl reload sparkguard` (a bad value is refused and the running configuration kept).
+# `sparkguard check-config` validates this file.  Sizes: 0.75GiB, 768MiB or bytes;
+# durations: 200ms, 10s, 5m.  `sparkguard install` never overwrites this file once edited.
+"""
+
+#: comments per dotted key (facts from sparkguard/config.py and FIELD-NOTES)
+HELP: dict[str, str] = {
+    "guard": "When to act.",
+    "guard.poll_interval": "How often MemAvailable is read. Free memory has been seen to fall ~3 GiB/s during prefill.",
+    "guard.term_below": "SIGTERM the engine when the watched value (see signal) falls below this.",
+    "guard.kill_below": "SIGKILL the whole engine tree at once below this (null: only after the grace period).",
+    "guard.grace": "Time from SIGTERM to SIGKILL of the whole tree; keep it longer than the engine's own "
+                   "shutdown timeout (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).",
+    "guard.signal": "available: MemAvailable; available+swap: MemAvailable + SwapFree.",
+    "guard.dry_run": "true: record incidents and log what would be signalled, signal nothing.",
+    "guard.recovery_wait": "After a kill, how long to wait for the memory to come back before choosing another victim.",
+    "targets": "Whom to signal.",
+    "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
+                     "e.g. VLLM::EngineCore); earlier ones are preferred.",
+    "targets.protect": "Never signalled: regular expressions matched in full against /proc/PID/comm and argv[0]'s basename.",
+    "targets.fallback": "off: only matched processes; oom_score: otherwise the process with the highest oom_score.",
+    "metrics": "Prometheus endpoint.",
+    "metrics.listen": "host:port to serve /metrics on, or off.",
+    "incidents": "Incident records.",
+    "incidents.dir": "One JSON file per incident.",
+    "incidents.journal": "Write incidents to the systemd journal: auto (when it runs), on, off.",
+}
+
+_GIB, _MIB, _KIB = 1024**3, 1024**2, 1024
+
+
+def _candidates(value: Any) -> list[Any]:
+    """Renderings of a default, most readable first."""
+    out: list[Any] = []
+    if value is None:
+        return [None, "off"]
+    if isinstance(value, bool):
+        return [value]
+    if isinstance(value, int):
+        for unit, mult in (("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
+            q = value / mult
+            if q >= 0.25 and abs(q * mult - value) < 1 and float(f"{q:g}") * mult == value:
+                out.append(f"{q:g}{unit}")
+        return out + [value]
+    if isinstance(value, float):
+        if value and value < 1:
+            out.append(f"{value * 1000:g}ms")
+        if value >= 60 and value % 60 == 0:
+            out.append(f"{value / 60:g}m")
+        out.append(f"{value:g}s")
+        return out + [value]
+    if isinstance(value, tuple):
+        if len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int):
+            out.append(f"{value[0]}:{value[1]}")
+        return out + [list(value)]
+    return [value]
+
+
+def _render_value(dotted: str, default: Any, parser: Callable[[Any], Any]) -> Any:
+    import yaml
+
+    for cand in _candidates(default):
+        try:
+            if parser(yaml.safe_load(yaml.safe_dump(cand))) == default:
+                return cand
+        except (ValueError, TypeError):
+            continue
+    raise RuntimeError(f"no YAML rendering of {dotted} = {default!r} parses back to the default")
+
+
+def _comment(text: str, indent: str) -> list[str]:
+    import textwrap
+
+    return [f"{indent}# {ln}" for ln in textwrap.wrap(text, 92 - len(indent))]
+
+
+def render() -> str:
+    """The default configuration file text.
+
+    Returns:
+        str, YAML with comments; ``sparkguard.config.load`` of it gives ``Config()``.
+    Raises:
+        RuntimeError: a default cannot be rendered so that it parses back to itself
+            (a schema change this module does not understand).
+    """
+    import yaml
+
+    from sparkguard import config
+
+    lines = [HEADER.format(version=__version__).rstrip("\n")]
+    defaults = config.Config()
+    for section, (cls, parsers) in config.SCHEMA.items():
+        lines.append("")
+        lines += _comment(HELP.get(section, f"Section {section} (see README)."), "")
+        lines.append(f"{section}:")
+        sec_default = getattr(defaults, section, None) or cls()
+        for key, parser in parsers.items():
+            default = getattr(sec_default, key)
+            value = _render_value(f"{section}.{key}", default, parser)
+            if f"{section}.{key}" in HELP:
+                lines += _comment(HELP[f"{section}.{key}"], "  ")
+            dumped = yaml.safe_dump({key: value}, default_flow_style=False, sort_keys=False,
+                                    allow_unicode=True, width=1000).rstrip("\n").splitlines()
+            lines += ["  " + ln for ln in dumped]
+    text = "\n".join(lines) + "\n"
+    check = config.from_dict(yaml.safe_load(text), "<rendered defaults>")
+    if dataclasses.replace(check, path=defaults.path) != defaults:
+        raise RuntimeError("rendered default configuration does not load back to the built-in defaults")
+    return text

@@ -1,0 +1,504 @@
+"""``sparkguard doctor``: check this host against what the guard needs.
+
+Each check returns a :class:`Check` with a verdict (PASS, WARN, FAIL, or INFO for facts
+that are neither), a one-line message with the measured values, and the fix.  A check
+that cannot run (an odd /proc, a missing tool) is a WARN saying so; doctor itself never
+dies of one.  Exit status: 1 when any check FAILs, else 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from sparkguard.host import sysctl
+from sparkguard.units import format_duration, format_size
+
+PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
+UNIT = "sparkguard.service"
+UNIT_FILE = "/etc/systemd/system/sparkguard.service"
+CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+@dataclass
+class Check:
+    """One verdict: ``name`` (stable id), ``status`` (PASS/WARN/FAIL/INFO), ``message``,
+    ``fix`` (what to do, or None) and ``data`` (measured values, JSON-ready)."""
+
+    name: str
+    status: str
+    message: str
+    fix: str | None = None
+    data: dict = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    """What the checks share: the loaded config, and the GPU memory utilisation vLLM is
+    started with (the fraction of MemTotal its start-up check wants free)."""
+
+    config: Any
+    gpu_memory_utilization: float = 0.9
+    _procs: list | None = None
+
+    def processes(self) -> list[tuple[int, int, list[str]]]:
+        """``[(pid, ppid, argv)]`` of every process, read once; unreadable ones and kernel threads skipped."""
+        if self._procs is None:
+            out = []
+            for d in os.listdir("/proc"):
+                if not d.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        raw = f.read()
+                    with open(f"/proc/{d}/stat", "rb") as f:
+                        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                argv = [a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
+                if argv:
+                    out.append((int(d), ppid, argv))
+            self._procs = out
+        return self._procs
+
+
+def _meminfo() -> dict[str, int]:
+    from sparkguard.sysinfo import parse_meminfo
+
+    with open("/proc/meminfo", "rb") as f:
+        return parse_meminfo(f.read())
+
+
+# --- the checks ----------------------------------------------------------------------
+
+
+def check_zram(ctx: Context) -> Check:
+    """zram swap present, active, and used before any file/partition swap."""
+    from sparkguard.sysinfo import read_swaps
+
+    swaps = read_swaps()
+    zr = [s for s in swaps if os.path.basename(s["filename"]).startswith("zram")]
+    other = [s for s in swaps if s not in zr]
+    data = {"zram": zr, "other_swap": other}
+    if not zr:
+        if not os.path.isdir("/sys/class/zram-control") and not os.path.isdir("/sys/block/zram0"):
+            return Check("zram", WARN, "no zram swap, and the zram module is not loaded",
+                         "modprobe zram; sparkguard install-zram", data)
+        return Check("zram", WARN, "no zram swap is active: reclaim spikes go straight to the livelock",
+                     "sparkguard install-zram (6 GiB at priority 100)", data)
+    top = max(s["priority"] for s in zr)
+    slow = [s for s in other if s["priority"] >= top]
+    desc = ", ".join(f"{s['filename']} {format_size(s['size_bytes'])} prio {s['priority']}" for s in zr)
+    if slow:
+        names = ", ".join(f"{s['filename']} (prio {s['priority']})" for s in slow)
+        return Check("zram", WARN, f"zram active ({desc}) but slow swap {names} is used as early",
+                     "lower the file swap's priority (pri=10 in /etc/fstab, or swapon --priority) "
+                     "or raise zram's (sparkguard install-zram --priority)", data)
+    return Check("zram", PASS, f"zram active: {desc}" + (", above file swap" if other else ""), None, data)
+
+
+def check_swappiness(ctx: Context) -> Check:
+    """vm.swappiness: high with zram (180), at most 100 without a fast swap."""
+    v = sysctl.read("vm.swappiness")
+    if v is None:
+        return Check("swappiness", WARN, "cannot read /proc/sys/vm/swappiness")
+    fast = sysctl.fast_swap()
+    data = {"value": v, "fast_swap": fast}
+    if fast and v < 100:
+        return Check("swappiness", WARN, f"vm.swappiness = {v} with {fast}: the kernel drops page cache "
+                     "before using the fast swap", "sparkguard tune (vm.swappiness = 180)", data)
+    if not fast and v > sysctl.SWAPPINESS_DISK_MAX:
+        return Check("swappiness", WARN, f"vm.swappiness = {v} without zram or zswap: swapping goes to disk",
+                     "sparkguard install-zram, or sparkguard tune --swappiness 60", data)
+    return Check("swappiness", PASS, f"vm.swappiness = {v}" + (f" with {fast}" if fast else ""), None, data)
+
+
+def _zone_high_bytes() -> int | None:
+    """Sum of the zones' high watermarks in bytes (/proc/zoneinfo), or None."""
+    try:
+        with open("/proc/zoneinfo") as f:
+            pages = sum(int(m.group(1)) for m in re.finditer(r"^\s+high\s+(\d+)\s*$", f.read(), re.M))
+    except OSError:
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_watermark(ctx: Context) -> Check:
+    """vm.watermark_scale_factor: 100 is the tuning, above 200 a trap (500: ~12 GiB walled on a Spark)."""
+    v = sysctl.read("vm.watermark_scale_factor")
+    if v is None:
+        return Check("watermark_scale_factor", WARN, "cannot read /proc/sys/vm/watermark_scale_factor")
+    high = _zone_high_bytes()
+    data = {"value": v, "high_watermarks_bytes": high}
+    walled = f"; the high watermarks hold {format_size(high)} out of MemAvailable" if high is not None else ""
+    if v > sysctl.WATERMARK_MAX:
+        return Check("watermark_scale_factor", FAIL,
+                     f"vm.watermark_scale_factor = {v}{walled}: above {sysctl.WATERMARK_MAX} this walls memory "
+                     "off and looks exactly like a leak (at 500 ~12 GiB on a Spark); the guard fires early",
+                     "sparkguard tune --watermark-scale-factor 100", data)
+    if v < 100:
+        return Check("watermark_scale_factor", WARN, f"vm.watermark_scale_factor = {v}{walled}: kswapd wakes late "
+                     "and allocations stall in direct reclaim", "sparkguard tune (vm.watermark_scale_factor = 100)",
+                     data)
+    return Check("watermark_scale_factor", PASS, f"vm.watermark_scale_factor = {v}{walled}", None, data)
+
+
+def check_page_cluster(ctx: Context) -> Check:
+    """vm.page-cluster: 0 with zram (no swap read-ahead)."""
+    v = sysctl.read("vm.page-cluster")
+    fast = sysctl.fast_swap()
+    if v is None:
+        return Check("page_cluster", WARN, "cannot read /proc/sys/vm/page-cluster")
+    if fast and v != 0:
+        return Check("page_cluster", WARN, f"vm.page-cluster = {v} with zram: swap-in reads {2 ** v} pages "
+                     "at a time, useless on zram", "sparkguard tune (vm.page-cluster = 0)", {"value": v})
+    return Check("page_cluster", PASS, f"vm.page-cluster = {v}", None, {"value": v})
+
+
+def check_min_free(ctx: Context) -> Check:
+    """vm.min_free_kbytes: reported; more than 2 % of memory walls MemAvailable like the watermark trap."""
+    v = sysctl.read("vm.min_free_kbytes")
+    if v is None:
+        return Check("min_free_kbytes", WARN, "cannot read /proc/sys/vm/min_free_kbytes")
+    total = _meminfo().get("MemTotal", 0)
+    data = {"value_kb": v, "mem_total_bytes": total}
+    if total and v * 1024 > 0.02 * total:
+        return Check("min_free_kbytes", WARN, f"vm.min_free_kbytes = {v} ({format_size(v * 1024)}, "
+                     f"{100 * v * 1024 / total:.1f} % of memory): reserved memory never shows in MemAvailable",
+                     "lower vm.min_free_kbytes (the kernel default suits a Spark)", data)
+    return Check("min_free_kbytes", PASS, f"vm.min_free_kbytes = {v} ({format_size(v * 1024)})", None, data)
+
+
+def is_guard(argv: list[str]) -> bool:
+    """True for ``sparkguard run ...`` or ``<python> -m sparkguard run ...`` (not a shell wrapping one)."""
+    if not argv:
+        return False
+    exe = os.path.basename(argv[0])
+    if exe == "sparkguard":
+        return len(argv) > 1 and argv[1] == "run"
+    if exe.startswith("python"):
+        return any(argv[i:i + 3] == ["-m", "sparkguard", "run"] for i in range(1, len(argv) - 2))
+    return False
+
+
+def _guard_pids(ctx: Context) -> list[int]:
+    return [pid for pid, _, argv in ctx.processes() if pid != os.getpid() and is_guard(argv)]
+
+
+def _cap_eff() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def check_memlock(ctx: Context) -> Check:
+    """Can the guard mlockall()?  Running guard's VmLck, else the unit's LimitMEMLOCK, else ours."""
+    import resource
+
+    locked: dict[int, int] = {}
+    for pid in _guard_pids(ctx):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                locked[pid] = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmLck:")), 0)
+        except OSError:
+            continue
+    if locked:
+        bad = [pid for pid, n in locked.items() if not n]
+        desc = ", ".join(f"pid {pid}: {format_size(n)}" for pid, n in locked.items())
+        if bad:
+            return Check("memlock", WARN, f"guard pid {', '.join(map(str, bad))} has no memory locked ({desc}): "
+                         "under heavy swap it can be paged out and react seconds late",
+                         "run the guard as root or with LimitMEMLOCK=infinity (the unit does)", {"locked_bytes": locked})
+        return Check("memlock", PASS, f"running guard memory locked (mlockall; {desc})", None, {"locked_bytes": locked})
+    from sparkguard.host.files import read_text
+
+    unit = read_text(UNIT_FILE)
+    if unit is not None:
+        if re.search(r"^LimitMEMLOCK=infinity\s*$", unit, re.M):
+            return Check("memlock", PASS, f"{UNIT_FILE} sets LimitMEMLOCK=infinity", None, {"unit": UNIT_FILE})
+        return Check("memlock", WARN, f"{UNIT_FILE} does not set LimitMEMLOCK=infinity",
+                     "sparkguard install (or add LimitMEMLOCK=infinity in a drop-in)", {"unit": UNIT_FILE})
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cap = bool(_cap_eff() >> CAP_IPC_LOCK & 1)
+    data = {"rlimit_memlock": None if soft == resource.RLIM_INFINITY else soft, "cap_ipc_lock": cap}
+    if soft == resource.RLIM_INFINITY or cap:
+        why = "unlimited RLIMIT_MEMLOCK" if soft == resource.RLIM_INFINITY else "CAP_IPC_LOCK"
+        return Check("memlock", PASS, f"mlockall possible from here ({why}); no guard running or installed", None, data)
+    return Check("memlock", WARN, f"RLIMIT_MEMLOCK is {format_size(soft)} and no CAP_IPC_LOCK: mlockall would fail",
+                 "run the guard from the unit (LimitMEMLOCK=infinity)", data)
+
+
+def check_psi(ctx: Context) -> Check:
+    """/proc/pressure/memory readable (kernel >= 4.20 with PSI on)."""
+    from sparkguard.sysinfo import read_psi_memory
+
+    psi = read_psi_memory()
+    if psi is None:
+        return Check("psi", WARN, "/proc/pressure/memory is missing: no memory-pressure wake-ups or metrics",
+                     "boot with psi=1 (kernel >= 4.20, CONFIG_PSI)")
+    some = psi.get("some", {}).get("avg10")
+    return Check("psi", PASS, f"PSI available (memory some avg10 = {some} %)", None, {"psi_memory": psi})
+
+
+def check_hidepid(ctx: Context) -> Check:
+    """/proc mount options: hidepid hides engines from an unprivileged guard; subset=pid hides meminfo."""
+    opts = None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                p = line.split()
+                if len(p) >= 4 and p[1] == "/proc" and p[2] == "proc":
+                    opts = p[3]
+    except OSError:
+        return Check("hidepid", WARN, "cannot read /proc/self/mounts")
+    data = {"options": opts}
+    o = dict(kv.partition("=")[::2] for kv in (opts or "").split(","))
+    if o.get("subset") == "pid":
+        return Check("hidepid", FAIL, f"/proc is mounted subset=pid ({opts}): /proc/meminfo is hidden",
+                     "mount /proc without subset=pid", data)
+    hp = o.get("hidepid")
+    if hp and hp not in ("0", "off"):
+        return Check("hidepid", PASS, f"/proc is mounted hidepid={hp}: the unit runs the guard as root with "
+                     "CAP_SYS_PTRACE, which sees every process; a restricted user would see none", None, data)
+    return Check("hidepid", PASS, "/proc shows every process (no hidepid)", None, data)
+
+
+def check_unit(ctx: Context) -> Check:
+    """The guard runs: unit enabled and active under systemd, else a guard process."""
+    from sparkguard.host.systemctl import query, systemd_running
+
+    if systemd_running():
+        enabled = query("is-enabled", UNIT) or "unknown"
+        active = query("is-active", UNIT) or "unknown"
+        data = {"enabled": enabled, "active": active}
+        if enabled in ("not-found", "") or (enabled == "unknown" and not os.path.exists(UNIT_FILE)):
+            return Check("unit", FAIL, f"{UNIT} is not installed", "sparkguard install && systemctl enable --now sparkguard", data)
+        if active != "active":
+            return Check("unit", FAIL, f"{UNIT} is {active} ({enabled}): nothing guards this box",
+                         "systemctl enable --now sparkguard; journalctl -u sparkguard", data)
+        if enabled != "enabled":
+            return Check("unit", WARN, f"{UNIT} is active but {enabled}: it will not start at boot",
+                         "systemctl enable sparkguard", data)
+        return Check("unit", PASS, f"{UNIT} enabled and active", None, data)
+    pids = _guard_pids(ctx)
+    data = {"systemd": False, "pids": pids, "unit_installed": os.path.exists(UNIT_FILE)}
+    if pids:
+        return Check("unit", WARN, f"systemd does not run this machine; guard running as pid "
+                     f"{', '.join(map(str, pids))} without watchdog restarts",
+                     "run it under systemd (sparkguard install; systemctl enable --now sparkguard)", data)
+    return Check("unit", FAIL, "systemd does not run this machine and no `sparkguard run` process is running: "
+                 "nothing guards this box", "start `sparkguard run` under a supervisor that restarts it", data)
+
+
+def _engine_timeout(pid: int, cmd: str) -> tuple[float | None, str]:
+    """vLLM's worker shutdown timeout of ``pid``: from ``--shutdown-timeout N`` or the
+    environment variable VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS; ``(seconds|None, source)``.
+    Raises PermissionError when the environment cannot be read."""
+    m = re.search(r"--shutdown-timeout[=\s]+([0-9.]+)", cmd)
+    if m:
+        return float(m.group(1)), "--shutdown-timeout"
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    if not any(b"=" in kv for kv in env):
+        # setproctitle grows the title into the environment's memory, which is what
+        # /proc/PID/environ shows: renamed processes (VLLM::EngineCore) have none left
+        return None, "hidden"
+    for kv in env:
+        if kv.startswith(b"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="):
+            try:
+                return float(kv.split(b"=", 1)[1]), "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+            except ValueError:
+                return None, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (not a number)"
+    return None, "unset"
+
+
+def _engines(ctx: Context) -> list[tuple[int, str]]:
+    """Root processes of the engines ``targets.match`` selects: ``[(pid, cmdline)]``.
+
+    The cmdline is argv joined with spaces, as the guard matches it (sparkguard/config.py).
+    """
+    pats = [re.compile(p) for p in ctx.config.targets.match]
+    procs = [(pid, ppid, " ".join(argv)) for pid, ppid, argv in ctx.processes()]
+    hit = {pid: cmd for pid, _, cmd in procs if pid != os.getpid() and any(p.search(cmd) for p in pats)}
+    parent = {pid: ppid for pid, ppid, _ in procs}
+    return sorted((pid, cmd) for pid, cmd in hit.items() if parent.get(pid) not in hit)
+
+
+def check_engine_timeout(ctx: Context) -> Check:
+    """Each running vLLM's worker shutdown timeout is set and shorter than the guard's grace."""
+    grace = ctx.config.guard.grace
+    engines = [(pid, cmd) for pid, cmd in _engines(ctx) if "vllm" in cmd.lower()]
+    if not engines:
+        return Check("engine_shutdown_timeout", INFO, "no vLLM engine running; when you start one set "
+                     f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS below the grace ({format_duration(grace)})",
+                     None, {"grace_seconds": grace, "engines": []})
+    worst, lines, fixes, data = PASS, [], set(), []
+    for pid, cmd in engines:
+        try:
+            t, src = _engine_timeout(pid, cmd)
+        except OSError as e:
+            worst = WARN if worst == PASS else worst
+            lines.append(f"pid {pid}: cannot read its environment ({e.strerror}; run doctor as root)")
+            continue
+        data.append({"pid": pid, "cmdline": cmd[:200], "timeout_seconds": t, "source": src})
+        if src == "hidden":
+            worst = WARN if worst == PASS else worst
+            lines.append(f"pid {pid} ({cmd[:40]}): its environment was overwritten by its process title; "
+                         "cannot tell its shutdown timeout")
+            fixes.add(f"check that the engine was started with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS below "
+                      f"the grace ({format_duration(grace)})")
+        elif t is None or t == 0:
+            worst = WARN if worst == PASS else worst
+            lines.append(f"pid {pid}: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS {src}: on SIGTERM vLLM SIGKILLs its "
+                         "workers within milliseconds, no clean CUDA teardown")
+            fixes.add(f"start vLLM with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N, N below the grace ({format_duration(grace)})")
+        elif t >= grace:
+            worst = FAIL
+            lines.append(f"pid {pid}: shutdown timeout {t:g} s ({src}) is not shorter than the guard's grace "
+                         f"{format_duration(grace)}: the guard SIGKILLs the tree mid-teardown")
+            fixes.add(f"lower the engine's timeout below {format_duration(grace)}, or raise guard.grace above {t:g} s")
+        else:
+            lines.append(f"pid {pid}: shutdown timeout {t:g} s ({src}) < grace {format_duration(grace)}")
+    return Check("engine_shutdown_timeout", worst, "; ".join(lines), "; ".join(sorted(fixes)) or None,
+                 {"grace_seconds": grace, "engines": data})
+
+
+def check_page_cache(ctx: Context) -> Check:
+    """Would vLLM's start-up check (free >= MemTotal * gpu_memory_utilization) fail because of page cache?
+
+    On an integrated GPU "free" is close to MemFree, and page cache left from reading the
+    weights trips it; ``sync; echo 3 > /proc/sys/vm/drop_caches`` is the fix (vLLM
+    ``worker/gpu_worker.py`` "Free memory on device ... less than desired").
+    """
+    mi = _meminfo()
+    total, free = mi.get("MemTotal", 0), mi.get("MemFree", 0)
+    cache = mi.get("Cached", 0) + mi.get("Buffers", 0)
+    need = int(total * ctx.gpu_memory_utilization)
+    data = {"mem_total_bytes": total, "mem_free_bytes": free, "page_cache_bytes": cache,
+            "needed_bytes": need, "gpu_memory_utilization": ctx.gpu_memory_utilization}
+    running = [pid for pid, cmd in _engines(ctx)]
+    if running:
+        return Check("page_cache", INFO, f"an engine is running (pid {running[0]}); the start-up check applies "
+                     "at its next start", None, data)
+    util = ctx.gpu_memory_utilization
+    if free >= need:
+        return Check("page_cache", PASS, f"MemFree {format_size(free)} >= {util:g} x MemTotal: an engine start "
+                     "passes vLLM's free-memory check", None, data)
+    if free + cache >= need:
+        return Check("page_cache", WARN, f"MemFree {format_size(free)} < {util:g} x MemTotal "
+                     f"({format_size(need)}) with {format_size(cache)} page cache: vLLM's start-up check "
+                     "'Free memory on device ... less than desired' would fail",
+                     "sync; echo 3 > /proc/sys/vm/drop_caches   (before starting the engine)", data)
+    return Check("page_cache", WARN, f"MemFree {format_size(free)} < {util:g} x MemTotal ({format_size(need)}) "
+                 "even without page cache: other processes hold the memory an engine start needs",
+                 "stop what uses the memory, or lower --gpu-memory-utilization", data)
+
+
+def check_nvidia(ctx: Context) -> Check:
+    """NVIDIA driver and GPU visible (informational)."""
+    data: dict = {}
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            data["driver"] = f.readline().strip()
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            p = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            data["gpus"] = [ln.strip() for ln in p.stdout.splitlines() if ln.strip()]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            data["nvidia_smi_error"] = str(e)
+    if data.get("gpus"):
+        return Check("nvidia", INFO, "GPU: " + "; ".join(data["gpus"]), None, data)
+    if data.get("driver"):
+        return Check("nvidia", INFO, "NVIDIA driver: " + data["driver"], None, data)
+    return Check("nvidia", INFO, "no NVIDIA driver visible (/proc/driver/nvidia, nvidia-smi)", None, data)
+
+
+def check_boot_sysctls(ctx: Context) -> Check:
+    """The persisted sysctl file exists and no later file undoes it at boot."""
+    persisted = sysctl.read_persisted("/")
+    if persisted is None:
+        return Check("sysctl_boot", WARN, f"{sysctl.SYSCTL_FILE} is absent: the tuning is lost at reboot",
+                     "sparkguard tune (or sparkguard install)")
+    ov = sysctl.overrides("/", persisted)
+    if ov:
+        return Check("sysctl_boot", WARN, "; ".join(f"{f} sets {k} = {v}" for f, k, v in ov) +
+                     f", after {sysctl.SYSCTL_FILE}", "remove those lines", {"overrides": ov})
+    return Check("sysctl_boot", PASS, f"{sysctl.SYSCTL_FILE} persists " +
+                 ", ".join(f"{k} = {v}" for k, v in persisted.items()), None, {"persisted": persisted})
+
+
+def check_links(ctx: Context) -> Check:
+    """The TP fabric links named in ``link.interfaces`` exist and are up (INFO when none are configured)."""
+    names = list(ctx.config.link.interfaces)
+    if not names:
+        return Check("links", INFO, "no TP links watched (link.interfaces is empty)",
+                     "list the ConnectX-7 ports under link.interfaces to have link drops reported")
+    from sparkguard import linkwatch
+
+    links = linkwatch.read_links(names)
+    missing = [n for n, ln in links.items() if not ln.get("present")]
+    down = [n for n, ln in links.items() if ln.get("present") and not ln.get("up")]
+    if missing or down:
+        what = "; ".join([f"{n} missing" for n in missing] + [f"{n} down" for n in down])
+        return Check("links", FAIL, f"TP link trouble: {what}",
+                     "check the cable/port (ip link show), fix link.interfaces names", {"links": links})
+    return Check("links", PASS, "TP links up: " + ", ".join(names), None, {"links": links})
+
+
+CHECKS: list[Callable[[Context], Check]] = [
+    check_zram, check_swappiness, check_watermark, check_page_cluster, check_min_free, check_boot_sysctls,
+    check_memlock, check_psi, check_hidepid, check_unit, check_engine_timeout, check_page_cache, check_nvidia,
+    check_links,
+]
+
+
+def run_checks(ctx: Context) -> list[Check]:
+    """Every check in :data:`CHECKS`; one that raises becomes a WARN naming the error."""
+    out = []
+    for fn in CHECKS:
+        name = fn.__name__.removeprefix("check_")
+        try:
+            out.append(fn(ctx))
+        except Exception as e:  # noqa: BLE001 - a broken check must not hide the others
+            out.append(Check(name, WARN, f"check could not run: {type(e).__name__}: {e}"))
+    return out
+
+
+def doctor(args) -> int:
+    """Handler of ``sparkguard doctor``: prints the verdicts (or JSON); 1 on any FAIL."""
+    import json
+
+    from sparkguard import config
+    from sparkguard.host.files import HostError
+
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as e:
+        raise HostError(f"cannot check against the configuration: {e}") from None
+    checks = run_checks(Context(cfg, args.gpu_memory_utilization))
+    status = 1 if any(c.status == FAIL for c in checks) else 0
+    counts = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL, INFO)}
+    if args.json:
+        print(json.dumps({"checks": [asdict(c) for c in checks], "counts": counts, "config": cfg.path,
+                          "exit_status": status}, indent=2, default=str))
+        return status
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.status:<4}  {c.name:<{width}}  {c.message}")
+        if c.fix and c.status != PASS:
+            print(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    print(f"\n{counts[PASS]} pass, {counts[WARN]} warn, {counts[FAIL]} fail, {counts[INFO]} info")
+    return status

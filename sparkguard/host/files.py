@@ -1,0 +1,280 @@
+"""Shipped files, writes under an install root, and the report of what changed.
+
+Every host command prints one line per thing it touched (``created``, ``updated``,
+``removed``, ``unchanged``, ``kept``...), or what it would do under ``--dry-run``, so a
+second run visibly changes nothing.  Files are written atomically (temporary file, then
+``rename``), so a crash never leaves half a unit file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from importlib import resources
+from typing import TextIO
+
+#: where ``sparkguard install`` records the sha256 of each file it wrote (root-relative)
+MANIFEST_PATH = "/var/lib/sparkguard/installed.json"
+
+#: verbs that mean the system was (or would be) changed
+CHANGING = {"created", "updated", "removed", "ran", "set up", "torn down", "applied", "restored"}
+
+
+class HostError(Exception):
+    """A host command cannot do what was asked; the message says what and how to fix it.
+
+    ``status`` is the exit status the command returns (1: failed, 2: refused or bad input).
+    """
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+class Changes:
+    """Prints and counts what a command does.
+
+    Args:
+        dry_run: bool; when True every change is printed as ``would <verb>`` and the
+            caller must not perform it (callers test :attr:`dry_run` themselves).
+        out: text stream for the report (default stdout).
+    """
+
+    def __init__(self, dry_run: bool = False, out: TextIO | None = None):
+        self.dry_run = dry_run
+        self.out = out or sys.stdout
+        self.changed = 0
+        self.warnings: list[str] = []
+
+    def note(self, verb: str, what: str, detail: str = "") -> None:
+        """Report one action: ``verb`` such as ``"created"``, ``what`` a path or device."""
+        if verb in CHANGING:
+            self.changed += 1
+            if self.dry_run:
+                verb = "would " + {"created": "create", "updated": "update", "removed": "remove",
+                                   "ran": "run", "set up": "set up", "torn down": "tear down",
+                                   "applied": "apply", "restored": "restore"}[verb]
+        line = f"{verb:<13} {what}"
+        if detail:
+            line += f"  ({detail})"
+        print(line, file=self.out, flush=True)
+
+    def warn(self, message: str) -> None:
+        """Print a warning line (to the same stream, so the report keeps its order)."""
+        self.warnings.append(message)
+        print(f"WARNING: {message}", file=self.out, flush=True)
+
+    def info(self, message: str) -> None:
+        """Print a free-form line."""
+        print(message, file=self.out, flush=True)
+
+    def summary(self) -> None:
+        """Print the closing line: how many changes, or that nothing changed."""
+        if self.changed == 0:
+            self.info("no changes: everything was already in place")
+        elif self.dry_run:
+            self.info(f"dry run: {self.changed} change(s) not made")
+
+
+def shipped(relpath: str) -> str:
+    """Text of a file shipped with sparkguard under ``sparkguard/data/``.
+
+    Args:
+        relpath: path below ``sparkguard/data``, such as ``"host/systemd/sparkguard.service"``.
+    Returns:
+        str, the file's text.
+    Raises:
+        HostError: the file is not part of this installation (names it).
+    """
+    res = resources.files("sparkguard").joinpath("data", *relpath.split("/"))
+    try:
+        return res.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise HostError(f"sparkguard/data/{relpath} is not part of this installation of sparkguard "
+                        f"(package data missing; reinstall sparkguard, or use a release that ships it)") from None
+
+
+def in_root(root: str, path: str) -> str:
+    """``path`` (absolute, as seen on the target) below install root ``root``."""
+    return os.path.join(root, path.lstrip("/")) if root not in ("", "/") else path
+
+
+def read_text(path: str) -> str | None:
+    """Text of ``path``, or None when it does not exist."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def sha256(text: str) -> str:
+    """Hex sha256 of ``text`` encoded as UTF-8."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def atomic_write(path: str, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` atomically, creating parent folders (mode 0755).
+
+    Raises:
+        OSError: the folder or file cannot be written.
+    """
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o755, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".sparkguard-", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def set_keys(text: str, values: dict[str, object]) -> str:
+    """Replace the value of each ``key = value`` line of ``text`` whose key is in ``values``.
+
+    Comments and other lines are kept.  Raises KeyError when a key has no line (the
+    shipped template and the code disagree).
+    """
+    for key, value in values.items():
+        pat = re.compile(r"^(\s*" + re.escape(key) + r"\s*=\s*).*$", re.M)
+        text, n = pat.subn(lambda m: m.group(1) + str(value), text)
+        if n == 0:
+            raise KeyError(f"no line for {key} in template")
+    return text
+
+
+def parse_keys(text: str) -> dict[str, str]:
+    """``key = value`` lines of a sysctl.d-style file as ``{key: value}``; comments skipped.
+
+    A leading ``-`` (systemd-sysctl: ignore errors) is dropped from the key.
+    Source: sysctl.d(5).
+    """
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s[0] in "#;" or "=" not in s:
+            continue
+        k, _, v = s.partition("=")
+        out[k.strip().lstrip("-").replace("/", ".")] = v.strip()
+    return out
+
+
+class Manifest:
+    """Record of the files ``sparkguard install`` wrote: ``{path: sha256}`` at MANIFEST_PATH.
+
+    A file whose text still has the recorded hash is untouched since we wrote it and may
+    be updated; any other existing file was edited (by a person or by ``tune`` /
+    ``install-zram``) and is kept.
+    """
+
+    def __init__(self, root: str):
+        self.root = root
+        self.path = in_root(root, MANIFEST_PATH)
+        text = read_text(self.path)
+        try:
+            data = json.loads(text) if text else {}
+        except ValueError:
+            data = {}
+        self.files: dict[str, str] = dict(data.get("files") or {})
+
+    def untouched(self, path: str, text: str) -> bool:
+        """True when ``text`` (the file's current text) is what install last wrote to ``path``."""
+        return self.files.get(path) == sha256(text)
+
+    def record(self, path: str, text: str) -> None:
+        """Remember that install wrote ``text`` to ``path``."""
+        self.files[path] = sha256(text)
+
+    def forget(self, path: str) -> None:
+        """Drop ``path`` from the record."""
+        self.files.pop(path, None)
+
+    def save(self, version: str) -> str:
+        """Write the record; returns its text."""
+        text = json.dumps({"version": version, "files": dict(sorted(self.files.items()))},
+                          indent=2) + "\n"
+        atomic_write(self.path, text)
+        return text
+
+
+def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifest | None,
+                 mode: int = 0o644, force: bool = False) -> str:
+    """Put ``text`` at ``path`` under ``root`` without clobbering a file someone edited.
+
+    Args:
+        ch: report.
+        root: install root ("/" for the running system).
+        path: absolute path on the target.
+        text: wanted content.
+        manifest: hashes of what install wrote before (None: never overwrite a different file).
+        mode: permission bits.
+        force: overwrite even an edited file.
+    Returns:
+        str, one of "created", "updated", "unchanged", "kept".
+    Raises:
+        HostError: the file cannot be written (names it and the OS error).
+    """
+    full = in_root(root, path)
+    cur = read_text(full)
+    if cur == text:
+        ch.note("unchanged", path)
+        verb = "unchanged"
+    elif cur is None or force or (manifest is not None and manifest.untouched(path, cur)):
+        verb = "created" if cur is None else "updated"
+        if not ch.dry_run:
+            try:
+                atomic_write(full, text, mode)
+            except OSError as e:
+                raise HostError(f"cannot write {full}: {e.strerror}") from None
+        ch.note(verb, path)
+    else:
+        ch.note("kept", path, "changed since sparkguard wrote it; not overwritten (--force replaces it)")
+        return "kept"
+    if manifest is not None:
+        manifest.record(path, text)
+    return verb
+
+
+def remove_file(ch: Changes, root: str, path: str, quiet_missing: bool = True) -> bool:
+    """Remove ``path`` under ``root``; returns True when it existed.
+
+    Raises:
+        HostError: it exists but cannot be removed.
+    """
+    full = in_root(root, path)
+    if not os.path.lexists(full):
+        if not quiet_missing:
+            ch.note("absent", path)
+        return False
+    if not ch.dry_run:
+        try:
+            os.unlink(full)
+        except OSError as e:
+            raise HostError(f"cannot remove {full}: {e.strerror}") from None
+    ch.note("removed", path)
+    return True
+
+
+def remove_empty_dirs(ch: Changes, root: str, *paths: str) -> None:
+    """Remove each folder of ``paths`` (absolute on the target) if it exists and is empty."""
+    for path in paths:
+        full = in_root(root, path)
+        try:
+            if os.path.isdir(full) and not os.listdir(full):
+                if not ch.dry_run:
+                    os.rmdir(full)
+                ch.note("removed", path + "/")
+        except OSError:
+            pass

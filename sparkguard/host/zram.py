@@ -1,0 +1,602 @@
+"""zram swap: set one up now, make it survive reboots, take it away again.
+
+Now (kernel: Documentation/admin-guide/blockdev/zram.rst):
+  a free device from ``/sys/class/zram-control/hot_add`` (or the one named by
+  ``--device``), ``comp_algorithm`` before ``disksize`` (the kernel answers EBUSY after),
+  ``mkswap -L sparkguard``, ``swapon --discard --priority P``.  The swap label marks the
+  device as ours: ``--remove`` and the idempotence check only ever touch devices that
+  carry it (swapoff, ``reset``, ``hot_remove``).
+
+At boot, one of:
+  * systemd-zram-generator installed (its binary in ``/usr/lib`` or ``/lib``
+    ``/systemd/system-generators/zram-generator``): its ``/etc/systemd/zram-generator.conf``
+    gets our ``[zram0]`` section in place of Debian's default one (never a second
+    device); the replaced text is saved and put back by ``--remove``.  Source:
+    zram-generator.conf(5).
+  * otherwise ``/etc/sparkguard/zram.conf``, read by ``sparkguard-setup.service``
+    (``sparkguard install-zram --boot``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from sparkguard.host.files import (Changes, HostError, atomic_write, in_root, read_text, remove_file,
+                                   set_keys, shipped)
+from sparkguard.units import format_size, parse_size
+
+SYS_BLOCK = "/sys/block"
+ZRAM_CONTROL = "/sys/class/zram-control"
+LABEL = "sparkguard"
+CONF_PATH = "/etc/sparkguard/zram.conf"
+GENERATOR_CONF = "/etc/systemd/zram-generator.conf"
+GENERATOR_BINARIES = ("/usr/lib/systemd/system-generators/zram-generator",
+                      "/lib/systemd/system-generators/zram-generator")
+#: the generator config text our [zram0] section replaced (JSON {"existed": bool, "text": str})
+GENERATOR_ORIG = "/var/lib/sparkguard/zram-generator.conf.orig.json"
+#: first line of our section in the generator config: marks it as ours
+GENERATOR_MARK = "# sparkguard: zram0 swap"
+
+from sparkguard.host import (ZRAM_DEFAULT_ALGORITHM as DEFAULT_ALGORITHM,  # noqa: E402
+                             ZRAM_DEFAULT_PRIORITY as DEFAULT_PRIORITY, ZRAM_DEFAULT_SIZE as DEFAULT_SIZE)
+
+_SECTION = re.compile(r"^\s*\[([^\]]*)\]\s*$")
+
+
+@dataclass(frozen=True)
+class ZramSettings:
+    """A zram swap: ``size`` in bytes, swap ``priority`` (-1..32767, higher is used first),
+    compression ``algorithm`` as the kernel names it (``lz4``, ``zstd``, ``lzo-rle``)."""
+
+    size: int = DEFAULT_SIZE
+    priority: int = DEFAULT_PRIORITY
+    algorithm: str = DEFAULT_ALGORITHM
+
+    def describe(self) -> str:
+        """``"6.00 GiB lz4 at priority 100"``."""
+        return f"{format_size(self.size)} {self.algorithm} at priority {self.priority}"
+
+
+def validate(settings: ZramSettings) -> None:
+    """Check sizes and priority before touching anything.
+
+    Raises:
+        HostError (status 2): size not positive or not a whole number of pages; priority
+            outside -1..32767 (swapon(2)); empty algorithm name.
+    """
+    if settings.size <= 0:
+        raise HostError(f"--size {settings.size}: must be greater than 0", 2)
+    if not -1 <= settings.priority <= 32767:
+        raise HostError(f"--priority {settings.priority}: swap priority must be -1..32767 (swapon(2))", 2)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", settings.algorithm or ""):
+        raise HostError(f"--algorithm {settings.algorithm!r}: not an algorithm name", 2)
+
+
+# --- reading devices -----------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def device_name(arg: str) -> str:
+    """Normalise ``"3"``, ``"zram3"`` or ``"/dev/zram3"`` to ``"zram3"``.
+
+    Raises:
+        HostError (status 2): not a zram device name.
+    """
+    s = arg.strip()
+    s = s[len("/dev/"):] if s.startswith("/dev/") else s
+    if s.isdigit():
+        s = "zram" + s
+    if not re.fullmatch(r"zram\d+", s):
+        raise HostError(f"--device {arg!r}: expected a zram device such as zram1 or /dev/zram1", 2)
+    return s
+
+
+def algorithms(name: str) -> tuple[list[str], str | None]:
+    """Compression algorithms the kernel offers for device ``name`` and the selected one.
+
+    Source: /sys/block/zramN/comp_algorithm lists them, the selected one in brackets.
+    """
+    text = _read(f"{SYS_BLOCK}/{name}/comp_algorithm") or ""
+    names, selected = [], None
+    for w in text.split():
+        if w.startswith("["):
+            w = w.strip("[]")
+            selected = w
+        names.append(w)
+    return names, selected
+
+
+def swap_entry(name: str, swaps: list[dict] | None = None) -> dict | None:
+    """The /proc/swaps entry of ``/dev/<name>`` (sysinfo.read_swaps format) or None."""
+    from sparkguard.sysinfo import read_swaps
+
+    for s in swaps if swaps is not None else read_swaps():
+        if os.path.basename(s["filename"]) == name:
+            return s
+    return None
+
+
+def swap_label(devpath: str) -> str | None:
+    """Label of the swap signature on ``devpath``, or None when it has none.
+
+    Reads the swap header of mkswap(8) directly: magic ``SWAPSPACE2`` in the last 10
+    bytes of the first page, the 16-byte volume name at offset 1052 (``union
+    swap_header``: 1024 boot bytes, version, last_page, nr_badpages, 16-byte uuid).
+    Source: include/linux/swap.h.
+    """
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open(devpath, "rb") as f:
+            head = f.read(page)
+    except OSError:
+        return None
+    if len(head) < page or head[page - 10:page] != b"SWAPSPACE2":
+        return None
+    return head[1052:1068].split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def state(name: str) -> dict:
+    """Current state of device ``name``: ``{"exists", "disksize", "algorithm", "swap", "label"}``.
+
+    ``swap`` is its /proc/swaps entry or None; ``label`` the swap label when initialised.
+    """
+    base = f"{SYS_BLOCK}/{name}"
+    if not os.path.isdir(base):
+        return {"exists": False, "disksize": 0, "algorithm": None, "swap": None, "label": None}
+    disksize = int(_read(f"{base}/disksize") or 0)
+    return {"exists": True, "disksize": disksize, "algorithm": algorithms(name)[1],
+            "swap": swap_entry(name), "label": swap_label(f"/dev/{name}") if disksize else None}
+
+
+def zram_devices() -> list[str]:
+    """Names of all zram devices, in numeric order."""
+    try:
+        names = [n for n in os.listdir(SYS_BLOCK) if re.fullmatch(r"zram\d+", n)]
+    except OSError:
+        return []
+    return sorted(names, key=lambda n: int(n[4:]))
+
+
+def ours() -> list[str]:
+    """zram devices that carry our swap label."""
+    return [n for n in zram_devices() if int(_read(f"{SYS_BLOCK}/{n}/disksize") or 0)
+            and swap_label(f"/dev/{n}") == LABEL]
+
+
+def _aligned(size: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return (size + page - 1) // page * page
+
+
+def matches(st: dict, settings: ZramSettings) -> bool:
+    """True when device state ``st`` is already the swap ``settings`` describe."""
+    return bool(st["swap"]) and st["label"] == LABEL and st["disksize"] == _aligned(settings.size) \
+        and st["algorithm"] == settings.algorithm and st["swap"]["priority"] == settings.priority
+
+
+# --- changing devices ----------------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    for d in (None, "/usr/sbin", "/sbin"):
+        exe = shutil.which(name) if d is None else (f"{d}/{name}" if os.access(f"{d}/{name}", os.X_OK) else None)
+        if exe:
+            return exe
+    raise HostError(f"{name} not found (package util-linux)")
+
+
+def _run(ch: Changes, argv: list[str], timeout: float) -> None:
+    ch.note("ran", " ".join(argv))
+    if ch.dry_run:
+        return
+    try:
+        p = subprocess.run([_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise HostError(f"{' '.join(argv)} did not finish within {timeout:.0f} s") from None
+    if p.returncode != 0:
+        raise HostError(f"{' '.join(argv)} failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
+
+
+def _sysfs(ch: Changes, path: str, value: str, why: str = "") -> None:
+    ch.note("ran", f"echo {value} > {path}", why)
+    if ch.dry_run:
+        return
+    try:
+        _write(path, value)
+    except OSError as e:
+        raise HostError(f"writing {value!r} to {path} failed: {e.strerror}") from None
+
+
+def hot_add(ch: Changes) -> str:
+    """A new zram device from ``/sys/class/zram-control/hot_add``; returns its name.
+
+    Under dry-run returns ``"zram<new>"`` without creating anything.
+    Raises:
+        HostError: no zram-control (module not loaded, or kernel < 4.2).
+    """
+    path = f"{ZRAM_CONTROL}/hot_add"
+    if not os.path.exists(path):
+        if not os.path.isdir(SYS_BLOCK + "/zram0"):
+            raise HostError("the zram module is not loaded: run `modprobe zram` (and add zram to "
+                            "/etc/modules-load.d/) then try again")
+        raise HostError(f"{path} does not exist: this kernel cannot add zram devices")
+    if ch.dry_run:
+        ch.note("ran", f"cat {path}", "a new device")
+        return "zram<new>"
+    try:
+        name = "zram" + _read(path)  # reading hot_add creates the device
+    except TypeError:
+        raise HostError(f"reading {path} failed") from None
+    ch.note("created", f"/dev/{name}", f"cat {path}")
+    return name
+
+
+def choose_algorithm(ch: Changes, algo: str, name: str | None = None, boot: bool = False) -> str:
+    """The algorithm to use: ``algo`` if the kernel offers it.
+
+    Args:
+        name: device whose list to read; None: any existing zram device (read only).
+        boot: when not offered, warn and return the kernel's default instead of failing.
+    Raises:
+        HostError (status 2): not offered; the message lists what the kernel offers.
+    """
+    if name is None:
+        name = next(iter(zram_devices()), None)
+    offered, selected = algorithms(name) if name else ([], None)
+    if not offered or algo in offered:
+        return algo
+    msg = f"the kernel does not offer compression algorithm {algo!r} for zram; it offers: {', '.join(offered)}"
+    if not boot:
+        raise HostError(msg + " (choose one with --algorithm)", 2)
+    ch.warn(msg + f"; using the kernel default {selected}")
+    return selected or algo
+
+
+def setup(ch: Changes, name: str, settings: ZramSettings, boot: bool = False) -> None:
+    """Make ``/dev/<name>`` (uninitialised) a swap with ``settings``.
+
+    Order from zram.rst: comp_algorithm, disksize, then mkswap and swapon.
+    Args:
+        boot: when the algorithm is not offered, fall back to the kernel's default with
+            a warning instead of failing (a boot must still get its swap).
+    Raises:
+        HostError: the kernel does not offer the algorithm (lists the ones it does), or
+            a step fails.
+    """
+    dev = f"/dev/{name}"
+    selected = None if name.endswith("<new>") else algorithms(name)[1]
+    algo = choose_algorithm(ch, settings.algorithm, None if name.endswith("<new>") else name, boot)
+    if selected != algo:
+        _sysfs(ch, f"{SYS_BLOCK}/{name}/comp_algorithm", algo, "before disksize")
+    _sysfs(ch, f"{SYS_BLOCK}/{name}/disksize", str(settings.size), format_size(settings.size))
+    _run(ch, ["mkswap", "-L", LABEL, dev], timeout=120)
+    _run(ch, ["swapon", "--discard", "--priority", str(settings.priority), dev], timeout=120)
+    ch.note("set up", dev, f"swap {ZramSettings(settings.size, settings.priority, algo).describe()}")
+
+
+def _hot_remove(ch: Changes, name: str, timeout: float = 5.0) -> None:
+    """Write the device id to hot_remove, retrying while the kernel answers EBUSY (the device
+    is briefly held open after swapoff/reset, e.g. by a udev or blkid probe)."""
+    import errno
+    import time
+
+    path = f"{ZRAM_CONTROL}/hot_remove"
+    ch.note("ran", f"echo {name[4:]} > {path}")
+    if ch.dry_run:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _write(path, name[4:])
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise HostError(f"removing /dev/{name} ({path}) failed: {e.strerror}") from None
+        time.sleep(0.05)  # polling: the kernel offers no event for "no longer open"
+
+
+def teardown(ch: Changes, name: str, remove_device: bool = True) -> None:
+    """swapoff (if active), ``reset`` and (``remove_device``) ``hot_remove`` ``/dev/<name>``.
+
+    Raises:
+        HostError: a step fails (swapoff needs room in RAM for the pages it brings back).
+    """
+    dev = f"/dev/{name}"
+    if swap_entry(name):
+        _run(ch, ["swapoff", dev], timeout=600)
+    if int(_read(f"{SYS_BLOCK}/{name}/disksize") or 0):
+        _sysfs(ch, f"{SYS_BLOCK}/{name}/reset", "1")
+    if remove_device and os.path.exists(f"{ZRAM_CONTROL}/hot_remove"):
+        _hot_remove(ch, name)
+    ch.note("torn down", dev)
+
+
+def check_priority(ch: Changes, priority: int) -> None:
+    """Warn about each active non-zram swap whose priority is >= ``priority``.
+
+    On Sparks a 16 GiB file swap proved too slow to absorb reclaim spikes: zram must be
+    used first, i.e. have the strictly highest priority.
+    """
+    from sparkguard.sysinfo import read_swaps
+
+    for s in read_swaps():
+        if not os.path.basename(s["filename"]).startswith("zram") and s["priority"] >= priority:
+            ch.warn(f"swap {s['filename']} ({s['type']}, {format_size(s['size_bytes'])}) has priority "
+                    f"{s['priority']}, not below zram's {priority}: the kernel fills it as early as zram, "
+                    f"and a disk swap is too slow to absorb reclaim spikes. Lower it (swapon --priority 10, "
+                    f"or pri=10 in /etc/fstab) or raise zram's with --priority")
+
+
+def apply_now(ch: Changes, settings: ZramSettings, device: str | None = None, boot: bool = False) -> str:
+    """Make a sparkguard zram swap with ``settings`` active; returns the device name.
+
+    Args:
+        device: use this device (``zramN``); it must be free (disksize 0) or already ours.
+            None: reuse our labelled device if there is one, else a new one from hot_add.
+        boot: see :func:`setup`.
+    Raises:
+        HostError: the named device does not exist or is used by something else, or a step fails.
+    """
+    if device:
+        st = state(device)
+        if not st["exists"]:
+            raise HostError(f"/dev/{device} does not exist (create one with `cat {ZRAM_CONTROL}/hot_add`)", 2)
+        if st["disksize"] and st["label"] != LABEL:
+            what = f"swap at priority {st['swap']['priority']}" if st["swap"] else "initialised"
+            raise HostError(f"/dev/{device} is in use ({what}, {format_size(st['disksize'])}, not labelled "
+                            f"{LABEL!r}); choose a free device or reset it yourself", 2)
+        candidates = [device]
+    else:
+        candidates = ours()
+    # refuse an algorithm the kernel lacks before anything is torn down
+    if not boot:
+        choose_algorithm(ch, settings.algorithm, candidates[0] if candidates else None)
+    for name in candidates:
+        st = state(name)
+        if matches(st, settings):
+            ch.note("unchanged", f"/dev/{name}", f"swap {settings.describe()} already active")
+            return name
+        if st["disksize"]:
+            ch.info(f"/dev/{name} is a sparkguard swap with other settings: setting it up again")
+            teardown(ch, name, remove_device=False)
+        setup(ch, name, settings, boot)
+        return name
+    name = hot_add(ch)
+    setup(ch, name, settings, boot)
+    return name
+
+
+def remove_now(ch: Changes, device: str | None = None) -> list[str]:
+    """Tear down our zram swap(s): ``device`` only, or every device labelled ``sparkguard``.
+
+    Raises:
+        HostError (status 2): ``device`` exists but is not ours.
+    """
+    if device:
+        st = state(device)
+        if not st["exists"]:
+            ch.note("absent", f"/dev/{device}")
+            return []
+        if st["disksize"] and st["label"] != LABEL:
+            raise HostError(f"/dev/{device} is not a sparkguard zram swap (swap label {st['label']!r}); "
+                            f"not touching it", 2)
+        names = [device]
+    else:
+        names = ours()
+        if not names:
+            ch.note("absent", "sparkguard zram swap", "no device labelled 'sparkguard'")
+    for name in names:
+        teardown(ch, name)
+    return names
+
+
+# --- at boot -------------------------------------------------------------------------
+
+
+def generator_installed(root: str) -> str | None:
+    """Path of systemd-zram-generator's binary under ``root``, or None when not installed."""
+    for p in GENERATOR_BINARIES:
+        if os.path.exists(in_root(root, p)):
+            return p
+    return None
+
+
+def _size_text(size: int) -> str:
+    for unit, mult in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size % mult == 0:
+            return f"{size // mult}{unit}"
+    return str(size)
+
+
+def render_conf(settings: ZramSettings) -> str:
+    """Text of /etc/sparkguard/zram.conf for ``settings`` (from the shipped zram/sparkguard-zram.conf)."""
+    return set_keys(shipped("host/zram/sparkguard-zram.conf"), {
+        "size": _size_text(settings.size), "priority": settings.priority, "algorithm": settings.algorithm})
+
+
+def read_conf(root: str = "/") -> ZramSettings | None:
+    """Settings of ``<root>/etc/sparkguard/zram.conf``; None when absent.
+
+    Raises:
+        HostError: a bad value (names file, key and value).
+    """
+    from sparkguard.host.files import parse_keys
+
+    path = in_root(root, CONF_PATH)
+    text = read_text(path)
+    if text is None:
+        return None
+    kv = parse_keys(text)
+    unknown = set(kv) - {"size", "priority", "algorithm"}
+    if unknown:
+        k = sorted(unknown)[0]
+        raise HostError(f"{path}: {k}: {kv[k]!r}: unknown key; expected size, priority, algorithm")
+    try:
+        size = parse_size(kv.get("size", DEFAULT_SIZE))
+    except ValueError as e:
+        raise HostError(f"{path}: size: {kv.get('size')!r}: {e}") from None
+    try:
+        prio = int(kv.get("priority", DEFAULT_PRIORITY))
+    except ValueError:
+        raise HostError(f"{path}: priority: {kv.get('priority')!r}: expected an integer -1..32767") from None
+    s = ZramSettings(size, prio, kv.get("algorithm", DEFAULT_ALGORITHM))
+    try:
+        validate(s)
+    except HostError as e:
+        raise HostError(f"{path}: {e}") from None
+    return s
+
+
+def _generator_block(settings: ZramSettings) -> list[str]:
+    text = shipped("host/zram/zram-generator.conf")
+    text = set_keys(text, {"zram-size": max(1, settings.size // 1024**2),
+                           "compression-algorithm": settings.algorithm, "swap-priority": settings.priority})
+    return text.splitlines(keepends=True)
+
+
+def _split_zram0(lines: list[str]) -> tuple[int, int] | None:
+    """(start, end) line indexes of the [zram0] section, our marker comments included."""
+    start = next((i for i, ln in enumerate(lines) if (m := _SECTION.match(ln)) and m.group(1).strip() == "zram0"), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if _SECTION.match(lines[i])), len(lines))
+    # our section starts with our marker comment, a few comment lines above the header
+    j = start
+    while j > 0 and lines[j - 1].startswith("#"):
+        j -= 1
+        if lines[j].startswith(GENERATOR_MARK):
+            return j, end
+    return start, end
+
+
+def merge_generator_conf(existing: str | None, settings: ZramSettings) -> str:
+    """The generator config with its ``[zram0]`` section replaced by ours (or ours alone)."""
+    block = _generator_block(settings)
+    if existing is None:
+        return "".join(block)
+    lines = existing.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    span = _split_zram0(lines)
+    if span is None:
+        sep = ["\n"] if lines and lines[-1].strip() else []
+        return "".join(lines + sep + block)
+    s, e = span
+    return "".join(lines[:s] + block + lines[e:])
+
+
+def persist(ch: Changes, root: str, settings: ZramSettings) -> None:
+    """Make the zram swap come back at boot (generator config, or /etc/sparkguard/zram.conf).
+
+    Raises:
+        HostError: a file cannot be written.
+    """
+    gen = generator_installed(root)
+    if gen:
+        path = in_root(root, GENERATOR_CONF)
+        cur = read_text(path)
+        new = merge_generator_conf(cur, settings)
+        if cur == new:
+            ch.note("unchanged", GENERATOR_CONF, "systemd-zram-generator, [zram0]")
+        else:
+            orig_path = in_root(root, GENERATOR_ORIG)
+            if (cur is None or GENERATOR_MARK not in cur) and not os.path.exists(orig_path):
+                if not ch.dry_run:
+                    atomic_write(orig_path, json.dumps({"existed": cur is not None, "text": cur or ""}) + "\n", 0o600)
+                ch.note("created", GENERATOR_ORIG, "what our [zram0] replaces, for --remove")
+            if not ch.dry_run:
+                try:
+                    atomic_write(path, new)
+                except OSError as e:
+                    raise HostError(f"cannot write {path}: {e.strerror}") from None
+            ch.note("created" if cur is None else "updated", GENERATOR_CONF,
+                    f"systemd-zram-generator ({gen}) found: [zram0] = {settings.describe()}")
+        # never two devices at boot: the oneshot's config goes when the generator owns zram
+        remove_file(ch, root, CONF_PATH)
+        return
+    path = in_root(root, CONF_PATH)
+    cur = read_text(path)
+    new = render_conf(settings)
+    if cur == new:
+        ch.note("unchanged", CONF_PATH)
+        return
+    if not ch.dry_run:
+        try:
+            atomic_write(path, new)
+        except OSError as e:
+            raise HostError(f"cannot write {path}: {e.strerror}") from None
+    ch.note("created" if cur is None else "updated", CONF_PATH,
+            f"applied at boot by sparkguard-setup.service: {settings.describe()}")
+
+
+def configured(root: str) -> str | None:
+    """Where a sparkguard zram boot configuration exists under ``root`` (path), or None."""
+    if os.path.exists(in_root(root, CONF_PATH)):
+        return CONF_PATH
+    text = read_text(in_root(root, GENERATOR_CONF))
+    if text and GENERATOR_MARK in text:
+        return GENERATOR_CONF
+    return None
+
+
+def persisted_as(root: str, settings: ZramSettings) -> bool:
+    """True when the boot configuration under ``root`` already describes ``settings``."""
+    if generator_installed(root):
+        cur = read_text(in_root(root, GENERATOR_CONF))
+        return cur is not None and merge_generator_conf(cur, settings) == cur and GENERATOR_MARK in cur
+    return read_text(in_root(root, CONF_PATH)) == render_conf(settings)
+
+
+def unpersist(ch: Changes, root: str) -> None:
+    """Undo :func:`persist`: remove zram.conf, put back the generator's own ``[zram0]``.
+
+    Raises:
+        HostError: a file cannot be written.
+    """
+    remove_file(ch, root, CONF_PATH)
+    path = in_root(root, GENERATOR_CONF)
+    cur = read_text(path)
+    orig_path = in_root(root, GENERATOR_ORIG)
+    orig = None
+    if os.path.exists(orig_path):
+        try:
+            orig = json.loads(read_text(orig_path) or "{}")
+        except ValueError:
+            orig = None
+    if cur is not None and GENERATOR_MARK in cur:
+        lines = cur.splitlines(keepends=True)
+        span = _split_zram0(lines)
+        restored_block: list[str] = []
+        if orig and orig.get("existed"):
+            olines = orig.get("text", "").splitlines(keepends=True)
+            ospan = _split_zram0(olines)
+            if ospan:
+                restored_block = olines[ospan[0]:ospan[1]]
+        if span:
+            lines = lines[:span[0]] + restored_block + lines[span[1]:]
+        new = "".join(lines)
+        if not (orig and orig.get("existed")) and not new.strip():
+            remove_file(ch, root, GENERATOR_CONF)
+        else:
+            if not ch.dry_run:
+                atomic_write(path, new)
+            ch.note("restored", GENERATOR_CONF, "the [zram0] section sparkguard replaced")
+    if orig is not None:
+        remove_file(ch, root, GENERATOR_ORIG)

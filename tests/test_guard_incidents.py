@@ -1,0 +1,206 @@
+"""End to end: a real ``sparkguard run`` against real fake-vLLM trees and real memory.
+
+Each test starts its own fake vLLM (unique model name, ``targets.match`` hits only it),
+places the line relative to the MemAvailable it reads, and allocates a few GiB at most.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import mem_available
+from guardrun import GuardProc, unique
+from sparkguard import fake_engine
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+def incidents(g: GuardProc) -> list[dict]:
+    out = []
+    for path in glob.glob(os.path.join(g.cfg["incidents"]["dir"], "*.json")):
+        with open(path) as f:
+            out.append(json.load(f))
+    return sorted(out, key=lambda i: i["started_at"])
+
+
+def wait_incident(g: GuardProc, pred=lambda i: True, timeout: float = 30.0) -> dict:
+    """Wait until a finished incident file satisfying ``pred`` exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for inc in incidents(g):
+            if inc.get("ended_at") and pred(inc):
+                return inc
+        # the store is written by the reporter thread; its notify STATUS changes with each event
+        g.notify.recv(0.2)
+    raise AssertionError(f"no finished incident within {timeout}s; log:\n{g.log()[-3000:]}")
+
+
+def events(inc: dict) -> list[str]:
+    return [e["event"] for e in inc["timeline"]]
+
+
+@pytest.fixture
+def engine_factory():
+    started = []
+
+    def start(*opts: str, **kw) -> fake_engine.FakeEngine:
+        model = unique("sgmodel")
+        fe = fake_engine.start(model, *opts, **kw)
+        fe.model = model
+        started.append(fe)
+        fe.pids(timeout=60)
+        return fe
+
+    yield start
+    for fe in started:
+        fe.stop()
+
+
+def filling_engine(engine_factory, *opts: str, fill: int = 2 * GiB):
+    """A fake vLLM whose worker TP0 fills ``fill`` bytes as fast as it can on SIGUSR1."""
+    return engine_factory("--fill-rate", "max", "--fill-size", str(fill), "--fill-on-signal", *opts)
+
+
+def line_below_now(margin: int = GiB) -> int:
+    return mem_available() - margin
+
+
+def test_engine_is_termed_and_gone_and_the_incident_says_so(engine_factory):
+    fe = filling_engine(engine_factory)
+    line = line_below_now()
+    g = GuardProc({"guard": {"term_below": line, "grace": "20s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        g.wait_ready()
+        pids = fe.pids()
+        fe.start_fill()
+        inc = wait_incident(g, timeout=60)
+        assert fe.wait_gone(pids, timeout=10)
+        assert events(inc)[:2] == ["crossed", "sigterm"]
+        assert "exited" in events(inc) and events(inc)[-1] == "recovered"
+        assert "sigkill" not in events(inc)
+        assert inc["outcome"] == "terminated"
+        assert inc["target"]["root_pid"] == fe.top_pid
+        tree_pids = {r["pid"] for r in inc["target"]["tree"]}
+        assert set(pids) <= tree_pids
+        titles = {r["cmdline"] for r in inc["target"]["tree"]}
+        assert "VLLM::EngineCore" in titles and "VLLM::Worker_TP0" in titles
+        assert all(r["rss_bytes"] > 0 for r in inc["target"]["tree"])
+        assert inc["thresholds"]["term_below_bytes"] == line
+        assert inc["meminfo"]["MemAvailable"] < line + 512 * MiB
+        assert inc["min_available_bytes"] < line
+        assert inc["psi_memory"] is None or "some" in inc["psi_memory"]
+        assert inc["host"] and inc["boot_id"] and inc["ended_at"] >= inc["started_at"]
+        sigterm = inc["timeline"][1]
+        assert sigterm["pids"] == [fe.top_pid] and sigterm["t"] < 1.0
+    finally:
+        g.stop()
+
+
+def test_term_ignored_escalates_to_sigkill_of_the_whole_tree_including_orphans(engine_factory):
+    fe = filling_engine(engine_factory, "--mode", "ignore-term", fill=GiB + 512 * MiB)
+    line = line_below_now()
+    g = GuardProc({"guard": {"term_below": line, "grace": "2s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        g.wait_ready()
+        pids = fe.pids()
+        fe.start_fill()
+        g.notify.wait_for(lambda m: "term_sent" in m.get("STATUS", ""), timeout=60)
+        t_term = time.monotonic()
+        # the API server dies abruptly (as if OOM-killed): EngineCore and workers are orphaned
+        os.kill(fe.top_pid, signal.SIGKILL)
+        fe.proc.wait(10)
+        survivors = pids[1:]
+        assert all(not fe.exited(p) for p in survivors), "orphans should outlive the top"
+        assert fe.wait_gone(survivors, timeout=15)
+        assert time.monotonic() - t_term >= 1.5, "SIGKILL came before the grace period"
+        inc = wait_incident(g, timeout=30)
+        ev = events(inc)
+        assert ev.count("sigterm") == 1 and "sigkill" in ev
+        kill = next(e for e in inc["timeline"] if e["event"] == "sigkill")
+        assert set(survivors) <= set(kill["pids"])
+        assert kill["t"] >= 2.0
+        assert inc["outcome"] == "killed"
+    finally:
+        g.stop()
+
+
+def test_no_second_victim_while_the_first_ones_memory_is_coming_back(engine_factory):
+    first = engine_factory("--hold", "16MiB")
+    second = engine_factory("--hold", "16MiB")
+    # a line above MemAvailable: memory stays "low" after the first victim is gone, as when
+    # stranded driver memory takes a while to come back
+    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    recovery_wait = 4.0
+    g = GuardProc({"guard": {"term_below": line, "grace": "20s", "recovery_wait": f"{recovery_wait}s"},
+                   "targets": {"match": [rf"vllm serve {first.model}\b", rf"vllm serve {second.model}\b"]}})
+    try:
+        first_pids, second_pids = first.pids(), second.pids()
+        g.wait_ready()
+        assert first.wait_gone(first_pids, timeout=30)
+        t_gone = time.monotonic()
+        # within recovery_wait the second engine must not be touched
+        while time.monotonic() - t_gone < recovery_wait * 0.8:
+            assert not second.exited(second.top_pid), "second victim chosen while memory was coming back"
+            g.notify.recv(0.1)
+        inc = wait_incident(g, lambda i: i["target"] and i["target"]["root_pid"] == first.top_pid, timeout=30)
+        assert inc["outcome"] == "terminated_memory_not_back"
+        assert events(inc)[-1] == "recovery_timeout"
+        # after recovery_wait with memory still low, the guard acts again: a new incident, the next engine
+        assert second.wait_gone(second_pids, timeout=30)
+        assert time.monotonic() - t_gone >= recovery_wait * 0.9
+        inc2 = wait_incident(g, lambda i: i["target"] and i["target"]["root_pid"] == second.top_pid, timeout=30)
+        assert inc2["id"] != inc["id"]
+    finally:
+        g.stop()
+
+
+def test_protected_processes_are_never_signalled(engine_factory):
+    fe = engine_factory("--hold", "16MiB")
+    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    # the engine's top runs as python3.x: protect it by comm
+    g = GuardProc({"guard": {"term_below": line, "grace": "1s", "recovery_wait": "1s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"], "protect": [r"python3.*"]}})
+    try:
+        g.wait_ready()
+        g.notify.wait_for(lambda m: "no_target" in m.get("STATUS", ""), timeout=20)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            g.notify.recv(0.2)
+        assert all(not fe.exited(p) for p in fe.pids())
+        assert "no_target" in g.log()
+    finally:
+        g.stop()
+
+
+def test_dry_run_decides_and_reports_but_signals_nothing(engine_factory):
+    fe = engine_factory("--hold", "16MiB")
+    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    g = GuardProc({"guard": {"term_below": line, "grace": "1s", "dry_run": True},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        g.wait_ready()
+        g.notify.wait_for(lambda m: "kill_sent" in m.get("STATUS", ""), timeout=20)
+        assert all(not fe.exited(p) for p in fe.pids())
+        # lower the line under memory: the dry-run incident closes
+        g.write_config({**g.cfg, "guard": {"term_below": "64MiB", "dry_run": True}})
+        g.proc.send_signal(signal.SIGHUP)
+        inc = wait_incident(g, timeout=20)
+        assert inc["dry_run"] is True and inc["outcome"] == "dry_run"
+        assert events(inc)[:3] == ["crossed", "would_term", "would_kill"]
+        assert all(not fe.exited(p) for p in fe.pids())
+    finally:
+        g.stop()
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) * 1024
