@@ -165,6 +165,22 @@ class Daemon:
         assert r["ok"], f"{r.get('error')}\n{self.output()}"
         return r["status"]
 
+    def incident(self, kind: str, timeout: float = 30.0, start: int = 0) -> dict:
+        """The first incident of ``kind`` reported (the reporter logs "incident ID: OUTCOME: ..."
+        once it has saved ``incidents.dir/ID.json``), loaded from its JSON file."""
+        import json
+        deadline = time.monotonic() + timeout
+        i = start
+        while True:
+            m = self.wait_line(r"incident (\S+): (\w+): ", max(0.1, deadline - time.monotonic()), start=i)
+            with self.cv:
+                i = next(k for k in range(i, len(self.lines)) if m.group(0) in self.lines[k]) + 1
+            path = os.path.join(self.cfg["incidents"]["dir"], m.group(1) + ".json")
+            with open(path) as f:
+                inc = json.load(f)
+            if inc["kind"] == kind:
+                return inc
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM the daemon (it stops its engine) and wait; SIGKILL after ``timeout``."""
         if self.proc.poll() is None:

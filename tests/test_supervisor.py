@@ -167,7 +167,12 @@ def test_wedge_detected_terminated_restarted_with_incident(tmp_path):
         wedged = history(st, "wedged")
         assert wedged and "2 liveness probes failed" in wedged[0]["detail"]
         assert any("wedged: SIGTERM" in h["detail"] for h in history(st, "sigterm"))
-        d.wait_line(r"incident \S+.*wedged|engine wedged", timeout=10)
+        inc = d.incident("wedged")
+        events = [e["event"] for e in inc["timeline"]]
+        assert events[:2] == ["wedged", "sigterm"] and "exited" in events and events[-1] == "restart", events
+        assert inc["outcome"] == "terminated" and inc["target"]["root_pid"] == first[0]
+        assert inc["summary"].startswith("engine wedged: 2 liveness probes failed")
+        assert any("fake-vllm: serving" in ln for ln in inc["engine"]["last_lines"])
         m = metric_samples(f"http://127.0.0.1:{mport}/metrics")
         assert m[("sparkguard_incidents_total", (("kind", "wedged"),))] >= 1
         assert m[("sparkguard_engine_restarts_total", (("reason", "wedged"),))] >= 1

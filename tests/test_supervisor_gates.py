@@ -8,8 +8,6 @@ Memory lines are placed relative to the MemAvailable read at the start of the te
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import re
 import signal
@@ -94,29 +92,21 @@ def test_guard_sigterm_of_the_engine_restarts_only_after_the_quiesce_gate(tmp_pa
         assert "(restart: guard)" in start["detail"]
         assert st["restarts"]["guard"] == 1
         assert st["quiesce_wait"] >= 1.0 and not st["quiesce_timed_out"]
-        # the incident report carries the engine's state, its last lines and the restart
-        inc = _incident_with(tmp_path, d, "restart")
-        assert "engine restarted" in inc
+        # the incident report carries the guard's actions, the engine's last lines and the restart
+        inc = d.incident("memory", start=mark)
+        events = [e["event"] for e in inc["timeline"]]
+        assert events[:2] == ["crossed", "sigterm"] and "exited" in events and events[-1] == "restart", events
+        assert inc["target"]["root_pid"] == pids[0] and inc["target"]["pattern"] == "engine:supervised"
+        restart = inc["timeline"][-1]
+        assert "engine restarted" in restart["detail"] and restart["pids"] == [st["pid"]]
+        assert inc["engine"]["restarted"] and inc["engine"]["lane"] is None
+        assert any("filling" in ln for ln in inc["engine"]["last_lines"]), inc["engine"]["last_lines"]
+        assert inc["outcome"] == "terminated"
     finally:
         if hog is not None and hog.poll() is None:
             hog.kill()
             hog.wait(10)
         d.cleanup()
-
-
-def _incident_with(tmp_path, d: Daemon, event: str) -> str:
-    """The text of the incident's ``event`` entry: from the JSON store when the reporter writes
-    one, else from the reporter's log line."""
-    files = glob.glob(str(tmp_path / "incidents" / "*.json"))
-    for f in files:
-        with open(f) as fh:
-            inc = json.load(fh)
-        for ev in inc.get("timeline", []):
-            if ev["event"] == event:
-                assert inc["engine"]["last_lines"], "no engine output in the incident"
-                return ev["detail"]
-    m = d.wait_line(rf"incident \S+: {event}: (.*)", timeout=10)
-    return m.group(1)
 
 
 def test_peers_gate_waits_for_a_second_sparkguard(tmp_path):
