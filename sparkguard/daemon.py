@@ -275,6 +275,7 @@ class Guard:
             self.incidents["link"] = self.incidents.get("link", 0) + 1
             self.last_incident = time.time()
         self.reporter.finish(inc)
+        self._link_to_supervisor(inc)
 
     def _on_link_change(self, ifname: str, up: bool) -> None:
         """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
@@ -619,6 +620,11 @@ class Guard:
             self.supervisor.reload(cfg)
         elif cfg.engine.enabled != (self.supervisor is not None):
             log.warning("engine: section added or removed: takes effect after a restart")
+
+    def _link_to_supervisor(self, inc: dict) -> None:
+        """``link.mark_unhealthy``: a link incident marks the engine unhealthy; its end restarts it."""
+        if self.supervisor is not None and self.cfg.link.mark_unhealthy:
+            self.supervisor.link_event(inc.get("outcome") == "link_down", str(inc.get("summary") or ""))
 
     def _stop_supervisor(self) -> None:
         """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits."""

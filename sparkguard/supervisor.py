@@ -322,6 +322,7 @@ class _Run:
         self.head_fail_since: float | None = None
         self.threads: list[threading.Thread] = []
         self.incident: dict | None = None   # the "wedged" incident this run caused
+        self.link_hit = False               # a TP link went down during this run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +374,7 @@ class Supervisor:
         self.lines: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=self.ecfg.log_lines)
         self.last_lines: list[str] = []
         self.incident_open = False
+        self.link_down = False
         self.pending_incidents: collections.deque[dict] = collections.deque()
         self.peer_states: list[dict] = []
         self.previous: dict | None = None
@@ -533,6 +535,27 @@ class Supervisor:
                 self.cv.notify_all()
             finally:
                 self.cv.release()
+
+    def link_event(self, down: bool, detail: str) -> None:
+        """The TP link watch declared a link incident (``down``) or its end (``link.mark_unhealthy``).
+
+        While a link is down the engine (NCCL hangs inside a collective) is marked unhealthy and no
+        new start happens; once the link is back the engine is restarted (reason ``link``) so its
+        ranks meet again.  Never blocks.
+        """
+        if down:
+            self.link_down = True
+            run = self.run
+            if run is not None:
+                run.link_hit = True
+            self._history("link", f"TP link down ({detail}): engine marked unhealthy; restart once it is back")
+        else:
+            self.link_down = False
+            run = self.run
+            if run is not None and run.link_hit and self.request is None and self.want == "run":
+                self.request = ("link", None)
+            self._history("link", f"TP link back ({detail})")
+        self._poke()
 
     def take_incident(self, incident: dict) -> bool:
         """The guard closed ``incident``: add the engine's state and last output lines, and report it
@@ -772,7 +795,7 @@ class Supervisor:
                             self.lane = arg
                             self.next_reason = "lane" if self.starts else None
                         else:
-                            self.next_reason = "manual" if self.starts else None
+                            self.next_reason = ("link" if kind == "link" else "manual") if self.starts else None
                 if req is not None and req[0] == "lane":
                     self._write_state()
                 if not self._backoff():
@@ -817,9 +840,10 @@ class Supervisor:
         e = self.ecfg
         t0 = time.monotonic()
         deadline = t0 + e.quiesce_timeout
-        while self.incident_open:
-            self._set("waiting", "a guard incident is open (memory below the SIGTERM line)")
-            self._wait(1.0, lambda: self._interrupted() or not self.incident_open)
+        while self.incident_open or self.link_down:
+            self._set("waiting", "a guard incident is open (memory below the SIGTERM line)" if self.incident_open
+                      else "the TP link is down")
+            self._wait(1.0, lambda: self._interrupted() or not (self.incident_open or self.link_down))
             if self._interrupted():
                 return False
         if e.drop_caches:
@@ -1056,7 +1080,7 @@ class Supervisor:
         failure = not (code == 0)
         if run.term_reason in ("stop", "shutdown"):
             reason = None
-        elif run.term_reason in ("lane", "manual"):
+        elif run.term_reason in ("lane", "manual", "link"):
             reason = run.term_reason
         elif run.term_reason in ("wedged", "head", "not_ready"):
             reason, failure = run.term_reason, True
@@ -1078,7 +1102,7 @@ class Supervisor:
             self.last_run, self.run = run, None
             if reason is None:
                 self.state, self.detail = "stopped", f"stopped ({run.term_reason})"
-            elif reason in ("lane", "manual"):
+            elif reason in ("lane", "manual", "link"):
                 self.next_reason = reason
                 self.delay = 0.0
             else:

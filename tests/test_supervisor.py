@@ -335,3 +335,30 @@ def test_engine_left_by_a_killed_daemon_is_swept_before_the_new_start(tmp_path):
         if d2 is not None:
             d2.cleanup()
         kill_pids(d.engine_pids)
+
+
+def test_link_down_marks_the_engine_unhealthy_and_its_return_restarts_it(tmp_path):
+    """link.mark_unhealthy: the daemon hands the link watch's incidents to Supervisor.link_event
+    (netlink itself is tested in test_linkwatch); here the supervisor runs in-process on a real engine."""
+    from sparkguard import config, supervisor
+    model, port = unique(), free_port()
+    cfg = config.from_dict(engine_config(tmp_path, model, fake_cmd(model, port), port), str(tmp_path / "x.yaml"))
+    sup = supervisor.Supervisor(cfg, reporter=None, start_control=False)
+    sup.start()
+    try:
+        r = sup.wait("ready", 0, timeout=30)
+        assert r["ok"], r
+        first_pid = r["status"]["pid"]
+        sup.link_event(True, "enp1s0f0np0 down for 5 s")
+        st = sup.status()
+        assert st["state"] == "ready" and st["pid"] == first_pid     # not restarted while the link is down
+        assert "TP link down" in st["history"][-1]["detail"]
+        sup.link_event(False, "enp1s0f0np0 back")
+        r = sup.wait("ready", 1, timeout=30)
+        assert r["ok"], r
+        st = r["status"]
+        assert st["restarts"]["link"] == 1 and st["pid"] != first_pid
+        assert wait_gone([first_pid], 5) == []
+    finally:
+        sup.stop()
+    assert sup.status()["pid"] is None
