@@ -293,7 +293,9 @@ class NestedValueError(ValueError):
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def _argv(v: Any) -> tuple[str, ...]:
+def _argv(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
     if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
         raise ValueError("expected a non-empty list of strings (argv), e.g. [vllm, serve, MODEL]")
     return tuple(v)
@@ -633,8 +635,10 @@ def _check_engine(cfg: Config, data: dict, path: str, total: int | None) -> None
     e = cfg.engine
     body = data.get("engine") or {}
     if e.command is None:
-        if body:
-            other = next(iter(body))
+        # a guard-only file may spell out the defaults (sparkguard install does); anything else needs a command
+        default = EngineConfig()
+        other = next((k for k in body if k != "command" and getattr(e, k) != getattr(default, k)), None)
+        if other is not None:
             raise ConfigError(path, "engine.command", None,
                               f"missing: engine.{other} is set but there is no command to start")
         return

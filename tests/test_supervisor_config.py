@@ -178,3 +178,9 @@ def test_check_config_reports_an_engine_error(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip() == (f"sparkguard: invalid config: {p}: engine.lane: '1m': no such lane; "
                                 "engine.lanes has 200k")
+
+
+def test_guard_only_file_may_spell_out_the_engine_defaults():
+    cfg = load({"command": None, "restart": "always", "lanes": {}, "probe": None, "start_above": "4GiB"})
+    assert not cfg.engine.enabled
+    assert "engine.start_above is set but there is no command" in err({"command": None, "start_above": "8GiB"})
