@@ -91,7 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-    guard = Guard(cfg, config_arg=args.config)
+    guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run)
     try:
         guard.start()
     except OSError as e:
@@ -165,12 +165,14 @@ class Guard:
     Args:
         cfg: ``config.Config``.
         config_arg: the ``--config`` path given (re-read on SIGHUP), or None for the default.
+        force_dry_run: ``--dry-run`` was given: stays in force across reloads.
     """
 
-    def __init__(self, cfg, config_arg: str | None = None):
+    def __init__(self, cfg, config_arg: str | None = None, force_dry_run: bool = False):
         from sparkguard import policy
         self.cfg = cfg
         self.config_arg = config_arg
+        self.force_dry_run = force_dry_run
         self.policy = policy.Policy(self._thresholds(cfg), cfg.guard.dry_run)
         self.reader = None
         self.reporter = None
@@ -554,8 +556,8 @@ class Guard:
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30
             return False
-        if self.cfg.guard.dry_run and not cfg.guard.dry_run and self.config_arg is None:
-            pass
+        if self.force_dry_run and not cfg.guard.dry_run:
+            cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
         if cfg.metrics.listen != self.cfg.metrics.listen:
             log.warning("metrics.listen changed to %s: takes effect after a restart", cfg.metrics.listen)
         self.cfg = cfg

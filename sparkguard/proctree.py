@@ -46,7 +46,8 @@ class Target:
         pids: list[int], root first, then descendants (breadth first), protected ones removed.
         starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
         mem_bytes: int, sum of VmRSS + VmSwap over the tree.
-        tree: list[dict] with keys pid, ppid, title, cmdline, rss_bytes, swap_bytes, oom_score.
+        tree: list[dict] with keys pid, ppid, title (the cmdline, which setproctitle makes the title;
+            comm for kernel threads), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
     """
 
     root_pid: int
@@ -169,7 +170,8 @@ def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]
         p = procs[pid]
         rss, swap = _status_mem(pid)
         total += rss + swap
-        rows.append({"pid": pid, "ppid": p.ppid, "title": p.comm, "cmdline": p.cmdline[:400],
+        rows.append({"pid": pid, "ppid": p.ppid, "title": (p.cmdline or p.comm)[:120], "comm": p.comm,
+                     "cmdline": p.cmdline[:400],
                      "rss_bytes": rss, "swap_bytes": swap,
                      "oom_score": _int_file(f"/proc/{pid}/oom_score", -1)})
     return total, rows

@@ -210,7 +210,7 @@ class Manifest:
 
 
 def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifest | None,
-                 mode: int = 0o644, force: bool = False) -> str:
+                 mode: int = 0o644, force: bool = False, detail: str = "") -> str:
     """Put ``text`` at ``path`` under ``root`` without clobbering a file someone edited.
 
     Args:
@@ -221,6 +221,7 @@ def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifes
         manifest: hashes of what install wrote before (None: never overwrite a different file).
         mode: permission bits.
         force: overwrite even an edited file.
+        detail: said after the path when the file is created or updated.
     Returns:
         str, one of "created", "updated", "unchanged", "kept".
     Raises:
@@ -238,7 +239,7 @@ def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifes
                 atomic_write(full, text, mode)
             except OSError as e:
                 raise HostError(f"cannot write {full}: {e.strerror}") from None
-        ch.note(verb, path)
+        ch.note(verb, path, detail)
     else:
         ch.note("kept", path, "changed since sparkguard wrote it; not overwritten (--force replaces it)")
         return "kept"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sparkguard.host.files import (Changes, HostError, atomic_write, in_root, parse_keys, read_text,
+from sparkguard.host.files import (Changes, HostError, in_root, install_file, parse_keys, read_text,
                                    set_keys, shipped)
 from sparkguard.units import format_size
 
@@ -221,18 +221,7 @@ def persist(ch: Changes, root: str, values: dict[str, int]) -> None:
     Raises:
         HostError: cannot write it.
     """
-    path = in_root(root, SYSCTL_FILE)
-    cur = read_text(path)
-    new = render(values)
-    if cur == new:
-        ch.note("unchanged", SYSCTL_FILE)
-        return
-    if not ch.dry_run:
-        try:
-            atomic_write(path, new)
-        except OSError as e:
-            raise HostError(f"cannot write {path}: {e.strerror}") from None
-    ch.note("created" if cur is None else "updated", SYSCTL_FILE)
+    install_file(ch, root, SYSCTL_FILE, render(values), manifest=None, force=True)
 
 
 def apply(ch: Changes, values: dict[str, int]) -> None:

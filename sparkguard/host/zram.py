@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from sparkguard.host.files import (Changes, HostError, atomic_write, in_root, read_text, remove_file,
+from sparkguard.host.files import (Changes, HostError, atomic_write, in_root, install_file, read_text, remove_file,
                                    set_keys, shipped)
 from sparkguard.units import format_size, parse_size
 
@@ -531,19 +531,8 @@ def persist(ch: Changes, root: str, settings: ZramSettings) -> None:
         # never two devices at boot: the oneshot's config goes when the generator owns zram
         remove_file(ch, root, CONF_PATH)
         return
-    path = in_root(root, CONF_PATH)
-    cur = read_text(path)
-    new = render_conf(settings)
-    if cur == new:
-        ch.note("unchanged", CONF_PATH)
-        return
-    if not ch.dry_run:
-        try:
-            atomic_write(path, new)
-        except OSError as e:
-            raise HostError(f"cannot write {path}: {e.strerror}") from None
-    ch.note("created" if cur is None else "updated", CONF_PATH,
-            f"applied at boot by sparkguard-setup.service: {settings.describe()}")
+    install_file(ch, root, CONF_PATH, render_conf(settings), manifest=None, force=True,
+                 detail=f"applied at boot by sparkguard-setup.service: {settings.describe()}")
 
 
 def configured(root: str) -> str | None:
