@@ -65,7 +65,10 @@ class ConfigError(ValueError):
 
     def __init__(self, path: str, key: str, value: Any, reason: str):
         self.path, self.key, self.value, self.reason = path, key, value, reason
-        super().__init__(f"{path}: {key}: {value!r}: {reason}")
+        if key.startswith("("):        # (file), (syntax): no value to show
+            super().__init__(f"{path}: {reason}")
+        else:
+            super().__init__(f"{path}: {key}: {value!r}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -217,10 +220,23 @@ def _positive_duration(v: Any) -> float:
     return d
 
 
+MIN_LINE = 16 * 1024**2   # bytes; a line lower than this cannot save the box
+
+
+def _line_size(v: Any) -> int:
+    """A threshold: a size of at least 16 MiB; a small bare number is taken for a unit slip."""
+    n = parse_size(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and n < MIN_LINE:
+        raise ValueError(f"a bare number is bytes; did you mean {v}GiB?")
+    if n < MIN_LINE:
+        raise ValueError("must be at least 16MiB: a lower line cannot act before the kernel livelocks")
+    return n
+
+
 def _optional_size(v: Any) -> int | None:
-    if v is None or (isinstance(v, str) and v.lower() in ("off", "none")):
+    if v is None or v is False or (isinstance(v, str) and v.lower() in ("off", "none")):
         return None
-    return parse_size(v)
+    return _line_size(v)
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -274,6 +290,8 @@ def _ifname_list(v: Any) -> tuple[str, ...]:
 def _path(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("expected a path")
+    if not os.path.isabs(v):
+        raise ValueError("expected an absolute path (the daemon's working directory is /)")
     return v
 
 
@@ -454,7 +472,7 @@ def _lane_name(v: Any) -> str | None:
 SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     "guard": (GuardConfig, {
         "poll_interval": _positive_duration,
-        "term_below": parse_size,
+        "term_below": _line_size,
         "kill_below": _optional_size,
         "grace": parse_duration,
         "signal": _choice("available", "available+swap"),
@@ -692,11 +710,42 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
         return from_dict({}, "<defaults>", mem_total)
     except OSError as e:
         raise ConfigError(p, "(file)", None, f"cannot read: {e.strerror}") from None
+    p = os.path.abspath(p)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_loader())
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: " if e.problem_mark else ""
+        raise ConfigError(p, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(p, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
-    return from_dict(data, os.path.abspath(p), mem_total)
+    return from_dict(data, p, mem_total)
+
+
+_LOADER = None
+
+
+def _loader():
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        def mapping(loader, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = loader.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice", key_node.start_mark)
+                seen.add(key)
+            return loader.construct_mapping(node, deep)
+
+        Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        _LOADER = Loader
+    return _LOADER
 
 
 def replace(cfg: Config, **sections: Any) -> Config:

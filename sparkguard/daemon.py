@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import time
 
 log = logging.getLogger("sparkguard")
@@ -37,10 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", metavar="PATH", help="YAML config (default /etc/sparkguard/sparkguard.yaml; "
                    "embedded defaults when that file is absent)")
     p.add_argument("--dry-run", action="store_true", help="decide and report everything, signal nothing")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default info)")
     p.set_defaults(func=cmd_run)
-    c = sub.add_parser("check-config", help="validate a config file and print the effective settings")
+    c = sub.add_parser("check-config", help="validate a config file and print the effective settings",
+                       description="Validate a sparkguard config (every error names the file, key and value) "
+                                   "and print the effective settings. Exit 0 if valid, 1 if not.")
     c.add_argument("path", nargs="?", help="file to check (default /etc/sparkguard/sparkguard.yaml)")
+    c.add_argument("--config", "-c", dest="config_opt", metavar="PATH", help="the same as PATH")
     c.set_defaults(func=cmd_check_config)
 
 
@@ -48,8 +53,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config; exit 0 if valid, 1 with the error (file, key, value) otherwise."""
     from sparkguard import config
     from sparkguard.units import format_duration, format_size
+    path = args.config_opt or args.path
     try:
-        cfg = config.load(args.path, required=args.path is not None)
+        cfg = config.load(path, required=path is not None)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config: {e}", file=sys.stderr)
         return 1
@@ -65,6 +71,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     m = cfg.metrics.listen
     print(f"  metrics: {'http://%s:%d/metrics' % m if m else 'off'}")
     print(f"  incidents: {cfg.incidents.dir}, journal {cfg.incidents.journal}")
+    links = cfg.link.interfaces
+    print(f"  link watch: {', '.join(links) + f' (incident after {format_duration(cfg.link.down_after)} down)' if links else 'off'}")
     return 0
 
 
@@ -80,13 +88,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sparkguard import config, proctree
     why = proctree.hidepid_blocks_view()
     if why:
-        log.error("not starting: %s", why)
         print(f"sparkguard: not starting: {why}", file=sys.stderr)
         return 2
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
-        log.error("invalid config, not starting: %s", e)
         print(f"sparkguard: invalid config, not starting: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -95,7 +101,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         guard.start()
     except OSError as e:
-        log.error("not starting: %s", e)
         print(f"sparkguard: not starting: {e}", file=sys.stderr)
         return 2
     return guard.loop()
@@ -223,6 +228,7 @@ class Guard:
         self.notifier = notify.Notifier()
         self.protector = proctree.Protector(self.cfg.targets.protect)
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
+        self._check_incident_dir()
         self.psi_fd = open_psi_trigger()
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
@@ -238,13 +244,27 @@ class Guard:
                  " [DRY RUN]" if g.dry_run else "")
         self._start_supervisor()
 
+    def _check_incident_dir(self) -> None:
+        """Create ``incidents.dir`` now and prove it writable, so a bad path is known at start,
+        not lost at the first incident (the guard still runs: the journal gets the reports)."""
+        d = self.cfg.incidents.dir
+        try:
+            os.makedirs(d, mode=0o750, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+            log.info("incidents go to %s%s", d, "" if self.cfg.incidents.journal == "off" else " and the journal")
+        except OSError as e:
+            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d,
+                      e.strerror or e, "" if self.cfg.incidents.journal == "off" else "; the journal still gets them")
+
     def _warm_up(self) -> None:
         """Run the target search once (touching, hence locking, its code pages) and log what it sees."""
         from sparkguard import proctree, signals
         targets = proctree.find_targets(self.cfg.targets)
         signals.Tree([], {}).close()
         if targets:
-            log.info("targets now: %s", "; ".join(f"{t.title[:60]} (pid {t.root_pid}, {len(t.pids)} processes)"
+            log.info("targets now: %s", "; ".join(f"{t.title} (pid {t.root_pid}, {len(t.pids)} processes)"
                                                   for t in targets[:5]))
         else:
             log.info("no process matches targets.match right now")
@@ -420,8 +440,8 @@ class Guard:
         }
         self.incidents["memory"] = self.incidents.get("memory", 0) + 1
         self.last_incident = wall
-        self._event(now, value, "crossed", [], f"{_fmt_size(value)} is below the SIGTERM line "
-                    f"{_fmt_size(g.term_below)}")
+        self._event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
+                    f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _choose(self):
         from sparkguard import proctree
@@ -445,7 +465,7 @@ class Guard:
         self.target = target
         self.tree = signals.Tree(target.pids, target.starttimes)
         if self.policy.dry_run:
-            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title[:80]}")
+            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
             sent = self.tree.term_root()
             if sent:
@@ -454,7 +474,7 @@ class Guard:
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
             self._event(now, value, "sigterm", [target.root_pid],
-                        f"SIGTERM {target.title[:80]} (pid {target.root_pid}, {len(target.pids)} processes, "
+                        f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
         if retry:
             self.policy.target_found(now)
@@ -471,6 +491,8 @@ class Guard:
         inc["psi_memory"] = sysinfo.read_psi_memory()
         inc["zram"] = sysinfo.read_zram()
         if target is None:
+            from sparkguard import proctree
+            inc["top_consumers"] = proctree.top_consumers(5)
             return
         inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
                          "mem_bytes": target.mem_bytes, "tree": target.tree}
@@ -669,7 +691,7 @@ def _summary(inc: dict) -> str:
     from sparkguard.units import format_size
     th = inc["thresholds"]
     t = inc.get("target") or {}
-    who = f"{t.get('title', '?')[:60]} (pid {t.get('root_pid')})" if t else "no target"
+    who = f"{t.get('title', '?')} (pid {t.get('root_pid')})" if t else "no target"
     tl = {e["event"]: e for e in inc["timeline"]}
     parts = [f"{'MemAvailable' if th['signal'] == 'available' else 'MemAvailable+SwapFree'} fell to "
              f"{format_size(inc.get('min_available_bytes'))} (line {format_size(th['term_below_bytes'])})"]
