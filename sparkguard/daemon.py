@@ -198,6 +198,7 @@ class Guard:
         self.target = None
         self.incident: dict | None = None
         self.protector = None
+        self.supervisor = None
         self.stopping = False
         self._flags: set[int] = set()
         self.avail = self.swap_free = self.value = 0
@@ -251,6 +252,7 @@ class Guard:
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
+        self._start_supervisor()
 
     def _check_incident_dir(self) -> None:
         """Create ``incidents.dir`` now and prove it writable, so a bad path is known at start,
@@ -305,6 +307,7 @@ class Guard:
             self.incidents["link"] = self.incidents.get("link", 0) + 1
             self.last_incident = time.time()
         self.reporter.finish(inc)
+        self._link_to_supervisor(inc)
 
     def _on_link_change(self, ifname: str, up: bool) -> None:
         """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
@@ -452,7 +455,11 @@ class Guard:
 
     def _choose(self):
         from sparkguard import proctree
-        targets = proctree.find_targets(self.cfg.targets)
+        procs = proctree.scan()
+        engine = self._engine_target(procs)
+        if engine is not None:
+            return engine
+        targets = proctree.find_targets(self.cfg.targets, procs=procs)
         return targets[0] if targets else None
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
@@ -538,7 +545,7 @@ class Guard:
                 from sparkguard import sysinfo
                 inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
             inc["summary"] = _summary(inc)
-            self.reporter.finish(inc)
+            self._finish_incident(inc)
         self.incident = None
         if self.tree is not None:
             for fd in list(self._tree_fds):
@@ -560,6 +567,8 @@ class Guard:
             if value < inc["_min"]:
                 inc["_min"] = value
             self.reporter.event(inc, ev)
+            if self.supervisor is not None:
+                self.supervisor.on_guard_event(inc, ev)
 
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
@@ -587,6 +596,7 @@ class Guard:
         self.policy.thresholds = self._thresholds(cfg)
         self.policy.dry_run = cfg.guard.dry_run
         self.protector = proctree.Protector(cfg.targets.protect)
+        self._reload_supervisor(cfg)
         self.reloads["ok"] += 1
         log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
                  cfg.guard.grace)
@@ -595,6 +605,7 @@ class Guard:
         return True
 
     def _shutdown(self) -> int:
+        self._stop_supervisor()
         if self.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
         if self.linkwatch is not None:
@@ -608,6 +619,51 @@ class Guard:
                 pass
         log.info("stopped")
         return 0
+
+    # ---- engine supervisor hooks (issue 5; sparkguard.supervisor runs in its own threads) ----------
+
+    def _start_supervisor(self) -> None:
+        """Start supervising ``engine:`` when configured.  Raises OSError (control socket)."""
+        if not self.cfg.engine.enabled:
+            return
+        from sparkguard import supervisor
+        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self._count_incident)
+        self.supervisor.start()
+        register = getattr(self.metrics, "register_collector", None)
+        if register is not None:
+            register(self.supervisor.collector())
+
+    def _engine_target(self, procs):
+        """The supervised engine's tree (the guard's first target), or None."""
+        if self.supervisor is None:
+            return None
+        return self.supervisor.target(procs, self.protector)
+
+    def _finish_incident(self, inc: dict) -> None:
+        """Report a closed incident; with an engine the supervisor adds its state and the restart."""
+        if self.supervisor is None or not self.supervisor.take_incident(inc):
+            self.reporter.finish(inc)
+
+    def _count_incident(self, kind: str, wall: float) -> None:
+        """An incident opened outside the poll loop (the supervisor's ``wedged``)."""
+        self.incidents[kind] = self.incidents.get(kind, 0) + 1
+        self.last_incident = wall
+
+    def _reload_supervisor(self, cfg) -> None:
+        if self.supervisor is not None and cfg.engine.enabled:
+            self.supervisor.reload(cfg)
+        elif cfg.engine.enabled != (self.supervisor is not None):
+            log.warning("engine: section added or removed: takes effect after a restart")
+
+    def _link_to_supervisor(self, inc: dict) -> None:
+        """``link.mark_unhealthy``: a link incident marks the engine unhealthy; its end restarts it."""
+        if self.supervisor is not None and self.cfg.link.mark_unhealthy:
+            self.supervisor.link_event(inc.get("outcome") == "link_down", str(inc.get("summary") or ""))
+
+    def _stop_supervisor(self) -> None:
+        """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     def snapshot(self) -> dict:
         """Current state for metrics/status (see TEAM interface); cheap, any thread."""
