@@ -12,6 +12,8 @@ Sections and keys (see README "Configuration"):
 * ``targets``: ``match``, ``protect``, ``fallback``
 * ``metrics``: ``listen``
 * ``incidents``: ``dir``, ``journal``
+* ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
+  gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
 * ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
 """
 
@@ -63,7 +65,10 @@ class ConfigError(ValueError):
 
     def __init__(self, path: str, key: str, value: Any, reason: str):
         self.path, self.key, self.value, self.reason = path, key, value, reason
-        super().__init__(f"{path}: {key}: {value!r}: {reason}")
+        if key.startswith("("):        # (file), (syntax): no value to show
+            super().__init__(f"{path}: {reason}")
+        else:
+            super().__init__(f"{path}: {key}: {value!r}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,74 @@ class IncidentsConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """``engine.probe``: the liveness probe, a real one-token completion.
+
+    ``url`` None means ``<health_url's scheme://host:port>/v1/completions``; ``model`` None means
+    the first id that ``GET /v1/models`` lists.  Durations in seconds.
+    """
+
+    url: str | None = None
+    model: str | None = None
+    interval: float = 30.0
+    timeout: float = 20.0
+    failures: int = 3
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """One entry of ``engine.lanes``: extra ``args`` appended to ``engine.command`` and extra ``env``."""
+
+    args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``engine:``, the engine sparkguard starts and supervises (issue #5).
+
+    ``command`` None means no engine: sparkguard only guards.  Sizes in bytes, durations in
+    seconds.  ``shutdown_timeout`` None means: for a vLLM command, derived from ``guard.grace``
+    (see :func:`vllm_shutdown_timeout`); ``lane`` None with ``lanes`` means the first lane.
+    """
+
+    command: tuple[str, ...] | None = None
+    env: dict = field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    identifier: str | None = None
+    log: str = "auto"                  # "auto" | "journal" | "stderr"
+    journal_socket: str = "/run/systemd/journal/socket"
+    log_lines: int = 200
+    drop_caches: bool = True
+    start_above: int = 4 * 1024**3
+    stable_for: float = 5.0
+    stable_band: int = 256 * 1024**2
+    quiesce_timeout: float = 300.0
+    health_url: str | None = None
+    health_interval: float = 2.0
+    ready_timeout: float = 1200.0
+    probe: ProbeConfig | None = None
+    restart: str = "always"            # "always" | "on-failure" | "never"
+    backoff_initial: float = 1.0
+    backoff_max: float = 300.0
+    stable_after: float = 600.0
+    shutdown_timeout: float | None = None
+    lanes: dict = field(default_factory=dict)
+    lane: str | None = None
+    state_file: str = "/var/lib/sparkguard/engine-state.json"
+    control_socket: str = "/run/sparkguard/control.sock"
+    peers: tuple[str, ...] = ()
+    head_url: str | None = None
+    head_lost_after: float = 60.0
+
+    @property
+    def enabled(self) -> bool:
+        """True when an engine command is configured."""
+        return self.command is not None
+
+
+@dataclass(frozen=True)
 class LinkConfig:
     """``link:``: the TP fabric interfaces watched through netlink (see sparkguard.linkwatch).
 
@@ -126,6 +199,7 @@ class Config:
     targets: TargetsConfig = field(default_factory=TargetsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
     path: str = "<defaults>"
 
@@ -146,10 +220,23 @@ def _positive_duration(v: Any) -> float:
     return d
 
 
+MIN_LINE = 16 * 1024**2   # bytes; a line lower than this cannot save the box
+
+
+def _line_size(v: Any) -> int:
+    """A threshold: a size of at least 16 MiB; a small bare number is taken for a unit slip."""
+    n = parse_size(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and n < MIN_LINE:
+        raise ValueError(f"a bare number is bytes; did you mean {v}GiB?")
+    if n < MIN_LINE:
+        raise ValueError("must be at least 16MiB: a lower line cannot act before the kernel livelocks")
+    return n
+
+
 def _optional_size(v: Any) -> int | None:
-    if v is None or (isinstance(v, str) and v.lower() in ("off", "none")):
+    if v is None or v is False or (isinstance(v, str) and v.lower() in ("off", "none")):
         return None
-    return parse_size(v)
+    return _line_size(v)
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -203,6 +290,181 @@ def _ifname_list(v: Any) -> tuple[str, ...]:
 def _path(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("expected a path")
+    if not os.path.isabs(v):
+        raise ValueError("expected an absolute path (the daemon's working directory is /)")
+    return v
+
+
+class NestedValueError(ValueError):
+    """A ValueError about a value nested below the key being parsed (``engine.lanes.big.args``).
+
+    Attributes:
+        subkey: str appended to the dotted key, e.g. ``".big.args"``.
+        value: the offending nested value.
+    """
+
+    def __init__(self, subkey: str, value: Any, reason: str):
+        super().__init__(reason)
+        self.subkey, self.value = subkey, value
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _argv(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+        raise ValueError("expected a non-empty list of strings (argv), e.g. [vllm, serve, MODEL]")
+    return tuple(v)
+
+
+def _args(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
+        raise ValueError("expected a list of strings (extra argv)")
+    return tuple(str(x) for x in v)
+
+
+def _env(v: Any) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError("expected a mapping NAME: value")
+    out = {}
+    for k, x in v.items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            raise NestedValueError(f".{k}", x, "not a valid environment variable name")
+        if isinstance(x, bool) or not isinstance(x, (str, int, float)):
+            raise NestedValueError(f".{k}", x, "expected a string or number")
+        out[k] = str(x)
+    return out
+
+
+def _optional_str(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise ValueError("expected a non-empty string")
+    return v
+
+
+def _user(v: Any) -> str | None:
+    import pwd
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise ValueError("expected a user name or uid")
+    try:
+        pwd.getpwuid(v) if isinstance(v, int) else pwd.getpwnam(v)
+    except KeyError:
+        raise ValueError("no such user on this machine") from None
+    return str(v)
+
+
+def _http_url(v: Any) -> str:
+    from urllib.parse import urlsplit
+    if not isinstance(v, str) or not v:
+        raise ValueError("expected an http:// URL")
+    u = urlsplit(v)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError("expected an http:// or https:// URL with a host")
+    try:
+        u.port
+    except ValueError:
+        raise ValueError("bad port in URL") from None
+    return v
+
+
+def _optional_url(v: Any) -> str | None:
+    return None if v is None else _http_url(v)
+
+
+def _url_list(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise ValueError("expected a list of URLs (the other nodes' sparkguard metrics endpoints)")
+    out = []
+    for i, x in enumerate(v):
+        try:
+            out.append(_http_url(x))
+        except ValueError as e:
+            raise NestedValueError(f"[{i}]", x, str(e)) from None
+    return tuple(out)
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"expected a whole number from {lo} to {hi}")
+        return v
+    return parse
+
+
+_PROBE_KEYS: dict[str, Callable[[Any], Any]] = {
+    "url": _optional_url, "model": _optional_str, "interval": _positive_duration,
+    "timeout": _positive_duration, "failures": _int_range(1, 1000),
+}
+
+
+def _probe(v: Any) -> ProbeConfig | None:
+    if v is None or v is False or (isinstance(v, str) and v.lower() == "off"):
+        return None
+    if v is True or (isinstance(v, str) and v.lower() == "on"):
+        return ProbeConfig()
+    if not isinstance(v, dict):
+        raise ValueError("expected off, on, or a mapping with " + ", ".join(_PROBE_KEYS))
+    vals = {}
+    for k, x in v.items():
+        if k not in _PROBE_KEYS:
+            raise NestedValueError(f".{k}", x, "unknown key; expected one of " + ", ".join(_PROBE_KEYS))
+        try:
+            vals[k] = _PROBE_KEYS[k](x)
+        except NestedValueError:
+            raise
+        except ValueError as e:
+            raise NestedValueError(f".{k}", x, str(e)) from None
+    return ProbeConfig(**vals)
+
+
+_LANE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+
+
+def _lanes(v: Any) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError("expected a mapping NAME: {args: [...], env: {...}}")
+    out = {}
+    for name, body in v.items():
+        if not isinstance(name, str) or not _LANE_NAME.match(name):
+            raise NestedValueError(f".{name}", body, "lane names are 1-64 letters, digits, '.', '_' or '-'")
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise NestedValueError(f".{name}", body, "expected a mapping with args and/or env")
+        vals = {}
+        for k, x in body.items():
+            parser = {"args": _args, "env": _env}.get(k)
+            if parser is None:
+                raise NestedValueError(f".{name}.{k}", x, "unknown key; expected one of args, env")
+            try:
+                vals[k] = parser(x)
+            except NestedValueError as e:
+                raise NestedValueError(f".{name}.{k}{e.subkey}", e.value, str(e)) from None
+            except ValueError as e:
+                raise NestedValueError(f".{name}.{k}", x, str(e)) from None
+        out[name] = LaneConfig(**vals)
+    return out
+
+
+def _lane_name(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not _LANE_NAME.match(v):
+        raise ValueError("expected the name of one of engine.lanes")
     return v
 
 
@@ -210,7 +472,7 @@ def _path(v: Any) -> str:
 SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     "guard": (GuardConfig, {
         "poll_interval": _positive_duration,
-        "term_below": parse_size,
+        "term_below": _line_size,
         "kill_below": _optional_size,
         "grace": parse_duration,
         "signal": _choice("available", "available+swap"),
@@ -224,6 +486,37 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     }),
     "metrics": (MetricsConfig, {"listen": _listen}),
     "incidents": (IncidentsConfig, {"dir": _path, "journal": _choice("auto", "on", "off")}),
+    "engine": (EngineConfig, {
+        "command": _argv,
+        "env": _env,
+        "cwd": _optional_str,
+        "user": _user,
+        "identifier": _optional_str,
+        "log": _choice("auto", "journal", "stderr"),
+        "journal_socket": _path,
+        "log_lines": _int_range(1, 100000),
+        "drop_caches": _bool,
+        "start_above": parse_size,
+        "stable_for": parse_duration,
+        "stable_band": parse_size,
+        "quiesce_timeout": parse_duration,
+        "health_url": _optional_url,
+        "health_interval": _positive_duration,
+        "ready_timeout": _positive_duration,
+        "probe": _probe,
+        "restart": _choice("always", "on-failure", "never"),
+        "backoff_initial": parse_duration,
+        "backoff_max": parse_duration,
+        "stable_after": _positive_duration,
+        "shutdown_timeout": lambda v: None if v is None else parse_duration(v),
+        "lanes": _lanes,
+        "lane": _lane_name,
+        "state_file": _path,
+        "control_socket": _path,
+        "peers": _url_list,
+        "head_url": _optional_url,
+        "head_lost_after": _positive_duration,
+    }),
     "link": (LinkConfig, {
         "interfaces": _ifname_list,
         "down_after": parse_duration,
@@ -275,6 +568,8 @@ def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None)
                                   "unknown key; expected one of " + ", ".join(parsers))
             try:
                 values[key] = parsers[key](raw)
+            except NestedValueError as e:
+                raise ConfigError(path, f"{name}.{key}{e.subkey}", e.value, str(e)) from None
             except ValueError as e:
                 raise ConfigError(path, f"{name}.{key}", raw, str(e)) from None
         sections[name] = cls(**values)
@@ -305,6 +600,90 @@ def _check(cfg: Config, data: dict, path: str, mem_total: int | None) -> None:
                           "longer than 10 s; memory can fall several GiB/s")
     if not cfg.targets.match and cfg.targets.fallback == "off":
         raise ConfigError(path, "targets.match", [], "empty with targets.fallback off: nothing could ever be signalled")
+    _check_engine(cfg, data, path, total)
+
+
+SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+
+
+def is_vllm(argv: tuple[str, ...] | list[str] | None) -> bool:
+    """True if ``argv`` starts vLLM: ``vllm serve ...`` (any path to a ``vllm`` script, also run
+    by a python interpreter) or ``python -m vllm.entrypoints...``."""
+    if not argv:
+        return False
+    head = list(argv[:4])
+    for i, a in enumerate(head):
+        if os.path.basename(a) == "vllm" and i < 3:
+            return True
+        if a == "-m" and i + 1 < len(head) and head[i + 1].split(".")[0] == "vllm":
+            return True
+    return False
+
+
+def vllm_shutdown_timeout(grace: float) -> int:
+    """Seconds to give vLLM's workers after SIGTERM (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) so that
+    they tear CUDA down before the guard's SIGKILL: ``grace - max(2, grace/5)``, floored, >= 0.
+
+    Source: FIELD-NOTES "vLLM" (default 0 on CUDA = workers SIGKILLed within milliseconds).
+    """
+    return int(max(0.0, grace - max(2.0, 0.2 * grace)))
+
+
+def _shutdown_values(e: EngineConfig) -> list[tuple[str, Any]]:
+    """Every shutdown timeout the engine could be given, as (dotted key, raw value)."""
+    out: list[tuple[str, Any]] = []
+    if e.shutdown_timeout is not None:
+        out.append(("engine.shutdown_timeout", e.shutdown_timeout))
+    if SHUTDOWN_ENV in e.env:
+        out.append((f"engine.env.{SHUTDOWN_ENV}", e.env[SHUTDOWN_ENV]))
+    argvs = [("engine.command", e.command or ())] + [(f"engine.lanes.{n}.args", ln.args) for n, ln in e.lanes.items()]
+    for name, lane in e.lanes.items():
+        if SHUTDOWN_ENV in lane.env:
+            out.append((f"engine.lanes.{name}.env.{SHUTDOWN_ENV}", lane.env[SHUTDOWN_ENV]))
+    for key, argv in argvs:
+        for i, a in enumerate(argv):
+            if a == "--shutdown-timeout" and i + 1 < len(argv):
+                out.append((key, argv[i + 1]))
+            elif a.startswith("--shutdown-timeout="):
+                out.append((key, a.split("=", 1)[1]))
+    return out
+
+
+def _check_engine(cfg: Config, data: dict, path: str, total: int | None) -> None:
+    e = cfg.engine
+    body = data.get("engine") or {}
+    if e.command is None:
+        # a guard-only file may spell out the defaults (sparkguard install does); anything else needs a command
+        default = EngineConfig()
+        other = next((k for k in body if k != "command" and getattr(e, k) != getattr(default, k)), None)
+        if other is not None:
+            raise ConfigError(path, "engine.command", None,
+                              f"missing: engine.{other} is set but there is no command to start")
+        return
+    if e.lane is not None and e.lane not in e.lanes:
+        raise ConfigError(path, "engine.lane", e.lane,
+                          "no such lane; engine.lanes has " + (", ".join(e.lanes) or "none"))
+    if e.cwd is not None and not os.path.isdir(e.cwd):
+        raise ConfigError(path, "engine.cwd", e.cwd, "not an existing directory")
+    if total is not None and e.start_above >= total:
+        raise ConfigError(path, "engine.start_above", body.get("start_above"),
+                          f"is not below MemTotal ({total} bytes): the engine could never start")
+    if e.backoff_max < e.backoff_initial:
+        raise ConfigError(path, "engine.backoff_max", body.get("backoff_max"),
+                          f"is below engine.backoff_initial ({e.backoff_initial:g} s)")
+    if e.probe is not None and e.probe.url is None and e.health_url is None:
+        raise ConfigError(path, "engine.probe", body.get("probe"),
+                          "needs probe.url, or engine.health_url to derive /v1/completions from")
+    grace = cfg.guard.grace
+    for key, raw in _shutdown_values(e):
+        try:
+            secs = parse_duration(raw)
+        except ValueError as err:
+            raise ConfigError(path, key, raw, f"shutdown timeout: {err}") from None
+        if secs >= grace:
+            raise ConfigError(path, key, raw,
+                              f"the engine's shutdown timeout ({secs:g} s) must be shorter than guard.grace "
+                              f"({grace:g} s), or the guard SIGKILLs the workers before they tear CUDA down")
 
 
 def load(path: str | None = None, *, mem_total: int | None = None, required: bool = False) -> Config:
@@ -331,11 +710,42 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
         return from_dict({}, "<defaults>", mem_total)
     except OSError as e:
         raise ConfigError(p, "(file)", None, f"cannot read: {e.strerror}") from None
+    p = os.path.abspath(p)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_loader())
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: " if e.problem_mark else ""
+        raise ConfigError(p, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(p, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
-    return from_dict(data, os.path.abspath(p), mem_total)
+    return from_dict(data, p, mem_total)
+
+
+_LOADER = None
+
+
+def _loader():
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        def mapping(loader, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = loader.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice", key_node.start_mark)
+                seen.add(key)
+            return loader.construct_mapping(node, deep)
+
+        Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        _LOADER = Loader
+    return _LOADER
 
 
 def replace(cfg: Config, **sections: Any) -> Config:

@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import time
 
 log = logging.getLogger("sparkguard")
@@ -37,10 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", metavar="PATH", help="YAML config (default /etc/sparkguard/sparkguard.yaml; "
                    "embedded defaults when that file is absent)")
     p.add_argument("--dry-run", action="store_true", help="decide and report everything, signal nothing")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default info)")
     p.set_defaults(func=cmd_run)
-    c = sub.add_parser("check-config", help="validate a config file and print the effective settings")
+    c = sub.add_parser("check-config", help="validate a config file and print the effective settings",
+                       description="Validate a sparkguard config (every error names the file, key and value) "
+                                   "and print the effective settings. Exit 0 if valid, 1 if not.")
     c.add_argument("path", nargs="?", help="file to check (default /etc/sparkguard/sparkguard.yaml)")
+    c.add_argument("--config", "-c", dest="config_opt", metavar="PATH", help="the same as PATH")
     c.set_defaults(func=cmd_check_config)
 
 
@@ -48,8 +53,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config; exit 0 if valid, 1 with the error (file, key, value) otherwise."""
     from sparkguard import config
     from sparkguard.units import format_duration, format_size
+    path = args.config_opt or args.path
     try:
-        cfg = config.load(args.path, required=args.path is not None)
+        cfg = config.load(path, required=path is not None)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config: {e}", file=sys.stderr)
         return 1
@@ -65,6 +71,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     m = cfg.metrics.listen
     print(f"  metrics: {'http://%s:%d/metrics' % m if m else 'off'}")
     print(f"  incidents: {cfg.incidents.dir}, journal {cfg.incidents.journal}")
+    links = cfg.link.interfaces
+    print(f"  link watch: {', '.join(links) + f' (incident after {format_duration(cfg.link.down_after)} down)' if links else 'off'}")
     return 0
 
 
@@ -80,13 +88,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sparkguard import config, proctree
     why = proctree.hidepid_blocks_view()
     if why:
-        log.error("not starting: %s", why)
         print(f"sparkguard: not starting: {why}", file=sys.stderr)
         return 2
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
-        log.error("invalid config, not starting: %s", e)
         print(f"sparkguard: invalid config, not starting: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -95,7 +101,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         guard.start()
     except OSError as e:
-        log.error("not starting: %s", e)
         print(f"sparkguard: not starting: {e}", file=sys.stderr)
         return 2
     return guard.loop()
@@ -183,6 +188,7 @@ class Guard:
         self.target = None
         self.incident: dict | None = None
         self.protector = None
+        self.supervisor = None
         self.stopping = False
         self._flags: set[int] = set()
         self.avail = self.swap_free = self.value = 0
@@ -222,6 +228,7 @@ class Guard:
         self.notifier = notify.Notifier()
         self.protector = proctree.Protector(self.cfg.targets.protect)
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
+        self._check_incident_dir()
         self.psi_fd = open_psi_trigger()
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
@@ -235,6 +242,21 @@ class Guard:
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
+        self._start_supervisor()
+
+    def _check_incident_dir(self) -> None:
+        """Create ``incidents.dir`` now and prove it writable, so a bad path is known at start,
+        not lost at the first incident (the guard still runs: the journal gets the reports)."""
+        d = self.cfg.incidents.dir
+        try:
+            os.makedirs(d, mode=0o750, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+            log.info("incidents go to %s%s", d, "" if self.cfg.incidents.journal == "off" else " and the journal")
+        except OSError as e:
+            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d,
+                      e.strerror or e, "" if self.cfg.incidents.journal == "off" else "; the journal still gets them")
 
     def _warm_up(self) -> None:
         """Run the target search once (touching, hence locking, its code pages) and log what it sees."""
@@ -242,7 +264,7 @@ class Guard:
         targets = proctree.find_targets(self.cfg.targets)
         signals.Tree([], {}).close()
         if targets:
-            log.info("targets now: %s", "; ".join(f"{t.title[:60]} (pid {t.root_pid}, {len(t.pids)} processes)"
+            log.info("targets now: %s", "; ".join(f"{t.title} (pid {t.root_pid}, {len(t.pids)} processes)"
                                                   for t in targets[:5]))
         else:
             log.info("no process matches targets.match right now")
@@ -275,6 +297,7 @@ class Guard:
             self.incidents["link"] = self.incidents.get("link", 0) + 1
             self.last_incident = time.time()
         self.reporter.finish(inc)
+        self._link_to_supervisor(inc)
 
     def _on_link_change(self, ifname: str, up: bool) -> None:
         """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
@@ -417,12 +440,16 @@ class Guard:
         }
         self.incidents["memory"] = self.incidents.get("memory", 0) + 1
         self.last_incident = wall
-        self._event(now, value, "crossed", [], f"{_fmt_size(value)} is below the SIGTERM line "
-                    f"{_fmt_size(g.term_below)}")
+        self._event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
+                    f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _choose(self):
         from sparkguard import proctree
-        targets = proctree.find_targets(self.cfg.targets)
+        procs = proctree.scan()
+        engine = self._engine_target(procs)
+        if engine is not None:
+            return engine
+        targets = proctree.find_targets(self.cfg.targets, procs=procs)
         return targets[0] if targets else None
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
@@ -438,7 +465,7 @@ class Guard:
         self.target = target
         self.tree = signals.Tree(target.pids, target.starttimes)
         if self.policy.dry_run:
-            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title[:80]}")
+            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
             sent = self.tree.term_root()
             if sent:
@@ -447,7 +474,7 @@ class Guard:
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
             self._event(now, value, "sigterm", [target.root_pid],
-                        f"SIGTERM {target.title[:80]} (pid {target.root_pid}, {len(target.pids)} processes, "
+                        f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
         if retry:
             self.policy.target_found(now)
@@ -464,6 +491,8 @@ class Guard:
         inc["psi_memory"] = sysinfo.read_psi_memory()
         inc["zram"] = sysinfo.read_zram()
         if target is None:
+            from sparkguard import proctree
+            inc["top_consumers"] = proctree.top_consumers(5)
             return
         inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
                          "mem_bytes": target.mem_bytes, "tree": target.tree}
@@ -506,7 +535,7 @@ class Guard:
                 from sparkguard import sysinfo
                 inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
             inc["summary"] = _summary(inc)
-            self.reporter.finish(inc)
+            self._finish_incident(inc)
         self.incident = None
         if self.tree is not None:
             for fd in list(self._tree_fds):
@@ -528,6 +557,8 @@ class Guard:
             if value < inc["_min"]:
                 inc["_min"] = value
             self.reporter.event(inc, ev)
+            if self.supervisor is not None:
+                self.supervisor.on_guard_event(inc, ev)
 
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
@@ -555,6 +586,7 @@ class Guard:
         self.policy.thresholds = self._thresholds(cfg)
         self.policy.dry_run = cfg.guard.dry_run
         self.protector = proctree.Protector(cfg.targets.protect)
+        self._reload_supervisor(cfg)
         self.reloads["ok"] += 1
         log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
                  cfg.guard.grace)
@@ -563,6 +595,7 @@ class Guard:
         return True
 
     def _shutdown(self) -> int:
+        self._stop_supervisor()
         if self.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
         if self.linkwatch is not None:
@@ -576,6 +609,51 @@ class Guard:
                 pass
         log.info("stopped")
         return 0
+
+    # ---- engine supervisor hooks (issue 5; sparkguard.supervisor runs in its own threads) ----------
+
+    def _start_supervisor(self) -> None:
+        """Start supervising ``engine:`` when configured.  Raises OSError (control socket)."""
+        if not self.cfg.engine.enabled:
+            return
+        from sparkguard import supervisor
+        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self._count_incident)
+        self.supervisor.start()
+        register = getattr(self.metrics, "register_collector", None)
+        if register is not None:
+            register(self.supervisor.collector())
+
+    def _engine_target(self, procs):
+        """The supervised engine's tree (the guard's first target), or None."""
+        if self.supervisor is None:
+            return None
+        return self.supervisor.target(procs, self.protector)
+
+    def _finish_incident(self, inc: dict) -> None:
+        """Report a closed incident; with an engine the supervisor adds its state and the restart."""
+        if self.supervisor is None or not self.supervisor.take_incident(inc):
+            self.reporter.finish(inc)
+
+    def _count_incident(self, kind: str, wall: float) -> None:
+        """An incident opened outside the poll loop (the supervisor's ``wedged``)."""
+        self.incidents[kind] = self.incidents.get(kind, 0) + 1
+        self.last_incident = wall
+
+    def _reload_supervisor(self, cfg) -> None:
+        if self.supervisor is not None and cfg.engine.enabled:
+            self.supervisor.reload(cfg)
+        elif cfg.engine.enabled != (self.supervisor is not None):
+            log.warning("engine: section added or removed: takes effect after a restart")
+
+    def _link_to_supervisor(self, inc: dict) -> None:
+        """``link.mark_unhealthy``: a link incident marks the engine unhealthy; its end restarts it."""
+        if self.supervisor is not None and self.cfg.link.mark_unhealthy:
+            self.supervisor.link_event(inc.get("outcome") == "link_down", str(inc.get("summary") or ""))
+
+    def _stop_supervisor(self) -> None:
+        """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     def snapshot(self) -> dict:
         """Current state for metrics/status (see TEAM interface); cheap, any thread."""
@@ -613,7 +691,7 @@ def _summary(inc: dict) -> str:
     from sparkguard.units import format_size
     th = inc["thresholds"]
     t = inc.get("target") or {}
-    who = f"{t.get('title', '?')[:60]} (pid {t.get('root_pid')})" if t else "no target"
+    who = f"{t.get('title', '?')} (pid {t.get('root_pid')})" if t else "no target"
     tl = {e["event"]: e for e in inc["timeline"]}
     parts = [f"{'MemAvailable' if th['signal'] == 'available' else 'MemAvailable+SwapFree'} fell to "
              f"{format_size(inc.get('min_available_bytes'))} (line {format_size(th['term_below_bytes'])})"]

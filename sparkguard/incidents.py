@@ -405,6 +405,12 @@ def render(rec: dict) -> str:
                     L.append(f"  {'':>45}  {'  ' * depth}  cmdline: {cmd}")
     else:
         L.append("Target  none")
+        top = [e for e in rec.get("top_consumers") or [] if isinstance(e, dict)]
+        if top:
+            L.append("  largest processes at the crossing (RSS+swap; unified-memory GPU allocations do not show):")
+            for e in top:
+                L.append(f"  {e.get('pid', '?'):>8} {format_size((e.get('rss_bytes') or 0) + (e.get('swap_bytes') or 0)):>10}"
+                         f"  {e.get('title') or ''}")
 
     L.append("")
     L.append("Timeline (relative to the crossing)")

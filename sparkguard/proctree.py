@@ -41,13 +41,13 @@ class Target:
 
     Attributes:
         root_pid: int, the process that gets SIGTERM.
-        title: str, the root's cmdline (shortened to 200 chars).
+        title: str, the root's cmdline as :func:`short_title` shows it.
         pattern: str, the ``targets.match`` regex that matched (or ``"fallback:oom_score"``).
         pids: list[int], root first, then descendants (breadth first), protected ones removed.
         starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
         mem_bytes: int, sum of VmRSS + VmSwap over the tree.
-        tree: list[dict] with keys pid, ppid, title (the cmdline, which setproctitle makes the title;
-            comm for kernel threads), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
+        tree: list[dict] with keys pid, ppid, title (:func:`short_title` of the cmdline, which
+            setproctitle makes the title), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
     """
 
     root_pid: int
@@ -95,6 +95,22 @@ def scan() -> dict[int, Proc]:
             if p is not None:
                 out[p.pid] = p
     return out
+
+
+def short_title(cmdline: str, comm: str = "", limit: int = 160) -> str:
+    """A name people recognise: ``/usr/bin/python3 /usr/local/bin/vllm serve M --tp 2`` ->
+    ``vllm serve M --tp 2``; setproctitle titles (``VLLM::Worker_TP0``) unchanged; comm for an
+    empty cmdline.  Longer than ``limit`` characters: cut, ending in ``…``."""
+    if not cmdline:
+        return comm
+    toks = cmdline.split(" ")
+    first = os.path.basename(toks[0])
+    if first.startswith("python") and len(toks) > 1 and not toks[1].startswith("-"):
+        toks = [os.path.basename(toks[1])] + toks[2:]
+    elif "/" in toks[0]:
+        toks[0] = first
+    t = " ".join(toks)
+    return t if len(t) <= limit else t[:limit - 1] + "…"
 
 
 def children_map(procs: dict[int, Proc]) -> dict[int, list[int]]:
@@ -170,7 +186,7 @@ def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]
         p = procs[pid]
         rss, swap = _status_mem(pid)
         total += rss + swap
-        rows.append({"pid": pid, "ppid": p.ppid, "title": (p.cmdline or p.comm)[:120], "comm": p.comm,
+        rows.append({"pid": pid, "ppid": p.ppid, "title": short_title(p.cmdline, p.comm), "comm": p.comm,
                      "cmdline": p.cmdline[:400],
                      "rss_bytes": rss, "swap_bytes": swap,
                      "oom_score": _int_file(f"/proc/{pid}/oom_score", -1)})
@@ -182,7 +198,7 @@ def build_target(root: int, pattern: str, procs: dict[int, Proc], kids: dict[int
     """The :class:`Target` for the tree under ``root`` (protected members left out)."""
     pids = [pid for pid in descendants([root], kids) if not protector.protected(procs[pid])]
     mem, rows = _tree_info(pids, procs)
-    return Target(root_pid=root, title=procs[root].cmdline[:200] or procs[root].comm, pattern=pattern,
+    return Target(root_pid=root, title=short_title(procs[root].cmdline, procs[root].comm), pattern=pattern,
                   pids=pids, starttimes={pid: procs[pid].starttime for pid in pids}, mem_bytes=mem,
                   tree=rows, rank=rank)
 
@@ -236,6 +252,24 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
         if best is not None:
             out.append(build_target(best, "fallback:oom_score", procs, kids, protector, len(regexes)))
     return out
+
+
+def top_consumers(n: int = 5, procs: dict[int, Proc] | None = None) -> list[dict]:
+    """The ``n`` processes holding the most RSS + swap (bytes), for a report with no target.
+
+    Returns rows like :class:`Target`'s tree rows.  RSS hides unified-memory GPU allocations, so
+    this is a hint for people, never a choice of victim.
+    """
+    procs = scan() if procs is None else procs
+    sized = []
+    for p in procs.values():
+        if p.kthread:
+            continue
+        rss, swap = _status_mem(p.pid)
+        sized.append((rss + swap, p.pid))
+    sized.sort(reverse=True)
+    pids = [pid for _, pid in sized[:n] if pid in procs]
+    return _tree_info(pids, procs)[1]
 
 
 def hidepid_blocks_view() -> str | None:

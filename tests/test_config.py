@@ -52,7 +52,11 @@ def test_defaults_when_file_absent(tmp_path):
     ("metrics:\n  listen: 99999\n", "metrics.listen", "99999", "host:port"),
     ("incidents:\n  journal: sometimes\n", "incidents.journal", "sometimes", "auto"),
     ("guard: [1, 2]\n", "guard", "", "mapping"),
-    ("guard:\n  grace: [\n", "(syntax)", "", "YAML"),
+    ("guard:\n  grace: [\n", "", "", "YAML error at line"),
+    ("guard:\n  grace: 5s\n  grace: 9s\n", "", "", "key 'grace' is given twice"),
+    ("guard:\n  term_below: 0.75\n", "guard.term_below", "0.75", "did you mean 0.75GiB"),
+    ("guard:\n  term_below: 1KiB\n", "guard.term_below", "1KiB", "at least 16MiB"),
+    ("incidents:\n  dir: var/incidents\n", "incidents.dir", "var/incidents", "absolute path"),
 ])
 def test_bad_config_names_file_key_value(tmp_path, text, key, value, why):
     path = tmp_path / "bad.yaml"
@@ -82,6 +86,7 @@ def test_check_config_ok(tmp_path):
     path.write_text("guard:\n  term_below: 1GiB\n  grace: 20s\n  kill_below: 512MiB\nmetrics:\n  listen: off\n")
     r = run_sparkguard("check-config", str(path))
     assert r.returncode == 0, r.stderr
+    assert run_sparkguard("check-config", "--config", str(path)).stdout == r.stdout
     assert "OK" in r.stdout and "1.00 GiB" in r.stdout and "20.0 s" in r.stdout and "metrics: off" in r.stdout
 
 

@@ -128,7 +128,7 @@ def test_term_ignored_escalates_to_sigkill_of_the_whole_tree_including_orphans(e
         kill = next(e for e in inc["timeline"] if e["event"] == "sigkill")
         assert set(survivors) <= set(kill["pids"])
         assert kill["t"] >= 2.0
-        assert inc["outcome"] == "killed"
+        assert inc["outcome"].startswith("killed")  # "killed_memory_not_back" if the box is busy
     finally:
         g.stop()
 
@@ -179,6 +179,10 @@ def test_protected_processes_are_never_signalled(engine_factory):
         assert "no_target" in g.log()
     finally:
         g.stop()
+    # stopping closes the open incident: its report names no target but the largest processes
+    inc = incidents(g)[-1]
+    assert inc["outcome"].startswith("no_target") and inc["target"] is None
+    assert inc["top_consumers"] and all(r["rss_bytes"] > 0 for r in inc["top_consumers"])
 
 
 def test_dry_run_decides_and_reports_but_signals_nothing(engine_factory):

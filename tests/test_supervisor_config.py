@@ -1,0 +1,186 @@
+"""The supervisor's pure pieces (fake clock) and the ``engine:`` config section's errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_sparkguard
+from sparkguard import config, supervisor
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+# ---- quiesce gate and backoff, driven by a fake clock
+
+def test_quiesce_gate_needs_the_floor_for_the_whole_stable_period():
+    g = supervisor.QuiesceGate(start_above=10 * GiB, stable_for=3.0, band=256 * MiB)
+    assert not g.feed(0.0, 9 * GiB)
+    assert not g.feed(1.0, 11 * GiB)
+    assert not g.feed(3.9, 11 * GiB)
+    assert g.feed(4.0, 11 * GiB)          # 3 s at/above the floor, steady
+    assert not g.feed(4.5, 9 * GiB)       # a dip restarts the wait
+    assert not g.feed(5.0, 11 * GiB)
+    assert g.feed(8.0, 11 * GiB)
+
+
+def test_quiesce_gate_waits_while_memory_is_still_coming_back():
+    g = supervisor.QuiesceGate(start_above=10 * GiB, stable_for=2.0, band=256 * MiB)
+    t, v = 0.0, 10 * GiB
+    opened = None
+    # stranded memory comes back at 1 GiB/s for 5 s, then stays
+    for i in range(100):
+        t = i * 0.25
+        v = 10 * GiB + int(min(t, 5.0) * GiB)
+        if g.feed(t, v):
+            opened = t
+            break
+    # the rise stops at t=5 s; the gate opens stable_for (2 s) after the rise flattened into the band
+    assert opened is not None and 6.5 <= opened <= 7.25, opened
+
+
+def test_quiesce_gate_zero_stable_for_opens_at_once():
+    assert supervisor.QuiesceGate(1, 0.0, 0).feed(0.0, 2)
+
+
+def test_backoff_doubles_caps_and_resets_after_a_stable_run():
+    b = supervisor.Backoff(initial=1.0, maximum=10.0, stable_after=60.0)
+    assert [b.next(uptime=2.0) for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert b.next(uptime=61.0) == 1.0       # the last run was stable: start over
+    assert b.next(uptime=1.0) == 2.0
+    b.reset()
+    assert b.next(uptime=1.0) == 1.0
+
+
+def test_identifier_is_the_program_name():
+    assert supervisor.identifier_for(["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"]) == "vllm"
+    assert supervisor.identifier_for(["vllm", "serve", "m"]) == "vllm"
+    assert supervisor.identifier_for(["python3", "-m", "sglang.launch_server"]) == "sglang"
+    assert supervisor.identifier_for(["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"]) == "tritonserver"
+
+
+def test_log_priority_from_the_level_prefix():
+    assert supervisor._level_priority("INFO 05-14 10:22:33 [api_server.py:1] up", 4) == 6
+    assert supervisor._level_priority("(EngineCore pid=7) ERROR 05-14 boom", 6) == 3
+    assert supervisor._level_priority("WARNING: something", 6) == 4
+    assert supervisor._level_priority("plain text", 4) == 4
+
+
+def test_describe_reads_like_a_status_screen():
+    lines = supervisor.describe({"state": "backoff", "detail": "restart 3 in a row in 4 s", "pid": None, "lane": "1m",
+                                 "lanes": ["200k", "1m"], "command": ["vllm", "serve", "m"], "starts": 4,
+                                 "restarts": {"exit": 3, "guard": 0}, "restart_policy": "always",
+                                 "backoff": 4.0, "consecutive_failures": 3, "last_exit": None})
+    assert lines[0] == "engine: backoff (lane 1m): restart 3 in a row in 4 s"
+    assert "  lanes: 200k, *1m" in lines
+    assert any("restarts: exit 3" in ln for ln in lines)
+    assert any("crash loop backoff: 3 in a row" in ln for ln in lines)
+    assert supervisor.describe(None)[0].startswith("engine: not supervised")
+
+
+# ---- config
+
+
+def load(engine: dict, guard: dict | None = None) -> config.Config:
+    data = {"engine": engine}
+    if guard:
+        data["guard"] = guard
+    return config.from_dict(data, "/etc/sparkguard/sparkguard.yaml", mem_total=128 * GiB)
+
+
+def err(engine: dict, guard: dict | None = None) -> str:
+    with pytest.raises(config.ConfigError) as e:
+        load(engine, guard)
+    return str(e.value)
+
+
+def test_no_engine_section_means_guard_only():
+    cfg = config.from_dict({}, mem_total=128 * GiB)
+    assert not cfg.engine.enabled and cfg.engine.command is None
+
+
+def test_engine_defaults():
+    e = load({"command": ["vllm", "serve", "m"]}).engine
+    assert e.enabled and e.command == ("vllm", "serve", "m")
+    assert e.restart == "always" and e.drop_caches and e.start_above == 4 * GiB
+    assert e.control_socket == "/run/sparkguard/control.sock"
+    assert e.state_file == "/var/lib/sparkguard/engine-state.json"
+    assert e.lane is None and e.lanes == {} and e.probe is None
+
+
+def test_lanes_and_probe_parse():
+    e = load({"command": ["vllm", "serve", "m"], "health_url": "http://127.0.0.1:8000/health",
+              "lanes": {"200k": {"args": ["--max-model-len", 200000, "--max-num-seqs", 15]},
+                        "1m": {"args": ["--max-model-len", "1000000"], "env": {"VLLM_X": 1}}},
+              "lane": "1m", "probe": {"interval": "30s", "failures": 2}}).engine
+    assert e.lanes["200k"].args == ("--max-model-len", "200000", "--max-num-seqs", "15")
+    assert e.lanes["1m"].env == {"VLLM_X": "1"}
+    assert e.probe.interval == 30.0 and e.probe.failures == 2 and e.probe.timeout == 20.0
+
+
+@pytest.mark.parametrize("engine,guard,expected", [
+    ({"command": "vllm serve m"}, None,
+     "engine.command: 'vllm serve m': expected a non-empty list of strings"),
+    ({"command": []}, None, "engine.command: []: expected a non-empty list of strings"),
+    ({"command": ["vllm", 3]}, None, "engine.command: ['vllm', 3]: expected a non-empty list of strings"),
+    ({"health_url": "http://x/health"}, None,
+     "engine.command: None: missing: engine.health_url is set but there is no command to start"),
+    ({"command": ["e"], "lane": "1m"}, None, "engine.lane: '1m': no such lane; engine.lanes has none"),
+    ({"command": ["e"], "lanes": {"a": {}}, "lane": "b"}, None, "engine.lane: 'b': no such lane; engine.lanes has a"),
+    ({"command": ["e"], "lanes": {"a": {"argz": []}}}, None,
+     "engine.lanes.a.argz: []: unknown key; expected one of args, env"),
+    ({"command": ["e"], "lanes": {"a": {"env": {"BAD-NAME": 1}}}}, None,
+     "engine.lanes.a.env.BAD-NAME: 1: not a valid environment variable name"),
+    ({"command": ["e"], "start_above": "200GiB"}, None, "engine.start_above: '200GiB': is not below MemTotal"),
+    ({"command": ["e"], "start_above": "lots"}, None, "engine.start_above: 'lots': expected a size like 0.75GiB"),
+    ({"command": ["e"], "ready_timeout": "-5s"}, None, "engine.ready_timeout: '-5s': expected a duration"),
+    ({"command": ["e"], "restart": "sometimes"}, None,
+     "engine.restart: 'sometimes': expected one of always, on-failure, never"),
+    ({"command": ["e"], "backoff_initial": "10s", "backoff_max": "1s"}, None,
+     "engine.backoff_max: '1s': is below engine.backoff_initial (10 s)"),
+    ({"command": ["e"], "probe": {"interval": "1s"}}, None,
+     "engine.probe: {'interval': '1s'}: needs probe.url, or engine.health_url"),
+    ({"command": ["e"], "probe": {"failures": 0}, "health_url": "http://h:1/health"}, None,
+     "engine.probe.failures: 0: expected a whole number from 1 to 1000"),
+    ({"command": ["e"], "peers": ["10.0.0.2:8799"]}, None,
+     "engine.peers[0]: '10.0.0.2:8799': expected an http:// or https:// URL with a host"),
+    ({"command": ["e"], "user": "no-such-user-sg"}, None, "engine.user: 'no-such-user-sg': no such user"),
+    ({"command": ["e"], "cwd": "/no/such/dir"}, None, "engine.cwd: '/no/such/dir': not an existing directory"),
+    ({"command": ["vllm", "serve", "m"], "env": {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": 30}}, {"grace": "20s"},
+     "engine.env.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS: '30': the engine's shutdown timeout (30 s) must be shorter "
+     "than guard.grace (20 s)"),
+    ({"command": ["vllm", "serve", "m"], "lanes": {"x": {"args": ["--shutdown-timeout", "10"]}}}, None,
+     "engine.lanes.x.args: '10': the engine's shutdown timeout (10 s) must be shorter than guard.grace (10 s)"),
+    ({"command": ["e"], "shutdown_timeout": "12s"}, None,
+     "engine.shutdown_timeout: 12.0: the engine's shutdown timeout (12 s) must be shorter than guard.grace"),
+])
+def test_engine_config_errors_name_file_key_and_value(engine, guard, expected):
+    msg = err(engine, guard)
+    assert msg.startswith("/etc/sparkguard/sparkguard.yaml: ")
+    assert expected in msg, msg
+
+
+def test_vllm_detection_and_shutdown_timeout_default():
+    assert config.is_vllm(["vllm", "serve", "m"])
+    assert config.is_vllm(["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"])
+    assert config.is_vllm(["python3", "-m", "vllm.entrypoints.openai.api_server"])
+    assert not config.is_vllm(["python3", "-m", "sglang.launch_server"])
+    assert config.vllm_shutdown_timeout(10.0) == 8
+    assert config.vllm_shutdown_timeout(3.0) == 1
+    assert config.vllm_shutdown_timeout(30.0) == 24
+    assert config.vllm_shutdown_timeout(1.0) == 0
+
+
+def test_check_config_reports_an_engine_error(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("engine:\n  command: [vllm, serve, m]\n  lanes: {200k: {args: []}}\n  lane: 1m\n")
+    r = run_sparkguard("check-config", str(p))
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"sparkguard: invalid config: {p}: engine.lane: '1m': no such lane; "
+                                "engine.lanes has 200k")
+
+
+def test_guard_only_file_may_spell_out_the_engine_defaults():
+    cfg = load({"command": None, "restart": "always", "lanes": {}, "probe": None, "start_above": "4GiB"})
+    assert not cfg.engine.enabled
+    assert "engine.start_above is set but there is no command" in err({"command": None, "start_above": "8GiB"})
