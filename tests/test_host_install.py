@@ -306,7 +306,7 @@ def test_shipped_package_data_is_the_top_level_files():
 
 
 ENGINE_DROPIN = "etc/systemd/system/sparkguard.service.d/engine.conf"
-ENGINE_CONFIG = "\nengine:\n  command: [/usr/bin/vllm, serve, sgtest-model]\n"
+ENGINE_COMMAND = "  command: [/usr/bin/vllm, serve, sgtest-model]\n"
 
 
 def security(root: Path) -> dict[str, dict]:
@@ -323,17 +323,18 @@ def security(root: Path) -> dict[str, dict]:
 
 def test_engine_config_installs_the_sandbox_drop_in_and_systemd_merges_it(tmp_path):
     guard_only, engine = tmp_path / "guard", tmp_path / "engine"
-    assert run_sparkguard("install", "--root", str(guard_only)).returncode == 0
-    assert not (guard_only / ENGINE_DROPIN).exists()
-    # an engine: section without a command (as the rendered defaults have it) is guard-only
-    cfg = guard_only / "etc/sparkguard/sparkguard.yaml"
-    cfg.write_text(cfg.read_text() + "\nengine:\n  command: null\n")
     r = run_sparkguard("install", "--root", str(guard_only))
     assert r.returncode == 0 and "engine.conf" not in r.stdout
+    assert not (guard_only / ENGINE_DROPIN).exists()
+    # the rendered defaults have an engine: section whose command is null: guard-only
+    text = (guard_only / "etc/sparkguard/sparkguard.yaml").read_text()
+    assert "\nengine:\n" in text and text.count("  command: null\n") == 1
 
     assert run_sparkguard("install", "--root", str(engine)).returncode == 0
     cfg = engine / "etc/sparkguard/sparkguard.yaml"
-    cfg.write_text(cfg.read_text() + ENGINE_CONFIG)
+    cfg.write_text(text.replace("  command: null\n", ENGINE_COMMAND))
+    from sparkguard import config
+    assert config.load(str(cfg)).engine.command  # what the daemon will read: a valid engine config
     r = run_sparkguard("install", "--root", str(engine))
     assert r.returncode == 0, r.stderr
     assert f"created       /{ENGINE_DROPIN}  (engine.command is set in /etc/sparkguard/sparkguard.yaml" in r.stdout
