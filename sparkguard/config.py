@@ -78,7 +78,13 @@ class GuardConfig:
     poll_interval: float = 0.2
     term_below: int = int(0.75 * 1024**3)
     kill_below: int | None = None
-    grace: float = 10.0
+    # grace: measured on an NVIDIA H200 (bench/cuda_guard.py, README "Drill and benchmarks"): a
+    # PyTorch+Triton process holding 40.6 GiB of GPU memory and 8 GiB of pinned host memory exits
+    # 1.0-1.8 s after SIGTERM (with or without a handler that tears CUDA down) or SIGKILL, i.e. at
+    # most ~37 ms per GiB held.  Scaled to the 121.7 GiB a DGX Spark can hold: ~4.5 s.  A process
+    # that needs longer is blocked in a CUDA call (its handler ran 9.3 s late behind a 12 s kernel),
+    # where waiting does not help while memory keeps falling.  Hence 5 s.
+    grace: float = 5.0
     signal: str = "available"          # "available" | "available+swap"
     dry_run: bool = False
     recovery_wait: float = 10.0

@@ -27,6 +27,7 @@ MCL_CURRENT, MCL_FUTURE, MCL_ONFAULT = 1, 2, 4
 M_ARENA_MAX = -8
 PSI_TRIGGERS = (b"some 100000 1000000\0", b"some 150000 2000000\0")
 STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
+NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
 
 
@@ -114,7 +115,8 @@ def harden_self() -> list[str]:
     libraries and reserved regions (earlyoom locks the same way; it keeps the RSS budget of 30 MiB with
     prometheus_client loaded).  The caller exercises the decision path once at start-up
     (:func:`warm_up`) so its pages are touched and locked before they are needed.
-    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), a single malloc arena and
+    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -10 (setpriority(2); needs
+    CAP_SYS_NICE) so a spike of busy threads cannot starve the decision, a single malloc arena and
     small thread stacks so locked memory stays small.  Returns warnings for what was not
     permitted; never raises.
     """
@@ -143,6 +145,14 @@ def harden_self() -> list[str]:
             last = e
     else:
         warnings.append(f"cannot lower oom_score_adj ({last.strerror}); the kernel OOM killer may pick the guard")
+    try:
+        # The filler is often many busy threads; at nice 0 the guard gets 1/N of a core and its
+        # scan+signal path (a few ms of CPU) stretches to ~100 ms (bench/headtohead.py, tree scenario).
+        # earlyoom's -p does the same (-20).  Idle cost is unchanged: the guard sleeps.
+        os.setpriority(os.PRIO_PROCESS, 0, NICE)
+    except OSError as e:
+        warnings.append(f"cannot raise the guard's CPU priority to nice {NICE} ({e.strerror}); under a CPU-heavy "
+                        "memory spike it may react late")
     return warnings
 
 

@@ -150,7 +150,7 @@ def test_lanes_and_probe_parse():
      "engine.env.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS: '30': the engine's shutdown timeout (30 s) must be shorter "
      "than guard.grace (20 s)"),
     ({"command": ["vllm", "serve", "m"], "lanes": {"x": {"args": ["--shutdown-timeout", "10"]}}}, None,
-     "engine.lanes.x.args: '10': the engine's shutdown timeout (10 s) must be shorter than guard.grace (10 s)"),
+     "engine.lanes.x.args: '10': the engine's shutdown timeout (10 s) must be shorter than guard.grace (5 s)"),
     ({"command": ["e"], "shutdown_timeout": "12s"}, None,
      "engine.shutdown_timeout: 12.0: the engine's shutdown timeout (12 s) must be shorter than guard.grace"),
 ])
