@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -214,7 +215,8 @@ def test_files_changed_by_tune_and_install_zram_stay_sparkguards(tmp_path):
 def test_edited_files_are_kept_and_uninstall_reverses_the_rest(tmp_path):
     assert run_sparkguard("install", "--root", str(tmp_path)).returncode == 0
     cfg = tmp_path / "etc/sparkguard/sparkguard.yaml"
-    edited = cfg.read_text().replace("grace: 10s", "grace: 20s")
+    edited, n = re.subn(r"(?m)^  grace: .*$", "  grace: 20s", cfg.read_text())
+    assert n == 1 and edited != cfg.read_text()  # whatever the default grace is, this is an edit
     cfg.write_text(edited)
     incident = tmp_path / "var/lib/sparkguard/incidents/20250101T000000Z-abcdef.json"
     incident.parent.mkdir(parents=True)
