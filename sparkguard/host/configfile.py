@@ -44,6 +44,26 @@ HELP: dict[str, str] = {
     "incidents": "Incident records.",
     "incidents.dir": "One JSON file per incident.",
     "incidents.journal": "Write incidents to the systemd journal: auto (when it runs), on, off.",
+    "engine": "The inference engine sparkguard starts and supervises (README \"Supervising the engine\"). "
+              "command null: sparkguard only guards. With a command, `sparkguard install` adds the engine "
+              "sandbox drop-in (sparkguard.service.d/engine.conf) so that the engine can write its caches.",
+    "engine.command": "argv as a list, e.g. [/usr/local/bin/vllm, serve, /models/big, --port, \"8000\"]; "
+                      "null: no engine.",
+    "engine.user": "User the engine runs as (null: root, like the guard).",
+    "engine.drop_caches": "sync and drop the page cache before each start: vLLM's start-up check counts it as used.",
+    "engine.start_above": "MemAvailable needed, steady for stable_for, before every (re)start.",
+    "engine.health_url": "Ready once this answers 200 (vLLM's port listens only once loaded); null: ready once started.",
+    "engine.ready_timeout": "No 200 from health_url within this: stop and restart.",
+    "engine.probe": "Liveness probe, a real one-token completion ({interval, timeout, failures}); "
+                    "vLLM's /health answers 200 even when the engine is wedged.",
+    "engine.restart": "always, on-failure or never.",
+    "engine.shutdown_timeout": "For vLLM, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS; null: derived from guard.grace, "
+                               "which it must stay below.",
+    "engine.lanes": "Named sets of extra args/env appended to command; lane: the one to run (null: the first).",
+    "link": "TP fabric links watched through netlink.",
+    "link.interfaces": "Interface names (the ConnectX-7 ports); empty: no link watch.",
+    "link.down_after": "How long a link must stay down before it is an incident.",
+    "link.mark_unhealthy": "A link incident also marks the supervised engine unhealthy: restarted once the link is back.",
 }
 
 _GIB, _MIB, _KIB = 1024**3, 1024**2, 1024
