@@ -50,36 +50,6 @@ def _handler(module: str, func: str):
     return run
 
 
-class _SubCommandParser(argparse.ArgumentParser):
-    """A sub-command's parser that reports options it does not know itself, with its own usage.
-
-    Plain argparse hands a sub-parser's unknown arguments back to the top-level parser, which
-    then prints ``usage: sparkguard [-h] [--version] COMMAND ...``: no help for the command the
-    user was typing.  A close match is suggested (``--forc`` -> ``--force``).
-    """
-
-    def parse_known_args(self, args=None, namespace=None):
-        ns, extras = super().parse_known_args(args, namespace)
-        if extras:
-            import difflib
-
-            known = [o for a in self._actions for o in a.option_strings]
-            hints = []
-            for x in extras:
-                close = difflib.get_close_matches(x.split("=", 1)[0], known, n=1, cutoff=0.6)
-                if x.startswith("-") and close:
-                    hints.append(f"{x}: did you mean {close[0]}?")
-            self.error("unrecognized arguments: " + " ".join(extras) + ("\n" + "\n".join(hints) if hints else ""))
-        return ns, extras
-
-
-def _add(sub, name: str, **kw) -> argparse.ArgumentParser:
-    """``sub.add_parser(name, **kw)`` as a :class:`_SubCommandParser`."""
-    p = sub.add_parser(name, **kw)
-    p.__class__ = _SubCommandParser  # same fields; only parse_known_args differs
-    return p
-
-
 def _root(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--root", default="/", metavar="DIR",
                    help=f"{what} under DIR instead of / (packaging, containers; default /)")
@@ -93,7 +63,7 @@ def register(sub) -> None:
     """Add the host set-up sub-commands to ``sub`` (an argparse subparsers object)."""
     from sparkguard import host as _z  # the package itself imports nothing
 
-    p = _add(sub, "install", help="put units, sysctl file, zram config and default config in place",
+    p = sub.add_parser("install", help="put units, sysctl file, zram config and default config in place",
                        description="Install the systemd units (ExecStart: this interpreter), the sysctl file, "
                        "the zram boot configuration and a commented default /etc/sparkguard/sparkguard.yaml. "
                        "Keeps a file edited since sparkguard wrote it unless --force (never the config: --force "
@@ -122,7 +92,7 @@ def register(sub) -> None:
     p.add_argument("--grafana-dashboard", metavar="DIR", help="also copy sparkguard-dashboard.json into DIR")
     p.set_defaults(func=_handler("sparkguard.host.install", "install"))
 
-    p = _add(sub, "uninstall", help="remove what install put in place (keeps incidents unless --purge)",
+    p = sub.add_parser("uninstall", help="remove what install put in place (keeps incidents unless --purge)",
                        description="Stop and disable the guard (when systemd runs), remove the units, drop-in, "
                        "sysctl file and zram boot configuration. Keeps (and names) every file edited since "
                        "sparkguard wrote it, and the incident records, unless --purge. Idempotent.")
@@ -132,7 +102,7 @@ def register(sub) -> None:
                    "/var/lib/sparkguard (incidents)")
     p.set_defaults(func=_handler("sparkguard.host.install", "uninstall"))
 
-    p = _add(sub, "install-zram", help="set up a zram swap now and at boot",
+    p = sub.add_parser("install-zram", help="set up a zram swap now and at boot",
                        description="Set up a zram swap now (hot_add a device, comp_algorithm, disksize, mkswap, "
                        "swapon) and make it survive reboots (systemd-zram-generator's config when installed, "
                        "else /etc/sparkguard/zram.conf for sparkguard-setup.service). Idempotent.")
@@ -152,7 +122,7 @@ def register(sub) -> None:
     _dry(p)
     p.set_defaults(func=_handler("sparkguard.host.tune", "install_zram"))
 
-    p = _add(sub, "tune", help="apply and persist the memory sysctls",
+    p = sub.add_parser("tune", help="apply and persist the memory sysctls",
                        description="Set vm.swappiness, vm.watermark_scale_factor and vm.page-cluster now and "
                        "persist them in /etc/sysctl.d/99-zz-sparkguard.conf. Values: that file's, or 180/100/0, "
                        "then the options. Refuses watermark_scale_factor above 200 and swappiness above 100 "
@@ -171,7 +141,7 @@ def register(sub) -> None:
     _dry(p)
     p.set_defaults(func=_handler("sparkguard.host.tune", "tune"))
 
-    p = _add(sub, "doctor", help="check this host against what the guard needs",
+    p = sub.add_parser("doctor", help="check this host against what the guard needs",
                        description="One PASS/WARN/FAIL/INFO line per check, with the fix. Exit 1 on any FAIL.")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--config", metavar="PATH", help="configuration to check against "
