@@ -214,6 +214,7 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
+        self._procs: dict = {}
         self.linkwatch = None
         self.links_up: dict[str, bool] = {}
 
@@ -470,12 +471,14 @@ class Guard:
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _choose(self):
+        """The target to signal, from one /proc scan (kept in ``self._procs`` for the details
+        read after the signal)."""
         from sparkguard import proctree
-        procs = proctree.scan()
+        procs = self._procs = proctree.scan()
         engine = self._engine_target(procs)
         if engine is not None:
             return engine
-        targets = proctree.find_targets(self.cfg.targets, procs=procs)
+        targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
         return targets[0] if targets else None
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
@@ -499,11 +502,15 @@ class Guard:
             for fd in self.tree.fds.values():
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
+        if retry:
+            self.policy.target_found(now)
+        if not target.tree:
+            from sparkguard import proctree
+            proctree.add_details(target, self._procs)
+        if not self.policy.dry_run:
             self._event(now, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
-        if retry:
-            self.policy.target_found(now)
         self._fill_incident(target)
 
     def _fill_incident(self, target) -> None:
