@@ -214,7 +214,6 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
-        self._procs: dict = {}
         self.linkwatch = None
         self.links_up: dict[str, bool] = {}
 
@@ -471,15 +470,19 @@ class Guard:
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _choose(self):
-        """The target to signal, from one /proc scan (kept in ``self._procs`` for the details
-        read after the signal)."""
+        """The target to signal, from one /proc scan; /proc/PID/status is read for the chosen tree only."""
         from sparkguard import proctree
-        procs = self._procs = proctree.scan()
+        procs = proctree.scan()
         engine = self._engine_target(procs)
         if engine is not None:
             return engine
         targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
-        return targets[0] if targets else None
+        if not targets:
+            return None
+        # the chosen tree's RSS/swap/oom_score rows now: after SIGTERM vLLM's children are gone
+        # within milliseconds; one tree's /proc/PID/status reads cost well under a millisecond
+        proctree.add_details(targets[0], procs)
+        return targets[0]
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
         from sparkguard import signals
@@ -504,9 +507,6 @@ class Guard:
                 self._tree_fds.add(fd)
         if retry:
             self.policy.target_found(now)
-        if not target.tree:
-            from sparkguard import proctree
-            proctree.add_details(target, self._procs)
         if not self.policy.dry_run:
             self._event(now, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "

@@ -96,3 +96,25 @@ def own_zram(root_only):
         yield name
     finally:
         remove_zram_device(name)
+
+
+def _zram_devices() -> set[str]:
+    try:
+        return {n for n in os.listdir("/sys/block") if n.startswith("zram")}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_zram_devices(request):
+    """Every test removes the zram devices it made: a device left behind fails the test (CI) or
+    warns (a shared dev box, where another session may be making devices at the same time)."""
+    before = _zram_devices()
+    yield
+    leaked = sorted(_zram_devices() - before)
+    if leaked:
+        msg = f"{request.node.nodeid} left zram devices behind: {', '.join(leaked)}"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        import warnings
+        warnings.warn(msg)
