@@ -68,6 +68,7 @@ class Supervisor:
         self.time_to_ready: float | None = None
         self.quiesce_wait: float | None = None
         self.quiesce_timed_out = False
+        self.gate_timeout: dict | None = None   # {"gate": "quiesce"|"peers", "detail": str} of the last start
         self.last_exit: dict | None = None
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.lines = output.LastLines(self.ecfg.log_lines)
@@ -321,7 +322,7 @@ class Supervisor:
             "started_at": run.wall_spawn if run else None,
             "uptime": (now_m - run.t_spawn) if run and run.exit is None else None,
             "time_to_ready": self.time_to_ready, "quiesce_wait": self.quiesce_wait,
-            "quiesce_timed_out": self.quiesce_timed_out,
+            "quiesce_timed_out": self.quiesce_timed_out, "gate_timeout": self.gate_timeout,
             "starts": self.starts, "ready_count": self.ready_count, "restarts": dict(self.restarts),
             "backoff": self.delay, "consecutive_failures": self.backoff.failures,
             "next_start_at": (now_w + self.next_start_at - now_m) if self.next_start_at else None,
@@ -445,6 +446,7 @@ class Supervisor:
             return False
         with self.cv:
             self.quiesce_wait, self.quiesce_timed_out = r.waited, bool(r.timed_out)
+            self.gate_timeout = {"gate": r.timed_out, "detail": r.detail} if r.timed_out else None
         return True
 
     def _spawn(self) -> None:
@@ -485,10 +487,12 @@ class Supervisor:
             avail = format_size(read_mem_available())
         except (OSError, ValueError):
             avail = "?"
+        gt = self.gate_timeout
+        timed_out = (f" (the {gt['gate']} gate timed out after engine.quiesce_timeout "
+                     f"{e.quiesce_timeout:g} s, started anyway: {gt['detail']})") if gt else ""
         self.reports.flush(self.state, "", restart_detail=(
             f"engine restarted (pid {run.pid}{', lane ' + run.lane if run.lane else ''}) after a quiesce wait of "
-            f"{self.quiesce_wait or 0:.1f} s{' (timed out)' if self.quiesce_timed_out else ''}; MemAvailable {avail}"),
-            pids=[run.pid])
+            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid])
         run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))

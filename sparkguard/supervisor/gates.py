@@ -9,8 +9,9 @@
    ``stable_for`` seconds, because memory stranded by a kill comes back only after a while.
 4. **peers**: every ``engine.peers`` reports MemAvailable >= ``start_above`` (:mod:`sparkguard.peers`).
 
-Past ``engine.quiesce_timeout`` (steps 2-4) the engine starts anyway, and the result says which
-gate timed out and why.  :class:`StartGates` takes its clock, MemAvailable reader, peers reader
+Past ``engine.quiesce_timeout`` (steps 2-4, counted from the end of the hold: a guard incident
+that stays open must not use up the time memory gets to come back) the engine starts anyway, and
+the result says which gate timed out and why.  :class:`StartGates` takes its clock, MemAvailable reader, peers reader
 and waits from the caller, so the whole sequence runs on a fake clock in tests.
 """
 
@@ -97,7 +98,8 @@ class GateHooks(Protocol):
         """The supervisor's state is ``waiting`` with this detail."""
 
     def note(self, event: str, detail: str) -> None:
-        """Record a history entry (``drop_caches``, ``waiting``, ``quiesced``, ``quiesce_timeout``)."""
+        """Record a history entry (``drop_caches``, ``waiting``, ``quiesced``, ``quiesce_timeout``,
+        ``peers_timeout``)."""
 
     def peers_seen(self, states: list[dict]) -> None:
         """The peers' last readings (``peers.PeerState.as_dict()`` each)."""
@@ -108,7 +110,7 @@ class GateResult:
     """How the gates were passed.
 
     Attributes:
-        waited: float seconds from the first gate (the hold included) to the start.
+        waited: float seconds from the end of the hold (drop caches, quiesce, peers) to the start.
         timed_out: None when every gate opened, else the gate that was still closed at
             ``engine.quiesce_timeout``: ``"quiesce"`` or ``"peers"``.
         detail: str, what that gate was waiting for when it timed out ("" when none did).
@@ -152,13 +154,17 @@ class StartGates:
 
     def _once(self):
         e, h = self.e, self.hooks
-        t0 = self.clock()
-        deadline = t0 + e.quiesce_timeout
+        held = None
         while (why := h.held()) is not None:
+            if why != held:
+                held = why
+                h.note("waiting", why)
             h.show(why)
             h.wait(HOLD_EVERY, lambda: h.interrupted() or h.held() is None)
             if h.interrupted():
                 return None
+        t0 = self.clock()                 # the hold has no time limit and does not eat the timeout
+        deadline = t0 + e.quiesce_timeout
         if e.drop_caches:
             h.show("sync and drop caches")
             h.note("drop_caches", self.drop())
@@ -171,9 +177,9 @@ class StartGates:
                 return None
         waited = self.clock() - t0
         if timed_out:
-            h.note("quiesce_timeout", f"starting anyway after {waited:.1f} s: {detail}")
-            log.warning("engine: quiesce gate not met after %.0f s (engine.quiesce_timeout); starting anyway: %s",
-                        waited, detail)
+            h.note(f"{timed_out}_timeout", f"starting anyway after {waited:.1f} s: {detail}")
+            log.warning("engine: %s gate not met after %.0f s (engine.quiesce_timeout); starting anyway: %s",
+                        timed_out, waited, detail)
             return GateResult(waited, timed_out, detail)
         h.note("quiesced", f"memory gate met after {waited:.2f} s")
         return GateResult(waited)

@@ -40,7 +40,8 @@ def describe(state: dict | None) -> list[str]:
                + f" (policy {s.get('restart_policy')})")
     if s.get("time_to_ready") is not None or s.get("quiesce_wait") is not None:
         out.append(f"  last start: quiesce wait {format_duration(s.get('quiesce_wait'))}"
-                   + (" (timed out)" if s.get("quiesce_timed_out") else "")
+                   + ((f" (the {(s.get('gate_timeout') or {}).get('gate', 'quiesce')} gate timed out, "
+                       "started anyway)") if s.get("quiesce_timed_out") else "")
                    + f", time to ready {format_duration(s.get('time_to_ready'))}")
     if s.get("state") == "backoff":
         out.append(f"  crash loop backoff: {s.get('consecutive_failures')} in a row, next start in "
