@@ -20,7 +20,7 @@ import yaml
 
 from conftest import mem_available, run_sparkguard
 from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, unique
-from sparkguard import peers
+from sparkguard import peers, sysinfo
 
 pytestmark = pytest.mark.usefixtures("root_only")
 GiB = 1024**3
@@ -150,11 +150,8 @@ def test_peers_gate_waits_for_a_second_sparkguard(tmp_path):
 
 
 def mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal")
+    with open("/proc/meminfo", "rb") as f:
+        return sysinfo.parse_meminfo(f.read())["MemTotal"]
 
 
 @pytest.mark.parametrize("gate", ["quiesce", "peers"])
