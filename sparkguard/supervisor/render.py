@@ -36,7 +36,7 @@ def describe(state: dict | None) -> list[str]:
     if s.get("lanes"):
         out.append("  lanes: " + ", ".join(("*" if ln == s.get("lane") else "") + ln for ln in s["lanes"]))
     r = {k: v for k, v in (s.get("restarts") or {}).items() if v}
-    out.append(f"  starts {s.get('starts', 0)}, restarts: " + (", ".join(f"{k} {v}" for k, v in r.items()) or "none")
+    out.append(f"  starts {s.get('starts', 0)}, ready {'yes' if s.get('ready') else 'no'}, restarts: " + (", ".join(f"{k} {v}" for k, v in r.items()) or "none")
                + f" (policy {s.get('restart_policy')})")
     if s.get("time_to_ready") is not None or s.get("quiesce_wait") is not None:
         out.append(f"  last start: quiesce wait {format_duration(s.get('quiesce_wait'))}"
