@@ -74,6 +74,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"  incidents: {cfg.incidents.dir}, journal {cfg.incidents.journal}")
     links = cfg.link.interfaces
     print(f"  link watch: {', '.join(links) + f' (incident after {format_duration(cfg.link.down_after)} down)' if links else 'off'}")
+    if cfg.engine.enabled:
+        from sparkguard.supervisor.render import config_line
+        print(f"  engine: {config_line(cfg.engine)}")
     return 0
 
 

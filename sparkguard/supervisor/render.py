@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 
 
@@ -55,3 +56,24 @@ def describe(state: dict | None) -> list[str]:
                    + (f", {p['available_bytes'] / 1024**3:.2f} GiB available" if p.get("available_bytes") is not None
                       else ""))
     return out
+
+
+def config_line(ecfg) -> str:
+    """One line about a configured engine for ``sparkguard check-config``: command, lane, health
+    URL and restart policy (with its backoff).
+
+    Args:
+        ecfg: ``config.EngineConfig`` with a command.
+    Returns:
+        e.g. ``"vllm serve m (lane 200k of 200k, 1m); health http://127.0.0.1:8000/health; restart always,
+        backoff 1.0 s to 5.0 min"``.
+    """
+    from sparkguard.supervisor.lanes import config_lane
+    from sparkguard.units import format_duration
+    lane = config_lane(ecfg)
+    return (shlex.join(ecfg.command)[:200]
+            + (f" (lane {lane} of {', '.join(ecfg.lanes)})" if lane else "")
+            + f"; health {ecfg.health_url or 'none (ready once started)'}"
+            + f"; restart {ecfg.restart}"
+            + (f", backoff {format_duration(ecfg.backoff_initial)} to {format_duration(ecfg.backoff_max)}"
+               if ecfg.restart != "never" else ""))
