@@ -201,4 +201,4 @@ def test_check_config_prints_the_engine_line(tmp_path):
     r = run_sparkguard("check-config", str(p))
     assert r.stdout.splitlines()[-1] == "  engine: /opt/engine; health none (ready once started); restart never"
     p.write_text("guard:\n  grace: 5s\n")
-    assert "engine" not in run_sparkguard("check-config", str(p)).stdout
+    assert "  engine:" not in run_sparkguard("check-config", str(p)).stdout
