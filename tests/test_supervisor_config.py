@@ -202,3 +202,24 @@ def test_check_config_prints_the_engine_line(tmp_path):
     assert r.stdout.splitlines()[-1] == "  engine: /opt/engine; health none (ready once started); restart never"
     p.write_text("guard:\n  grace: 5s\n")
     assert "  engine:" not in run_sparkguard("check-config", str(p)).stdout
+
+
+def test_default_config_file_explains_every_engine_key_in_one_line():
+    """``sparkguard install`` writes the defaults with a comment per key; the engine's keys too
+    (the file must still load to exactly the defaults: render() checks that itself)."""
+    import yaml
+
+    from sparkguard.host import configfile
+    text = configfile.render()
+    assert config.from_dict(yaml.safe_load(text), "x").engine == config.EngineConfig()
+    lines = text.splitlines()
+    head = lines.index("engine:")
+    assert lines[head - 1].startswith("# The engine sparkguard starts and supervises") and lines[head - 2] == ""
+    keys = list(config.SCHEMA["engine"][1])
+    at = {ln.split(":", 1)[0].strip(): i for i, ln in enumerate(lines[head + 1:], head + 1)
+          if ln.startswith("  ") and not ln.startswith("  #") and not ln.startswith("  -")}
+    for key in keys:
+        i = at[key]
+        assert lines[i - 1].startswith("  # ") and len(lines[i - 1]) > 12, (key, lines[i - 1])
+        assert lines[i - 2].startswith(f"  {keys[keys.index(key) - 1]}:") or key == keys[0], \
+            f"engine.{key}: the comment takes more than one line"
