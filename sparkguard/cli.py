@@ -26,6 +26,29 @@ COMMAND_MODULES = [
 ]
 
 
+class SubCommandParser(argparse.ArgumentParser):
+    """A sub-command's parser that reports options it does not know itself, with its own usage.
+
+    Plain argparse hands a sub-parser's unknown arguments back to the top-level parser, which
+    then prints ``usage: sparkguard [-h] [--version] COMMAND ...``: no help for the command the
+    user was typing.  A close match is suggested (``--forec`` -> ``--force``).
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            import difflib
+
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = []
+            for x in extras:
+                close = difflib.get_close_matches(x.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if x.startswith("-") and close:
+                    hints.append(f"{x}: did you mean {close[0]}?")
+            self.error("unrecognized arguments: " + " ".join(extras) + ("\n" + "\n".join(hints) if hints else ""))
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every available sub-command registered."""
     parser = argparse.ArgumentParser(
@@ -33,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory-safety daemon for unified-memory GPU inference boxes (DGX Spark).",
     )
     parser.add_argument("--version", action="version", version=f"sparkguard {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubCommandParser)
     for name in COMMAND_MODULES:
         try:
             if importlib.util.find_spec(name) is None:

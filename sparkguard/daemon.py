@@ -217,6 +217,7 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
+        self._procs: dict = {}
         self.linkwatch = None
         self.links_up: dict[str, bool] = {}
 
@@ -333,8 +334,12 @@ class Guard:
         step = self.policy.step
         next_interval = policy.next_interval
         monotonic = time.monotonic
+        poll = poller.poll
         notifier = self.notifier
         pol = self.policy
+        OK = policy.OK
+        wake_r = self._wake_r
+        use_swap, interval, far = self._loop_settings()
         self._tick(monotonic(), first=True)
         while not self.stopping:
             t0 = monotonic()
@@ -342,29 +347,34 @@ class Guard:
                 avail, swap_free = sample()
             except (OSError, meminfo.MeminfoError) as e:
                 self._read_error(e)
-                timeout = self.cfg.guard.poll_interval
+                timeout = interval
             else:
-                self.avail, self.swap_free = avail, swap_free
-                value = avail + swap_free if self.cfg.guard.signal == "available+swap" else avail
-                self.value = value
-                actions = step(t0, value, self._victim_gone()) if pol.state != policy.OK or \
-                    value < pol.thresholds.term_below else ()
-                if actions:
-                    self._act(actions, t0, value)
+                value = avail + swap_free if use_swap else avail
+                self.avail, self.swap_free, self.value = avail, swap_free, value
+                headroom = value - pol.thresholds.term_below
+                if pol.state is OK and headroom >= 0:
+                    # the idle path: five times a second, forever; keep it short
+                    timeout = interval if headroom >= far else next_interval(headroom, interval)
+                else:
+                    actions = step(t0, value, self._victim_gone())
+                    if actions:
+                        self._act(actions, t0, value)
+                    timeout = next_interval(value - pol.thresholds.term_below, interval)
+                    dl = pol.deadline(monotonic())
+                    if dl is not None and dl < timeout:
+                        timeout = dl
                 t1 = monotonic()
                 self.poll_count += 1
                 self.poll_sum += t1 - t0
                 self.last_poll = t1
-                timeout = next_interval(value - pol.thresholds.term_below, self.cfg.guard.poll_interval)
-                dl = pol.deadline(t1)
-                if dl is not None and dl < timeout:
-                    timeout = dl
-            notifier.watchdog(t0)
+            if notifier.watchdog_interval is not None:
+                notifier.watchdog(t0)
             if t0 >= self._next_status:
                 self._tick(t0)
-            for fd, ev in poller.poll(timeout * 1000.0):
-                if fd == self._wake_r:
+            for fd, ev in poll(timeout * 1000.0):
+                if fd == wake_r:
                     self._drain_wakeup()
+                    use_swap, interval, far = self._loop_settings()
                 elif fd in self._tree_fds:
                     poller.unregister(fd)
                     self._tree_fds.discard(fd)
@@ -373,6 +383,13 @@ class Guard:
                     poller.unregister(fd)
                     self.psi_fd = None
         return self._shutdown()
+
+    def _loop_settings(self) -> tuple[bool, float, int]:
+        """(signal includes swap, poll_interval seconds, headroom in bytes beyond which the full
+        poll_interval is safe at the assumed fill rate); re-read after a reload."""
+        from sparkguard import policy
+        g = self.cfg.guard
+        return g.signal == "available+swap", g.poll_interval, int(g.poll_interval * policy.FILL_RATE)
 
     def _victim_gone(self) -> bool:
         if self.tree is None or self.policy.dry_run:
@@ -457,12 +474,14 @@ class Guard:
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _choose(self):
+        """The target to signal, from one /proc scan (kept in ``self._procs`` for the details
+        read after the signal)."""
         from sparkguard import proctree
-        procs = proctree.scan()
+        procs = self._procs = proctree.scan()
         engine = self._engine_target(procs)
         if engine is not None:
             return engine
-        targets = proctree.find_targets(self.cfg.targets, procs=procs)
+        targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
         return targets[0] if targets else None
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
@@ -486,11 +505,15 @@ class Guard:
             for fd in self.tree.fds.values():
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
+        if retry:
+            self.policy.target_found(now)
+        if not target.tree:
+            from sparkguard import proctree
+            proctree.add_details(target, self._procs)
+        if not self.policy.dry_run:
             self._event(now, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
-        if retry:
-            self.policy.target_found(now)
         self._fill_incident(target)
 
     def _fill_incident(self, target) -> None:

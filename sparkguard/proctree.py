@@ -194,22 +194,39 @@ def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]
 
 
 def build_target(root: int, pattern: str, procs: dict[int, Proc], kids: dict[int, list[int]],
-                 protector: Protector, rank: int = 0) -> Target:
-    """The :class:`Target` for the tree under ``root`` (protected members left out)."""
+                 protector: Protector, rank: int = 0, details: bool = True) -> Target:
+    """The :class:`Target` for the tree under ``root`` (protected members left out).
+
+    ``details=False`` leaves ``tree`` empty and ``mem_bytes`` 0 (no /proc/PID/status reads):
+    the guard signals first and calls :func:`add_details` after.
+    """
     pids = [pid for pid in descendants([root], kids) if not protector.protected(procs[pid])]
-    mem, rows = _tree_info(pids, procs)
-    return Target(root_pid=root, title=short_title(procs[root].cmdline, procs[root].comm), pattern=pattern,
-                  pids=pids, starttimes={pid: procs[pid].starttime for pid in pids}, mem_bytes=mem,
-                  tree=rows, rank=rank)
+    t = Target(root_pid=root, title=short_title(procs[root].cmdline, procs[root].comm), pattern=pattern,
+               pids=pids, starttimes={pid: procs[pid].starttime for pid in pids}, rank=rank)
+    if details:
+        add_details(t, procs)
+    return t
 
 
-def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc] | None = None) -> list[Target]:
+def add_details(target: Target, procs: dict[int, Proc]) -> None:
+    """Fill ``target.tree`` rows and ``mem_bytes`` (RSS + swap) from /proc, for members of the scan."""
+    target.mem_bytes, target.tree = _tree_info([pid for pid in target.pids if pid in procs], procs)
+
+
+def _tree_mem(pids: list[int]) -> int:
+    return sum(sum(_status_mem(pid)) for pid in pids)
+
+
+def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc] | None = None,
+                 details: bool = True) -> list[Target]:
     """Engine trees matching ``targets_cfg.match``, best first.
 
     Args:
         targets_cfg: ``config.TargetsConfig`` (``match``, ``protect``, ``fallback``).
         self_pid: sparkguard's own pid (never a target); default ``os.getpid()``.
         procs: a scan to reuse (default: scan now).
+        details: fill each Target's ``tree`` rows; False reads tree memory only where it
+            decides the order (several trees of the best pattern), so the caller can signal sooner.
     Returns:
         list[Target], sorted by (pattern index, -mem_bytes).  With ``fallback: oom_score``
         and no match, a single Target: the process with the largest /proc/PID/oom_score.
@@ -239,7 +256,13 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
         if protector.protected(procs[root]):
             continue
         tree_rank = min(rank[pid] for pid in descendants([root], kids) if pid in rank)
-        out.append(build_target(root, targets_cfg.match[tree_rank], procs, kids, protector, tree_rank))
+        out.append(build_target(root, targets_cfg.match[tree_rank], procs, kids, protector, tree_rank, details))
+    if not details and len(out) > 1:
+        best = min(t.rank for t in out)
+        tied = [t for t in out if t.rank == best]
+        if len(tied) > 1:
+            for t in tied:
+                t.mem_bytes = _tree_mem(t.pids)
     out.sort(key=lambda t: (t.rank, -t.mem_bytes))
     if not out and targets_cfg.fallback == "oom_score":
         best, score = None, -1
@@ -250,7 +273,7 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
             if s > score:
                 best, score = p.pid, s
         if best is not None:
-            out.append(build_target(best, "fallback:oom_score", procs, kids, protector, len(regexes)))
+            out.append(build_target(best, "fallback:oom_score", procs, kids, protector, len(regexes), details))
     return out
 
 

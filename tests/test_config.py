@@ -93,3 +93,10 @@ def test_check_config_ok(tmp_path):
 def test_missing_explicit_config_is_an_error(tmp_path):
     r = run_sparkguard("run", "--config", str(tmp_path / "nope.yaml"), timeout=30)
     assert r.returncode != 0 and "file not found" in r.stderr
+
+
+def test_a_misspelled_option_gets_the_sub_commands_usage_and_a_hint():
+    r = run_sparkguard("run", "--dry-rnu", timeout=30)
+    assert r.returncode == 2
+    assert "usage: sparkguard run" in r.stderr
+    assert "--dry-rnu: did you mean --dry-run?" in r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -15,7 +16,8 @@ from conftest import run_sparkguard, sg_env
 from test_host_sysctl import restore_sysctls  # noqa: F401  (fixture)
 
 CHECKS = {"zram", "swappiness", "watermark_scale_factor", "page_cluster", "min_free_kbytes", "sysctl_boot",
-          "memlock", "psi", "hidepid", "unit", "engine_shutdown_timeout", "page_cache", "nvidia", "links"}
+          "memlock", "psi", "hidepid", "unit", "engine_sandbox", "engine_shutdown_timeout", "page_cache", "nvidia",
+          "links"}
 
 
 def doctor_json(*args: str) -> tuple[int, dict]:
@@ -148,14 +150,16 @@ def test_renamed_engine_environment_is_reported_unknown(tmp_path):
     assert c["status"] == "WARN" and "overwritten" in c["message"], c
 
 
-def test_doctor_sees_a_running_guard_and_its_locked_memory(tmp_path):
-    """A real `sparkguard run` (dry run, nothing matched, no metrics/journal) started by the test."""
+def start_guard(folder: Path) -> tuple[subprocess.Popen, Path]:
+    """A real `sparkguard run` (dry run, nothing matched, no metrics/journal), running its loop;
+    returns (process, its config file)."""
     import select
     import time
 
-    cfg = tmp_path / "sparkguard.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = folder / "sparkguard.yaml"
     cfg.write_text(f"guard:\n  dry_run: true\ntargets:\n  match: ['sgtest-{uuid.uuid4().hex}']\n"
-                   f"metrics:\n  listen: 'off'\nincidents:\n  dir: {tmp_path}/inc\n  journal: 'off'\n")
+                   f"metrics:\n  listen: 'off'\nincidents:\n  dir: {folder}/inc\n  journal: 'off'\n")
     guard = subprocess.Popen([sys.executable, "-m", "sparkguard", "run", "--config", str(cfg)], env=sg_env(),
                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
@@ -165,13 +169,72 @@ def test_doctor_sees_a_running_guard_and_its_locked_memory(tmp_path):
             assert left > 0 and guard.poll() is None, f"guard did not start: {log}"
             if select.select([guard.stderr], [], [], left)[0]:
                 log += os.read(guard.stderr.fileno(), 65536).decode(errors="replace")
+    except BaseException:
+        stop_guard(guard)
+        raise
+    return guard, cfg
+
+
+def stop_guard(guard: subprocess.Popen) -> None:
+    guard.terminate()
+    guard.wait(timeout=30)
+
+
+def test_doctor_sees_a_running_guard_and_its_locked_memory(tmp_path):
+    guard, _ = start_guard(tmp_path)
+    try:
         _, report = doctor_json()
     finally:
-        guard.terminate()
-        guard.wait(timeout=30)
+        stop_guard(guard)
     checks = by_name(report)
     if checks["unit"]["data"].get("systemd") is False:
         assert guard.pid in checks["unit"]["data"]["pids"]
         assert checks["unit"]["status"] == "WARN" and str(guard.pid) in checks["unit"]["message"]
     locked = {int(k): v for k, v in checks["memlock"]["data"]["locked_bytes"].items()}
     assert locked[guard.pid] > 0  # root here: mlockall works and the check reads it back
+
+
+def test_every_running_guard_is_named_and_several_are_a_warning(tmp_path):
+    guards = []
+    try:
+        for name in ("one", "two"):
+            guards.append(start_guard(tmp_path / name))
+        _, report = doctor_json()
+    finally:
+        for g, _ in guards:
+            stop_guard(g)
+    unit = by_name(report)["unit"]
+    assert unit["status"] == "WARN", unit
+    assert "guards are running" in unit["message"]
+    for g, cfg in guards:
+        assert f"pid {g.pid} (--config {cfg})" in unit["message"]
+        assert g.pid in unit["data"]["pids"]
+    assert "stop" in unit["fix"]
+    locked = {int(k) for k in by_name(report)["memlock"]["data"]["locked_bytes"]}
+    assert {g.pid for g, _ in guards} <= locked
+
+
+def _tune_commands(fix: str) -> list[str]:
+    return [c.strip() for c in re.findall(r"sparkguard tune[^;()]*", fix)]
+
+
+def test_doctor_suggests_tune_commands_that_tune_carries_out(restore_sysctls):  # noqa: F811
+    """watermark_scale_factor 50 is a WARN whose fix is a tune run; without zram, plain `sparkguard tune`
+    would be refused (swappiness 180 wants zram), so the fix must say what works."""
+    Path("/proc/sys/vm/watermark_scale_factor").write_text("50")
+    try:
+        _, report = doctor_json()
+        c = by_name(report)["watermark_scale_factor"]
+        assert c["status"] == "WARN", c
+        cmds = _tune_commands(c["fix"])
+        assert cmds and all("--watermark-scale-factor 100" in cmd for cmd in cmds), c["fix"]
+        runs = {cmd: run_sparkguard(*cmd.split()[1:], "--dry-run") for cmd in cmds}
+    finally:
+        Path("/proc/sys/vm/watermark_scale_factor").write_text(restore_sysctls["vm.watermark_scale_factor"])
+    if by_name(report)["swappiness"]["data"]["fast_swap"]:
+        assert len(cmds) == 1 and runs[cmds[0]].returncode == 0, runs
+    else:  # install-zram first, or the command that passes without zram
+        assert c["fix"].startswith("sparkguard install-zram, then sparkguard tune"), c["fix"]
+        without = [cmd for cmd in cmds if "--swappiness 60" in cmd]
+        assert len(without) == 1 and runs[without[0]].returncode == 0, runs[without[0]].stdout
+        assert "would apply   vm.watermark_scale_factor  (50 -> 100)" in runs[without[0]].stdout

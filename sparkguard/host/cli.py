@@ -66,28 +66,40 @@ def register(sub) -> None:
     p = sub.add_parser("install", help="put units, sysctl file, zram config and default config in place",
                        description="Install the systemd units (ExecStart: this interpreter), the sysctl file, "
                        "the zram boot configuration and a commented default /etc/sparkguard/sparkguard.yaml. "
-                       "Never overwrites a file edited since sparkguard wrote it. Runs systemctl daemon-reload "
-                       "when systemd runs this machine. Idempotent.")
-    _root(p, "install")
+                       "Keeps a file edited since sparkguard wrote it unless --force (never the config: --force "
+                       "writes the new default beside it as sparkguard.yaml.dist). With an engine: command in "
+                       "the config (or --engine-sandbox) also the drop-in sparkguard.service.d/engine.conf that "
+                       "relaxes the sandbox for the engine. Runs systemctl daemon-reload when systemd runs this "
+                       "machine. Idempotent.")
+    _root(p, "install (DIR is created when missing)")
     _dry(p)
     p.add_argument("--python", metavar="PATH", help="interpreter the units run, as seen inside the root "
                    f"(default: this one, {sys.executable})")
-    p.add_argument("--zram-size", type=_size, default=_z.ZRAM_DEFAULT_SIZE, metavar="SIZE",
-                   help="zram swap size for the boot configuration (default 6GiB)")
-    p.add_argument("--zram-priority", type=int, default=_z.ZRAM_DEFAULT_PRIORITY, metavar="N", help="default 100")
-    p.add_argument("--zram-algorithm", default=_z.ZRAM_DEFAULT_ALGORITHM, metavar="NAME", help="default lz4")
+    p.add_argument("--zram-size", type=_size, metavar="SIZE", help="zram swap size for the boot configuration "
+                   "(default: what sparkguard configured before, else 6GiB)")
+    p.add_argument("--zram-priority", type=int, metavar="N", help="default: as configured before, else 100")
+    p.add_argument("--zram-algorithm", metavar="NAME", help="default: as configured before, else lz4")
     p.add_argument("--no-zram", action="store_true", help="do not install a zram boot configuration")
+    p.add_argument("--force", action="store_true", help="replace files edited since sparkguard wrote them "
+                   "(units, sysctl file, zram config, drop-in); an edited config is kept and the new default "
+                   "written beside it as sparkguard.yaml.dist")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--engine-sandbox", dest="engine_sandbox", action="store_true", default=None,
+                   help="install the engine sandbox drop-in even without an engine: command in the config")
+    g.add_argument("--no-engine-sandbox", dest="engine_sandbox", action="store_false",
+                   help="remove the engine sandbox drop-in (guard-only sandbox)")
     p.add_argument("--prometheus-rules", metavar="DIR", help="also copy sparkguard-rules.yml into DIR")
     p.add_argument("--grafana-dashboard", metavar="DIR", help="also copy sparkguard-dashboard.json into DIR")
     p.set_defaults(func=_handler("sparkguard.host.install", "install"))
 
     p = sub.add_parser("uninstall", help="remove what install put in place (keeps incidents unless --purge)",
-                       description="Stop and disable the guard (when systemd runs), remove the units, sysctl "
-                       "file and zram boot configuration. Keeps an edited config file and the incident "
-                       "records unless --purge. Idempotent.")
+                       description="Stop and disable the guard (when systemd runs), remove the units, drop-in, "
+                       "sysctl file and zram boot configuration. Keeps (and names) every file edited since "
+                       "sparkguard wrote it, and the incident records, unless --purge. Idempotent.")
     _root(p, "uninstall")
     _dry(p)
-    p.add_argument("--purge", action="store_true", help="also remove the config file and /var/lib/sparkguard")
+    p.add_argument("--purge", action="store_true", help="also remove edited files, the config file and "
+                   "/var/lib/sparkguard (incidents)")
     p.set_defaults(func=_handler("sparkguard.host.install", "uninstall"))
 
     p = sub.add_parser("install-zram", help="set up a zram swap now and at boot",
@@ -115,9 +127,12 @@ def register(sub) -> None:
                        "persist them in /etc/sysctl.d/99-zz-sparkguard.conf. Values: that file's, or 180/100/0, "
                        "then the options. Refuses watermark_scale_factor above 200 and swappiness above 100 "
                        "without zram, unless --force.")
-    p.add_argument("--swappiness", type=int, metavar="N", help="0-200 (default 180 with zram)")
-    p.add_argument("--watermark-scale-factor", type=int, metavar="N", help="1-3000, in 1/10000 (default 100)")
-    p.add_argument("--page-cluster", type=int, metavar="N", help="0-31, log2 pages per swap read (default 0)")
+    p.add_argument("--swappiness", type=int, metavar="N", help="0-200 (default: the persisted file's, else 180; "
+                   "above 100 is refused while no zram or zswap is active: run install-zram first, or use 60)")
+    p.add_argument("--watermark-scale-factor", type=int, metavar="N", help="1-3000, in 1/10000 (default: the "
+                   "persisted file's, else 100; above 200 is refused)")
+    p.add_argument("--page-cluster", type=int, metavar="N", help="0-31, log2 pages per swap read (default: the "
+                   "persisted file's, else 0)")
     p.add_argument("--force", action="store_true", help="set values a guard rail refuses")
     p.add_argument("--no-apply", action="store_true", help="only write the file")
     p.add_argument("--no-persist", action="store_true", help="only apply now")

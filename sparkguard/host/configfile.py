@@ -44,11 +44,13 @@ HELP: dict[str, str] = {
     "incidents": "Incident records.",
     "incidents.dir": "One JSON file per incident.",
     "incidents.journal": "Write incidents to the systemd journal: auto (when it runs), on, off.",
-    "engine": "The engine sparkguard starts and supervises (README \"Supervising the engine\").",
+    "engine": "The inference engine sparkguard starts and supervises (README \"Supervising the engine\"). "
+              "command null: sparkguard only guards. With a command, `sparkguard install` adds the engine "
+              "sandbox drop-in (sparkguard.service.d/engine.conf) so that the engine can write its caches.",
     "engine.command": "argv list, e.g. [/usr/local/bin/vllm, serve, /models/m, --port, \"8000\"]; null: no engine.",
     "engine.env": "Extra environment of the engine (over sparkguard's own), e.g. {HF_HUB_OFFLINE: \"1\"}.",
     "engine.cwd": "Working directory of the engine (null: sparkguard's).",
-    "engine.user": "Run the engine as this user name or uid, with its groups and HOME (null: as sparkguard).",
+    "engine.user": "Run the engine as this user (name or uid, its groups, HOME); null: root, like the guard.",
     "engine.identifier": "Journal identifier of the engine's output (null: the program's name, e.g. vllm).",
     "engine.log": "Engine output goes to: auto (the journal when it runs, else stderr), journal, stderr.",
     "engine.journal_socket": "journald's native socket.",
@@ -74,6 +76,10 @@ HELP: dict[str, str] = {
     "engine.peers": "Other nodes' sparkguard metrics URLs; each must show MemAvailable >= start_above first.",
     "engine.head_url": "Headless rank: the head's health URL; restart this rank when it fails for head_lost_after.",
     "engine.head_lost_after": "How long the head may fail (after it had answered) before this rank restarts.",
+    "link": "TP fabric links watched through netlink.",
+    "link.interfaces": "Interface names (the ConnectX-7 ports); empty: no link watch.",
+    "link.down_after": "How long a link must stay down before it is an incident.",
+    "link.mark_unhealthy": "A link incident also marks the supervised engine unhealthy: restarted once the link is back.",
 }
 
 _GIB, _MIB, _KIB = 1024**3, 1024**2, 1024

@@ -73,6 +73,35 @@ def _meminfo() -> dict[str, int]:
         return parse_meminfo(f.read())
 
 
+def tune_fix(**options: int) -> str:
+    """The ``sparkguard tune`` command that sets ``options`` (``watermark_scale_factor=100``) and
+    that tune will really carry out on this host, as doctor's fix text.
+
+    tune applies every value at once (the persisted file's or the defaults, then the options),
+    so a value its guard rails refuse blocks the whole run: a swappiness above 100 without zram
+    or zswap (the default 180), a watermark_scale_factor above 200.  The text then says to run
+    ``sparkguard install-zram`` first, or gives the options that pass without zram.
+    """
+    keys = {"swappiness": "vm.swappiness", "watermark_scale_factor": "vm.watermark_scale_factor",
+            "page_cluster": "vm.page-cluster"}
+    try:
+        persisted = sysctl.read_persisted("/") or {}
+    except Exception:  # noqa: BLE001 - a broken file is check_boot_sysctls' to report
+        persisted = {}
+    values = {**sysctl.DEFAULTS, **persisted, **{keys[k]: v for k, v in options.items()}}
+    opts = dict(options)
+    refusals = sysctl.guard_rails(values, sysctl.fast_swap())
+    if any(r.key == "vm.watermark_scale_factor" for r in refusals):
+        opts["watermark_scale_factor"] = 100
+    cmd = "sparkguard tune" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in opts.items())
+    if any(r.key == "vm.swappiness" for r in refusals):
+        alt = {**opts, "swappiness": 60}
+        alt_cmd = "sparkguard tune" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in alt.items())
+        return (f"sparkguard install-zram, then {cmd}   (tune refuses swappiness {values['vm.swappiness']} "
+                f"without zram; to stay without zram: {alt_cmd})")
+    return cmd
+
+
 # --- the checks ----------------------------------------------------------------------
 
 
@@ -110,10 +139,10 @@ def check_swappiness(ctx: Context) -> Check:
     data = {"value": v, "fast_swap": fast}
     if fast and v < 100:
         return Check("swappiness", WARN, f"vm.swappiness = {v} with {fast}: the kernel drops page cache "
-                     "before using the fast swap", "sparkguard tune (vm.swappiness = 180)", data)
+                     "before using the fast swap", tune_fix(swappiness=180), data)
     if not fast and v > sysctl.SWAPPINESS_DISK_MAX:
         return Check("swappiness", WARN, f"vm.swappiness = {v} without zram or zswap: swapping goes to disk",
-                     "sparkguard install-zram, or sparkguard tune --swappiness 60", data)
+                     "sparkguard install-zram, or " + tune_fix(swappiness=60), data)
     return Check("swappiness", PASS, f"vm.swappiness = {v}" + (f" with {fast}" if fast else ""), None, data)
 
 
@@ -139,11 +168,10 @@ def check_watermark(ctx: Context) -> Check:
         return Check("watermark_scale_factor", FAIL,
                      f"vm.watermark_scale_factor = {v}{walled}: above {sysctl.WATERMARK_MAX} this walls memory "
                      "off and looks exactly like a leak (at 500 ~12 GiB on a Spark); the guard fires early",
-                     "sparkguard tune --watermark-scale-factor 100", data)
+                     tune_fix(watermark_scale_factor=100), data)
     if v < 100:
         return Check("watermark_scale_factor", WARN, f"vm.watermark_scale_factor = {v}{walled}: kswapd wakes late "
-                     "and allocations stall in direct reclaim", "sparkguard tune (vm.watermark_scale_factor = 100)",
-                     data)
+                     "and allocations stall in direct reclaim", tune_fix(watermark_scale_factor=100), data)
     return Check("watermark_scale_factor", PASS, f"vm.watermark_scale_factor = {v}{walled}", None, data)
 
 
@@ -155,7 +183,7 @@ def check_page_cluster(ctx: Context) -> Check:
         return Check("page_cluster", WARN, "cannot read /proc/sys/vm/page-cluster")
     if fast and v != 0:
         return Check("page_cluster", WARN, f"vm.page-cluster = {v} with zram: swap-in reads {2 ** v} pages "
-                     "at a time, useless on zram", "sparkguard tune (vm.page-cluster = 0)", {"value": v})
+                     "at a time, useless on zram", tune_fix(page_cluster=0), {"value": v})
     return Check("page_cluster", PASS, f"vm.page-cluster = {v}", None, {"value": v})
 
 
@@ -186,7 +214,28 @@ def is_guard(argv: list[str]) -> bool:
 
 
 def _guard_pids(ctx: Context) -> list[int]:
-    return [pid for pid, _, argv in ctx.processes() if pid != os.getpid() and is_guard(argv)]
+    """Pids of the running guards: ``sparkguard run`` processes, not counting one whose parent
+    is a guard too (a fork of the same guard)."""
+    guards = {pid: ppid for pid, ppid, argv in ctx.processes() if pid != os.getpid() and is_guard(argv)}
+    return sorted(pid for pid, ppid in guards.items() if ppid not in guards)
+
+
+def _guard_config(ctx: Context, pid: int) -> str:
+    """The ``--config`` a guard was started with (``default`` when none)."""
+    argv = next((a for p, _, a in ctx.processes() if p == pid), [])
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return "default"
+
+
+def _several_guards(ctx: Context, pids: list[int]) -> str:
+    """The sentence doctor says when more than one guard runs."""
+    each = ", ".join(f"pid {pid} (--config {_guard_config(ctx, pid)})" for pid in pids)
+    return (f"{len(pids)} guards are running: {each}. Each acts on its own: they signal the same engine, "
+            "record every incident twice and, supervising, start a second engine")
 
 
 def _cap_eff() -> int:
@@ -215,7 +264,8 @@ def check_memlock(ctx: Context) -> Check:
         bad = [pid for pid, n in locked.items() if not n]
         desc = ", ".join(f"pid {pid}: {format_size(n)}" for pid, n in locked.items())
         if bad:
-            return Check("memlock", WARN, f"guard pid {', '.join(map(str, bad))} has no memory locked ({desc}): "
+            who = (f"guard pid {bad[0]} has" if len(bad) == 1 else f"guard pids {', '.join(map(str, bad))} have")
+            return Check("memlock", WARN, f"{who} no memory locked ({len(locked)} guard(s) running; {desc}): "
                          "under heavy swap it can be paged out and react seconds late",
                          "run the guard as root or with LimitMEMLOCK=infinity (the unit does)", {"locked_bytes": locked})
         return Check("memlock", PASS, f"running guard memory locked (mlockall; {desc})", None, {"locked_bytes": locked})
@@ -273,7 +323,19 @@ def check_hidepid(ctx: Context) -> Check:
 
 
 def check_unit(ctx: Context) -> Check:
-    """The guard runs: unit enabled and active under systemd, else a guard process."""
+    """The guard runs, once: unit enabled and active under systemd, else a guard process; WARN
+    when more than one guard runs (every one is named)."""
+    pids = _guard_pids(ctx)
+    c = _check_unit(ctx, pids)
+    c.data["pids"] = pids
+    if len(pids) > 1 and c.status in (PASS, WARN):
+        fix = ("stop all but one" if c.data.get("systemd") is False else
+               "stop every guard the unit did not start (systemctl show -p MainPID sparkguard names its own)")
+        c = Check("unit", WARN, f"{_several_guards(ctx, pids)}. {c.message}", fix, c.data)
+    return c
+
+
+def _check_unit(ctx: Context, pids: list[int]) -> Check:
     from sparkguard.host.systemctl import query, systemd_running
 
     if systemd_running():
@@ -289,7 +351,6 @@ def check_unit(ctx: Context) -> Check:
             return Check("unit", WARN, f"{UNIT} is active but {enabled}: it will not start at boot",
                          "systemctl enable sparkguard", data)
         return Check("unit", PASS, f"{UNIT} enabled and active", None, data)
-    pids = _guard_pids(ctx)
     data = {"systemd": False, "pids": pids, "unit_installed": os.path.exists(UNIT_FILE)}
     if pids:
         return Check("unit", WARN, f"systemd does not run this machine; guard running as pid "
@@ -297,6 +358,35 @@ def check_unit(ctx: Context) -> Check:
                      "run it under systemd (sparkguard install; systemctl enable --now sparkguard)", data)
     return Check("unit", FAIL, "systemd does not run this machine and no `sparkguard run` process is running: "
                  "nothing guards this box", "start `sparkguard run` under a supervisor that restarts it", data)
+
+
+ENGINE_DROPIN = "/etc/systemd/system/sparkguard.service.d/engine.conf"
+
+
+def check_engine_sandbox(ctx: Context) -> Check:
+    """A configured engine (``engine.command``) gets the unit's engine drop-in: under the guard-only
+    sandbox (ProtectSystem=strict, ProtectHome=read-only) a child of the guard finds the whole
+    file system read-only (systemd/sparkguard.service.d/engine.conf says what it relaxes)."""
+    command = getattr(getattr(ctx.config, "engine", None), "command", None)
+    dropin = os.path.exists(ENGINE_DROPIN)
+    unit = os.path.exists(UNIT_FILE)
+    data = {"engine_configured": bool(command), "dropin": ENGINE_DROPIN if dropin else None, "unit_installed": unit}
+    if not command:
+        if dropin:
+            return Check("engine_sandbox", INFO, f"no engine configured, but {ENGINE_DROPIN} relaxes the guard's "
+                         "sandbox (ProtectSystem=full, ProtectHome=no, more capabilities)",
+                         "sparkguard install --no-engine-sandbox (then systemctl restart sparkguard)", data)
+        return Check("engine_sandbox", INFO, "no engine configured: the guard-only sandbox applies", None, data)
+    if dropin:
+        return Check("engine_sandbox", PASS, f"engine configured and {ENGINE_DROPIN} gives it a writable "
+                     "/var, /tmp, /home and /root", None, data)
+    if not unit:
+        return Check("engine_sandbox", INFO, f"engine configured; {UNIT_FILE} is not installed "
+                     "(`sparkguard install` adds the engine drop-in with it)", None, data)
+    return Check("engine_sandbox", WARN, f"engine configured but {ENGINE_DROPIN} is missing: the engine inherits "
+                 "the guard's sandbox and finds the file system read-only (model cache, compile caches, logs)",
+                 "sparkguard install (adds the drop-in when the config has an engine), then systemctl restart "
+                 "sparkguard", data)
 
 
 def _engine_timeout(pid: int, cmd: str) -> tuple[float | None, str]:
@@ -431,7 +521,7 @@ def check_boot_sysctls(ctx: Context) -> Check:
     persisted = sysctl.read_persisted("/")
     if persisted is None:
         return Check("sysctl_boot", WARN, f"{sysctl.SYSCTL_FILE} is absent: the tuning is lost at reboot",
-                     "sparkguard tune (or sparkguard install)")
+                     "sparkguard install (writes it with the defaults; `sparkguard tune` also applies them)")
     ov = sysctl.overrides("/", persisted)
     if ov:
         return Check("sysctl_boot", WARN, "; ".join(f"{f} sets {k} = {v}" for f, k, v in ov) +
@@ -460,7 +550,8 @@ def check_links(ctx: Context) -> Check:
 
 CHECKS: list[Callable[[Context], Check]] = [
     check_zram, check_swappiness, check_watermark, check_page_cluster, check_min_free, check_boot_sysctls,
-    check_memlock, check_psi, check_hidepid, check_unit, check_engine_timeout, check_page_cache, check_nvidia,
+    check_memlock, check_psi, check_hidepid, check_unit, check_engine_sandbox, check_engine_timeout,
+    check_page_cache, check_nvidia,
     check_links,
 ]
 

@@ -201,16 +201,24 @@ class Manifest:
         """Drop ``path`` from the record."""
         self.files.pop(path, None)
 
-    def save(self, version: str) -> str:
-        """Write the record; returns its text."""
+    def save(self, version: str) -> str | None:
+        """Write the record; returns its text.  An empty record removes the file (returns None):
+        nothing sparkguard wrote is left to account for."""
+        if not self.files:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            return None
         text = json.dumps({"version": version, "files": dict(sorted(self.files.items()))},
                           indent=2) + "\n"
-        atomic_write(self.path, text)
+        if read_text(self.path) != text:
+            atomic_write(self.path, text)
         return text
 
 
 def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifest | None,
-                 mode: int = 0o644, force: bool = False, detail: str = "") -> str:
+                 mode: int = 0o644, force: bool = False, detail: str = "", kept_detail: str = "") -> str:
     """Put ``text`` at ``path`` under ``root`` without clobbering a file someone edited.
 
     Args:
@@ -222,6 +230,7 @@ def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifes
         mode: permission bits.
         force: overwrite even an edited file.
         detail: said after the path when the file is created or updated.
+        kept_detail: said after the path when an edited file is kept (default: how to replace it).
     Returns:
         str, one of "created", "updated", "unchanged", "kept".
     Raises:
@@ -241,11 +250,19 @@ def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifes
                 raise HostError(f"cannot write {full}: {e.strerror}") from None
         ch.note(verb, path, detail)
     else:
-        ch.note("kept", path, "changed since sparkguard wrote it; not overwritten (--force replaces it)")
+        ch.note("kept", path, kept_detail or f"{edited_reason(manifest, path)}; --force replaces it")
         return "kept"
     if manifest is not None:
         manifest.record(path, text)
     return verb
+
+
+def edited_reason(manifest: Manifest | None, path: str) -> str:
+    """Why an existing file at ``path`` counts as someone else's: edited since sparkguard wrote
+    it, or never recorded as written by sparkguard."""
+    if manifest is not None and path in manifest.files:
+        return "changed since sparkguard wrote it"
+    return "not written by sparkguard (no record in " + MANIFEST_PATH + ")"
 
 
 def remove_file(ch: Changes, root: str, path: str, quiet_missing: bool = True) -> bool:

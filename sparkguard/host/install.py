@@ -9,12 +9,17 @@ install puts in place (under ``--root``, default ``/``):
 /etc/sparkguard/zram.conf                   zram at boot, or our [zram0] in
                                             /etc/systemd/zram-generator.conf (zram/)
 /etc/sparkguard/sparkguard.yaml             commented default configuration
-/var/lib/sparkguard/installed.json          sha256 of what install wrote
+/etc/sparkguard/sparkguard.yaml.dist        the new default beside an edited config (--force)
+/etc/systemd/system/sparkguard.service.d/   the engine sandbox, when the config has an
+  engine.conf                               engine command or with --engine-sandbox
+/var/lib/sparkguard/installed.json          sha256 of what sparkguard wrote (install, tune,
+                                            install-zram)
 ==========================================  ===============================================
 
-A file that differs from what install last wrote (edited by a person, by ``tune`` or by
-``install-zram``) is kept and reported, never overwritten.  It changes nothing live
-except ``systemctl daemon-reload`` when systemd runs this machine and the root is ``/``.
+A file whose text differs from the hash recorded (edited by someone) is kept and reported
+by install and uninstall: ``install --force`` replaces it (never the config: the new default
+goes to ``sparkguard.yaml.dist``), ``uninstall --purge`` removes it.  Install changes nothing
+live except ``systemctl daemon-reload`` when systemd runs this machine and the root is ``/``.
 """
 
 from __future__ import annotations
@@ -26,13 +31,19 @@ import sys
 
 from sparkguard import __version__
 from sparkguard.host import configfile, sysctl, zram
-from sparkguard.host.files import (Changes, HostError, Manifest, MANIFEST_PATH, in_root, install_file,
-                                   read_text, remove_empty_dirs, remove_file, shipped)
-from sparkguard.host.systemctl import systemctl, systemd_running
+from sparkguard.host.files import (Changes, HostError, Manifest, MANIFEST_PATH, edited_reason, in_root,
+                                   install_file, read_text, remove_empty_dirs, remove_file, shipped)
+from sparkguard.host.systemctl import query, systemctl, systemd_running
 
 UNIT_DIR = "/etc/systemd/system"
 UNITS = ("sparkguard.service", "sparkguard-setup.service")
 CONFIG_PATH = "/etc/sparkguard/sparkguard.yaml"
+#: the current default configuration, written beside an edited config by ``install --force``
+CONFIG_DIST = CONFIG_PATH + ".dist"
+DROPIN_DIR = f"{UNIT_DIR}/sparkguard.service.d"
+#: the sandbox a supervised engine needs (systemd/sparkguard.service.d/engine.conf)
+ENGINE_DROPIN = f"{DROPIN_DIR}/engine.conf"
+ENGINE_DROPIN_RES = "host/systemd/sparkguard.service.d/engine.conf"
 STATE_DIR = "/var/lib/sparkguard"
 
 #: package data the link engineer ships: (option, resource, file name it is installed as)
@@ -93,36 +104,117 @@ def _extras(args) -> list[tuple[str, str, str]]:
     return out
 
 
+def _make_root(ch: Changes, args) -> str:
+    """The install root as an absolute path; created (and said so) when it does not exist.
+
+    Raises:
+        HostError (status 2): it exists and is not a folder.
+    """
+    root = os.path.abspath(args.root)
+    if os.path.isdir(root):
+        return root
+    if os.path.lexists(root):
+        raise HostError(f"--root {args.root}: exists and is not a folder", 2)
+    if not ch.dry_run:
+        try:
+            os.makedirs(root, 0o755)
+        except OSError as e:
+            raise HostError(f"--root {args.root}: cannot create it: {e.strerror}") from None
+    ch.note("created", root + "/", "--root: the folder did not exist")
+    return root
+
+
+def engine_configured(root: str) -> tuple[bool, str]:
+    """Does the config under ``root`` have an engine for the guard to supervise?
+
+    True when ``engine.command`` is set (an ``engine:`` section whose command is null, as the
+    rendered defaults have it, is guard-only).  Read as plain YAML, so that it works whether or
+    not this build's :mod:`sparkguard.config` knows the section.  Returns (answer, why).
+    """
+    import yaml
+
+    path = in_root(root, CONFIG_PATH)
+    text = read_text(path)
+    if text is None:
+        return False, f"no {CONFIG_PATH}"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return False, f"{CONFIG_PATH} is not valid YAML ({str(e).splitlines()[0]})"
+    engine = data.get("engine") if isinstance(data, dict) else None
+    if isinstance(engine, dict) and engine.get("command"):
+        return True, f"engine.command is set in {CONFIG_PATH}"
+    return False, f"no engine.command in {CONFIG_PATH}"
+
+
+def _engine_sandbox(ch: Changes, root: str, args, manifest: Manifest) -> bool:
+    """Install, keep or remove the engine sandbox drop-in (see systemd/sparkguard.service.d/engine.conf).
+
+    ``args.engine_sandbox``: True install it, False remove it, None (default) install it when
+    the config has an engine command and otherwise leave an existing one alone (saying so).
+    Returns True when the drop-in was (or would be) written or removed.
+    """
+    engine, why = engine_configured(root)
+    want = args.engine_sandbox
+    if want or (want is None and engine):
+        verb = install_file(ch, root, ENGINE_DROPIN, shipped(ENGINE_DROPIN_RES), manifest, force=args.force,
+                            detail=("--engine-sandbox" if want else why) + ": ProtectSystem=full, ProtectHome=no, "
+                            "root engine capabilities")
+        return verb in ("created", "updated")
+    if want is False:
+        removed = _remove_ours(ch, root, ENGINE_DROPIN, manifest, purge=args.force,
+                               kept_detail="changed since sparkguard wrote it; --force removes it")
+        remove_empty_dirs(ch, root, DROPIN_DIR)
+        return removed
+    if os.path.lexists(in_root(root, ENGINE_DROPIN)):
+        ch.note("kept", ENGINE_DROPIN, f"{why}; --no-engine-sandbox removes it and restores the guard-only sandbox")
+    return False
+
+
 def install(args) -> int:
     """Handler of ``sparkguard install``; returns the exit status (see README "Host set-up")."""
-    root = os.path.abspath(args.root)
     ch = Changes(args.dry_run)
-    if not os.path.isdir(root):
-        raise HostError(f"--root {args.root}: no such folder", 2)
     extras = _extras(args)
     python = args.python or sys.executable
     pythonpath = None if args.python else needs_pythonpath(python)
+    root = _make_root(ch, args)
     if pythonpath:
         ch.info(f"note: {python} does not import this sparkguard by itself; the units set PYTHONPATH={pythonpath}")
-    settings = zram.ZramSettings(args.zram_size, args.zram_priority, args.zram_algorithm)
-    zram.validate(settings)
     manifest = Manifest(root)
+    force = args.force
+    zram_options = (args.zram_size, args.zram_priority, args.zram_algorithm)
+    current = None if args.no_zram else zram.persisted_settings(root, manifest)
+    base = current or zram.ZramSettings()
+    settings = zram.ZramSettings(*(opt if opt is not None else dflt for opt, dflt in
+                                   zip(zram_options, (base.size, base.priority, base.algorithm))))
+    zram.validate(settings)
 
+    units_changed = False  # the running guard needs a restart for these
     for unit in UNITS:
-        install_file(ch, root, f"{UNIT_DIR}/{unit}", render_unit(unit, python, pythonpath), manifest)
-    install_file(ch, root, sysctl.SYSCTL_FILE, sysctl.render(sysctl.DEFAULTS), manifest)
+        verb = install_file(ch, root, f"{UNIT_DIR}/{unit}", render_unit(unit, python, pythonpath), manifest,
+                            force=force)
+        units_changed |= verb in ("created", "updated")
+    install_file(ch, root, sysctl.SYSCTL_FILE, sysctl.render(sysctl.installed_values(root, manifest)), manifest,
+                 force=force)
     if args.no_zram:
         ch.note("skipped", "zram boot configuration", "--no-zram")
-    elif (where := zram.configured(root)):
-        if zram.persisted_as(root, settings):
-            ch.note("unchanged", where)
-        else:
-            ch.note("kept", where, "zram configured otherwise before; change it with sparkguard install-zram")
+    elif (zram.generator_installed(root) and zram.configured(root) == zram.GENERATOR_CONF and current is None
+          and not force):
+        ch.note("kept", zram.GENERATOR_CONF, "our [zram0] section no longer parses (edited?); --force replaces it")
     else:
-        zram.persist(ch, root, settings)
-    install_file(ch, root, CONFIG_PATH, configfile.render(), manifest)
+        zram.persist(ch, root, settings, manifest, force=force)
+
+    default = configfile.render()
+    verb = install_file(ch, root, CONFIG_PATH, default, manifest, kept_detail=(
+        "edited by you; kept: " + ("the new default goes beside it" if force else
+                                   "--force writes the new default beside it as " + os.path.basename(CONFIG_DIST))))
+    dist = in_root(root, CONFIG_DIST)
+    if verb == "kept" and (force or os.path.exists(dist)):
+        install_file(ch, root, CONFIG_DIST, default, manifest, force=True,
+                     detail=f"the default configuration of this sparkguard; compare: diff {CONFIG_DIST} {CONFIG_PATH}")
+    units_changed |= _engine_sandbox(ch, root, args, manifest)
     for text, dest, fname in extras:
-        install_file(ch, root, f"{dest.rstrip('/')}/{fname}", text, manifest)
+        install_file(ch, root, f"{dest.rstrip('/')}/{fname}", text, manifest, force=force)
     if not ch.dry_run:
         manifest.save(__version__)
 
@@ -133,50 +225,86 @@ def install(args) -> int:
         ch.info("systemd is not running this machine: skipped systemctl daemon-reload")
     ch.summary()
     if root == "/":
-        ch.info("next: systemctl enable --now sparkguard   (sparkguard-setup.service applies zram and sysctls "
-                "first; `sparkguard doctor` checks the result)")
+        if live and units_changed and query("is-active", "sparkguard.service") == "active":
+            ch.info("next: systemctl restart sparkguard   (the running guard still has the old unit and sandbox)")
+        else:
+            ch.info("next: systemctl enable --now sparkguard   (sparkguard-setup.service applies zram and sysctls "
+                    "first; `sparkguard doctor` checks the result)")
     else:
         ch.info(f"next, inside {root}: systemctl enable sparkguard")
     return 0
 
 
-def _default_config_untouched(text: str, manifest: Manifest) -> bool:
-    try:
-        return text == configfile.render() or manifest.untouched(CONFIG_PATH, text)
-    except RuntimeError:
-        return manifest.untouched(CONFIG_PATH, text)
+def _is_ours(root: str, path: str, text: str, manifest: Manifest) -> bool:
+    """True when ``text`` at ``path`` is as sparkguard wrote it (recorded hash), or exactly what
+    this sparkguard writes there without a record (files from before the record covered them)."""
+    if manifest.untouched(path, text):
+        return True
+    if path == CONFIG_PATH:
+        try:
+            return text == configfile.render()
+        except RuntimeError:
+            return False
+    if path == zram.CONF_PATH:
+        return zram.conf_is_ours(root, manifest)
+    if path == ENGINE_DROPIN:
+        return text == shipped(ENGINE_DROPIN_RES)
+    return False
+
+
+def _remove_ours(ch: Changes, root: str, path: str, manifest: Manifest, purge: bool,
+                 kept_detail: str = "") -> bool:
+    """Remove ``path`` when sparkguard wrote it as it is (or ``purge``); else keep it and say so.
+    Either way it leaves the manifest.  Returns True when it was (or would be) removed.
+
+    Raises:
+        HostError: it cannot be removed.
+    """
+    full = in_root(root, path)
+    text = read_text(full) if os.path.isfile(full) else None
+    removed = False
+    if not os.path.lexists(full):
+        pass
+    elif purge or (text is not None and _is_ours(root, path, text, manifest)):
+        removed = remove_file(ch, root, path)
+    else:
+        ch.note("kept", path, kept_detail or f"{edited_reason(manifest, path)}; --purge removes it")
+    manifest.forget(path)
+    return removed
 
 
 def uninstall(args) -> int:
-    """Handler of ``sparkguard uninstall``; returns the exit status."""
+    """Handler of ``sparkguard uninstall``; returns the exit status.
+
+    Every file install writes goes the same way: removed when it is as sparkguard wrote it
+    (``install``, ``tune`` or ``install-zram``; hashes in the manifest), kept and reported when
+    someone edited it, removed anyway with ``--purge``.
+    """
     root = os.path.abspath(args.root)
     ch = Changes(args.dry_run)
     if not os.path.isdir(root):
-        raise HostError(f"--root {args.root}: no such folder", 2)
+        raise HostError(f"--root {args.root}: no such folder (nothing is installed there)", 2)
     manifest = Manifest(root)
     live = root == "/" and systemd_running()
     if live and os.path.exists(f"{UNIT_DIR}/sparkguard.service"):
         systemctl(ch, "disable", "--now", "sparkguard.service", check=False)
         systemctl(ch, "stop", "sparkguard-setup.service", check=False)
 
-    for unit in UNITS:
-        remove_file(ch, root, f"{UNIT_DIR}/{unit}")
-        manifest.forget(f"{UNIT_DIR}/{unit}")
-    remove_file(ch, root, sysctl.SYSCTL_FILE)
-    manifest.forget(sysctl.SYSCTL_FILE)
-    zram.unpersist(ch, root)
-    # extras (prometheus rules, dashboards) recorded by install
-    for path in [p for p in manifest.files if p != CONFIG_PATH]:
-        remove_file(ch, root, path)
-        manifest.forget(path)
-
-    cfg = read_text(in_root(root, CONFIG_PATH))
-    if cfg is not None:
-        if args.purge or _default_config_untouched(cfg, manifest):
-            remove_file(ch, root, CONFIG_PATH)
+    known = [*(f"{UNIT_DIR}/{u}" for u in UNITS), ENGINE_DROPIN, sysctl.SYSCTL_FILE, zram.CONF_PATH,
+             CONFIG_PATH, CONFIG_DIST]
+    # extras (prometheus rules, dashboards) recorded by install come after what we know by name
+    for path in known + sorted(p for p in manifest.files if p not in known):
+        if path == CONFIG_PATH:
+            _remove_ours(ch, root, path, manifest, args.purge, kept_detail="edited by you; --purge removes it")
         else:
-            ch.note("kept", CONFIG_PATH, "edited by you; --purge removes it")
-    manifest.forget(CONFIG_PATH)
+            _remove_ours(ch, root, path, manifest, args.purge)
+    zram.unpersist_generator(ch, root)
+    remove_empty_dirs(ch, root, DROPIN_DIR)
+    dropins = in_root(root, DROPIN_DIR)
+    if os.path.isdir(dropins):
+        for name in sorted(os.listdir(dropins)):
+            if f"{DROPIN_DIR}/{name}" != ENGINE_DROPIN:  # ours was removed or reported above
+                ch.note("kept", f"{DROPIN_DIR}/{name}", "not written by sparkguard install; remove it yourself")
     remove_file(ch, root, MANIFEST_PATH)
     remove_empty_dirs(ch, root, "/etc/sparkguard")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sparkguard.host.files import (Changes, HostError, in_root, install_file, parse_keys, read_text,
+from sparkguard.host.files import (Changes, HostError, Manifest, in_root, install_file, parse_keys, read_text,
                                    set_keys, shipped)
 from sparkguard.units import format_size
 
@@ -146,7 +146,7 @@ def guard_rails(values: dict[str, int], fast: str | None = None, total: int | No
         out.append(Refusal("vm.swappiness", sw,
                            f"above {SWAPPINESS_DISK_MAX} the kernel prefers swapping to dropping page cache, "
                            f"and no zram (or zswap) swap is active: that swapping would go to disk and stall. "
-                           f"Set up zram first (sparkguard install-zram)"))
+                           f"Set up zram first (sparkguard install-zram), or stay without zram with --swappiness 60"))
     return out
 
 
@@ -215,13 +215,32 @@ def overrides(root: str, values: dict[str, int]) -> list[tuple[str, str, str]]:
     return out
 
 
-def persist(ch: Changes, root: str, values: dict[str, int]) -> None:
-    """Write ``values`` to the sysctl file under ``root`` (created/updated/unchanged).
+def persist(ch: Changes, root: str, values: dict[str, int], manifest: Manifest | None = None) -> None:
+    """Write ``values`` to the sysctl file under ``root`` (created/updated/unchanged), recording
+    it in ``manifest`` (install's record) so that ``install`` and ``uninstall`` know it as
+    sparkguard's.
 
     Raises:
         HostError: cannot write it.
     """
-    install_file(ch, root, SYSCTL_FILE, render(values), manifest=None, force=True)
+    install_file(ch, root, SYSCTL_FILE, render(values), manifest=manifest, force=True)
+
+
+def installed_values(root: str, manifest: Manifest | None) -> dict[str, int]:
+    """The values ``install`` writes: the defaults, then those of a sysctl file sparkguard wrote
+    (``install`` or ``tune``; hash in ``manifest``), so a re-run keeps what ``tune`` set.
+    An edited or unreadable file contributes nothing (install keeps it or, with --force,
+    replaces it with the defaults)."""
+    values = dict(DEFAULTS)
+    text = read_text(in_root(root, SYSCTL_FILE))
+    if text is not None and manifest is not None and manifest.untouched(SYSCTL_FILE, text):
+        try:
+            persisted = read_persisted(root) or {}
+            check_ranges(persisted)
+        except HostError:
+            persisted = {}
+        values.update(persisted)
+    return values
 
 
 def apply(ch: Changes, values: dict[str, int]) -> None:

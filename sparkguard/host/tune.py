@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 
+from sparkguard import __version__
 from sparkguard.host import sysctl, zram
-from sparkguard.host.files import Changes, HostError, remove_empty_dirs
+from sparkguard.host.files import Changes, HostError, Manifest, remove_empty_dirs
 from sparkguard.host.systemctl import systemctl, systemd_running
 from sparkguard.units import parse_size
 
@@ -15,7 +16,8 @@ def tune(args) -> int:
     """Handler of ``sparkguard tune``; returns the exit status.
 
     Values: the persisted file's (or the defaults), then the command-line options.
-    Exit 2 when a guard rail refuses (nothing is changed then), 1 when a write fails.
+    Exit 2 when a guard rail refuses (nothing is changed then; under --dry-run the whole plan
+    is printed first, then the refusal), 1 when a write fails.
     """
     root = os.path.abspath(args.root)
     ch = Changes(args.dry_run)
@@ -34,22 +36,35 @@ def tune(args) -> int:
                 values[key] = getattr(args, opt)
     sysctl.check_ranges(values)
     refusals = sysctl.guard_rails(values, sysctl.fast_swap())
-    if refusals and not (args.force or args.boot):
-        for r in refusals:
-            ch.info(f"refused: {r.key} = {r.value}: {r.reason}.")
-        ch.info("nothing changed; --force sets these values anyway")
+    refused = bool(refusals) and not (args.force or args.boot)
+    if refused and not ch.dry_run:
+        _refuse(ch, refusals)
+        ch.info("nothing changed; --force sets these values anyway (--dry-run shows every step)")
         return 2
-    for r in refusals:
-        ch.warn(f"{r.key} = {r.value}: {r.reason}")
+    if not refused:
+        for r in refusals:
+            ch.warn(f"{r.key} = {r.value}: {r.reason}")
+    manifest = Manifest(root)
     if not args.no_apply:
         sysctl.apply(ch, values)
     if not (args.no_persist or args.boot):
-        sysctl.persist(ch, root, values)
+        sysctl.persist(ch, root, values, manifest)
+        if not ch.dry_run:
+            manifest.save(__version__)
         for f, k, v in sysctl.overrides(root, values):
             ch.warn(f"{f} sets {k} = {v}, which is applied after {sysctl.SYSCTL_FILE} at boot and undoes "
                     f"{values[k]}; remove that line (sparkguard-setup.service re-applies ours after systemd-sysctl)")
     ch.summary()
+    if refused:  # dry run: the plan above, and why a real run would not carry it out
+        _refuse(ch, refusals)
+        ch.info("a run without --dry-run changes nothing; --force sets these values anyway")
+        return 2
     return 0
+
+
+def _refuse(ch: Changes, refusals: list) -> None:
+    for r in refusals:
+        ch.info(f"refused: {r.key} = {r.value}: {r.reason}.")
 
 
 def install_zram(args) -> int:
@@ -61,10 +76,13 @@ def install_zram(args) -> int:
     generator_live = (root == "/" and systemd_running() and device is None and not args.boot
                       and zram.generator_installed("/"))
 
+    manifest = Manifest(root)
     if args.remove:
         if not args.boot:
-            zram.unpersist(ch, root)
-            remove_empty_dirs(ch, root, "/etc/sparkguard")
+            zram.unpersist(ch, root, manifest)
+            if not ch.dry_run:
+                manifest.save(__version__)
+            remove_empty_dirs(ch, root, "/etc/sparkguard", "/var/lib/sparkguard")
         if generator_live:
             systemctl(ch, "daemon-reload")
             systemctl(ch, "restart", "systemd-zram-setup@zram0.service", check=False)
@@ -85,7 +103,7 @@ def install_zram(args) -> int:
     zram.validate(settings)
     if not args.no_now:
         if generator_live:
-            zram.persist(ch, root, settings)
+            zram.persist(ch, root, settings, manifest)
             systemctl(ch, "daemon-reload")
             systemctl(ch, "restart", "systemd-zram-setup@zram0.service")
             systemctl(ch, "start", "dev-zram0.swap")
@@ -96,7 +114,10 @@ def install_zram(args) -> int:
                 if not st["swap"]:
                     raise HostError(f"/dev/{name} was set up but does not show in /proc/swaps")
         zram.check_priority(ch, settings.priority)
-    if not (args.boot or args.no_persist) and not generator_live:
-        zram.persist(ch, root, settings)
+    # with the generator live, "now" above already wrote its config; --no-now still must
+    if not (args.boot or args.no_persist) and not (generator_live and not args.no_now):
+        zram.persist(ch, root, settings, manifest)
+    if not (args.boot or ch.dry_run):
+        manifest.save(__version__)
     ch.summary()
     return 0

@@ -26,8 +26,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from sparkguard.host.files import (Changes, HostError, atomic_write, in_root, install_file, read_text, remove_file,
-                                   set_keys, shipped)
+from sparkguard.host.files import (Changes, HostError, Manifest, atomic_write, in_root, install_file, read_text,
+                                   remove_file, set_keys, shipped)
 from sparkguard.units import format_size, parse_size
 
 SYS_BLOCK = "/sys/block"
@@ -502,9 +502,18 @@ def merge_generator_conf(existing: str | None, settings: ZramSettings) -> str:
     return "".join(lines[:s] + block + lines[e:])
 
 
-def persist(ch: Changes, root: str, settings: ZramSettings) -> None:
+def persist(ch: Changes, root: str, settings: ZramSettings, manifest: Manifest | None = None,
+            force: bool = True) -> str:
     """Make the zram swap come back at boot (generator config, or /etc/sparkguard/zram.conf).
 
+    Args:
+        manifest: install's record; /etc/sparkguard/zram.conf is recorded in it when written,
+            so that ``install`` and ``uninstall`` know it as sparkguard's (None: not recorded).
+        force: overwrite a zram.conf edited since sparkguard wrote it (``install-zram`` does:
+            setting the swap is what it was asked for; ``install`` only with ``--force``).
+    Returns:
+        str, what happened to zram.conf ("created", "updated", "unchanged", "kept") or
+        "generator" when systemd-zram-generator's config was used.
     Raises:
         HostError: a file cannot be written.
     """
@@ -530,9 +539,56 @@ def persist(ch: Changes, root: str, settings: ZramSettings) -> None:
                     f"systemd-zram-generator ({gen}) found: [zram0] = {settings.describe()}")
         # never two devices at boot: the oneshot's config goes when the generator owns zram
         remove_file(ch, root, CONF_PATH)
-        return
-    install_file(ch, root, CONF_PATH, render_conf(settings), manifest=None, force=True,
-                 detail=f"applied at boot by sparkguard-setup.service: {settings.describe()}")
+        if manifest is not None:
+            manifest.forget(CONF_PATH)
+        return "generator"
+    return install_file(ch, root, CONF_PATH, render_conf(settings), manifest=manifest, force=force,
+                        detail=f"applied at boot by sparkguard-setup.service: {settings.describe()}")
+
+
+def conf_is_ours(root: str, manifest: Manifest | None = None) -> bool:
+    """True when ``<root>/etc/sparkguard/zram.conf`` is as sparkguard wrote it: its hash is the
+    one recorded in ``manifest``, or, with no record of it, it is exactly what :func:`render_conf`
+    makes of its own values (a zram.conf written before the manifest recorded it)."""
+    text = read_text(in_root(root, CONF_PATH))
+    if text is None:
+        return False
+    if manifest is not None and CONF_PATH in manifest.files:
+        return manifest.untouched(CONF_PATH, text)
+    try:
+        settings = read_conf(root)
+    except HostError:
+        return False
+    return settings is not None and text == render_conf(settings)
+
+
+def generator_settings(root: str) -> ZramSettings | None:
+    """The settings of our ``[zram0]`` section in the generator config under ``root``, or None
+    (no config, not ours, or a value that does not parse)."""
+    from sparkguard.host.files import parse_keys
+
+    text = read_text(in_root(root, GENERATOR_CONF))
+    if not text or GENERATOR_MARK not in text:
+        return None
+    lines = text.splitlines(keepends=True)
+    span = _split_zram0(lines)
+    if span is None:
+        return None
+    kv = parse_keys("".join(ln for ln in lines[span[0]:span[1]] if not _SECTION.match(ln)))
+    try:
+        return ZramSettings(int(kv["zram-size"]) * 1024**2, int(kv["swap-priority"]), kv["compression-algorithm"])
+    except (KeyError, ValueError):
+        return None
+
+
+def persisted_settings(root: str, manifest: Manifest | None = None) -> ZramSettings | None:
+    """The zram settings sparkguard persisted under ``root`` (by ``install`` or ``install-zram``),
+    or None when there are none, or the file was edited by someone else."""
+    if generator_installed(root):
+        return generator_settings(root)
+    if not conf_is_ours(root, manifest):
+        return None
+    return read_conf(root)
 
 
 def configured(root: str) -> str | None:
@@ -545,21 +601,26 @@ def configured(root: str) -> str | None:
     return None
 
 
-def persisted_as(root: str, settings: ZramSettings) -> bool:
-    """True when the boot configuration under ``root`` already describes ``settings``."""
-    if generator_installed(root):
-        cur = read_text(in_root(root, GENERATOR_CONF))
-        return cur is not None and merge_generator_conf(cur, settings) == cur and GENERATOR_MARK in cur
-    return read_text(in_root(root, CONF_PATH)) == render_conf(settings)
-
-
-def unpersist(ch: Changes, root: str) -> None:
-    """Undo :func:`persist`: remove zram.conf, put back the generator's own ``[zram0]``.
+def unpersist(ch: Changes, root: str, manifest: Manifest | None = None) -> None:
+    """Undo :func:`persist`: remove zram.conf (and forget it in ``manifest``), put back the
+    generator's own ``[zram0]``.
 
     Raises:
         HostError: a file cannot be written.
     """
     remove_file(ch, root, CONF_PATH)
+    if manifest is not None:
+        manifest.forget(CONF_PATH)
+    unpersist_generator(ch, root)
+
+
+def unpersist_generator(ch: Changes, root: str) -> None:
+    """Put back the ``[zram0]`` section of systemd-zram-generator's config that ours replaced
+    (or remove the config when there was none before).
+
+    Raises:
+        HostError: a file cannot be written.
+    """
     path = in_root(root, GENERATOR_CONF)
     cur = read_text(path)
     orig_path = in_root(root, GENERATOR_ORIG)

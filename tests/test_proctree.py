@@ -1,0 +1,82 @@
+"""Target choice on real process trees (fake vLLM engines started by the test)."""
+
+import os
+
+import pytest
+
+from guardrun import unique
+from sparkguard import config, fake_engine, proctree
+
+
+@pytest.fixture
+def engines():
+    started = []
+
+    def start(*opts):
+        model = unique("sgpt")
+        fe = fake_engine.start(model, *opts)
+        fe.model = model
+        started.append(fe)
+        fe.pids(timeout=60)
+        return fe
+
+    yield start
+    for fe in started:
+        fe.stop()
+
+
+def cfg(*patterns, protect=()):
+    return config.TargetsConfig(match=tuple(patterns), protect=tuple(protect) or config.TargetsConfig().protect)
+
+
+@pytest.mark.parametrize("details", [True, False])
+def test_same_pattern_the_larger_tree_first_and_the_root_is_the_api_server(engines, details):
+    small = engines("--hold", "16MiB")
+    big = engines("--hold", "160MiB")
+    pat = rf"vllm serve ({small.model}|{big.model})\b"
+    ts = proctree.find_targets(cfg(pat, r"^VLLM::"), details=details)
+    mine = [t for t in ts if t.root_pid in (small.top_pid, big.top_pid)]
+    assert [t.root_pid for t in mine] == [big.top_pid, small.top_pid]
+    t = mine[0]
+    # the whole tree, root first; the VLLM:: children do not make roots of their own
+    assert t.pids[0] == big.top_pid and set(big.pids()) <= set(t.pids)
+    assert not any(x.root_pid in big.pids()[1:] for x in ts)
+    assert t.title == f"vllm serve {big.model} --hold 160MiB"
+    if details:
+        rows = {r["pid"]: r for r in t.tree}
+        assert rows[big.worker_pids[0]]["title"] == "VLLM::Worker_TP0"
+        assert rows[big.worker_pids[0]]["comm"] == "VLLM::Worker_TP"
+        assert t.mem_bytes > 2 * 160 * 1024**2
+    else:
+        assert t.tree == []
+        proctree.add_details(t, proctree.scan())
+        assert t.mem_bytes > 2 * 160 * 1024**2 and len(t.tree) == len(t.pids)
+
+
+def test_configured_order_beats_memory(engines):
+    small = engines("--hold", "16MiB")
+    big = engines("--hold", "160MiB")
+    ts = proctree.find_targets(cfg(rf"vllm serve {small.model}\b", rf"vllm serve {big.model}\b"), details=False)
+    assert [t.root_pid for t in ts][:2] == [small.top_pid, big.top_pid]
+
+
+def test_protected_and_self_and_kernel_threads_are_never_targets(engines):
+    fe = engines("--hold", "16MiB")
+    ts = proctree.find_targets(cfg(rf"vllm serve {fe.model}\b", protect=[r"python3.*"]))
+    assert fe.top_pid not in [t.root_pid for t in ts]
+    # this test process itself matches ".*" but is sparkguard's "self" here; kthreads have no cmdline
+    ts = proctree.find_targets(cfg(r"."), self_pid=os.getpid())
+    assert os.getpid() not in [t.root_pid for t in ts]
+    assert all(not proctree.read_proc(t.root_pid).kthread for t in ts if proctree.read_proc(t.root_pid))
+    assert 1 not in [t.root_pid for t in ts]
+
+
+def test_short_title():
+    st = proctree.short_title
+    assert st("/usr/bin/python3 /usr/local/bin/vllm serve Qwen/Qwen3 --tp 2") == "vllm serve Qwen/Qwen3 --tp 2"
+    assert st("python3 -m vllm.entrypoints.openai.api_server --model M") == \
+        "python3 -m vllm.entrypoints.openai.api_server --model M"
+    assert st("VLLM::Worker_TP0") == "VLLM::Worker_TP0"
+    assert st("/opt/tritonserver/bin/tritonserver --model-repository=/m") == "tritonserver --model-repository=/m"
+    assert st("", "kthreadd") == "kthreadd"
+    assert st("x" * 300).endswith("…") and len(st("x" * 300)) == 160
