@@ -663,7 +663,7 @@ class Guard:
         """The supervised engine's tree (the guard's first target), or None."""
         if self.supervisor is None:
             return None
-        return self.supervisor.target(procs, self.protector)
+        return self.supervisor.target(procs, self.protector, details=False)
 
     def _finish_incident(self, inc: dict) -> None:
         """Report a closed incident; with an engine the supervisor adds its state and the restart."""

@@ -131,17 +131,19 @@ class Supervisor:
         run = self.run
         return run.pid if run is not None and run.exit is None else None
 
-    def target(self, procs: dict, protector):
+    def target(self, procs: dict, protector, details: bool = True):
         """The supervised engine as the guard's target: its root, descendants and every process
         still in its process group (reparented ``VLLM::`` orphans included).
 
         Args:
             procs: a ``proctree.scan()``; protector: ``proctree.Protector``.
+            details: read the tree rows and memory now; False leaves them to
+                ``proctree.add_details`` (the guard signals first).
         Returns:
             ``proctree.Target`` (pattern ``"engine:supervised"``) or None when no engine runs.
         """
         run = self.run
-        return None if run is None else process.target(run, procs, protector)
+        return None if run is None else process.target(run, procs, protector, details)
 
     def on_guard_event(self, incident: dict, event: dict) -> None:
         """The guard recorded ``event`` in ``incident`` (called from the poll loop; never blocks).

@@ -92,10 +92,11 @@ def _outside(procs: dict, tree, pgid: int, members: dict[int, int]) -> list[int]
             if p.pid not in tree and not p.kthread and (p.pgrp == pgid or members.get(p.pid) == p.starttime)]
 
 
-def target(run, procs: dict, protector):
+def target(run, procs: dict, protector, details: bool = True):
     """The run's tree as the guard's target (``proctree.Target``, pattern ``"engine:supervised"``):
     root, descendants and reparented members hung under the root; None when the root is gone
-    (exited, a zombie, or its pid reused)."""
+    (exited, a zombie, or its pid reused).  ``details=False``: no tree rows / memory yet
+    (``proctree.add_details`` after the signal)."""
     from sparkguard import proctree
     root = procs.get(run.pid)
     if root is None or (run.starttime and root.starttime != run.starttime) or proc_state(run.pid) in ("Z", None):
@@ -105,7 +106,7 @@ def target(run, procs: dict, protector):
     if extra:
         kids = dict(kids)
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
-    return proctree.build_target(run.pid, "engine:supervised", procs, kids, protector)
+    return proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
 
 
 def signal_tree(run):
