@@ -200,7 +200,12 @@ def request(path: str, req: dict, timeout: float = 10.0) -> dict:
             raise ControlError(errno.ETIMEDOUT, f"no answer from {path} within {timeout:g} s") from None
         except OSError as e:
             raise ControlError(e.errno, f"cannot reach sparkguard on {path}: {e.strerror or e}") from None
-        s.sendall(json.dumps(req).encode() + b"\n")
+        try:
+            s.sendall(json.dumps(req).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass    # the daemon refused us (not root) and closed before reading: its answer is still there
+        except OSError as e:
+            raise ControlError(e.errno, f"connection to sparkguard on {path} failed: {e.strerror or e}") from None
         data = b""
         try:
             while not data.endswith(b"\n"):
