@@ -200,7 +200,12 @@ def request(path: str, req: dict, timeout: float = 10.0) -> dict:
             raise ControlError(errno.ETIMEDOUT, f"no answer from {path} within {timeout:g} s") from None
         except OSError as e:
             raise ControlError(e.errno, f"cannot reach sparkguard on {path}: {e.strerror or e}") from None
-        s.sendall(json.dumps(req).encode() + b"\n")
+        try:
+            s.sendall(json.dumps(req).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass    # the daemon refused us (not root) and closed before reading: its answer is still there
+        except OSError as e:
+            raise ControlError(e.errno, f"connection to sparkguard on {path} failed: {e.strerror or e}") from None
         data = b""
         try:
             while not data.endswith(b"\n"):
@@ -227,11 +232,19 @@ def engine_status(path: str | None = None, timeout: float = 3.0) -> dict | None:
     """The running daemon's engine state (``Supervisor.status()``), or None when it cannot be
     asked (not running, no engine, not root).  For ``sparkguard status``; never raises.
     Render with :func:`sparkguard.supervisor.describe`."""
+    return ask_status(path, timeout)[0]
+
+
+def ask_status(path: str | None = None, timeout: float = 3.0) -> tuple[dict | None, str | None]:
+    """Like :func:`engine_status`, with the reason: ``(status, None)`` or ``(None, error)``, the
+    error a sentence a person can act on ("sparkguard is not running ...", "permission denied ...")."""
     try:
         resp = request(path or socket_path(None, None), {"op": "status"}, timeout)
-    except ControlError:
-        return None
-    return resp.get("status") if resp.get("ok") else None
+    except ControlError as e:
+        return None, e.strerror
+    if resp.get("ok") and isinstance(resp.get("status"), dict):
+        return resp["status"], None
+    return None, f"the daemon answered: {resp.get('error') or 'no status'}"
 
 
 def socket_path(arg: str | None, config_path: str | None) -> str:

@@ -74,6 +74,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"  incidents: {cfg.incidents.dir}, journal {cfg.incidents.journal}")
     links = cfg.link.interfaces
     print(f"  link watch: {', '.join(links) + f' (incident after {format_duration(cfg.link.down_after)} down)' if links else 'off'}")
+    if cfg.engine.enabled:
+        from sparkguard.supervisor.render import config_line
+        print(f"  engine: {config_line(cfg.engine)}")
     return 0
 
 
@@ -660,7 +663,7 @@ class Guard:
         """The supervised engine's tree (the guard's first target), or None."""
         if self.supervisor is None:
             return None
-        return self.supervisor.target(procs, self.protector)
+        return self.supervisor.target(procs, self.protector, details=False)
 
     def _finish_incident(self, inc: dict) -> None:
         """Report a closed incident; with an engine the supervisor adds its state and the restart."""

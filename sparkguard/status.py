@@ -1,8 +1,9 @@
 """``sparkguard status``: one screen a person reads.
 
 Memory and headroom above the lines, the thresholds, which processes would be signalled,
-swap and zram, memory pressure (PSI), and the running daemon's state as read from its
-metrics endpoint (``metrics.listen`` of the configuration, or ``--url``).  Everything but
+swap and zram, memory pressure (PSI), the running daemon's state as read from its
+metrics endpoint (``metrics.listen`` of the configuration, or ``--url``), and its supervised
+engine as read from its control socket (``engine.control_socket``, or ``--socket``).  Everything but
 the daemon's state is read here and now from /proc and /sys, so the command is useful
 also when the daemon is not running.
 """
@@ -27,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "defaults when absent)")
     p.add_argument("--url", metavar="URL", default=None,
                    help="the daemon's metrics URL (default: http://<metrics.listen>/metrics)")
+    p.add_argument("--socket", metavar="PATH", default=None,
+                   help="the daemon's engine control socket (default: $SPARKGUARD_CONTROL_SOCKET, else "
+                        "engine.control_socket of the configuration)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.set_defaults(func=handler)
 
@@ -122,14 +126,37 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
     return out
 
 
-def gather(cfg, url: str | None) -> dict:
+def read_engine(cfg, socket: str | None = None, timeout: float = 3.0) -> dict:
+    """Ask the running daemon for its supervised engine (``sparkguard.control``, issue 5).
+
+    Args:
+        cfg: ``config.Config`` (``engine.enabled``, ``engine.control_socket``).
+        socket: the control socket; None: $SPARKGUARD_CONTROL_SOCKET, else ``engine.control_socket``.
+        timeout: seconds for the answer.
+    Returns:
+        ``{"socket": str, "configured": bool, "running": bool, "status": dict | None,
+        "error": str | None}``; ``status`` is ``Supervisor.status()`` (render it with
+        ``sparkguard.supervisor.describe``), ``error`` why the daemon could not be asked.  Never raises.
+    """
+    import os
+
+    from sparkguard import control
+
+    path = socket or os.environ.get(control.ENV_SOCKET) or cfg.engine.control_socket
+    st, err = control.ask_status(path, timeout)
+    return {"socket": path, "configured": cfg.engine.enabled, "running": st is not None, "status": st,
+            "error": err}
+
+
+def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     """Everything the screen shows, as a JSON-ready dict.
 
     Args:
         cfg: ``config.Config``.
         url: the daemon's metrics URL, or None when metrics are off and none was given.
+        socket: the engine control socket (see :func:`read_engine`).
     Reads /proc/meminfo, /proc/swaps, /sys/block/zram*, /proc/pressure/memory, scans /proc
-    for targets (``proctree.find_targets``) and scrapes ``url``.
+    for targets (``proctree.find_targets``), scrapes ``url`` and asks the control socket.
     """
     from sparkguard import sysinfo
 
@@ -196,7 +223,7 @@ def gather(cfg, url: str | None) -> dict:
         "config_path": cfg.path, "memory": memory, "thresholds": thresholds,
         "targets": targets, "targets_error": targets_error,
         "swaps": sysinfo.read_swaps(), "zram": zram, "psi_memory": sysinfo.read_psi_memory(),
-        "daemon": daemon, "timestamp": time.time(),
+        "daemon": daemon, "engine": read_engine(cfg, socket), "timestamp": time.time(),
     }
 
 
@@ -317,7 +344,26 @@ def render(st: dict) -> str:
             ago = fd(max(0.0, now - d["last_incident_timestamp"]))
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_incident_timestamp"]))
             L.append(f"  last incident {stamp} ({ago} ago); see `sparkguard incidents`")
+    L.append("")
+    L += render_engine(st["engine"])
     return "\n".join(L) + "\n"
+
+
+def render_engine(e: dict) -> list[str]:
+    """The "Engine" section for a :func:`read_engine` dict: the supervisor's own status lines
+    (``sparkguard.supervisor.describe``: state, pid, lane, ready, restarts, last exit), or why
+    there is none."""
+    L = [f"Engine   (control socket {e['socket']})"]
+    if e["status"] is not None:
+        from sparkguard.supervisor import describe
+        L += ["  " + ln for ln in describe(e["status"])]
+    elif not e["configured"]:
+        L.append("  not supervised (no engine: section in the configuration)")
+    elif "not running" in (e["error"] or ""):      # control.request's no-socket / stale-socket errors
+        L.append(f"  daemon not running: {e['error']}")
+    else:
+        L.append(f"  cannot ask the daemon: {e['error']}")
+    return L
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -330,7 +376,7 @@ def handler(args: argparse.Namespace) -> int:
         print(f"sparkguard status: {e}", file=sys.stderr)
         return 2
     url = args.url or metrics_url(cfg.metrics.listen)
-    st = gather(cfg, url)
+    st = gather(cfg, url, args.socket)
     if args.json:
         json.dump(st, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

@@ -21,6 +21,7 @@ import yaml
 
 from conftest import sg_env, sparkguard_cmd
 from sparkguard import control, fake_engine, proctree
+from sparkguard.supervisor.process import proc_state as _state
 
 READY_RE = re.compile(r"fake-vllm: ready pids=([0-9,]+)")
 
@@ -206,16 +207,6 @@ class Daemon:
         """Stop the daemon, then SIGKILL (pidfd) any engine process it left: only ones we saw start."""
         self.stop()
         kill_pids(self.engine_pids)
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            s = f.read()
-    except OSError:
-        return None
-    r = s.rfind(b")")
-    return s[r + 2:r + 3].decode()
 
 
 def kill_pids(pids: dict[int, int]) -> None:

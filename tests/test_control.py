@@ -43,6 +43,31 @@ def test_stale_socket_is_reported_as_not_running(tmp_path):
     assert "not running" in r.stderr and "stale socket" in r.stderr
 
 
+def test_an_answer_sent_before_the_request_was_read_is_still_read(tmp_path):
+    """The daemon refuses a non-root client at once (SO_PEERCRED) and closes without reading its
+    request. Sending then fails with EPIPE; the client must still read and report the refusal,
+    not end silently with status 0 (the CLI treats BrokenPipeError as a closed stdout). The
+    request is made larger than the socket buffer so that the send always meets the closed end."""
+    import threading
+    path = str(tmp_path / "refusing.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    answer = {"ok": False, "error": "permission denied: the engine control socket is for root only"}
+
+    def refuse():
+        conn, _ = srv.accept()
+        conn.sendall(json.dumps(answer).encode() + b"\n")
+        conn.close()
+    t = threading.Thread(target=refuse, daemon=True)
+    t.start()
+    try:
+        assert control.request(path, {"op": "stop", "pad": "x" * (8 << 20)}, timeout=20) == answer
+    finally:
+        t.join(20)
+        srv.close()
+
+
 def _nobody_python() -> str | None:
     """An interpreter user nobody can run (the test venv may live under /root)."""
     for exe in (shutil.which("python3"), "/usr/bin/python3"):

@@ -170,3 +170,60 @@ def test_status_shows_zram_with_compression_ratio(tmp_path, zram_device):  # noq
     line = next(x for x in r.stdout.splitlines() if f"zram {zram_device} (" in x)
     assert f"{format_size(64 * 1024**2)} disk, holds {format_size(z['orig_data_bytes'])}" in line
     assert f"(ratio {z['compression_ratio']:.2f}x)" in line
+
+
+def test_status_shows_the_supervised_engine_from_a_real_daemon(tmp_path):
+    """A real ``sparkguard run`` supervising the real fake vLLM: ``sparkguard status`` asks its
+    control socket and shows state, pid, lane, ready, restarts and the last exit; once the daemon
+    is gone it says so."""
+    import os
+
+    from supervisor_helpers import Daemon, engine_config, fake_cmd, unique, wait_gone
+
+    if os.geteuid() != 0:
+        pytest.skip("the engine control socket is root-only")
+    model, port = unique(), free_port()
+    lanes = {"short": {"args": ["--max-model-len", "2048"]}, "long": {"args": []}}
+    d = Daemon(tmp_path, engine_config(tmp_path, model, fake_cmd(model, port), port, lanes=lanes, lane="short"))
+    try:
+        d.wait_control()
+        st = d.wait_ready()
+        pid = st["pid"]
+        r = run_sparkguard("status", "--config", str(d.path))
+        assert r.returncode == 0, r.stderr
+        screen = r.stdout.split(f"Engine   (control socket {d.socket})\n", 1)
+        assert len(screen) == 2, r.stdout
+        engine = screen[1]
+        assert engine.startswith(f"  engine: ready (pid {pid}, lane short, up "), engine
+        assert "  lanes: *short, long" in engine
+        assert "starts 1, ready yes, restarts: none (policy always)" in engine
+        r = run_sparkguard("status", "--config", str(d.path), "--json")
+        e = json.loads(r.stdout)["engine"]
+        assert e["running"] and e["configured"] and e["error"] is None and e["socket"] == d.socket
+        assert e["status"]["pid"] == pid and e["status"]["ready"] and e["status"]["lane"] == "short"
+        # stopped by command: the screen shows it, with the exit
+        pids = list(d.engine_pids)
+        assert run_sparkguard("engine", "--socket", d.socket, "stop", "--timeout", "30").returncode == 0
+        assert wait_gone(pids, 10) == []
+        r = run_sparkguard("status", "--config", str(d.path))
+        engine = r.stdout.split("Engine   (", 1)[1]
+        assert "  engine: stopped (lane short): stopped by command" in engine
+        assert "ready no" in engine and "  last exit: exit code 0 after " in engine and "(stop)" in engine
+    finally:
+        d.cleanup()
+    r = run_sparkguard("status", "--config", str(d.path))
+    assert r.returncode == 0, r.stderr
+    engine = r.stdout.split("Engine   (", 1)[1]
+    assert f"  daemon not running: sparkguard is not running with an engine: no control socket at {d.socket}" in engine
+    e = json.loads(run_sparkguard("status", "--config", str(d.path), "--json").stdout)["engine"]
+    assert e == {"socket": d.socket, "configured": True, "running": False, "status": None, "error": e["error"]}
+    assert "not running" in e["error"]
+
+
+def test_status_without_an_engine_section(tmp_path):
+    sock = str(tmp_path / "none.sock")
+    cfg = write_config(tmp_path, "metrics:\n  listen: off\n")
+    r = run_sparkguard("status", "--config", cfg, "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith(f"Engine   (control socket {sock})\n  not supervised (no engine: section in the "
+                             "configuration)\n"), r.stdout

@@ -362,3 +362,58 @@ def test_link_down_marks_the_engine_unhealthy_and_its_return_restarts_it(tmp_pat
     finally:
         sup.stop()
     assert sup.status()["pid"] is None
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def _runs_as_nobody() -> str | None:
+    """Why the fake engine cannot run as nobody here (None when it can): the test interpreter may
+    live under /root (mode 0700), so the engine runs on the system python, which needs
+    setproctitle (python3-setproctitle, tests/install-deps) and this checkout readable by all."""
+    import pwd
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        return "no user nobody"
+    if not os.access(SYSTEM_PYTHON, os.X_OK) or not shutil.which("setpriv"):
+        return f"needs {SYSTEM_PYTHON} and setpriv"
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c",
+                        "import setproctitle, sys; sys.path.insert(0, sys.argv[1]); import sparkguard.fake_engine",
+                        str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
+                       capture_output=True, text=True, timeout=30, cwd="/")
+    return None if r.returncode == 0 else f"nobody cannot run the fake engine on {SYSTEM_PYTHON}: {r.stderr[-300:]}"
+
+
+def test_engine_user_runs_the_whole_tree_as_that_user(tmp_path):
+    why = _runs_as_nobody()
+    if why:
+        pytest.skip(why + " (run tests/install-deps)")
+    import pwd
+    nobody = pwd.getpwnam("nobody")
+    model, port = unique(), free_port()
+    cmd = [SYSTEM_PYTHON] + fake_cmd(model, port)[1:]
+    cfg = engine_config(tmp_path, model, cmd, port, user="nobody", cwd="/")
+    d = Daemon(tmp_path, cfg)
+    try:
+        d.wait_control()
+        st = d.wait_ready()
+        pids = list(d.engine_pids)
+        assert pids[0] == st["pid"] and len(pids) == 4          # vllm serve -> EngineCore -> 2 workers
+        for pid in pids:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(ln.split(":", 1) for ln in f if ":" in ln)
+            uids, gids = fields["Uid"].split(), fields["Gid"].split()
+            assert uids == [str(nobody.pw_uid)] * 4, (pid, uids)     # real, effective, saved, fs
+            assert gids == [str(nobody.pw_gid)] * 4, (pid, gids)
+            assert fields["Groups"].split() in ([], [str(nobody.pw_gid)]), fields["Groups"]  # root's dropped
+        env = environ(st["pid"])
+        assert env["USER"] == env["LOGNAME"] == "nobody" and env["HOME"] == nobody.pw_dir
+        assert open(f"/proc/{st['pid']}/oom_score_adj").read().strip() == "0"
+        assert os.readlink(f"/proc/{st['pid']}/cwd") == "/"
+        # root's daemon still stops the tree it no longer owns
+        r = run_sparkguard("engine", "--socket", d.socket, "stop", "--timeout", "30")
+        assert r.returncode == 0, r.stderr
+        assert wait_gone(pids, 10) == []
+    finally:
+        d.cleanup()

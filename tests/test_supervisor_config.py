@@ -184,3 +184,42 @@ def test_guard_only_file_may_spell_out_the_engine_defaults():
     cfg = load({"command": None, "restart": "always", "lanes": {}, "probe": None, "start_above": "4GiB"})
     assert not cfg.engine.enabled
     assert "engine.start_above is set but there is no command" in err({"command": None, "start_above": "8GiB"})
+
+
+def test_check_config_prints_the_engine_line(tmp_path):
+    p = tmp_path / "engine.yaml"
+    p.write_text("engine:\n  command: [vllm, serve, 'my model', --port, '8000']\n"
+                 "  health_url: http://127.0.0.1:8000/health\n"
+                 "  lanes: {200k: {args: []}, 1m: {args: [--max-model-len, '1000000']}}\n  lane: 1m\n"
+                 "  restart: on-failure\n  backoff_initial: 2s\n  backoff_max: 1m\n")
+    r = run_sparkguard("check-config", str(p))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == ("  engine: vllm serve 'my model' --port 8000 (lane 1m of 200k, 1m); "
+                                         "health http://127.0.0.1:8000/health; restart on-failure, backoff 2.0 s "
+                                         "to 60.0 s")
+    p.write_text("engine:\n  command: [/opt/engine]\n  restart: never\n")
+    r = run_sparkguard("check-config", str(p))
+    assert r.stdout.splitlines()[-1] == "  engine: /opt/engine; health none (ready once started); restart never"
+    p.write_text("guard:\n  grace: 5s\n")
+    assert "  engine:" not in run_sparkguard("check-config", str(p)).stdout
+
+
+def test_default_config_file_explains_every_engine_key_in_one_line():
+    """``sparkguard install`` writes the defaults with a comment per key; the engine's keys too
+    (the file must still load to exactly the defaults: render() checks that itself)."""
+    import yaml
+
+    from sparkguard.host import configfile
+    text = configfile.render()
+    assert config.from_dict(yaml.safe_load(text), "x").engine == config.EngineConfig()
+    lines = text.splitlines()
+    head = lines.index("engine:")
+    assert lines[head - 1].startswith("# ")
+    keys = list(config.SCHEMA["engine"][1])
+    at = {ln.split(":", 1)[0].strip(): i for i, ln in enumerate(lines[head + 1:], head + 1)
+          if ln.startswith("  ") and not ln.startswith("  #") and not ln.startswith("  -")}
+    for key in keys:
+        i = at[key]
+        assert lines[i - 1].startswith("  # ") and len(lines[i - 1]) > 12, (key, lines[i - 1])
+        assert lines[i - 2].startswith(f"  {keys[keys.index(key) - 1]}:") or key == keys[0], \
+            f"engine.{key}: the comment takes more than one line"

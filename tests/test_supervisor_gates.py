@@ -18,9 +18,9 @@ import time
 import pytest
 import yaml
 
-from conftest import mem_available
+from conftest import mem_available, run_sparkguard
 from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, unique
-from sparkguard import peers
+from sparkguard import peers, sysinfo
 
 pytestmark = pytest.mark.usefixtures("root_only")
 GiB = 1024**3
@@ -147,3 +147,58 @@ def test_peers_gate_waits_for_a_second_sparkguard(tmp_path):
         head.cleanup()
         if peer is not None:
             peer.cleanup()
+
+
+def mem_total() -> int:
+    with open("/proc/meminfo", "rb") as f:
+        return sysinfo.parse_meminfo(f.read())["MemTotal"]
+
+
+@pytest.mark.parametrize("gate", ["quiesce", "peers"])
+def test_gate_timeout_starts_anyway_and_the_incident_says_so(tmp_path, gate):
+    """A gate that never opens (start_above just below MemTotal; or a peer node that does not
+    answer) delays the start by engine.quiesce_timeout, then the engine starts anyway; the status,
+    the history and the guard incident's restart event say which gate timed out and why.
+    The guard is made to act by moving its line above MemAvailable (no memory is allocated)."""
+    model, port, dead = unique(), free_port(), free_port()
+    total = mem_total()
+    extra = ({"start_above": total - 64 * 1024**2} if gate == "quiesce"
+             else {"peers": [f"http://127.0.0.1:{dead}"], "start_above": "64MiB"})
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port), port, quiesce_timeout="2s", **extra)
+    cfg["guard"].update(grace="3s", recovery_wait="60s")
+    d = Daemon(tmp_path, cfg)
+    try:
+        d.wait_control()
+        st = d.wait_ready(timeout=30)
+        # the first start waited the 2 s and says why it started anyway
+        assert st["quiesce_timed_out"] and st["gate_timeout"]["gate"] == gate
+        assert 2.0 <= st["quiesce_wait"] < 10, st["quiesce_wait"]
+        want = "quiesce: MemAvailable" if gate == "quiesce" else f"peers: http://127.0.0.1:{dead}: no answer"
+        assert st["gate_timeout"]["detail"].startswith(want), st["gate_timeout"]
+        assert history(st, f"{gate}_timeout")[0]["detail"].startswith("starting anyway after 2.")
+        r = run_sparkguard("engine", "--socket", d.socket, "status")
+        assert f"(the {gate} gate timed out, started anyway)" in r.stdout, r.stdout
+        first = st["pid"]
+        # the guard's line above MemAvailable: it SIGTERMs the engine at once
+        mark = d.mark()
+        cfg["guard"]["term_below"] = total - 64 * 1024**2
+        d.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_line(r"engine: guard: guard sigterm of the engine", timeout=30, start=mark)
+        d.wait_line(rf"engine: exit: pid {first} ", timeout=30, start=mark)
+        d.wait_line(r"engine: waiting: a guard incident is open", timeout=30, start=mark)
+        # the line back down: the incident closes, the gate times out again, the engine starts anyway
+        cfg["guard"]["term_below"] = "128MiB"
+        d.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        d.proc.send_signal(signal.SIGHUP)
+        st = d.wait_ready(after=1, timeout=60)
+        assert st["restarts"]["guard"] == 1 and st["gate_timeout"]["gate"] == gate
+        inc = d.incident("memory", start=mark)
+        events = [e["event"] for e in inc["timeline"]]
+        assert events[:2] == ["crossed", "sigterm"] and events[-1] == "restart", events
+        restart = inc["timeline"][-1]
+        assert restart["pids"] == [st["pid"]]
+        assert (f"(the {gate} gate timed out after engine.quiesce_timeout 2 s, started anyway: {want}"
+                in restart["detail"]), restart["detail"]
+    finally:
+        d.cleanup()

@@ -1,0 +1,118 @@
+"""Lanes and the persisted engine state: what to run, and what survives a daemon restart.
+
+A lane (``engine.lanes: {name: {args, env}}``) appends its ``args`` to ``engine.command`` and
+merges its ``env`` over ``engine.env``; switching lanes is a restart.  The current lane and the
+running engine's identity (pid, pgid, start time, every member seen) are kept in
+``engine.state_file`` (JSON, written atomically), so that the lane survives a daemon restart and
+a new daemon can sweep an engine that a killed one left running (same boot only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+log = logging.getLogger("sparkguard.supervisor")
+
+
+def config_lane(ecfg) -> str | None:
+    """The lane the configuration asks for: ``engine.lane``, else the first of ``engine.lanes``,
+    None without lanes."""
+    return (ecfg.lane or next(iter(ecfg.lanes))) if ecfg.lanes else None
+
+
+def read_state(path: str) -> dict:
+    """The persisted state (``{}`` when absent or unreadable; unreadable is logged)."""
+    try:
+        with open(path) as f:
+            st = json.load(f)
+        return st if isinstance(st, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("engine state file %s unreadable (%s); starting from the config", path, e)
+        return {}
+
+
+def initial_lane(ecfg, state: dict) -> str | None:
+    """The lane to start in: the persisted one (``sparkguard engine lane``) unless the config's
+    ``engine.lane`` changed since it was persisted; else the config's (or the first)."""
+    if not ecfg.lanes:
+        return None
+    cfg_lane = config_lane(ecfg)
+    lane = state.get("lane")
+    if lane in ecfg.lanes and state.get("config_lane") == cfg_lane:
+        return lane
+    if lane and lane not in ecfg.lanes:
+        log.warning("persisted lane %r is not in engine.lanes any more; using %r", lane, cfg_lane)
+    return cfg_lane
+
+
+def write_state(ecfg, lane: str | None, run) -> None:
+    """Persist ``lane`` and ``run``'s identity (None: no engine runs) to ``engine.state_file``
+    (atomic: temp file, fsync, rename).  A write error is logged, never raised."""
+    from sparkguard import sysinfo
+    st = {"version": 1, "lane": lane, "config_lane": config_lane(ecfg),
+          "boot_id": sysinfo.boot_id(), "updated_at": time.time()}
+    if run is not None:
+        st["engine"] = {"pid": run.pid, "pgid": run.pgid, "starttime": run.starttime,
+                        "members": {str(k): v for k, v in dict(run.members).items()}}
+    path = ecfg.state_file
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(st, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as ex:
+        log.warning("cannot write engine state file %s: %s (the lane will not survive a restart)", path, ex)
+
+
+def previous_engine(state: dict, boot_id: str) -> tuple[int, dict[int, int]] | None:
+    """``(pgid, members)`` of the engine a previous daemon recorded in ``state`` during this boot
+    (``boot_id``), None when there is none or the record is unusable."""
+    prev = state.get("engine")
+    if not prev or state.get("boot_id") != boot_id:
+        return None
+    try:
+        members = {int(k): int(v) for k, v in (prev.get("members") or {}).items()}
+        return int(prev.get("pgid") or 0), members
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def command(cfg, lane: str | None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of the engine in ``lane``.
+
+    The daemon's environment without systemd's per-service variables, HOME/USER/LOGNAME of
+    ``engine.user``, ``engine.env``, the lane's env; for vLLM (unless the user set it, or passed
+    ``--shutdown-timeout``) ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` below ``guard.grace`` so that
+    SIGTERM gives its workers time to tear CUDA down (FIELD-NOTES, vLLM 0.33).
+
+    Args:
+        cfg: ``config.Config``.
+    Raises:
+        KeyError: ``engine.user`` does not exist.
+    """
+    from sparkguard import config as cm
+    from sparkguard.supervisor.process import ENV_DROP, passwd
+    e = cfg.engine
+    ln = e.lanes.get(lane) if lane else None
+    argv = list(e.command) + (list(ln.args) if ln else [])
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    if e.user is not None:
+        pw = passwd(e.user)
+        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+    env.update(e.env)
+    if ln:
+        env.update(ln.env)
+    if cm.is_vllm(argv) and cm.SHUTDOWN_ENV not in env and not any(
+            a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in argv):
+        secs = e.shutdown_timeout if e.shutdown_timeout is not None else cm.vllm_shutdown_timeout(cfg.guard.grace)
+        env[cm.SHUTDOWN_ENV] = f"{secs:g}"
+    return argv, env

@@ -1,0 +1,204 @@
+"""Engine output: stdout/stderr forwarded line by line to the journal, the last lines kept.
+
+The engine's pipes are read as the lines come (nothing buffered for minutes), each line goes to
+journald under the engine's own identifier (``vllm``, ``sglang``...) with a syslog priority read
+from its level prefix, and the last ``engine.log_lines`` lines are kept for incident reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import time
+from typing import Callable
+
+log = logging.getLogger("sparkguard.supervisor")
+
+MAX_LINE = 16384         # bytes; longer output lines are cut into pieces
+_LEVELS = {"CRITICAL": 2, "ERROR": 3, "WARNING": 4, "WARN": 4, "INFO": 6, "DEBUG": 7}
+
+
+def identifier_for(argv: tuple[str, ...] | list[str]) -> str:
+    """Journal SYSLOG_IDENTIFIER for an engine command: the program's name.
+
+    ``[/usr/bin/python3, /usr/local/bin/vllm, serve, M]`` -> ``"vllm"``; ``[python3, -m,
+    sglang.launch_server]`` -> ``"sglang"``; ``[/opt/tritonserver/bin/tritonserver]`` -> ``"tritonserver"``.
+    """
+    a = list(argv)
+    if a and os.path.basename(a[0]).startswith("python"):
+        if len(a) > 2 and a[1] == "-m":
+            return a[2].split(".")[0]
+        if len(a) > 1 and not a[1].startswith("-"):
+            return os.path.basename(a[1]).removesuffix(".py")
+    return os.path.basename(a[0]) if a else "engine"
+
+
+def _level_priority(line: str, default: int) -> int:
+    """syslog PRIORITY from a leading ``INFO``/``WARNING``/... (vLLM's and Python logging's format)."""
+    head = line.lstrip("(").split(None, 1)
+    if head:
+        p = _LEVELS.get(head[0].rstrip(":").upper())
+        if p is not None:
+            return p
+    for word, p in (("ERROR", 3), ("WARNING", 4), ("INFO", 6)):
+        if f" {word} " in line[:120]:
+            return p
+    return default
+
+
+class LogSink:
+    """Where engine output lines go: journald (native protocol, the engine's own identifier)
+    or the daemon's stderr ("IDENT[PID]: line").
+
+    Args:
+        mode: ``"auto"`` (journal if its socket answers, else stderr), ``"journal"``, ``"stderr"``.
+        socket_path: journald's native socket.
+        identifier: SYSLOG_IDENTIFIER of the entries.
+    Uses :mod:`sparkguard.journal` (``encode``/``send``) when present; otherwise stderr.
+    """
+
+    def __init__(self, mode: str, socket_path: str, identifier: str):
+        self.identifier = identifier
+        self.socket_path = socket_path
+        self.journal = None
+        self.sock = None
+        self._warned = False
+        if mode != "stderr":
+            try:
+                from sparkguard import journal  # the report branch's native-protocol sender
+            except ImportError:
+                journal = None
+            if journal is not None and (mode == "journal" or journal.available(socket_path)):
+                import socket
+                self.journal = journal
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self.sock.settimeout(2.0)
+            elif mode == "journal":
+                log.warning("engine.log is journal but %s", "sparkguard.journal is missing" if journal is None
+                            else f"nothing listens on {socket_path}; engine output goes to stderr")
+
+    def write(self, line: str, stream: str, pid: int | None, lane: str | None) -> None:
+        """Send one line; never raises (falls back to stderr)."""
+        default = 6 if stream == "stdout" else 4
+        if self.journal is not None:
+            fields = {"MESSAGE": line, "PRIORITY": _level_priority(line, default),
+                      "SYSLOG_IDENTIFIER": self.identifier, "SPARKGUARD_ENGINE_STREAM": stream}
+            if pid is not None:
+                fields["SYSLOG_PID"] = pid
+                fields["SPARKGUARD_ENGINE_PID"] = pid
+            if lane:
+                fields["SPARKGUARD_ENGINE_LANE"] = lane
+            try:
+                payload = self.journal.encode(fields)
+                try:
+                    self.sock.sendto(payload, self.socket_path)
+                except OSError as e:
+                    import errno
+                    if e.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
+                        raise
+                    self.journal.send(fields, self.socket_path)
+                return
+            except (OSError, ValueError) as e:
+                if not self._warned:
+                    log.warning("engine output to the journal failed (%s); using stderr", e)
+                    self._warned = True
+        try:
+            sys.stderr.write(f"{self.identifier}[{pid}]: {line}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        """Close the socket."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class LastLines:
+    """The engine's last output lines, for incident reports.
+
+    ``current()`` is the running engine's ring (at most ``n`` lines); ``freeze()`` keeps a copy
+    when a run ends, so that a report written after the exit still has them while the next run
+    starts a fresh ring.
+
+    Args:
+        n: int, lines kept (``engine.log_lines``).
+    """
+
+    def __init__(self, n: int):
+        self.ring: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=n)
+        self.frozen: list[str] = []
+
+    def add(self, stream: str, line: str) -> None:
+        """Keep one line (``stream`` is ``"stdout"`` or ``"stderr"``)."""
+        self.ring.append((time.time(), stream, line))
+
+    def clear(self) -> None:
+        """A new run starts: forget the running ring (the frozen copy stays)."""
+        self.ring.clear()
+
+    def current(self) -> list[str]:
+        """The running ring's lines, oldest first."""
+        return [ln for _, _, ln in self.ring]
+
+    def freeze(self) -> None:
+        """The run ended: keep its lines as the last run's."""
+        self.frozen = self.current()
+
+    def for_report(self, exited: bool, n: int) -> list[str]:
+        """The last ``n`` lines an incident report carries: the ended run's (``exited``) or the running one's."""
+        lines = self.frozen if exited and self.frozen else self.current()
+        return lines[-n:]
+
+
+def pump(stdout, stderr, on_line: Callable[[str, bytes], None]) -> None:
+    """Read two pipes until both close (orphans holding them included), calling
+    ``on_line(stream, raw_line)`` for every line as it arrives (``stream`` ``"stdout"``/``"stderr"``;
+    the line without its newline; lines longer than :data:`MAX_LINE` bytes cut into pieces;
+    a last line without a newline is passed at EOF).  Returns when both pipes are closed;
+    never raises for pipes closed under it."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    bufs = {}
+    for name, f in (("stdout", stdout), ("stderr", stderr)):
+        os.set_blocking(f.fileno(), False)
+        sel.register(f.fileno(), selectors.EVENT_READ, name)
+        bufs[name] = b""
+    open_fds = 2
+    try:
+        while open_fds:
+            for key, _ in sel.select():
+                name = key.data
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    sel.unregister(key.fd)
+                    open_fds -= 1
+                    if bufs[name]:
+                        on_line(name, bufs[name])
+                        bufs[name] = b""
+                    continue
+                buf = bufs[name] + chunk
+                *lines, rest = buf.split(b"\n")
+                for ln in lines:
+                    on_line(name, ln)
+                while len(rest) > MAX_LINE:
+                    on_line(name, rest[:MAX_LINE])
+                    rest = rest[MAX_LINE:]
+                bufs[name] = rest
+    except (OSError, ValueError) as e:  # pipes closed under us at shutdown
+        log.debug("engine output pump ended: %s", e)
+    finally:
+        sel.close()
+
+
+def decode(raw: bytes) -> str:
+    """One output line as text: a trailing CR dropped, invalid UTF-8 replaced."""
+    return raw.rstrip(b"\r").decode("utf-8", "replace")

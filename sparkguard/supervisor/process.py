@@ -1,0 +1,206 @@
+"""The engine's processes: spawn it, wait for its exit, know its tree, sweep what it leaves.
+
+The tree of a run is the root's descendants plus every process still in its process group
+(vLLM never calls setsid, FIELD-NOTES) plus every process recorded as a member with the same
+start time (``VLLM::EngineCore`` / ``VLLM::Worker_TP*`` reparented away when the API server was
+SIGKILLed, FIELD-NOTES).  Signals go through pidfds (``sparkguard.signals.Tree``), so a recycled
+pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+from typing import Callable
+
+log = logging.getLogger("sparkguard.supervisor")
+
+#: environment a daemon started by systemd has that must not leak into the engine
+ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+#: sh resets the oom_score_adj inherited from the daemon (-1000 would make the engine unkillable by
+#: the kernel and protected from the guard), then execs the engine: same pid, cmdline intact.
+WRAPPER = ("/bin/sh", "-c", 'echo 0 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"', "sparkguard-engine")
+
+
+def passwd(user: str):
+    """The ``pwd.struct_passwd`` of ``engine.user`` (a name or a numeric uid).  Raises KeyError."""
+    import pwd
+    return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | None):
+    """Start the engine: own session and process group, stdin /dev/null, stdout/stderr pipes,
+    oom_score_adj 0 (:data:`WRAPPER`), as ``user`` (uid, gid and its groups) when given.
+
+    Returns:
+        ``subprocess.Popen`` (its pid is also its pgid and sid).
+    Raises:
+        OSError: the command (or ``cwd``) cannot be executed.  KeyError: no such user.
+    """
+    import subprocess
+    kw = {}
+    if user is not None:
+        pw = passwd(user)
+        kw.update(user=pw.pw_uid, group=pw.pw_gid, extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid))
+    return subprocess.Popen(list(WRAPPER) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
+                            close_fds=True, **kw)
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (proc(5) field 3), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            s = f.read()
+    except OSError:
+        return None
+    r = s.rfind(b")")
+    return s[r + 2:r + 3].decode() if r > 0 else None
+
+
+def wait_exit(pid: int) -> tuple[int | None, int | None]:
+    """Block on the child's pidfd until it exits; ``(exit code, None)`` or ``(None, signal number)``
+    (``(None, None)`` when unknown).  The child is not reaped (waitid WNOWAIT): its pid and process
+    group id stay reserved until the caller reaps it (after the sweep)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            select.select([fd], [], [])
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        if info is None:
+            return None, None
+        if info.si_code == os.CLD_EXITED:
+            return info.si_status, None
+        return None, info.si_status
+    except ChildProcessError:
+        return None, None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _outside(procs: dict, tree, pgid: int, members: dict[int, int]) -> list[int]:
+    """Processes not in ``tree`` that still belong to the run: its process group, or a recorded
+    member with the same start time; never a kernel thread."""
+    return [p.pid for p in procs.values()
+            if p.pid not in tree and not p.kthread and (p.pgrp == pgid or members.get(p.pid) == p.starttime)]
+
+
+def target(run, procs: dict, protector, details: bool = True):
+    """The run's tree as the guard's target (``proctree.Target``, pattern ``"engine:supervised"``):
+    root, descendants and reparented members hung under the root; None when the root is gone
+    (exited, a zombie, or its pid reused).  ``details=False``: no tree rows / memory yet
+    (``proctree.add_details`` after the signal)."""
+    from sparkguard import proctree
+    root = procs.get(run.pid)
+    if root is None or (run.starttime and root.starttime != run.starttime) or proc_state(run.pid) in ("Z", None):
+        return None
+    kids = proctree.children_map(procs)
+    extra = _outside(procs, set(proctree.descendants([run.pid], kids)), run.pgid, run.members)
+    if extra:
+        kids = dict(kids)
+        kids[run.pid] = list(kids.get(run.pid, [])) + extra
+    return proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
+
+
+def signal_tree(run):
+    """pidfd ``signals.Tree`` of the run (root first, then live members and process-group
+    members); every process found is recorded in ``run.members``."""
+    from sparkguard import proctree, signals
+    procs = proctree.scan()
+    kids = proctree.children_map(procs)
+    pids = [pid for pid in proctree.descendants([run.pid], kids) if pid in procs]
+    pids += _outside(procs, set(pids), run.pgid, run.members)
+    for pid in pids:
+        run.members.setdefault(pid, procs[pid].starttime)
+    if run.pid not in pids:
+        pids.insert(0, run.pid)
+    return signals.Tree(pids, {pid: procs[pid].starttime for pid in pids if pid in procs})
+
+
+def refresh_members(run) -> bool:
+    """Record every process of the run's tree and process group in ``run.members`` (pid ->
+    start time), so that the sweep finds reparented ones.  Returns True when it changed."""
+    from sparkguard import proctree
+    procs = proctree.scan()
+    kids = proctree.children_map(procs)
+    found = [procs[pid] for pid in proctree.descendants([run.pid], kids) if pid in procs]
+    found += [p for p in procs.values() if p.pgrp == run.pgid]
+    changed = False
+    for p in found:
+        if run.members.get(p.pid) != p.starttime:
+            run.members[p.pid] = p.starttime
+            changed = True
+    return changed
+
+
+def leftovers(pgid: int | None, members: dict[int, int], exclude: int | None = None,
+              group_ok: bool = True) -> dict[int, int]:
+    """Live (non-zombie) processes in process group ``pgid`` (when ``group_ok``) or recorded in
+    ``members`` with the same starttime; never sparkguard itself, pid 1 or a kernel thread.
+    Returns {pid: starttime}."""
+    from sparkguard import proctree
+    procs = proctree.scan()
+    me = os.getpid()
+    out = {}
+    for p in procs.values():
+        if p.pid in (me, exclude) or p.kthread or p.pid <= 1:
+            continue
+        if (group_ok and pgid and p.pgrp == pgid) or members.get(p.pid) == p.starttime:
+            if proc_state(p.pid) not in ("Z", "X", None):
+                out[p.pid] = p.starttime
+    return out
+
+
+def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note: Callable[[str, str], None],
+          exclude: int | None = None, group_ok: bool = True) -> list[int]:
+    """SIGTERM every :func:`leftovers` process, wait ``grace`` seconds for all, SIGKILL (and
+    process_mrelease) the rest, wait up to 10 s more.
+
+    Args:
+        protect: ``targets.protect`` patterns (never SIGKILLed).
+        note: ``(event, detail)`` history callback ("sweep").
+    Returns:
+        list[int], the pids found (empty: nothing was left).
+    """
+    from sparkguard import proctree, signals
+    left = leftovers(pgid, members, exclude, group_ok)
+    if not left:
+        return []
+    pids = sorted(left)
+    titles = []
+    for pid in pids[:8]:
+        p = proctree.read_proc(pid)
+        titles.append(f"{pid} {p.cmdline[:40] if p else '?'}")
+    note("sweep", f"{len(pids)} leftover processes of the engine: " + ", ".join(titles))
+    tree = signals.Tree(pids, left)
+    try:
+        for pid in list(tree.fds):
+            tree.send(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        poller = select.poll()
+        for fd in tree.fds.values():
+            poller.register(fd, select.POLLIN)
+        while tree.alive() and time.monotonic() < deadline:
+            poller.poll(max(1.0, (deadline - time.monotonic()) * 1000.0))
+            for fd in list(tree.fds.values()):
+                if select.select([fd], [], [], 0)[0]:
+                    try:
+                        poller.unregister(fd)
+                    except KeyError:
+                        pass
+        if tree.alive():
+            killed = tree.kill_all(proctree.Protector(protect))
+            note("sweep", f"SIGKILL {len(killed)} leftovers still alive after {grace:g} s")
+            deadline = time.monotonic() + 10
+            while tree.alive() and time.monotonic() < deadline:
+                poller.poll(100)
+    finally:
+        tree.close()
+    return pids

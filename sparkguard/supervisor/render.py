@@ -1,0 +1,79 @@
+"""The engine's state as lines a person reads (``sparkguard engine status``, ``sparkguard status``)."""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+
+def describe(state: dict | None) -> list[str]:
+    """Lines for ``sparkguard status`` / ``sparkguard engine status`` from :meth:`Supervisor.status`
+    (as returned over the control socket, see :func:`sparkguard.control.engine_status`).
+
+    Args:
+        state: the status dict, or None (no engine supervised / daemon not reachable).
+    Returns:
+        list[str], the first line a summary.
+    """
+    from sparkguard.units import format_duration
+    if not state:
+        return ["engine: not supervised (no engine: section, or the daemon is not running)"]
+    s = state
+    head = f"engine: {s.get('state')}"
+    bits = []
+    if s.get("pid"):
+        bits.append(f"pid {s['pid']}")
+    if s.get("lane"):
+        bits.append(f"lane {s['lane']}")
+    if s.get("uptime") is not None:
+        bits.append(f"up {format_duration(s['uptime'])}")
+    if bits:
+        head += " (" + ", ".join(bits) + ")"
+    if s.get("detail"):
+        head += f": {s['detail']}"
+    out = [head]
+    if s.get("command"):
+        out.append("  command: " + " ".join(s["command"])[:200])
+    if s.get("lanes"):
+        out.append("  lanes: " + ", ".join(("*" if ln == s.get("lane") else "") + ln for ln in s["lanes"]))
+    r = {k: v for k, v in (s.get("restarts") or {}).items() if v}
+    out.append(f"  starts {s.get('starts', 0)}, ready {'yes' if s.get('ready') else 'no'}, restarts: " + (", ".join(f"{k} {v}" for k, v in r.items()) or "none")
+               + f" (policy {s.get('restart_policy')})")
+    if s.get("time_to_ready") is not None or s.get("quiesce_wait") is not None:
+        out.append(f"  last start: quiesce wait {format_duration(s.get('quiesce_wait'))}"
+                   + ((f" (the {(s.get('gate_timeout') or {}).get('gate', 'quiesce')} gate timed out, "
+                       "started anyway)") if s.get("quiesce_timed_out") else "")
+                   + f", time to ready {format_duration(s.get('time_to_ready'))}")
+    if s.get("state") == "backoff":
+        out.append(f"  crash loop backoff: {s.get('consecutive_failures')} in a row, next start in "
+                   f"{format_duration(s.get('backoff'))}")
+    le = s.get("last_exit")
+    if le:
+        ago = time.time() - le["at"] if le.get("at") else None
+        out.append(f"  last exit: {le.get('detail')}" + (f", {format_duration(ago)} ago" if ago is not None else ""))
+    for p in s.get("peers") or []:
+        out.append(f"  peer {p['url']}: " + ("ok" if p["ok"] else p.get("error") or "below the gate")
+                   + (f", {p['available_bytes'] / 1024**3:.2f} GiB available" if p.get("available_bytes") is not None
+                      else ""))
+    return out
+
+
+def config_line(ecfg) -> str:
+    """One line about a configured engine for ``sparkguard check-config``: command, lane, health
+    URL and restart policy (with its backoff).
+
+    Args:
+        ecfg: ``config.EngineConfig`` with a command.
+    Returns:
+        e.g. ``"vllm serve m (lane 200k of 200k, 1m); health http://127.0.0.1:8000/health; restart always,
+        backoff 1.0 s to 5.0 min"``.
+    """
+    from sparkguard.supervisor.lanes import config_lane
+    from sparkguard.units import format_duration
+    lane = config_lane(ecfg)
+    return (shlex.join(ecfg.command)[:200]
+            + (f" (lane {lane} of {', '.join(ecfg.lanes)})" if lane else "")
+            + f"; health {ecfg.health_url or 'none (ready once started)'}"
+            + f"; restart {ecfg.restart}"
+            + (f", backoff {format_duration(ecfg.backoff_initial)} to {format_duration(ecfg.backoff_max)}"
+               if ecfg.restart != "never" else ""))

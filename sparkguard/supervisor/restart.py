@@ -1,0 +1,73 @@
+"""Restart policy: why the engine's run ended, whether to restart it, and after how long.
+
+Pure logic (no clock, no processes): the supervisor feeds it uptimes in seconds, so it is tested
+with plain numbers.  Policy values are those of ``engine.restart`` (``sparkguard.config``).
+"""
+
+from __future__ import annotations
+
+#: every restart reason (metric label values, all exported from the first scrape)
+REASONS = ("exit", "guard", "wedged", "lane", "head", "not_ready", "manual", "link")
+#: reasons of a restart someone asked for: immediate, no backoff, not a failure
+COMMANDED = ("lane", "manual", "link")
+#: reasons the supervisor stopped the engine for because it was unhealthy: always a failure
+UNHEALTHY = ("wedged", "head", "not_ready")
+
+
+class Backoff:
+    """Capped exponential delay between automatic restarts, reset after a stable run.
+
+    ``delay()`` of the n-th consecutive automatic restart is ``initial * 2**n`` capped at
+    ``maximum`` (n from 0); a run that lasted ``stable_after`` seconds resets n.
+
+    Args:
+        initial: float seconds (``engine.backoff_initial``).
+        maximum: float seconds (``engine.backoff_max``).
+        stable_after: float seconds (``engine.stable_after``).
+    """
+
+    def __init__(self, initial: float, maximum: float, stable_after: float):
+        self.initial, self.maximum, self.stable_after = initial, maximum, stable_after
+        self.failures = 0
+
+    def next(self, uptime: float) -> float:
+        """Seconds to wait before the next automatic start, after a run of ``uptime`` seconds."""
+        if uptime >= self.stable_after:
+            self.failures = 0
+        d = min(self.maximum, self.initial * (2 ** min(self.failures, 60)))
+        self.failures += 1
+        return d
+
+    def reset(self) -> None:
+        """Forget past failures (an explicit start/restart/lane command)."""
+        self.failures = 0
+
+
+def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool) -> tuple[str | None, bool]:
+    """Why a run ended, as ``(restart reason, failure)``.
+
+    Args:
+        code: the root's exit code, None when a signal ended it (or unknown).
+        term_reason: why the supervisor stopped it (``stop``, ``shutdown``, one of
+            :data:`COMMANDED` or :data:`UNHEALTHY`), None when it exited by itself.
+        guard_hit: the guard signalled the engine during the run.
+    Returns:
+        reason: None (stopped on purpose: no restart), else one of :data:`REASONS`.
+        failure: bool, False only for a clean exit (code 0) or a commanded restart.
+    """
+    failure = code != 0
+    if term_reason in ("stop", "shutdown"):
+        return None, failure
+    if term_reason in COMMANDED:
+        return term_reason, failure
+    if term_reason in UNHEALTHY:
+        return term_reason, True
+    if guard_hit:
+        return "guard", True
+    return "exit", failure
+
+
+def restarts(policy: str, failure: bool) -> bool:
+    """Whether ``engine.restart`` (``always`` | ``on-failure`` | ``never``) restarts after an
+    automatic stop that was (``failure``) or was not a failure."""
+    return policy == "always" or (policy == "on-failure" and failure)
