@@ -476,16 +476,16 @@ class Guard:
         """The target to signal, from one /proc scan; /proc/PID/status is read for the chosen tree only."""
         from sparkguard import proctree
         procs = proctree.scan()
-        engine = self._engine_target(procs)
-        if engine is not None:
-            return engine
-        targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
-        if not targets:
-            return None
+        target = self._engine_target(procs)
+        if target is None:
+            targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
+            if not targets:
+                return None
+            target = targets[0]
         # the chosen tree's RSS/swap/oom_score rows now: after SIGTERM vLLM's children are gone
         # within milliseconds; one tree's /proc/PID/status reads cost well under a millisecond
-        proctree.add_details(targets[0], procs)
-        return targets[0]
+        proctree.add_details(target, procs)
+        return target
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
         from sparkguard import signals

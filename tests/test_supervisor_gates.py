@@ -97,6 +97,8 @@ def test_guard_sigterm_of_the_engine_restarts_only_after_the_quiesce_gate(tmp_pa
         events = [e["event"] for e in inc["timeline"]]
         assert events[:2] == ["crossed", "sigterm"] and "exited" in events and events[-1] == "restart", events
         assert inc["target"]["root_pid"] == pids[0] and inc["target"]["pattern"] == "engine:supervised"
+        # the tree as it was when the guard chose it: memory read before SIGTERM, not after
+        assert inc["target"]["tree"] and all(r["rss_bytes"] > 0 for r in inc["target"]["tree"])
         restart = inc["timeline"][-1]
         assert "engine restarted" in restart["detail"] and restart["pids"] == [st["pid"]]
         assert inc["engine"]["restarted"] and inc["engine"]["lane"] is None
