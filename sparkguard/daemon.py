@@ -357,7 +357,10 @@ class Guard:
                 else:
                     actions = step(t0, value, self._victim_gone())
                     if actions:
-                        self._act(actions, t0, value)
+                        try:
+                            self._act(actions, t0, value)
+                        except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+                            self._act_failed(actions, t0)
                     timeout = next_interval(value - pol.thresholds.term_below, interval)
                     dl = pol.deadline(monotonic())
                     if dl is not None and dl < timeout:
@@ -389,6 +392,14 @@ class Guard:
         from sparkguard import policy
         g = self.cfg.guard
         return g.signal == "available+swap", g.poll_interval, int(g.poll_interval * policy.FILL_RATE)
+
+    def _act_failed(self, actions: tuple[str, ...], now: float) -> None:
+        """An action raised: log it with the traceback and keep guarding.  Without a victim tree
+        the policy waits in NO_TARGET, which searches for a target again every second."""
+        from sparkguard import policy
+        log.exception("acting on %s failed; the guard keeps running", ",".join(actions))
+        if self.tree is None and self.policy.state in (policy.TERM_SENT, policy.KILL_SENT):
+            self.policy.no_target(now)
 
     def _victim_gone(self) -> bool:
         if self.tree is None or self.policy.dry_run:

@@ -208,3 +208,34 @@ def test_dry_run_decides_and_reports_but_signals_nothing(engine_factory):
 def _mem_total() -> int:
     with open("/proc/meminfo") as f:
         return int(f.readline().split()[1]) * 1024
+
+
+def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
+    """Fault injection: the first target search of an incident raises (call 1 is the start-up warm-up);
+    the daemon logs it and searches again."""
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import sg_env
+    fe = engine_factory("--hold", "16MiB")
+    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    cfg = tmp_path / "sg.yaml"
+    cfg.write_text(yaml.safe_dump({"guard": {"term_below": line, "grace": "5s"},
+                                   "targets": {"match": [rf"vllm serve {fe.model}\b"]},
+                                   "metrics": {"listen": "off"},
+                                   "incidents": {"dir": str(tmp_path / "inc"), "journal": "off"}}))
+    boot = ("import sys\nfrom sparkguard import proctree, cli\nreal = proctree.find_targets\ncalls = []\n"
+            "def flaky(*a, **k):\n    calls.append(1)\n    if len(calls) == 2:\n"
+            "        raise RuntimeError('injected fault')\n    return real(*a, **k)\n"
+            "proctree.find_targets = flaky\nsys.exit(cli.main(['run', '--config', sys.argv[1]]))\n")
+    g = subprocess.Popen([sys.executable, "-c", boot, str(cfg)], env=sg_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        assert fe.wait_gone(fe.pids(), timeout=30), "the retry never TERMed the engine"
+        assert g.poll() is None, "the guard died"
+    finally:
+        g.terminate()
+        out = g.communicate(timeout=15)[0]
+    assert "injected fault" in out and "the guard keeps running" in out
+    assert g.returncode == 0
