@@ -45,7 +45,8 @@ def test_refuses_to_start_under_hidepid(root_only):
             f"setpriv --reuid=65534 --regid=65534 --clear-groups env PYTHONPATH={pkg} HOME=/tmp "
             f"{python} -m sparkguard run --config {cfg}"
         )
-        r = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        # --kill-child: if the test times out and kills unshare, the namespace (and the guard) dies too
+        r = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c", script],
                            capture_output=True, text=True, timeout=60)
         # pyenv's interpreter under /root (0700) cannot be run by nobody: try the system one
         if not ("Permission denied" in r.stderr and "sparkguard" not in r.stderr):
