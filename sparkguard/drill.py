@@ -344,9 +344,10 @@ class Drill:
         inc = self.incident
         mins = [x for x in (self.min_value, inc and inc.get("min_available_bytes")) if x is not None]
         low = min(mins) if mins else None
-        t_term = ev.get("sigterm", {}).get("t")
-        t_exit = ev.get("exited", {}).get("t")
-        t_kill = ev.get("sigkill", {}).get("t")
+        # every interval from the events' ``t`` (seconds since the crossing, one monotonic clock
+        # in the guard's loop); ``at`` is wall time, taken a little later, and is not mixed in
+        t_cross = ev.get("crossed", {}).get("t")
+        t_term, t_exit, t_kill = (_since(ev.get(k), t_cross) for k in ("sigterm", "exited", "sigkill"))
         rep = {
             "result": "FAIL", "reason": "", "drill": True, "model": self.model, "config": self.cfg.path,
             "signal": g.signal, "ignore_term": bool(self.args.ignore_term),
@@ -361,12 +362,14 @@ class Drill:
                 (t_kill - t_term) if t_kill is not None and t_term is not None else None,
             "recover_seconds": self.recover, "after_bytes": self.value_after,
             "recovered_bytes": (self.value_after - low) if self.value_after is not None and low is not None else None,
-            "back_above_line": self.value_after is not None and self.value_after >= p["term_below"],
+            # None: not measured (interrupted, timed out, or the tree never went away)
+            "back_above_line": None if self.value_after is None else self.value_after >= p["term_below"],
             "timeline": self.events, "incident_id": inc.get("id") if inc else (
                 self.events[0].get("incident") if self.events and "incident" in self.events[0] else None),
             "incident": _jsonable(inc), "incidents_dir": self.cfg.incidents.dir,
-            "left_processes": self.left, "interrupted": self.interrupted,
+            "left_processes": self.left, "interrupted": self.interrupted, "tree_gone": self.gone_at is not None,
         }
+        rep["incident_file"] = _saved_incident(self.cfg.incidents.dir, rep["incident_id"])
         rep["result"], rep["reason"] = self._verdict(rep, ev)
         return rep
 
@@ -396,12 +399,53 @@ class Drill:
             return "FAIL", self.fail or "the fake engine's tree did not exit"
         if self.fail:
             return "FAIL", self.fail
+        if r["back_above_line"] is None:
+            return "FAIL", f"memory was not measured {self.recover:g}s after the tree was gone"
         if not r["back_above_line"]:
             return "FAIL", (f"memory was still under the line {self.recover:g}s after the tree was gone "
                             f"({_fs(r['after_bytes'])} < {_fs(r['term_below_bytes'])})")
-        how = "SIGKILL after the grace period" if r["escalated"] else "SIGTERM"
-        return "PASS", (f"{how} {r['crossing_to_sigterm_seconds'] * 1000:.1f} ms after the crossing, tree gone, "
-                        f"memory back above the line")
+        return "PASS", headline(r)
+
+
+def headline(r: dict) -> str:
+    """What the guard did, for the PASS line: ``"SIGTERM 0.4 ms after the crossing, tree gone
+    95 ms later, memory back above the line"``, or with escalation ``"SIGTERM 0.4 ms after the
+    crossing (ignored), SIGKILL 1.0 s after SIGTERM (the 1 s grace was over), tree gone, ..."``.
+
+    Args:
+        r: the report dict of :meth:`Drill.report` (seconds in ``crossing_to_sigterm_seconds``,
+            ``sigkill_after_sigterm_seconds``, ``sigterm_to_exit_seconds``, ``grace_seconds``).
+    """
+    from sparkguard.units import format_duration as fd
+    text = f"SIGTERM {r['crossing_to_sigterm_seconds'] * 1000:.1f} ms after the crossing"
+    if r["escalated"]:
+        after = r["sigkill_after_sigterm_seconds"]
+        grace = r["grace_seconds"]
+        why = (f"the {grace:g} s grace was over" if after is None or after >= grace - 0.05 else
+               f"below the SIGKILL line, before the {grace:g} s grace was over")
+        text += f" (ignored), SIGKILL {fd(after)} after SIGTERM ({why}), tree gone"
+    else:
+        gone = r["sigterm_to_exit_seconds"]
+        text += ", tree gone" + ("" if gone is None else f" {fd(gone)} later")
+    return text + ", memory back above the line"
+
+
+def _since(event: dict | None, t_cross: float | None) -> float | None:
+    """Seconds from the crossing to ``event`` (both ``t`` values of the guard's timeline), or None."""
+    if event is None or event.get("t") is None:
+        return None
+    return max(0.0, float(event["t"]) - float(t_cross or 0.0))
+
+
+def _saved_incident(store: str, incident_id: str | None) -> str | None:
+    """Path of the drill's incident file in the configured store, None when it is not there."""
+    if not incident_id:
+        return None
+    from sparkguard import incidents
+    if not incidents.valid_id(incident_id):
+        return None
+    path = incidents.IncidentStore(store).path_for(incident_id)
+    return path if os.path.exists(path) else None
 
 
 def _survivors(model: str, pids: list[int]) -> list[int]:
@@ -463,15 +507,34 @@ def format_report(r: dict) -> str:
              f"overshoot past the line {_fs(r['overshoot_bytes'])}",
              f"  crossing->SIGTERM " + ("-" if r["crossing_to_sigterm_seconds"] is None else
                                         f"{r['crossing_to_sigterm_seconds'] * 1000:.1f} ms"),
-             f"  SIGTERM->exit     {fd(r['sigterm_to_exit_seconds'])}",
-             f"  escalation        " + (f"yes, SIGKILL {fd(r['sigkill_after_sigterm_seconds'])} after SIGTERM"
-                                        if r["escalated"] else "no"),
-             f"  after {r['recover_seconds']:g}s         {_fs(r['after_bytes'])} "
-             f"(recovered {_fs(r['recovered_bytes'])}; "
-             + ("above" if r["back_above_line"] else "NOT above") + " the line)",
-             f"  incident          {r['incident_id'] or '-'} (kind drill, store {r['incidents_dir']})",
+             f"  SIGTERM->exit     " + (fd(r["sigterm_to_exit_seconds"]) if r["sigterm_to_exit_seconds"] is not None
+                                        or r["crossing_to_sigterm_seconds"] is None else "not measured (no exit seen)"),
+             f"  escalation        " + (f"yes, SIGKILL {fd(r['sigkill_after_sigterm_seconds'])} after SIGTERM "
+                                        f"(grace {r['grace_seconds']:g}s)" if r["escalated"] else "no"),
+             f"  {'after ' + format(r['recover_seconds'], 'g') + 's':<18}" + _after(r),
+             f"  incident          " + _incident_line(r),
              f"  left processes    {r['left_processes'] or 'none'}"]
     return "\n".join(lines)
+
+
+def _after(r: dict) -> str:
+    """The report's memory-after line: measured, or why not."""
+    if r["after_bytes"] is None:
+        why = ("the drill was interrupted" if r["interrupted"] else
+               "the fake engine's tree was never gone" if not r.get("tree_gone") else
+               "memory was not back above the line before the drill's timeout")
+        return f"not measured ({why})"
+    return (f"{_fs(r['after_bytes'])} (recovered {_fs(r['recovered_bytes'])}; "
+            + ("above" if r["back_above_line"] else "NOT above") + " the line)")
+
+
+def _incident_line(r: dict) -> str:
+    if not r["incident_id"]:
+        return f"none (store {r['incidents_dir']})"
+    if r.get("incident_file"):
+        return f"{r['incident_id']} (kind drill, saved as {r['incident_file']})"
+    return (f"{r['incident_id']} (kind drill, NOT saved in {r['incidents_dir']}; "
+            f"run with -v to see the reporter's error)")
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
@@ -482,6 +545,10 @@ def cmd_drill(args: argparse.Namespace) -> int:
     from sparkguard.units import parse_duration, parse_size
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        # the reporter logs every event of the drill's incident (SIGKILL at priority err): the
+        # report says all of it, and whether the incident was saved; -v shows these lines
+        logging.getLogger("sparkguard.reporter").setLevel(logging.CRITICAL + 1)
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:

@@ -74,6 +74,9 @@ def test_drill_passes_reports_and_leaves_real_engines_alone(tmp_path, root_only)
         assert rep["term_below_bytes"] < rep["start_bytes"]
         assert rep["term_below_bytes"] - rep["configured_term_below_bytes"] > 2 * GiB
         assert rep["back_above_line"] is True and rep["left_processes"] == []
+        # the headline says what happened, in order, with the real latency
+        assert re.fullmatch(r"SIGTERM \d+\.\d ms after the crossing, tree gone \d+ ms later, "
+                            r"memory back above the line", rep["reason"]), rep["reason"]
         events = [e["event"] for e in rep["timeline"]]
         assert events[:2] == ["crossed", "sigterm"] and "exited" in events and "sigkill" not in events
         inc = rep["incident"]
@@ -84,8 +87,10 @@ def test_drill_passes_reports_and_leaves_real_engines_alone(tmp_path, root_only)
         assert len(files) == 1, "no incident file in the configured store"
         rec = json.loads(files[0].read_text())
         assert rec["drill"] is True and rec["kind"] == "drill" and rec["id"] == rep["incident_id"]
+        assert rep["incident_file"] == str(files[0])
         assert all(_alive(p) for p in by_pids), "the drill touched an engine that was not its own"
         assert "drill: fake engine" in r.stderr and "MemAvailable" in r.stderr   # progress was shown
+        assert "sparkguard.reporter" not in r.stderr        # the report says it all; -v shows the log
     finally:
         bystander.stop()
 
@@ -101,6 +106,24 @@ def test_drill_ignore_term_escalates_after_grace(tmp_path, root_only):
     assert rep["escalated"] is True
     assert 0.95 <= rep["sigkill_after_sigterm_seconds"] < 3.0
     assert rep["left_processes"] == []
+    # SIGTERM's latency, then SIGKILL after the grace: not "SIGKILL ... ms after the crossing"
+    assert re.fullmatch(r"SIGTERM \d+\.\d ms after the crossing \(ignored\), SIGKILL 1\.\d s after SIGTERM "
+                        r"\(the 1 s grace was over\), tree gone, memory back above the line", rep["reason"]), rep["reason"]
+    # the SIGKILL the reporter logs at priority err stays out of the progress output, yet is saved
+    assert "sparkguard.reporter" not in r.stderr and "ERROR" not in r.stderr, r.stderr
+    rec = json.loads((tmp_path / "incidents" / (rep["incident_id"] + ".json")).read_text())
+    assert rec["kind"] == "drill" and rec["outcome"] == "killed"
+    assert rep["incident_file"] == str(tmp_path / "incidents" / (rep["incident_id"] + ".json"))
+
+
+def test_drill_verbose_shows_the_reporter_log(tmp_path, root_only):
+    _need_headroom()
+    cfg = _config(tmp_path)
+    r = run_sparkguard("drill", "-c", cfg, "-v", "-q", "--rate", "1GiB/s", "--margin", "0.5GiB",
+                       "--past", "0.25GiB", "--recover", "1s", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "sparkguard drill: PASS - SIGTERM" in r.stdout
+    assert re.search(r"sparkguard\.reporter \w+ sigterm: SIGTERM vllm serve sparkguard-drill-", r.stderr), r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -133,6 +156,9 @@ def test_drill_interrupted_removes_its_fake_engine(tmp_path, root_only, sig):
             p.wait()
     assert p.returncode == 130, err
     assert "interrupted" in out
+    # memory after the tree was gone was never measured: say so, not "NOT above the line"
+    assert re.search(r"^  after 3s +not measured \(the drill was interrupted\)$", out, re.M), out
+    assert "NOT above" not in out and "recovered -" not in out
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(x) for x in pids):
         time.sleep(0.05)
@@ -161,3 +187,37 @@ def test_plan_places_lines_and_keeps_kill_distance():
     with pytest.raises(drill.DrillError, match="guard.term_below in x.yaml"):
         drill.plan(cfg, 4 * GiB, GiB, GiB // 2)      # floor 2.5 GiB < 1 GiB + 2 GiB
     assert drill.parse_rate("max") is None and drill.parse_rate("1GiB/s") == GiB
+
+
+def _report(**kw) -> dict:
+    r = {"result": "PASS", "reason": "", "config": "x.yaml", "signal": "available", "grace_seconds": 5.0,
+         "term_below_bytes": 20 * GiB, "kill_below_bytes": None, "configured_term_below_bytes": GiB,
+         "model": "sparkguard-drill-x", "fill_size_bytes": GiB, "fill_rate_bytes_per_second": float(GiB),
+         "ignore_term": True, "start_bytes": 21 * GiB, "min_bytes": 19 * GiB, "overshoot_bytes": GiB,
+         "crossing_to_sigterm_seconds": 0.0123, "sigterm_to_exit_seconds": 5.01, "escalated": True,
+         "sigkill_after_sigterm_seconds": 5.0, "recover_seconds": 3.0, "after_bytes": 21 * GiB,
+         "recovered_bytes": 2 * GiB, "back_above_line": True, "incident_id": "20260101T000000Z-abcdef",
+         "incident_file": None, "incidents_dir": "/var/lib/sparkguard/incidents", "left_processes": [],
+         "interrupted": False, "tree_gone": True}
+    r.update(kw)
+    return r
+
+
+def test_headline_and_report_lines_say_what_was_measured():
+    from sparkguard import drill
+    assert drill.headline(_report()) == ("SIGTERM 12.3 ms after the crossing (ignored), SIGKILL 5.0 s after SIGTERM "
+                                         "(the 5 s grace was over), tree gone, memory back above the line")
+    # a SIGKILL line reached before the grace is over is named as the reason
+    assert "SIGKILL 800 ms after SIGTERM (below the SIGKILL line, before the 5 s grace was over)" in \
+        drill.headline(_report(sigkill_after_sigterm_seconds=0.8, kill_below_bytes=19 * GiB))
+    assert drill.headline(_report(escalated=False, sigkill_after_sigterm_seconds=None, sigterm_to_exit_seconds=0.25)) \
+        == "SIGTERM 12.3 ms after the crossing, tree gone 250 ms later, memory back above the line"
+    text = drill.format_report(_report(after_bytes=None, recovered_bytes=None, back_above_line=None,
+                                       sigterm_to_exit_seconds=None, escalated=False, tree_gone=False))
+    assert "  after 3s          not measured (the fake engine's tree was never gone)" in text
+    assert "SIGTERM->exit     not measured (no exit seen)" in text
+    assert "NOT saved in /var/lib/sparkguard/incidents" in text
+    text = drill.format_report(_report(back_above_line=False, after_bytes=19 * GiB,
+                                       incident_file="/i/20260101T000000Z-abcdef.json"))
+    assert "  after 3s          19.00 GiB (recovered 2.00 GiB; NOT above the line)" in text
+    assert "saved as /i/20260101T000000Z-abcdef.json" in text
