@@ -44,6 +44,7 @@ REQUIRED_ALERTS = {
     "SparkguardIncident": "sparkguard_incidents_total",
     "SparkguardEngineNotReady": "sparkguard_engine_ready",
     "SparkguardEngineRestarting": "sparkguard_engine_restarts_total",
+    "SparkguardEngineReadyTimeout": "sparkguard_engine_restarts_total",
     "SparkguardLinkDown": "sparkguard_link_up",
     "SparkguardZramNearlyFull": "sparkguard_zram_disksize_bytes",
     "SparkguardZramPoorCompression": "sparkguard_zram_compr_data_bytes",
@@ -86,13 +87,38 @@ def test_promtool_test_rules(tmp_path):
     assert "SUCCESS" in p.stdout + p.stderr
 
 
-def test_promtool_test_rules_fails_on_a_broken_rule(tmp_path):
-    """The unit tests can fail: a link alert that never fires is caught."""
+@pytest.mark.parametrize("old,new,alert", [
+    ("sparkguard_link_up == 0", "sparkguard_link_up == 2", "SparkguardLinkDown"),
+    # the supervisor's label value is not_ready (sparkguard/supervisor/restart.py REASONS)
+    ('reason="not_ready"', 'reason="notready"', "SparkguardEngineReadyTimeout"),
+    # a `for` as long as engine.ready_timeout never fires: the restart resets it
+    ("        for: 15m\n", "        for: 20m\n", "SparkguardEngineNotReady"),
+])
+def test_promtool_test_rules_fails_on_a_broken_rule(tmp_path, old, new, alert):
+    """The unit tests can fail: an alert that never fires (or fires on the wrong thing) is caught."""
     shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
-    (tmp_path / RULES.name).write_text(RULES.read_text().replace("sparkguard_link_up == 0", "sparkguard_link_up == 2"))
+    text = RULES.read_text()
+    assert text.count(old) == 1, old
+    (tmp_path / RULES.name).write_text(text.replace(old, new))
     p = subprocess.run([promtool(), "test", "rules", RULES_TEST.name], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode != 0 and "SparkguardLinkDown" in p.stdout + p.stderr
+    assert p.returncode != 0 and alert in p.stdout + p.stderr
+
+
+def test_engine_that_never_gets_ready_alerts_with_the_default_ready_timeout():
+    """SparkguardEngineNotReady's `for` must end before the supervisor's default engine.ready_timeout
+    restarts the engine (which drops engine_up and resets the `for`), and restarts for not_ready, the
+    reason label the supervisor counts, must alert by themselves (any ready_timeout)."""
+    from sparkguard import config
+    from sparkguard.supervisor.restart import REASONS
+    from sparkguard.units import parse_duration
+    by_name = {r["alert"]: r for r in rules() if "alert" in r}
+    ready_timeout = config.EngineConfig.__dataclass_fields__["ready_timeout"].default
+    assert parse_duration(by_name["SparkguardEngineNotReady"]["for"]) < ready_timeout
+    assert "not_ready" in REASONS
+    expr = by_name["SparkguardEngineReadyTimeout"]["expr"]
+    assert 'sparkguard_engine_restarts_total{reason="not_ready"}' in expr and "for" not in by_name[
+        "SparkguardEngineReadyTimeout"]
 
 
 def test_every_required_alert_exists_with_severity_summary_and_description():
