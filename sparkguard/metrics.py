@@ -46,8 +46,10 @@ log = logging.getLogger("sparkguard.metrics")
 #: allocation list, full) and is not a well-known port of any peer tool.
 DEFAULT_LISTEN = ("127.0.0.1", 8799)
 
-#: Guard states, in the order the daemon moves through them (TEAM.md "Daemon snapshot").
-STATES = ("ok", "term_sent", "kill_sent", "recovering")
+#: Guard states, in the order the daemon moves through them (TEAM.md "Daemon snapshot");
+#: ``no_target``: below the line with nothing to signal (``sparkguard.policy.NO_TARGET``).
+#: All are exported from the first scrape, so ``guard_state{state="no_target"} == 1`` can be alerted on.
+STATES = ("ok", "term_sent", "kill_sent", "recovering", "no_target")
 
 #: Stack of the HTTP thread.  The daemon mlockall()s: every byte of a thread's stack is
 #: resident, so the default 8 MiB would cost 8 MiB RSS.
@@ -154,7 +156,7 @@ class GuardCollector:
         state = s.get("state")
         if state is not None:
             g = GaugeMetricFamily(P + "guard_state", "Guard state machine: 1 for the current state, 0 for "
-                                  "the others (ok, term_sent, kill_sent, recovering).", labels=["state"])
+                                  "the others (ok, term_sent, kill_sent, recovering, no_target).", labels=["state"])
             for st in STATES + (() if state in STATES else (str(state),)):
                 g.add_metric([st], 1.0 if st == state else 0.0)
             yield g

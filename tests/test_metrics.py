@@ -103,7 +103,7 @@ def test_scrape_over_http_carries_the_snapshot_and_passes_promtool(server):
     assert v[("sparkguard_dry_run", ())] == 0
     # one-hot state
     state = {dict(k[1])["state"]: val for k, val in v.items() if k[0] == "sparkguard_guard_state"}
-    assert state == {"ok": 0, "term_sent": 1, "kill_sent": 0, "recovering": 0}
+    assert state == {"ok": 0, "term_sent": 1, "kill_sent": 0, "recovering": 0, "no_target": 0}
     # counters with _total and labels; SIGKILL present at 0 so rate() works from the first kill
     assert v[("sparkguard_signals_total", (("signal", "SIGTERM"),))] == 1
     assert v[("sparkguard_signals_total", (("signal", "SIGKILL"),))] == 0
@@ -147,6 +147,20 @@ def test_kill_below_appears_when_configured_and_dry_run_is_one(server):
     assert v[("sparkguard_dry_run", ())] == 1
     assert v[("sparkguard_guard_state", (("state", "ok"),))] == 1
     assert promtool(text).returncode == 0
+
+
+def test_no_target_state_is_exported_from_the_first_scrape(server):
+    """Below the line with nothing to signal: state no_target is 1 and every other state 0; while ok,
+    the no_target row is there at 0 (so an alert on it has a series from the start)."""
+    state = {"state": "no_target"}
+    srv = server(lambda: snapshot_dict(**state))
+    for want in ("no_target", "ok"):
+        state["state"] = want
+        text = scrape(srv.url)
+        v = samples(text)
+        got = {dict(k[1])["state"]: val for k, val in v.items() if k[0] == "sparkguard_guard_state"}
+        assert got == {s: (1 if s == want else 0) for s in ("ok", "term_sent", "kill_sent", "recovering", "no_target")}
+        assert promtool(text).returncode == 0
 
 
 def test_values_are_read_at_scrape_time(server):
