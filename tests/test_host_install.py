@@ -292,7 +292,17 @@ def test_monitoring_files_are_copied_or_clearly_missing(tmp_path, option, res, n
         assert r.returncode == 0, r.stderr
         dest = tmp_path / "etc/monitoring/x" / name
         assert dest.read_bytes() == resources.files("sparkguard").joinpath("data", *res.split("/")).read_bytes()
-        assert run_sparkguard("uninstall", "--root", str(tmp_path)).returncode == 0
+        # DIR is the target's, under --root like every file, and the line says where it really went
+        assert f"created       /etc/monitoring/x/{name}  (written to {dest}: under --root like every file)" \
+            in r.stdout, r.stdout
+        assert f"installing under --root {tmp_path}: the paths below are the installed system's" in r.stdout
+        assert not os.path.exists(f"/etc/monitoring/x/{name}")
+        dest.write_text(dest.read_text() + "\n# local edit\n")
+        again = run_sparkguard("install", "--root", str(tmp_path), option, "/etc/monitoring/x/")
+        assert again.returncode == 0, again.stderr
+        assert f"kept          /etc/monitoring/x/{name}  (changed since sparkguard wrote it; --force replaces it; " \
+               f"it is {dest})" in again.stdout, again.stdout
+        assert run_sparkguard("uninstall", "--root", str(tmp_path), "--purge").returncode == 0
         assert not dest.exists()
     else:
         assert r.returncode == 1

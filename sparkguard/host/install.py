@@ -14,6 +14,8 @@ install puts in place (under ``--root``, default ``/``):
   engine.conf                               engine command or with --engine-sandbox
 /var/lib/sparkguard/installed.json          sha256 of what sparkguard wrote (install, tune,
                                             install-zram)
+DIR/sparkguard-rules.yml,                   with --prometheus-rules DIR / --grafana-dashboard
+DIR/sparkguard-dashboard.json               DIR (absolute, on the target: also under --root)
 ==========================================  ===============================================
 
 A file whose text differs from the hash recorded (edited by someone) is kept and reported
@@ -178,6 +180,9 @@ def install(args) -> int:
     python = args.python or sys.executable
     pythonpath = None if args.python else needs_pythonpath(python)
     root = _make_root(ch, args)
+    if root != "/":
+        ch.info(f"installing under --root {root}: the paths below are the installed system's "
+                f"(on this machine, /etc/... is {in_root(root, '/etc')}/...)")
     if pythonpath:
         ch.info(f"note: {python} does not import this sparkguard by itself; the units set PYTHONPATH={pythonpath}")
     manifest = Manifest(root)
@@ -214,7 +219,13 @@ def install(args) -> int:
                      detail=f"the default configuration of this sparkguard; compare: diff {CONFIG_DIST} {CONFIG_PATH}")
     units_changed |= _engine_sandbox(ch, root, args, manifest)
     for text, dest, fname in extras:
-        install_file(ch, root, f"{dest.rstrip('/')}/{fname}", text, manifest, force=force)
+        # under --root like every other file (a package build stages the whole tree there);
+        # the line names where it really went, since DIR was given as an absolute path
+        path = f"{dest.rstrip('/')}/{fname}"
+        where = "" if root == "/" else f"written to {in_root(root, path)}: under --root like every file"
+        install_file(ch, root, path, text, manifest, force=force, detail=where,
+                     kept_detail=(f"{edited_reason(manifest, path)}; --force replaces it"
+                                  + (f"; it is {in_root(root, path)}" if where else "")))
     if not ch.dry_run:
         manifest.save(__version__)
 
@@ -284,6 +295,9 @@ def uninstall(args) -> int:
     ch = Changes(args.dry_run)
     if not os.path.isdir(root):
         raise HostError(f"--root {args.root}: no such folder (nothing is installed there)", 2)
+    if root != "/":
+        ch.info(f"removing under --root {root}: the paths below are the installed system's "
+                f"(on this machine, /etc/... is {in_root(root, '/etc')}/...)")
     manifest = Manifest(root)
     live = root == "/" and systemd_running()
     if live and os.path.exists(f"{UNIT_DIR}/sparkguard.service"):
