@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Head-to-head: sparkguard vs earlyoom vs nohang against the same memory hogs.
 
-Run as root from the repository root (not part of the test suite; takes ~20 minutes)::
+Run as root from the repository root (not part of the test suite; about 35 minutes with the
+defaults: 135 trials and the 60 s idle run)::
 
     python3 bench/headtohead.py                 # everything, 5 trials
     python3 bench/headtohead.py --trials 3 --only sparkguard --scenarios plain --no-idle
@@ -36,6 +37,13 @@ per-poll cost is measured in-process (sample + decision + next interval).
 Memory safety: the hog stops filling once MemAvailable is 2 GiB under the line or after
 ``headroom + 2.5 GiB``; a trial that does not end in --trial-timeout seconds is ended by
 SIGKILLing the namespace.  Needs >= 8 GiB MemAvailable to start.
+
+Cleanup: SIGINT (Ctrl-C), SIGTERM and SIGHUP end the bench through its ``finally`` blocks,
+which SIGKILL every namespace (rows so far are summarised and written; exit 130, 143, 129).
+Should the bench itself be SIGKILLed, each ``unshare`` has the parent-death signal SIGKILL
+(``setpriv --pdeathsig KILL``, prctl(2) PR_SET_PDEATHSIG), and its ``--kill-child`` passes
+that on to the namespace's init, whose death kills every process inside (pid_namespaces(7)):
+no guard or hog outlives the bench.
 """
 
 from __future__ import annotations
@@ -133,10 +141,13 @@ def guard_cmd(name: str, term: int, kill: int, tag: str, work: str) -> tuple[lis
 
 
 class Namespace:
-    """``unshare --pid --fork --mount-proc --kill-child sh -c 'GUARD & HOG; wait'``.
+    """``setpriv --pdeathsig KILL unshare --pid --fork --mount-proc --kill-child sh -c 'GUARD & HOG; wait'``.
 
-    SIGKILL of the unshare process kills the namespace's init (PDEATHSIG), and with it
-    every process inside (pid_namespaces(7))."""
+    SIGKILL of the unshare process kills the namespace's init (``--kill-child``: its
+    PDEATHSIG), and with it every process inside (pid_namespaces(7)).  unshare itself gets
+    SIGKILL when the bench's thread that started it dies (``setpriv --pdeathsig``, prctl(2)),
+    so a SIGKILLed bench leaves nothing running either.  unshare runs in its own session, so a
+    Ctrl-C on the terminal reaches only the bench, which then closes the namespace."""
 
     def __init__(self, guard_argv: list[str], hog_argv: list[str] | None, log: str):
         # The commands travel in the environment, not in sh's cmdline: sh is the namespace's
@@ -146,7 +157,8 @@ class Namespace:
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", SG_GUARD=shlex.join(guard_argv),
                    SG_HOG=shlex.join(hog_argv or []), SG_LOG=log)
         self.log = log
-        self.proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+        self.proc = subprocess.Popen(["setpriv", "--pdeathsig", "KILL",
+                                      "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
                                       "sh", "-c", script], env=env, start_new_session=True)
 
     def wait_log(self, needle: str, timeout: float) -> bool:
@@ -414,6 +426,7 @@ def idle(seconds: float, guards) -> list[dict]:
                 print(f"   {g} did not start for the idle run")
                 continue
             pids[g] = guard_pid(ns, g)
+        print(f"idle: {', '.join(pids) or 'no guard'} side by side for {seconds:g} s", flush=True)
         time.sleep(2)
         c0 = {g: proc_cpu(p) for g, p in pids.items() if p}
         t0 = time.monotonic()
@@ -465,6 +478,28 @@ def summarize(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived: unwind through every ``finally`` (namespaces closed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> None:
+    """SIGINT/SIGTERM/SIGHUP raise :class:`Stopped` once; later ones are ignored so the cleanup
+    that follows (SIGKILL of each namespace, removal of work folders) is not cut short."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def handler(signum, frame):
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for s in sigs:
+        signal.signal(s, handler)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="sparkguard vs earlyoom vs nohang against the same hogs")
     ap.add_argument("--trials", type=int, default=5)
@@ -483,6 +518,16 @@ def main() -> int:
         print("headtohead: needs root (PID namespaces, earlyoom/nohang signalling)", file=sys.stderr)
         return 2
     guards = [g for g in args.only.split(",") if g]
+    stop_on_signals()
+    try:
+        return bench(args, guards)
+    except Stopped as e:      # before or after the trials (calibration, idle, summary)
+        print(f"headtohead: stopped by {e}; every namespace was SIGKILLed", file=sys.stderr)
+        return 128 + e.signum
+
+
+def bench(args, guards: list[str]) -> int:
+    """The trials, the idle run and the report; raises :class:`Stopped` on a signal outside the trials."""
     a0 = mem_available()
     if a0 < 8 * GiB:
         print(f"headtohead: only {a0 / GiB:.1f} GiB MemAvailable; need 8 GiB to run safely", file=sys.stderr)
@@ -490,6 +535,7 @@ def main() -> int:
     rate1 = calibrate_one_thread()
     print(f"one thread fills {rate1 / GiB:.2f} GiB/s here; MemAvailable {a0 / GiB:.1f} GiB", flush=True)
     rows: list[dict] = []
+    stopped: Stopped | None = None
     try:
         for sc in ([] if args.idle_only else args.scenarios.split(",")):
             for tier in args.tiers.split(","):
@@ -504,9 +550,10 @@ def main() -> int:
                               f"term {r.get('term_latency_ms')} ms overshoot {r.get('overshoot_mib')} MiB "
                               f"gone {r.get('term_to_exit_ms')} ms back {r.get('back_after_cross_ms')} ms "
                               f"oom {r.get('oom_kills')} {r.get('error', '')}", flush=True)
-    except KeyboardInterrupt:
-        print("interrupted; summarising what ran", file=sys.stderr)
-    idle_rows = [] if args.no_idle else idle(args.idle_seconds, guards)
+    except Stopped as e:
+        stopped = e
+        print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
+    idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards)
     fields = ["guard", "scenario", "tier", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
               "terms", "line_bytes", "error"]
@@ -527,6 +574,8 @@ def main() -> int:
             w = csv.DictWriter(f, fieldnames=list(idle_rows[0]))
             w.writeheader()
             w.writerows(idle_rows)
+    if stopped:
+        return 128 + stopped.signum
     if "sparkguard" in guards:
         print(f"\nsparkguard per idle poll: {sparkguard_poll_cost():.2f} us (pread+parse /proc/meminfo, "
               "decision, next interval)")
