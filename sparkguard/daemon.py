@@ -361,7 +361,8 @@ class Guard:
                             self._act(actions, t0, value)
                         except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
                             self._act_failed(actions, t0)
-                    timeout = next_interval(value - pol.thresholds.term_below, interval)
+                    line = pol.watch_line()
+                    timeout = interval if line is None else next_interval(value - line, interval)
                     dl = pol.deadline(monotonic())
                     if dl is not None and dl < timeout:
                         timeout = dl
@@ -514,6 +515,7 @@ class Guard:
             self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
             sent = self.tree.term_root()
+            t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
             for fd in self.tree.fds.values():
@@ -522,7 +524,7 @@ class Guard:
         if retry:
             self.policy.target_found(now)
         if not self.policy.dry_run:
-            self._event(now, value, "sigterm", [target.root_pid],
+            self._event(t_sig, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
         self._fill_incident(target)
@@ -552,6 +554,7 @@ class Guard:
             return
         before = set(self.tree.fds)
         pids = self.tree.kill_all(self.protector)
+        t_sig = time.monotonic()
         for pid, fd in self.tree.fds.items():
             if pid not in before:
                 self._poller.register(fd, select.POLLIN)
@@ -560,14 +563,14 @@ class Guard:
         why = "below the SIGKILL line" if (self.cfg.guard.kill_below is not None and value < self.cfg.guard.kill_below
                                           and now - self.policy.t_term < self.cfg.guard.grace) else \
             f"still alive {now - self.policy.t_term:.1f}s after SIGTERM (grace {self.cfg.guard.grace:g}s)"
-        self._event(now, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
+        self._event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
 
     def _close_incident(self, now: float, value: int, recovered: bool) -> None:
         inc = self.incident
         self._event(now, value, "recovered" if recovered else "recovery_timeout", [],
                     (f"memory back to {_fmt_size(value)}" if recovered else
-                     f"victim gone but memory still {_fmt_size(value)} after {self.cfg.guard.recovery_wait:g}s")
-                    + f" {now - inc['_t0']:.2f}s after the crossing" if inc else "")
+                     f"victim gone {self.cfg.guard.recovery_wait:g}s ago but memory still {_fmt_size(value)}")
+                    + (f", {now - inc['_t0']:.2f}s after the crossing" if inc else ""))
         if inc is not None:
             kinds = [e["event"] for e in inc["timeline"]]
             inc["outcome"] = ("dry_run" if self.policy.dry_run else "killed" if "sigkill" in kinds else

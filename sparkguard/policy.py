@@ -148,6 +148,18 @@ class Policy:
         """The caller found and SIGTERMed a target after RETRY_TARGET: start the grace period."""
         self.state, self.t_term = TERM_SENT, now
 
+    def watch_line(self) -> int | None:
+        """The memory line (bytes) whose crossing would change the decision now, so the caller
+        polls faster near it: ``term_below`` when idle, ``kill_below`` (if set) during the grace
+        period; None while only time or the victim's exit can move the state (KILL_SENT,
+        RECOVERING, NO_TARGET): then polling at the plain interval is enough."""
+        st, th = self.state, self.thresholds
+        if st == OK:
+            return th.term_below
+        if st == TERM_SENT and th.kill_below is not None and not self.dry_run:
+            return th.kill_below
+        return None
+
     def deadline(self, now: float) -> float | None:
         """Seconds until the next time-driven transition (grace end, KILL repeat, recovery
         timeout, target retry), or None when only memory can move the state."""

@@ -114,3 +114,17 @@ def test_next_interval_shrinks_with_headroom():
     # monotone: less headroom never means a longer sleep
     xs = [P.next_interval(h, 0.2) for h in range(0, 4 * GiB, 64 * 1024**2)]
     assert xs == sorted(xs)
+
+
+def test_fast_polling_only_near_a_line_that_matters():
+    p = mk(kill_below=LINE // 2)
+    assert p.watch_line() == LINE
+    p.step(0.0, LINE - 1)
+    assert p.watch_line() == LINE // 2          # the grace period can be cut short
+    p.step(10.0, LINE - 1)                       # KILL_SENT: only the exit matters
+    assert p.watch_line() is None
+    p.step(10.2, LINE - 1, victim_gone=True)     # RECOVERING: nothing to act on for recovery_wait
+    assert p.state == P.RECOVERING and p.watch_line() is None
+    q = mk()                                     # no kill_below: nothing to watch during the grace
+    q.step(0.0, LINE - 1)
+    assert q.watch_line() is None
