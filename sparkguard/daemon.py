@@ -258,6 +258,8 @@ class Guard:
             log.warning("%s", w)
         self._warm_up()
         from sparkguard import sysinfo
+        from sparkguard.incidents import new_id
+        self._new_id = new_id
         self.host, self.boot_id = sysinfo.hostname(), sysinfo.boot_id()
         self.reader = meminfo.MeminfoReader()
         self.avail, self.swap_free = self.reader.sample()
@@ -512,7 +514,7 @@ class Guard:
         g = self.cfg.guard
         wall = time.time()
         self.incident = {
-            "id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + os.urandom(3).hex(),
+            "id": self._new_id(wall),
             "kind": "memory", "drill": False, "host": self.host, "boot_id": self.boot_id,
             "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
             "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
