@@ -379,10 +379,11 @@ class Drill:
             return "FAIL", f"fake engine processes left alive: {self.left}"
         if self.interrupted:
             return "FAIL", "interrupted (the fake engine was removed)"
-        if self.fail and "crossed" not in ev:
-            return "FAIL", self.fail
         if "crossed" not in ev:
-            return "FAIL", "memory never fell below the temporary line (did something else free memory?)"
+            if self.fail and not self.fail.startswith("timed out"):
+                return "FAIL", self.fail
+            return "FAIL", ("memory never fell below the temporary line (did something else free memory? "
+                            "try a larger --past)" + (f"; {self.fail}" if self.fail else ""))
         if "sigterm" not in ev:
             return "FAIL", ("the guard found no target" if "no_target" in ev else "the guard sent no SIGTERM")
         if r["crossing_to_sigterm_seconds"] > TERM_LATENCY_LIMIT:
