@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import run_sparkguard
-from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, unique, wait_gone)
+from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, restarted, unique,
+                                wait_gone)
 
 pytestmark = pytest.mark.usefixtures("root_only")
 
@@ -167,7 +168,12 @@ def test_wedge_detected_terminated_restarted_with_incident(tmp_path):
         wedged = history(st, "wedged")
         assert wedged and "2 liveness probes failed" in wedged[0]["detail"]
         assert any("wedged: SIGTERM" in h["detail"] for h in history(st, "sigterm"))
-        inc = d.incident("wedged")
+        # reported once the engine exited (the log line of that first report), and again, same id,
+        # with the restart it caused
+        iid = d.wait_line(r"incident (\S+): terminated: engine wedged: .*; engine restart pending").group(1)
+        d.wait_line(rf"incident {iid}: terminated: engine wedged: .*; engine restarted")
+        inc = d.incident("wedged", where=restarted)
+        assert inc["id"] == iid
         events = [e["event"] for e in inc["timeline"]]
         assert events[:2] == ["wedged", "sigterm"] and "exited" in events and events[-1] == "restart", events
         assert inc["outcome"] == "terminated" and inc["target"]["root_pid"] == first[0]

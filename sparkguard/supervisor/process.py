@@ -85,6 +85,19 @@ def wait_exit(pid: int) -> tuple[int | None, int | None]:
             os.close(fd)
 
 
+def poll_exit(pid: int) -> tuple[int | None, int | None] | None:
+    """The child's exit status if it has exited, without waiting and without reaping it
+    (``waitid`` WEXITED|WNOHANG|WNOWAIT, ``man:waitid(2)``): ``(exit code, None)`` or
+    ``(None, signal number)``; None while it runs (or when it is not our child)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if info is None:
+        return None
+    return (info.si_status, None) if info.si_code == os.CLD_EXITED else (None, info.si_status)
+
+
 def _outside(procs: dict, tree, pgid: int, members: dict[int, int]) -> list[int]:
     """Processes not in ``tree`` that still belong to the run: its process group, or a recorded
     member with the same start time; never a kernel thread."""
