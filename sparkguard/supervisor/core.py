@@ -70,6 +70,7 @@ class Supervisor:
         self.gate_timeout: dict | None = None   # {"gate": "quiesce"|"peers", "detail": str} of the last start
         self.last_exit: dict | None = None
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
+        self._state_lock = threading.Lock()
         self.hits: dict[str, Run] = {}        # guard incident id -> the run the guard signalled in it
         self.incident_open = False
         self.link_down = False
@@ -112,18 +113,40 @@ class Supervisor:
 
     def reload(self, cfg) -> None:
         """New configuration (SIGHUP): gates, health, probe, restart policy take effect now or at the
-        next start; the command, env and lanes at the next start.  The control socket path needs a
-        daemon restart."""
+        next start; the command, env and lanes' args at the next start.  A changed ``engine.lane``
+        switches lanes now, as ``sparkguard engine lane`` does (a stopped engine starts in it when
+        next started); so does a current lane that ``engine.lanes`` no longer has.  The state file
+        is written by the supervisor thread once it switched; until then it still names the old
+        ``config_lane``, so a daemon restart meanwhile also starts in the new ``engine.lane``
+        (:func:`lanes.initial_lane`).  The control socket path needs a daemon restart."""
         with self.cv:
             if cfg.engine.control_socket != self.ecfg.control_socket:
                 log.warning("engine.control_socket changed to %s: takes effect after a restart",
                             cfg.engine.control_socket)
+            old_cfg_lane = lanes.config_lane(self.ecfg)
             self.cfg, self.ecfg = cfg, cfg.engine
             self.backoff.initial, self.backoff.maximum = cfg.engine.backoff_initial, cfg.engine.backoff_max
             self.backoff.stable_after = cfg.engine.stable_after
-            if self.lane not in cfg.engine.lanes:
-                self.lane = lanes.config_lane(cfg.engine)
+            new_cfg_lane = lanes.config_lane(cfg.engine)
+            why = None
+            if new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane:
+                why = f"engine.lane changed from {old_cfg_lane} to {new_cfg_lane} in {cfg.path}"
+            elif self.lane is not None and self.lane not in cfg.engine.lanes:
+                why = f"lane {self.lane} is not in engine.lanes of {cfg.path} any more"
+            if why is not None:
+                self._switch_lane(new_cfg_lane, why)
             self.cv.notify_all()
+
+    def _switch_lane(self, lane: str | None, why: str) -> None:
+        """(Under ``cv``.) Run in ``lane`` from now on: a running (or starting) engine is restarted
+        in it (reason ``lane``); a stopped one starts in it when next started."""
+        if self.want == "run" and not self.quit and lane is not None:
+            self.request = ("lane", lane)
+            self.backoff.reset()
+            self._history("lane", f"{why}: switching to lane {lane} (restart)")
+        else:
+            self.lane = lane
+            self._history("lane", f"{why}: lane {lane} from the next start")
 
     def engine_pid(self) -> int | None:
         """PID of the running engine's root (None when none runs)."""
@@ -401,7 +424,13 @@ class Supervisor:
         self.reports.flush(now, why, restart_detail, pids)
 
     def _write_state(self) -> None:
-        lanes.write_state(self.ecfg, self.lane, self.run)
+        """Persist the lane (a lane switch asked for and not yet done counts: a daemon restart
+        meanwhile starts in it) and the running engine; one writer at a time (the supervisor and
+        monitor threads both write, through the same temp file)."""
+        with self._state_lock:
+            req = self.request
+            lane = req[1] if req is not None and req[0] == "lane" else self.lane
+            lanes.write_state(self.ecfg, lane, self.run)
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
                group_ok: bool = True) -> list[int]:
