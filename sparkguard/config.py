@@ -532,14 +532,11 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
 
 
 def _mem_total() -> int | None:
+    from sparkguard.sysinfo import read_meminfo
     try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemTotal:"):
-                    return int(line.split()[1]) * 1024
+        return read_meminfo().get("MemTotal")
     except OSError:
         return None
-    return None
 
 
 def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None) -> Config:

@@ -81,9 +81,22 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _setup_logging(level: str) -> None:
+    """Log to stderr through a queue and a listener thread (logging.handlers.QueueListener):
+    a stalled stderr (journald starved under memory pressure) must never block the poll loop."""
+    import logging.handlers
+    import queue
     fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
         "%(asctime)s sparkguard[%(process)d] %(levelname)s %(message)s"
-    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr)
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(logging.Formatter(fmt))
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(q)]
+    root.setLevel(getattr(logging, level.upper()))
+    listener = logging.handlers.QueueListener(q, out)
+    listener.start()
+    import atexit
+    atexit.register(listener.stop)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -104,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run)
     try:
         guard.start()
-    except OSError as e:
+    except (OSError, RuntimeError) as e:   # MeminfoError is a RuntimeError
         print(f"sparkguard: not starting: {e}", file=sys.stderr)
         return 2
     return guard.loop()
@@ -152,10 +165,19 @@ def harden_self() -> list[str]:
         # The filler is often many busy threads; at nice 0 the guard gets 1/N of a core and its
         # scan+signal path (a few ms of CPU) stretches to ~100 ms (bench/headtohead.py, tree scenario).
         # earlyoom's -p does the same (-20).  Idle cost is unchanged: the guard sleeps.
-        os.setpriority(os.PRIO_PROCESS, 0, NICE)
+        # only ever raise the priority: the unit's Nice=-20 must not be undone
+        os.setpriority(os.PRIO_PROCESS, 0, min(NICE, os.getpriority(os.PRIO_PROCESS, 0)))
     except OSError as e:
         warnings.append(f"cannot raise the guard's CPU priority to nice {NICE} ({e.strerror}); under a CPU-heavy "
                         "memory spike it may react late")
+    try:
+        # one pidfd per victim process: systemd's default soft NOFILE (1024) must not cap the tree
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass
     return warnings
 
 
@@ -217,8 +239,8 @@ class Guard:
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
+        self._killed: set[int] = set()
         self.linkwatch = None
-        self.links_up: dict[str, bool] = {}
 
     @staticmethod
     def _thresholds(cfg):
@@ -235,6 +257,10 @@ class Guard:
         for w in harden_self():
             log.warning("%s", w)
         self._warm_up()
+        from sparkguard import sysinfo
+        from sparkguard.incidents import new_id
+        self._new_id = new_id
+        self.host, self.boot_id = sysinfo.hostname(), sysinfo.boot_id()
         self.reader = meminfo.MeminfoReader()
         self.avail, self.swap_free = self.reader.sample()
         self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
@@ -298,7 +324,7 @@ class Guard:
             return
         from sparkguard import linkwatch
         self.linkwatch = linkwatch.LinkWatch(self.cfg.link.interfaces, self.cfg.link.down_after,
-                                             on_incident=self._on_link_incident, on_change=self._on_link_change)
+                                             on_incident=self._on_link_incident)
         self.linkwatch.start()
         if self.metrics is not None:
             self.metrics.register_collector(self.linkwatch.collector())
@@ -312,10 +338,6 @@ class Guard:
         self.reporter.finish(inc)
         self._link_to_supervisor(inc)
 
-    def _on_link_change(self, ifname: str, up: bool) -> None:
-        """From the link-watch thread: operstate/carrier of ``ifname`` changed."""
-        self.links_up[ifname] = up
-
     def _on_signal(self, signum, frame) -> None:
         self._flags.add(signum)
 
@@ -323,7 +345,7 @@ class Guard:
 
     def loop(self) -> int:
         """Poll until stopped.  Returns the exit status (0)."""
-        from sparkguard import meminfo, policy
+        from sparkguard import policy
         POLLIN, POLLPRI = select.POLLIN, select.POLLPRI
         poller = self._poller = select.poll()
         poller.register(self._wake_r, POLLIN)
@@ -334,48 +356,23 @@ class Guard:
         next_interval = policy.next_interval
         monotonic = time.monotonic
         poll = poller.poll
-        notifier = self.notifier
         pol = self.policy
         OK = policy.OK
         wake_r = self._wake_r
         use_swap, interval, far = self._loop_settings()
         self._tick(monotonic(), first=True)
         while not self.stopping:
-            t0 = monotonic()
             try:
-                avail, swap_free = sample()
-            except (OSError, meminfo.MeminfoError) as e:
-                self._read_error(e)
+                timeout = self._pass(sample, step, next_interval, monotonic, pol, OK, use_swap, interval, far)
+            except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+                log.exception("poll loop error; the guard keeps running")
                 timeout = interval
-            else:
-                value = avail + swap_free if use_swap else avail
-                self.avail, self.swap_free, self.value = avail, swap_free, value
-                headroom = value - pol.thresholds.term_below
-                if pol.state is OK and headroom >= 0:
-                    # the idle path: five times a second, forever; keep it short
-                    timeout = interval if headroom >= far else next_interval(headroom, interval)
-                else:
-                    actions = step(t0, value, self._victim_gone())
-                    if actions:
-                        try:
-                            self._act(actions, t0, value)
-                        except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
-                            self._act_failed(actions, t0)
-                    timeout = next_interval(value - pol.thresholds.term_below, interval)
-                    dl = pol.deadline(monotonic())
-                    if dl is not None and dl < timeout:
-                        timeout = dl
-                t1 = monotonic()
-                self.poll_count += 1
-                self.poll_sum += t1 - t0
-                self.last_poll = t1
-            if notifier.watchdog_interval is not None:
-                notifier.watchdog(t0)
-            if t0 >= self._next_status:
-                self._tick(t0)
             for fd, ev in poll(timeout * 1000.0):
                 if fd == wake_r:
-                    self._drain_wakeup()
+                    try:
+                        self._drain_wakeup()
+                    except Exception:  # noqa: BLE001
+                        log.exception("handling a signal failed; the guard keeps running")
                     use_swap, interval, far = self._loop_settings()
                 elif fd in self._tree_fds:
                     poller.unregister(fd)
@@ -383,8 +380,51 @@ class Guard:
                 elif fd == self.psi_fd and ev & (select.POLLERR | select.POLLNVAL):
                     log.warning("PSI trigger failed; polling only")
                     poller.unregister(fd)
+                    os.close(fd)
                     self.psi_fd = None
         return self._shutdown()
+
+    def _pass(self, sample, step, next_interval, monotonic, pol, OK, use_swap, interval, far) -> float:
+        """One poll: sample, decide, act, ping.  Returns the seconds to sleep.  The names are the
+        loop's locals, passed in so the idle path does no attribute or module lookups."""
+        t0 = monotonic()
+        try:
+            avail, swap_free = sample()
+        except (OSError, RuntimeError) as e:     # RuntimeError: meminfo.MeminfoError
+            self._read_error(e)
+            timeout = interval
+        else:
+            value = avail + swap_free if use_swap else avail
+            self.avail, self.swap_free, self.value = avail, swap_free, value
+            headroom = value - pol.thresholds.term_below
+            if pol.state is OK and headroom >= 0:
+                # the idle path: five times a second, forever; keep it short
+                timeout = interval if headroom >= far else next_interval(headroom, interval)
+            else:
+                actions = step(t0, value, self._victim_gone())
+                if actions:
+                    try:
+                        self._act(actions, t0, value)
+                    except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+                        self._act_failed(actions, t0)
+                line = pol.watch_line()
+                timeout = interval if line is None else next_interval(value - line, interval)
+                dl = pol.deadline(monotonic())
+                if dl is not None and dl < timeout:
+                    timeout = dl
+            t1 = monotonic()
+            self.poll_count += 1
+            self.poll_sum += t1 - t0
+            self.last_poll = t1
+        notifier = self.notifier
+        if notifier.watchdog_interval is not None:
+            notifier.watchdog(t0)
+            # never sleep past the next ping (poll_interval may exceed WATCHDOG_USEC/2)
+            timeout = min(timeout, max(0.0, notifier.next_ping - t0))
+        if t0 >= self._next_status:
+            self._tick(t0)
+        return timeout
+
 
     def _loop_settings(self) -> tuple[bool, float, int]:
         """(signal includes swap, poll_interval seconds, headroom in bytes beyond which the full
@@ -462,15 +502,20 @@ class Guard:
                             f"victim tree gone {now - self.policy.t_term:.2f}s after SIGTERM")
             elif a in (policy.RECOVERED, policy.GAVE_UP_WAITING):
                 self._close_incident(now, value, recovered=a == policy.RECOVERED)
+            elif a == policy.UNKILLABLE:
+                alive = self.tree.alive() if self.tree is not None else []
+                self._event(now, value, "unkillable", alive,
+                            f"{len(alive)} processes still alive {self.policy.thresholds.kill_give_up:g}s after "
+                            "the first SIGKILL (uninterruptible sleep in a driver?); giving up on them")
+                self._close_incident(now, value, recovered=False)
         self._tick(now)
 
     def _open_incident(self, now: float, value: int) -> None:
-        from sparkguard import sysinfo
         g = self.cfg.guard
         wall = time.time()
         self.incident = {
-            "id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + os.urandom(3).hex(),
-            "kind": "memory", "drill": False, "host": sysinfo.hostname(), "boot_id": sysinfo.boot_id(),
+            "id": self._new_id(wall),
+            "kind": "memory", "drill": False, "host": self.host, "boot_id": self.boot_id,
             "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
             "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
                            "grace_seconds": g.grace, "signal": g.signal},
@@ -502,18 +547,19 @@ class Guard:
         from sparkguard import signals
         target = self._choose()
         if target is None:
-            self._fill_incident(None)
             if not retry:
+                self._fill_incident(None)
                 self._event(now, value, "no_target", [], "nothing matches targets.match"
                             + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
             self.policy.no_target(now)
             return
         self.target = target
-        self.tree = signals.Tree(target.pids, target.starttimes)
+        self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)
         if self.policy.dry_run:
             self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
             sent = self.tree.term_root()
+            t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
             for fd in self.tree.fds.values():
@@ -522,7 +568,7 @@ class Guard:
         if retry:
             self.policy.target_found(now)
         if not self.policy.dry_run:
-            self._event(now, value, "sigterm", [target.root_pid],
+            self._event(t_sig, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
         self._fill_incident(target)
@@ -552,48 +598,67 @@ class Guard:
             return
         before = set(self.tree.fds)
         pids = self.tree.kill_all(self.protector)
+        t_sig = time.monotonic()
         for pid, fd in self.tree.fds.items():
             if pid not in before:
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
         self.signals_sent["SIGKILL"] += len(pids)
+        new = [pid for pid in pids if pid not in self._killed]
+        self._killed.update(pids)
+        if not new:          # a repeated sweep of the same lingering processes: counted, not re-reported
+            return
+        pids = new
         why = "below the SIGKILL line" if (self.cfg.guard.kill_below is not None and value < self.cfg.guard.kill_below
                                           and now - self.policy.t_term < self.cfg.guard.grace) else \
             f"still alive {now - self.policy.t_term:.1f}s after SIGTERM (grace {self.cfg.guard.grace:g}s)"
-        self._event(now, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
+        self._event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
 
-    def _close_incident(self, now: float, value: int, recovered: bool) -> None:
+    def _close_incident(self, now: float, value: int, recovered: bool, stopped: bool = False) -> None:
+        """End the open incident: last event, outcome, report; release the victim's pidfds whatever
+        happens while reporting.  ``stopped``: the daemon is stopping with the incident still open."""
         inc = self.incident
-        self._event(now, value, "recovered" if recovered else "recovery_timeout", [],
-                    (f"memory back to {_fmt_size(value)}" if recovered else
-                     f"victim gone but memory still {_fmt_size(value)} after {self.cfg.guard.recovery_wait:g}s")
-                    + f" {now - inc['_t0']:.2f}s after the crossing" if inc else "")
-        if inc is not None:
-            kinds = [e["event"] for e in inc["timeline"]]
-            inc["outcome"] = ("dry_run" if self.policy.dry_run else "killed" if "sigkill" in kinds else
-                              "terminated" if "sigterm" in kinds else "no_target" if "no_target" in kinds else
-                              "recovered")
-            if not recovered:
-                inc["outcome"] += "_memory_not_back"
-            inc["ended_at"] = time.time()
-            inc["min_available_bytes"] = inc.pop("_min")
-            inc.pop("_t0", None)
-            if isinstance(inc["meminfo"], bytes):
-                from sparkguard import sysinfo
-                inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
-            inc["summary"] = _summary(inc)
-            self._finish_incident(inc)
-        self.incident = None
-        if self.tree is not None:
-            for fd in list(self._tree_fds):
-                try:
-                    self._poller.unregister(fd)
-                except KeyError:
-                    pass
-            self._tree_fds.clear()
-            self.tree.close()
-        self.tree = None
-        self.target = None
+        try:
+            if stopped:
+                event, detail = "daemon_stopped", f"the guard stopped with memory at {_fmt_size(value)}"
+            elif recovered:
+                event, detail = "recovered", f"memory back to {_fmt_size(value)}"
+            else:
+                event, detail = "recovery_timeout", (f"victim gone {self.cfg.guard.recovery_wait:g}s ago but "
+                                                     f"memory still {_fmt_size(value)}")
+            self._event(now, value, event, [], detail + (f", {now - inc['_t0']:.2f}s after the crossing"
+                                                         if inc else ""))
+            if inc is not None:
+                kinds = [e["event"] for e in inc["timeline"]]
+                inc["outcome"] = ("dry_run" if self.policy.dry_run else "killed" if "sigkill" in kinds else
+                                  "terminated" if "sigterm" in kinds else "no_target" if "no_target" in kinds
+                                  else "recovered")
+                if stopped:
+                    inc["outcome"] += "_daemon_stopped"
+                elif not recovered:
+                    inc["outcome"] += "_memory_not_back"
+                inc["ended_at"] = time.time()
+                inc["min_available_bytes"] = inc.pop("_min")
+                inc.pop("_t0", None)
+                if isinstance(inc["meminfo"], bytes):
+                    from sparkguard import sysinfo
+                    inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
+                inc["summary"] = _summary(inc)
+                self._finish_incident(inc)
+        finally:
+            self.incident = None
+            if self.tree is not None:
+                for fd in list(self._tree_fds):
+                    try:
+                        self._poller.unregister(fd)
+                    except KeyError:
+                        pass
+                self._tree_fds.clear()
+                self.tree.close()
+            self.tree = None
+            self.target = None
+            self._killed.clear()
+            self.policy.dry_run = self.cfg.guard.dry_run   # a dry_run change deferred by reload()
 
     def _event(self, now: float, value: int, event: str, pids: list[int], detail: str) -> None:
         inc = self.incident
@@ -615,7 +680,10 @@ class Guard:
         self.notifier.reloading()
         try:
             cfg = config.load(self.config_arg)
-        except config.ConfigError as e:
+        except Exception as e:  # noqa: BLE001 - ConfigError, or a parser bug on a strange file
+            if not isinstance(e, config.ConfigError):
+                e = config.ConfigError(self.config_arg or config.DEFAULT_PATH, "(file)", None,
+                                       f"cannot load: {type(e).__name__}: {e}")
             self.reloads["failed"] += 1
             log.error("reload failed, keeping the running config: %s", e)
             self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
@@ -627,11 +695,19 @@ class Guard:
             return False
         if self.force_dry_run and not cfg.guard.dry_run:
             cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-        if cfg.metrics.listen != self.cfg.metrics.listen:
-            log.warning("metrics.listen changed to %s: takes effect after a restart", cfg.metrics.listen)
+        for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
+                         ("link", "interfaces"), ("link", "down_after")):
+            new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)
+            if new != old:
+                log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
         self.cfg = cfg
         self.policy.thresholds = self._thresholds(cfg)
-        self.policy.dry_run = cfg.guard.dry_run
+        if self.policy.state == "ok":
+            self.policy.dry_run = cfg.guard.dry_run
+        elif self.policy.dry_run != cfg.guard.dry_run:
+            # switching mid-incident would SIGKILL a tree that never got SIGTERM (or leave a real
+            # SIGTERM without its escalation): the new dry_run applies when this incident ends
+            log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
         self.protector = proctree.Protector(cfg.targets.protect)
         self._reload_supervisor(cfg)
         self.reloads["ok"] += 1
@@ -644,7 +720,8 @@ class Guard:
     def _shutdown(self) -> int:
         self._stop_supervisor()
         if self.incident is not None:
-            self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below)
+            self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below,
+                                 stopped=True)
         if self.linkwatch is not None:
             self.linkwatch.stop()
         if self.reporter is not None:
@@ -706,13 +783,8 @@ class Guard:
         """Current state for metrics/status (see TEAM interface); cheap, any thread."""
         g = self.cfg.guard
         mono_now = time.monotonic()
-        total = swap_total = 0
-        raw = self.reader.raw() if self.reader else b""
-        for line in raw.split(b"\n", 20):
-            if line.startswith(b"MemTotal:"):
-                total = int(line.split()[1]) * 1024
-            elif line.startswith(b"SwapTotal:"):
-                swap_total = int(line.split()[1]) * 1024
+        total = self.reader.mem_total if self.reader else 0
+        swap_total = self.reader.swap_total if self.reader else 0
         return {
             "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
             "swap_total_bytes": swap_total, "signal_bytes": self.value, "signal": g.signal,

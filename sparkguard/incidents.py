@@ -46,6 +46,15 @@ class AmbiguousId(ValueError):
         super().__init__(f"{prefix!r} matches {len(matches)} incidents: " + ", ".join(matches[:10]))
 
 
+def new_id(started_at: float) -> str:
+    """A fresh incident id: ``YYYYmmddTHHMMSSZ-xxxxxx`` (UTC start, 6 random hex digits).
+
+    Args:
+        started_at: unix time of the incident's start, seconds.
+    """
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started_at)) + "-" + os.urandom(3).hex()
+
+
 def valid_id(incident_id: Any) -> bool:
     """True if ``incident_id`` can be used as a file name (``YYYYmmddTHHMMSSZ-xxxxxx`` and the like)."""
     return isinstance(incident_id, str) and bool(_ID_RE.match(incident_id))

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import time
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
 log = logging.getLogger("sparkguard.linkwatch")
@@ -107,16 +105,15 @@ def _ethtool_speed_mbps(sock_fd: int, ifname: str) -> int | None:
 
 
 def _incident_id(started_at: float) -> str:
-    return datetime.fromtimestamp(started_at, timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + os.urandom(3).hex()
+    from sparkguard.incidents import new_id
+    return new_id(started_at)
 
 
 def _mem_available() -> int:
+    from sparkguard.sysinfo import read_meminfo
     try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return read_meminfo().get("MemAvailable", 0)
+    except OSError:
         pass
     return -1
 
@@ -442,8 +439,7 @@ class LinkWatch:
         from sparkguard import sysinfo
 
         try:
-            with open("/proc/meminfo", "rb") as f:
-                meminfo = sysinfo.parse_meminfo(f.read())
+            meminfo = sysinfo.read_meminfo()
         except OSError as e:
             log.warning("cannot read /proc/meminfo: %s", e)
             meminfo = {}

@@ -13,6 +13,8 @@ import os
 
 _AVAIL = b"MemAvailable:"
 _SWAPFREE = b"SwapFree:"
+_SWAPTOTAL = b"SwapTotal:"
+_MEMTOTAL = b"MemTotal:"
 _KB = b"kB"
 
 
@@ -23,6 +25,9 @@ class MeminfoError(RuntimeError):
 class MeminfoReader:
     """Samples MemAvailable and SwapFree (bytes) from an open /proc/meminfo.
 
+    Attributes (plain ints, safe to read from another thread): ``mem_total`` (MemTotal at open),
+    ``swap_total`` (SwapTotal at the last sample), bytes.
+
     Args:
         path: str, normally ``/proc/meminfo`` (tests may point at a copy).
     Raises:
@@ -30,7 +35,7 @@ class MeminfoReader:
         MeminfoError: the first read finds no ``MemAvailable:`` line.
     """
 
-    __slots__ = ("path", "_fd", "_buf", "_view", "_n")
+    __slots__ = ("path", "_fd", "_buf", "_view", "_n", "mem_total", "swap_total")
 
     def __init__(self, path: str = "/proc/meminfo"):
         self.path = path
@@ -38,7 +43,9 @@ class MeminfoReader:
         self._buf = bytearray(16384)
         self._view = [self._buf]
         self._n = 0
+        self.mem_total = self.swap_total = 0
         self.sample()
+        self.mem_total = self._field(_MEMTOTAL)
 
     def sample(self) -> tuple[int, int]:
         """Read the file now.
@@ -61,6 +68,13 @@ class MeminfoReader:
             avail = int(b[i:j]) * 1024
         except ValueError:
             raise MeminfoError(f"{self.path}: unparsable MemAvailable line {bytes(b[i - 13:j + 2])!r}") from None
+        t = b.find(_SWAPTOTAL, j, n)
+        if t >= 0:
+            # swap added after start (zram set up later) shows up in the next sample
+            try:
+                self.swap_total = int(b[t + 10:b.find(_KB, t, n)]) * 1024
+            except ValueError:
+                pass
         k = b.find(_SWAPFREE, j, n)
         if k < 0:
             return avail, 0
@@ -70,6 +84,16 @@ class MeminfoReader:
             return avail, int(b[k:m]) * 1024
         except ValueError:
             return avail, 0
+
+    def _field(self, name: bytes) -> int:
+        b, n = self._buf, self._n
+        i = b.find(name, 0, n)
+        if i < 0:
+            return 0
+        try:
+            return int(b[i + len(name):b.find(_KB, i, n)]) * 1024
+        except ValueError:
+            return 0
 
     def raw(self) -> bytes:
         """The text of the last read (bytes), for snapshots and metrics."""

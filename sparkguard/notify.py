@@ -20,6 +20,7 @@ class Notifier:
         enabled: bool, NOTIFY_SOCKET is set.
         watchdog_interval: float seconds between WATCHDOG=1 pings (half of WATCHDOG_USEC),
             or None when the watchdog is off or meant for another PID.
+        next_ping: float, monotonic seconds when the next ping is due (the loop never sleeps past it).
     """
 
     def __init__(self, environ: dict | None = None):
@@ -33,7 +34,7 @@ class Notifier:
         usec, wpid = env.get("WATCHDOG_USEC"), env.get("WATCHDOG_PID")
         if self.enabled and usec and usec.isdigit() and int(usec) > 0 and (not wpid or wpid == str(os.getpid())):
             self.watchdog_interval = int(usec) / 2e6
-        self._next_ping = 0.0
+        self.next_ping = 0.0
         self._last_status = ""
 
     def send(self, text: str) -> None:
@@ -58,8 +59,8 @@ class Notifier:
         Args:
             now: monotonic seconds.  Call from the poll loop itself, so a stuck loop stops the pings.
         """
-        if self.watchdog_interval is not None and now >= self._next_ping:
-            self._next_ping = now + self.watchdog_interval
+        if self.watchdog_interval is not None and now >= self.next_ping:
+            self.next_ping = now + self.watchdog_interval
             self.send("WATCHDOG=1")
 
     def reloading(self) -> None:

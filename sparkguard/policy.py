@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OK, TERM_SENT, KILL_SENT, RECOVERING, NO_TARGET = "ok", "term_sent", "kill_sent", "recovering", "no_target"
-STATES = (OK, TERM_SENT, KILL_SENT, RECOVERING, NO_TARGET)
 
 # actions returned by Policy.step
 CROSSED = "crossed"        # open an incident (memory fell below term_below)
@@ -35,6 +34,7 @@ EXITED = "exited"          # the victim's tree is gone
 RECOVERED = "recovered"    # memory is back above the line: close the incident
 GAVE_UP_WAITING = "recovery_timeout"  # victim gone, memory still low after recovery_wait: close; next poll may act again
 RETRY_TARGET = "retry_target"          # NO_TARGET: look for a target again
+UNKILLABLE = "unkillable"              # SIGKILLed for kill_give_up seconds and still there (D state): close
 
 
 @dataclass
@@ -49,6 +49,9 @@ class Thresholds:
             before a new incident may choose another victim.
         kill_repeat: float seconds between repeated SIGKILL sweeps while the tree lingers.
         retry_target: float seconds between target searches while nothing matches.
+        kill_give_up: float seconds of repeated SIGKILL after which a victim that will not die
+            (uninterruptible sleep in a driver) is reported as unkillable and the incident closes,
+            so the next crossing can choose again.
     """
 
     term_below: int
@@ -57,6 +60,7 @@ class Thresholds:
     recovery_wait: float = 10.0
     kill_repeat: float = 2.0
     retry_target: float = 1.0
+    kill_give_up: float = 30.0
 
 
 class Policy:
@@ -67,14 +71,13 @@ class Policy:
         dry_run: bool; when True the victim is assumed never to exit and KILL is issued once.
     """
 
-    __slots__ = ("thresholds", "dry_run", "state", "t_cross", "t_term", "t_kill", "t_gone", "t_retry", "min_value")
+    __slots__ = ("thresholds", "dry_run", "state", "t_term", "t_kill", "t_first_kill", "t_gone", "t_retry")
 
     def __init__(self, thresholds: Thresholds, dry_run: bool = False):
         self.thresholds = thresholds
         self.dry_run = dry_run
         self.state = OK
-        self.t_cross = self.t_term = self.t_kill = self.t_gone = self.t_retry = 0.0
-        self.min_value = 0
+        self.t_term = self.t_kill = self.t_first_kill = self.t_gone = self.t_retry = 0.0
 
     def step(self, now: float, value: int, victim_gone: bool = False) -> tuple[str, ...]:
         """Advance the state machine.
@@ -91,23 +94,22 @@ class Policy:
         if st == OK:
             if value >= th.term_below:
                 return ()
-            self.t_cross = now
-            self.min_value = value
             return self._term(now)
-        if value < self.min_value:
-            self.min_value = value
         if st == TERM_SENT:
             if victim_gone:
                 self.state, self.t_gone = RECOVERING, now
                 return (EXITED,) + self._recovery(now, value)
             if now - self.t_term >= th.grace or (th.kill_below is not None and value < th.kill_below):
-                self.state, self.t_kill = KILL_SENT, now
+                self.state, self.t_kill, self.t_first_kill = KILL_SENT, now, now
                 return (KILL,)
             return ()
         if st == KILL_SENT:
             if victim_gone:
                 self.state, self.t_gone = RECOVERING, now
                 return (EXITED,) + self._recovery(now, value)
+            if not self.dry_run and now - self.t_first_kill >= th.kill_give_up:
+                self.state = OK
+                return (UNKILLABLE,)
             if not self.dry_run and now - self.t_kill >= th.kill_repeat:
                 self.t_kill = now
                 return (KILL,)
@@ -148,6 +150,18 @@ class Policy:
         """The caller found and SIGTERMed a target after RETRY_TARGET: start the grace period."""
         self.state, self.t_term = TERM_SENT, now
 
+    def watch_line(self) -> int | None:
+        """The memory line (bytes) whose crossing would change the decision now, so the caller
+        polls faster near it: ``term_below`` when idle, ``kill_below`` (if set) during the grace
+        period; None while only time or the victim's exit can move the state (KILL_SENT,
+        RECOVERING, NO_TARGET): then polling at the plain interval is enough."""
+        st, th = self.state, self.thresholds
+        if st == OK:
+            return th.term_below
+        if st == TERM_SENT and th.kill_below is not None and not self.dry_run:
+            return th.kill_below
+        return None
+
     def deadline(self, now: float) -> float | None:
         """Seconds until the next time-driven transition (grace end, KILL repeat, recovery
         timeout, target retry), or None when only memory can move the state."""
@@ -155,7 +169,7 @@ class Policy:
         if st == TERM_SENT:
             return max(0.0, self.t_term + th.grace - now)
         if st == KILL_SENT and not self.dry_run:
-            return max(0.0, self.t_kill + th.kill_repeat - now)
+            return max(0.0, min(self.t_kill + th.kill_repeat, self.t_first_kill + th.kill_give_up) - now)
         if st == RECOVERING:
             return max(0.0, self.t_gone + th.recovery_wait - now)
         if st == NO_TARGET:

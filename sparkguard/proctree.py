@@ -7,8 +7,8 @@ that vanishes mid-scan is skipped.  Sources: proc(5) for /proc/PID/stat field nu
 
 Target choice (issue #2): processes whose cmdline (setproctitle titles are the whole
 cmdline, e.g. ``VLLM::Worker_TP0``) matches one of ``targets.match``; the root of an
-engine tree is the topmost matching process along the ancestry; the tree is that root and
-all its descendants.  Several engines: lowest pattern index first (configured order),
+engine tree is the topmost process of an unbroken chain of matching ancestors; the tree is
+that root and all its descendants.  Several engines: lowest pattern index first (configured order),
 then the largest tree memory (RSS + swap; RSS alone hides unified-memory GPU allocations,
 so the configured order comes first).
 """
@@ -245,25 +245,35 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
     kids = children_map(procs)
     roots: dict[int, int] = {}
     for pid in rank:
-        top, cur, hops = pid, procs[pid].ppid, 0
-        while cur in procs and hops < 4096:
-            if cur in rank:
-                top = cur
-            cur, hops = procs[cur].ppid, hops + 1
+        # climb only through matching parents: a launcher that merely mentions the engine further
+        # up (tmux new 'vllm serve ...', a shell, a job runner) must not become the root and take
+        # its unrelated children into the tree
+        top, hops = pid, 0
+        while procs[top].ppid in rank and hops < 4096:
+            top, hops = procs[top].ppid, hops + 1
         roots.setdefault(top, 0)
     out = []
+    # A root with another root below it (through a non-matching process) only mentions the engine:
+    # a launcher.  Its tree stops at the nested engine, and it comes after real engines.
+    own_kids = {ppid: [c for c in cs if c not in roots] for ppid, cs in kids.items()}
+    launchers = set()
+    for root in roots:
+        for pid in descendants([root], kids)[1:]:
+            if pid in roots:
+                launchers.add(root)
+                break
     for root in roots:
         if protector.protected(procs[root]):
             continue
-        tree_rank = min(rank[pid] for pid in descendants([root], kids) if pid in rank)
-        out.append(build_target(root, targets_cfg.match[tree_rank], procs, kids, protector, tree_rank, details))
+        tree_rank = min(rank[pid] for pid in descendants([root], own_kids) if pid in rank)
+        out.append(build_target(root, targets_cfg.match[tree_rank], procs, own_kids, protector, tree_rank, details))
     if not details and len(out) > 1:
         best = min(t.rank for t in out)
         tied = [t for t in out if t.rank == best]
         if len(tied) > 1:
             for t in tied:
                 t.mem_bytes = _tree_mem(t.pids)
-    out.sort(key=lambda t: (t.rank, -t.mem_bytes))
+    out.sort(key=lambda t: (t.rank, t.root_pid in launchers, -t.mem_bytes))
     if not out and targets_cfg.fallback == "oom_score":
         best, score = None, -1
         for p in procs.values():

@@ -56,13 +56,15 @@ class Tree:
     survive the API server's SIGKILL), so escalation reaches orphans.
 
     Args:
-        pids: list[int], root first.
+        pids: list[int], the tree's members (root first by convention).
         starttimes: dict pid -> starttime ticks from the scan; a pid whose starttime
             changed before pidfd_open is a recycled pid and is dropped.
+        root: the pid that gets SIGTERM; default ``pids[0]``.  Given explicitly, so that a
+            root left out of ``pids`` (protected) is never replaced by one of its children.
     """
 
-    def __init__(self, pids: list[int], starttimes: dict[int, int]):
-        self.root = pids[0] if pids else None
+    def __init__(self, pids: list[int], starttimes: dict[int, int], root: int | None = None):
+        self.root = root if root is not None else (pids[0] if pids else None)
         self.fds: dict[int, int] = {}
         self.starttimes: dict[int, int] = {}
         self.add(pids, starttimes)
@@ -75,7 +77,10 @@ class Tree:
                 continue
             try:
                 fd = os.pidfd_open(pid)
-            except OSError:
+            except ProcessLookupError:
+                continue
+            except OSError as e:     # EMFILE and the like: a member we cannot signal, say so
+                log.error("pidfd_open(%d) failed: %s; that process cannot be signalled", pid, e)
                 continue
             p = proctree.read_proc(pid)
             if p is None or p.starttime != starttimes.get(pid, p.starttime):
@@ -87,13 +92,14 @@ class Tree:
         return added
 
     def alive(self) -> list[int]:
-        """Members that have not exited yet (pidfd not readable)."""
-        out = []
-        for pid, fd in self.fds.items():
-            r, _, _ = select.select([fd], [], [], 0)
-            if not r:
-                out.append(pid)
-        return out
+        """Members that have not exited yet (pidfd not readable; poll(2), no FD_SETSIZE limit)."""
+        if not self.fds:
+            return []
+        p = select.poll()
+        for fd in self.fds.values():
+            p.register(fd, select.POLLIN)
+        done = {fd for fd, _ in p.poll(0)}
+        return [pid for pid, fd in self.fds.items() if fd not in done]
 
     def gone(self) -> bool:
         """True when every member has exited."""

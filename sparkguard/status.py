@@ -162,8 +162,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
 
     g = cfg.guard
     try:
-        with open("/proc/meminfo", "rb") as f:
-            mi = sysinfo.parse_meminfo(f.read())
+        mi = sysinfo.read_meminfo()
     except OSError as e:
         mi = {}
         mem_error = f"cannot read /proc/meminfo: {e.strerror}"

@@ -46,6 +46,16 @@ def parse_meminfo(text: bytes | str) -> dict[str, int]:
     return out
 
 
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo now, as :func:`parse_meminfo` gives it (``{field: bytes}``).
+
+    Raises:
+        OSError: the file cannot be read (the caller decides what that means).
+    """
+    with open(path, "rb") as f:
+        return parse_meminfo(f.read())
+
+
 def read_psi_memory(path: str = "/proc/pressure/memory") -> dict | None:
     """Memory pressure (PSI) as ``{"some": {"avg10": %, "avg60": %, "avg300": %, "total_us": int}, "full": {...}}``.
 

@@ -118,3 +118,13 @@ def _no_leaked_zram_devices(request):
             pytest.fail(msg)
         import warnings
         warnings.warn(msg)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_guard_temp_dirs():
+    """GuardProc's folders (config, log, incidents) outlive each test for its asserts; not the session."""
+    yield
+    import shutil
+    import guardrun
+    for d in guardrun.TEMP_DIRS:
+        shutil.rmtree(d, ignore_errors=True)

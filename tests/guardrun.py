@@ -15,6 +15,10 @@ import yaml
 from conftest import sg_env, sparkguard_cmd
 
 
+#: temp folders of every GuardProc, removed when the test session ends
+TEMP_DIRS: list[str] = []
+
+
 class NotifyListener:
     """A unix datagram socket standing in for systemd's NOTIFY_SOCKET."""
 
@@ -59,6 +63,7 @@ class GuardProc:
     def __init__(self, cfg: dict, watchdog_usec: int | None = None, extra_args: tuple = (),
                  env_extra: dict | None = None):
         self.tmp = tempfile.mkdtemp(prefix="sg-guard-")
+        TEMP_DIRS.append(self.tmp)        # removed at the end of the session (conftest)
         cfg = {k: dict(v) for k, v in cfg.items()}
         cfg.setdefault("incidents", {}).setdefault("dir", os.path.join(self.tmp, "incidents"))
         cfg["incidents"].setdefault("journal", "off")
@@ -100,6 +105,8 @@ class GuardProc:
         self._log.close()
         self.notify.close()
         return self.proc.returncode
+
+
 
 
 def unique(prefix: str = "sgtest") -> str:

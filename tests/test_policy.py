@@ -114,3 +114,28 @@ def test_next_interval_shrinks_with_headroom():
     # monotone: less headroom never means a longer sleep
     xs = [P.next_interval(h, 0.2) for h in range(0, 4 * GiB, 64 * 1024**2)]
     assert xs == sorted(xs)
+
+
+def test_fast_polling_only_near_a_line_that_matters():
+    p = mk(kill_below=LINE // 2)
+    assert p.watch_line() == LINE
+    p.step(0.0, LINE - 1)
+    assert p.watch_line() == LINE // 2          # the grace period can be cut short
+    p.step(10.0, LINE - 1)                       # KILL_SENT: only the exit matters
+    assert p.watch_line() is None
+    p.step(10.2, LINE - 1, victim_gone=True)     # RECOVERING: nothing to act on for recovery_wait
+    assert p.state == P.RECOVERING and p.watch_line() is None
+    q = mk()                                     # no kill_below: nothing to watch during the grace
+    q.step(0.0, LINE - 1)
+    assert q.watch_line() is None
+
+
+def test_a_victim_that_cannot_die_is_given_up_and_the_next_crossing_chooses_again():
+    p = mk(grace=1.0)
+    p.step(0.0, LINE - 1)
+    assert p.step(1.0, LINE - 1) == (P.KILL,)
+    acts = [p.step(1.0 + 0.5 * i, LINE - 1) for i in range(1, 59)]      # up to t = 30.0
+    assert all(a in ((), (P.KILL,)) for a in acts)
+    assert p.step(31.0, LINE - 1) == (P.UNKILLABLE,)
+    assert p.state == P.OK
+    assert p.step(31.2, LINE - 1) == (P.CROSSED, P.TERM)

@@ -80,3 +80,34 @@ def test_short_title():
     assert st("/opt/tritonserver/bin/tritonserver --model-repository=/m") == "tritonserver --model-repository=/m"
     assert st("", "kthreadd") == "kthreadd"
     assert st("x" * 300).endswith("…") and len(st("x" * 300)) == 160
+
+
+def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engines, tmp_path):
+    """launcher (argv mentions "vllm serve M") -> a middle process that does not match -> the engine,
+    and an unrelated child of the launcher.  The root is where the unbroken chain of matching
+    processes starts, so neither the launcher nor its other child is in the tree."""
+    import json
+    import subprocess
+    import sys
+    model = unique("sgpt")
+    middle = ("import json, os, subprocess, sys\n"
+              "e = subprocess.Popen(json.loads(os.environ['SG_ENGINE']))\n"
+              "print(e.pid, flush=True); e.wait()\n")
+    launcher_code = ("import subprocess, sys, time\n"
+                     f"m = subprocess.Popen([sys.executable, '-c', {middle!r}], stdout=subprocess.PIPE, text=True)\n"
+                     "ed = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                     "print(m.stdout.readline().strip(), ed.pid, flush=True); time.sleep(120)\n")
+    env = dict(os.environ, SG_ENGINE=json.dumps(fake_engine.command(model)))
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, f"vllm serve {model}"],
+                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        eng_pid, ed_pid = map(int, launcher.stdout.readline().split())
+        ts = proctree.find_targets(cfg(rf"vllm serve {model}\b"))
+        # the launcher matches too, as a tree of its own; the engine's tree is first (more memory)
+        # and holds neither the launcher nor the launcher's unrelated child
+        assert ts[0].root_pid == eng_pid
+        assert ed_pid not in ts[0].pids and launcher.pid not in ts[0].pids
+    finally:
+        import signal
+        os.killpg(launcher.pid, signal.SIGKILL)   # the launcher's session: everything this test started
+        launcher.wait(10)

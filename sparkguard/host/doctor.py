@@ -67,10 +67,9 @@ class Context:
 
 
 def _meminfo() -> dict[str, int]:
-    from sparkguard.sysinfo import parse_meminfo
+    from sparkguard.sysinfo import read_meminfo
 
-    with open("/proc/meminfo", "rb") as f:
-        return parse_meminfo(f.read())
+    return read_meminfo()
 
 
 def tune_fix(**options: int) -> str:

@@ -77,11 +77,10 @@ class Refusal:
 
 def mem_total() -> int:
     """MemTotal in bytes (0 if unreadable)."""
-    from sparkguard.sysinfo import parse_meminfo
+    from sparkguard.sysinfo import read_meminfo
 
     try:
-        with open("/proc/meminfo", "rb") as f:
-            return parse_meminfo(f.read()).get("MemTotal", 0)
+        return read_meminfo().get("MemTotal", 0)
     except OSError:
         return 0
 
