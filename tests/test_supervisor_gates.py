@@ -9,7 +9,6 @@ Memory lines are placed relative to the MemAvailable read at the start of the te
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from typing import Callable
 
@@ -108,16 +107,15 @@ class EngineIncidents:
             engine: the supervisor's engine info (state, lane, pid, last lines).
             pid: the engine's root pid.
         """
-        from sparkguard import sysinfo
+        from sparkguard import incidents, sysinfo
         g = cfg.guard
         wall = time.time()
         try:
-            with open("/proc/meminfo", "rb") as f:
-                mi = sysinfo.parse_meminfo(f.read())
+            mi = sysinfo.read_meminfo()
         except OSError:
             mi = {}
         inc = {
-            "id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + os.urandom(3).hex(),
+            "id": incidents.new_id(wall),
             "kind": "wedged", "drill": False, "host": sysinfo.hostname(), "boot_id": sysinfo.boot_id(),
             "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
             "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
