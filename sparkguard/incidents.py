@@ -574,7 +574,8 @@ def read_journal(timeout: float = 30.0) -> list[dict]:
 
 
 def merge(stored: Iterable[dict], journaled: Iterable[dict]) -> list[tuple[dict, str]]:
-    """Merge records by id; the file wins over the journal copy.
+    """Merge records by id; the file wins over the journal copy, and among journal copies of one id
+    (an incident is reported again when the engine restarts) the last one, in journal order, wins.
 
     Returns ``[(record, source)]`` newest first, source ``"file"``, ``"journal"`` or
     ``"file+journal"``.
@@ -584,7 +585,9 @@ def merge(stored: Iterable[dict], journaled: Iterable[dict]) -> list[tuple[dict,
         by_id[r["id"]] = (r, "file")
     for r in journaled:
         iid = r["id"]
-        if iid in by_id:
+        if iid in by_id and by_id[iid][1] == "journal":
+            by_id[iid] = (r, "journal")
+        elif iid in by_id:
             by_id[iid] = (by_id[iid][0], "file+journal")
         else:
             by_id[iid] = (r, "journal")
