@@ -69,6 +69,8 @@ def test_start_ready_output_env_process_group_and_metrics(tmp_path):
         assert os.getpgid(pid) != os.getpgid(d.proc.pid)
         # the daemon's lowered oom_score_adj is not inherited; the engine's cmdline is intact (exec, same pid)
         assert open(f"/proc/{pid}/oom_score_adj").read().strip() == "0"
+        # nor its raised CPU priority (the guard runs at nice -10 or lower, the engine at 0)
+        assert os.getpriority(os.PRIO_PROCESS, d.proc.pid) < 0 and os.getpriority(os.PRIO_PROCESS, pid) == 0
         assert model in open(f"/proc/{pid}/cmdline").read()
         # vLLM gets a worker shutdown timeout below guard.grace (3 s): 3 - 2 = 1
         env = environ(pid)

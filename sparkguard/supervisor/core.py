@@ -790,9 +790,14 @@ class Supervisor:
         if prev is None:
             return
         pgid, members = prev
-        if process.leftovers(None, members):
+        live = process.leftovers(None, members)
+        if live:
+            from sparkguard import proctree
+            # a member may have left the group (setsid, as Ray does): then the group id could have
+            # been reused by a stranger; trust it only while a live member is still in it
+            in_group = any((p := proctree.read_proc(pid)) is not None and p.pgrp == pgid for pid in live)
             self._set("sweeping", "stopping the engine a previous sparkguard left running")
-            found = self._sweep(pgid, members, group_ok=True)
+            found = self._sweep(pgid, members, group_ok=in_group)
             log.warning("engine: stopped %d processes left by a previous sparkguard (pgid %d)", len(found), pgid)
 
 
