@@ -188,8 +188,9 @@ def request(path: str, req: dict, timeout: float = 10.0) -> dict:
             s.connect(path)
         except FileNotFoundError:
             raise ControlError(errno.ENOENT, f"sparkguard is not running with an engine: no control socket at {path} "
-                                             "(start it with 'sparkguard run' and an engine: section, or pass "
-                                             "--socket)") from None
+                                             "(start it with 'sparkguard run' and an engine: section; if it runs "
+                                             "with another config file or socket, pass --config FILE or "
+                                             "--socket PATH)") from None
         except ConnectionRefusedError:
             raise ControlError(errno.ECONNREFUSED, f"sparkguard is not running: {path} is a stale socket "
                                                    "nobody listens on") from None
@@ -266,31 +267,53 @@ def socket_path(arg: str | None, config_path: str | None) -> str:
 # command line
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``engine`` with ``status``, ``start``, ``stop``, ``restart``, ``lane NAME``."""
+    """Add ``engine`` with ``status``, ``start``, ``stop``, ``restart``, ``lane NAME``.
+
+    The common options (``--config/-c``, ``--socket``, ``--json``, and ``--no-wait``/``--timeout``
+    of the actions that wait) are accepted before and after the action: ``sparkguard engine -c F
+    status`` and ``sparkguard engine status -c F`` are the same.
+    """
     p = sub.add_parser("engine", help="control the supervised engine (status, start, stop, restart, lane)",
-                       description="Talk to the running daemon over its root-only unix socket.")
-    p.add_argument("--socket", metavar="PATH", help=f"control socket (default: engine.control_socket, {DEFAULT_SOCKET})")
-    p.add_argument("--config", "-c", metavar="PATH", help="config file to read engine.control_socket from")
-    p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+                       description="Talk to the running daemon over its root-only unix socket. Options go "
+                                   "before or after the action.")
+    _common_args(p, top=True)
     esub = p.add_subparsers(dest="engine_cmd", metavar="ACTION")
     esub.required = True
-    esub.add_parser("status", help="the engine's state, lane, restarts")
+    st = esub.add_parser("status", help="the engine's state, lane, restarts")
+    _common_args(st, top=False, waits=False)
     for name, what in (("start", "start the engine (after the memory gates)"),
                        ("stop", "SIGTERM the engine, SIGKILL its tree after guard.grace; no restart"),
                        ("restart", "stop, then start after the memory gates")):
         a = esub.add_parser(name, help=what)
-        _wait_args(a, name != "stop")
+        _common_args(a, top=False)
     ln = esub.add_parser("lane", help="switch lanes: stop, quiesce, start with the lane's args/env, wait ready")
     ln.add_argument("name", help="one of engine.lanes")
-    _wait_args(ln, True)
+    _common_args(ln, top=False)
     p.set_defaults(func=handler)
 
 
-def _wait_args(a: argparse.ArgumentParser, ready: bool) -> None:
-    a.add_argument("--no-wait", action="store_true",
-                   help="return at once instead of waiting until the engine is " + ("ready" if ready else "stopped"))
-    a.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
-                   help="how long to wait (default 3600)")
+def _common_args(a: argparse.ArgumentParser, top: bool, waits: bool = True) -> None:
+    """The options of ``sparkguard engine``, on its parser (``top``: with the defaults) and again on
+    each action's parser with suppressed defaults, so that a value given after the action wins
+    and one given before it is not reset."""
+    def kw(default):
+        return {"default": default if top else argparse.SUPPRESS}
+    a.add_argument("--socket", metavar="PATH",
+                   help=f"control socket (default: engine.control_socket of the config, {DEFAULT_SOCKET})", **kw(None))
+    a.add_argument("--config", "-c", metavar="PATH", help="config file to read engine.control_socket from",
+                   **kw(None))
+    a.add_argument("--json", action="store_true", help="print the daemon's answer as JSON", **kw(False))
+    if waits:
+        a.add_argument("--no-wait", action="store_true",
+                       help="return at once (start, restart, lane: instead of waiting until the engine is ready; "
+                            "stop: until it is stopped)", **kw(False))
+        a.add_argument("--timeout", type=float, metavar="SECONDS", help="how long to wait (default 3600)",
+                       **kw(3600.0))
+
+
+#: what ``--no-wait`` prints for each action
+REQUESTED = {"start": "start requested", "stop": "stop requested", "restart": "restart requested",
+             "lane": "lane switch to {lane} requested"}
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -320,6 +343,10 @@ def handler(args: argparse.Namespace) -> int:
         from sparkguard import supervisor
         if not resp.get("ok"):
             print(f"sparkguard engine {op}: {resp.get('error')}", file=sys.stderr)
+        elif op != "status" and args.no_wait:
+            # the state is still the one before the request: say first that it was taken
+            print(f"sparkguard engine: {resp.get('note') or REQUESTED[op].format(lane=getattr(args, 'name', ''))}"
+                  + ("" if resp.get("note") else "; not waiting (see 'sparkguard engine status')"))
         if resp.get("status"):
             print("\n".join(supervisor.describe(resp["status"])))
     return 0 if resp.get("ok") else EXIT_ERROR

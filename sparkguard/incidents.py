@@ -323,6 +323,60 @@ def _tree_rows(tree: list[dict]) -> list[tuple[int, dict]]:
     return out
 
 
+def _engine_lines(eng: dict) -> list[str]:
+    """The report's "Engine" section from ``rec["engine"]`` (sparkguard.supervisor: the supervised
+    engine's run the incident concerns, and what became of it); never raises on odd values."""
+    import shlex
+
+    def words(d: Any) -> str:       # a small dict as "k v, k v" (no JSON in a report for people)
+        if isinstance(d, dict):
+            return ", ".join(f"{k} {v}" for k, v in d.items() if v not in (None, "", 0, False)) or "none"
+        return str(d)
+
+    out = ["Engine (supervised by sparkguard)"]
+    head = []
+    if eng.get("pid") is not None:
+        head.append(f"pid {eng['pid']}")
+    if eng.get("lane"):
+        head.append(f"lane {eng['lane']}")
+    if head:
+        out.append(f"  run            {', '.join(head)}")
+    cmd = eng.get("command")
+    if isinstance(cmd, list) and cmd:
+        line = shlex.join(str(a) for a in cmd)
+        out.append(f"  command        {line if len(line) <= 300 else line[:299] + '…'}")
+    ex = eng.get("exit")
+    if isinstance(ex, dict):
+        when = _local(ex.get("at")) if _num(ex.get("at")) is not None else ""
+        out.append(f"  exit           {ex.get('detail') or words(ex)}" + (f" (at {when})" if when else ""))
+    elif eng.get("pid") is not None and "exit" in eng:
+        out.append("  exit           still running when reported")
+    if eng.get("state"):
+        out.append(f"  state          {eng['state']}" + (f": {eng['detail']}" if eng.get("detail") else "")
+                   + " (when the incident closed)")
+    if "restarted" in eng:
+        after = eng.get("after") if isinstance(eng.get("after"), dict) else {}
+        bits = [f"{k} {after[k]}" for k in ("pid", "lane") if after.get(k) is not None]
+        out.append("  restarted      " + ("yes" if eng["restarted"] else "no")
+                   + (f", now {after['state']}" if after.get("state") else "")
+                   + (f" ({', '.join(bits)})" if bits else ""))
+    if isinstance(eng.get("restarts"), dict):
+        out.append(f"  restarts       {words(eng['restarts'])} (by reason, since the daemon started)")
+    for k, v in eng.items():
+        if k in ("pid", "lane", "command", "exit", "state", "detail", "restarted", "after", "restarts", "last_lines"):
+            continue
+        if isinstance(v, list) and all(isinstance(x, str) for x in v):
+            out.append(f"  {k}:")
+            out.extend(f"    | {x}" for x in v)
+        else:
+            out.append(f"  {str(k):<14} {words(v) if isinstance(v, dict) else v}")
+    lines = eng.get("last_lines")
+    if isinstance(lines, list) and lines:
+        out.append(f"  last {len(lines)} output lines" + (f" of pid {eng['pid']}" if eng.get("pid") else "") + ":")
+        out.extend(f"    | {x}" for x in lines)
+    return out
+
+
 def render(rec: dict) -> str:
     """A readable multi-line report of one incident record (str, ends with a newline).
 
@@ -445,15 +499,7 @@ def render(rec: dict) -> str:
     eng = rec.get("engine")
     if isinstance(eng, dict) and eng:
         L.append("")
-        L.append("Engine")
-        for k, v in eng.items():
-            if isinstance(v, list) and all(isinstance(x, str) for x in v):
-                L.append(f"  {k}:")
-                L.extend(f"    | {x}" for x in v)
-            elif isinstance(v, (dict, list)):
-                L.append(f"  {k:<14} {json.dumps(v, default=str)}")
-            else:
-                L.append(f"  {k:<14} {v}")
+        L.extend(_engine_lines(eng))
     return "\n".join(L) + "\n"
 
 
@@ -528,7 +574,8 @@ def read_journal(timeout: float = 30.0) -> list[dict]:
 
 
 def merge(stored: Iterable[dict], journaled: Iterable[dict]) -> list[tuple[dict, str]]:
-    """Merge records by id; the file wins over the journal copy.
+    """Merge records by id; the file wins over the journal copy, and among journal copies of one id
+    (an incident is reported again when the engine restarts) the last one, in journal order, wins.
 
     Returns ``[(record, source)]`` newest first, source ``"file"``, ``"journal"`` or
     ``"file+journal"``.
@@ -538,7 +585,9 @@ def merge(stored: Iterable[dict], journaled: Iterable[dict]) -> list[tuple[dict,
         by_id[r["id"]] = (r, "file")
     for r in journaled:
         iid = r["id"]
-        if iid in by_id:
+        if iid in by_id and by_id[iid][1] == "journal":
+            by_id[iid] = (r, "journal")
+        elif iid in by_id:
             by_id[iid] = (by_id[iid][0], "file+journal")
         else:
             by_id[iid] = (r, "journal")

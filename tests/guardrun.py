@@ -94,6 +94,16 @@ class GuardProc:
         with open(self.log_path) as f:
             return f.read()
 
+    def wait_log(self, text: str, timeout: float = 10.0) -> str:
+        """Wait until the daemon's log holds ``text`` (it logs through a queue and a thread, so a
+        line can land just after the sd_notify message that announced the same event)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not in the log within {timeout}s:\n{self.log()[-2000:]}")
+            self.notify.recv(0.05)   # waits on the socket: no other event tells a log line was written
+        return self.log()
+
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -166,9 +166,11 @@ class Daemon:
         assert r["ok"], f"{r.get('error')}\n{self.output()}"
         return r["status"]
 
-    def incident(self, kind: str, timeout: float = 30.0, start: int = 0) -> dict:
-        """The first incident of ``kind`` reported (the reporter logs "incident ID: OUTCOME: ..."
-        once it has saved ``incidents.dir/ID.json``), loaded from its JSON file."""
+    def incident(self, kind: str, timeout: float = 30.0, start: int = 0, where=None) -> dict:
+        """The first incident report of ``kind`` (and for which ``where(record)`` is true, e.g. the
+        report again with its restart) from output index ``start`` on: the reporter logs
+        "incident ID: OUTCOME: ..." once it has saved ``incidents.dir/ID.json``; the record is
+        loaded from that file."""
         import json
         deadline = time.monotonic() + timeout
         i = start
@@ -179,7 +181,7 @@ class Daemon:
             path = os.path.join(self.cfg["incidents"]["dir"], m.group(1) + ".json")
             with open(path) as f:
                 inc = json.load(f)
-            if inc["kind"] == kind:
+            if inc["kind"] == kind and (where is None or where(inc)):
                 return inc
 
     def stop(self, timeout: float = 30.0) -> int:
@@ -207,6 +209,11 @@ class Daemon:
         """Stop the daemon, then SIGKILL (pidfd) any engine process it left: only ones we saw start."""
         self.stop()
         kill_pids(self.engine_pids)
+
+
+def restarted(inc: dict) -> bool:
+    """``where`` for :meth:`Daemon.incident`: the report once the restart it caused was added."""
+    return bool(inc["timeline"]) and inc["timeline"][-1]["event"] == "restart"
 
 
 def kill_pids(pids: dict[int, int]) -> None:

@@ -33,6 +33,57 @@ def test_no_daemon_gives_a_clear_error_and_exit_3(tmp_path):
     assert control.engine_status(path) is None
 
 
+def test_options_go_before_or_after_the_action_and_no_daemon_names_both(tmp_path):
+    import yaml
+    path = str(tmp_path / "absent.sock")
+    cfg = tmp_path / "sg.yaml"
+    cfg.write_text(yaml.safe_dump(engine_config(tmp_path, "m", ["true"], None, control_socket=path)))
+    for argv in (["engine", "status", "--config", str(cfg)], ["engine", "-c", str(cfg), "status"],
+                 ["engine", "status", "--json", "-c", str(cfg)], ["engine", "restart", "-c", str(cfg), "--no-wait"]):
+        r = run_sparkguard(*argv)
+        assert r.returncode == 3, (argv, r.stderr)
+        err = r.stderr.strip()
+        # the socket came from the config given after the action; the hint names both options
+        assert err.startswith(f"sparkguard engine: sparkguard is not running with an engine: no control socket at {path}")
+        assert "--config FILE" in err and "--socket PATH" in err, err
+    r = run_sparkguard("engine", "status", "--no-wait", "--socket", path)
+    assert r.returncode == 2 and "unrecognized arguments: --no-wait" in r.stderr    # status does not wait
+
+
+def test_common_options_after_the_action_against_a_daemon_and_no_wait_says_what_it_did(tmp_path):
+    model, port = unique(), free_port()
+    d = Daemon(tmp_path, engine_config(tmp_path, model, fake_cmd(model, port), port))
+    try:
+        d.wait_control()
+        st = d.wait_ready()
+        cfg = str(d.path)
+        r = run_sparkguard("engine", "status", "--config", cfg)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"engine: ready (pid {st['pid']}, up "), r.stdout
+        for argv in (["engine", "status", "--json", "-c", cfg], ["engine", "--json", "status", "-c", cfg],
+                     ["engine", "-c", cfg, "--json", "status"]):
+            r = run_sparkguard(*argv)
+            assert r.returncode == 0, (argv, r.stderr)
+            assert json.loads(r.stdout)["status"]["pid"] == st["pid"]
+        # --no-wait before or after the action: it says the restart was asked for, then the state
+        for n, argv in enumerate((["engine", "restart", "--no-wait", "-c", cfg],
+                                  ["engine", "--no-wait", "-c", cfg, "restart"]), start=1):
+            r = run_sparkguard(*argv)
+            assert r.returncode == 0, (argv, r.stderr)
+            lines = r.stdout.splitlines()
+            assert lines[0] == "sparkguard engine: restart requested; not waiting (see 'sparkguard engine status')"
+            assert lines[1].startswith("engine: "), r.stdout
+            st = d.wait_ready(after=n, timeout=30)
+        assert st["restarts"]["manual"] == 2
+        # waiting is the default, and --timeout also goes before the action
+        r = run_sparkguard("engine", "--timeout", "60", "restart", "-c", cfg)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("engine: ready (pid "), r.stdout
+        assert d.status()["starts"] == 4
+    finally:
+        d.cleanup()
+
+
 def test_stale_socket_is_reported_as_not_running(tmp_path):
     path = str(tmp_path / "stale.sock")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

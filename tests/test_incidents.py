@@ -295,3 +295,13 @@ def test_cli_merges_incidents_only_the_journal_holds(tmp_path):
     assert stdout.startswith("Incident 20250105T000000Z-a00001") and "from the journal only" in stdout
     rc, stdout, _ = out["nojournal"]
     assert "20250105T000000Z-a00001" not in stdout
+
+
+def test_merge_keeps_the_last_journal_report_of_an_id():
+    from sparkguard.incidents import merge
+    first = {"id": "20261130T000000Z-aaaaaa", "started_at": 1.0, "summary": "restart pending"}
+    later = {"id": "20261130T000000Z-aaaaaa", "started_at": 1.0, "summary": "engine restarted"}
+    [(rec, src)] = merge([], [first, later])
+    assert rec["summary"] == "engine restarted" and src == "journal"
+    [(rec, src)] = merge([dict(first, summary="file")], [first, later])
+    assert rec["summary"] == "file" and src == "file+journal"

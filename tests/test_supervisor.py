@@ -16,10 +16,12 @@ import time
 import urllib.request
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import run_sparkguard
-from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, unique, wait_gone)
+from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, restarted, unique,
+                                wait_gone)
 
 pytestmark = pytest.mark.usefixtures("root_only")
 
@@ -67,6 +69,8 @@ def test_start_ready_output_env_process_group_and_metrics(tmp_path):
         assert os.getpgid(pid) != os.getpgid(d.proc.pid)
         # the daemon's lowered oom_score_adj is not inherited; the engine's cmdline is intact (exec, same pid)
         assert open(f"/proc/{pid}/oom_score_adj").read().strip() == "0"
+        # nor its raised CPU priority (the guard runs at nice -10 or lower, the engine at 0)
+        assert os.getpriority(os.PRIO_PROCESS, d.proc.pid) < 0 and os.getpriority(os.PRIO_PROCESS, pid) == 0
         assert model in open(f"/proc/{pid}/cmdline").read()
         # vLLM gets a worker shutdown timeout below guard.grace (3 s): 3 - 2 = 1
         env = environ(pid)
@@ -167,7 +171,12 @@ def test_wedge_detected_terminated_restarted_with_incident(tmp_path):
         wedged = history(st, "wedged")
         assert wedged and "2 liveness probes failed" in wedged[0]["detail"]
         assert any("wedged: SIGTERM" in h["detail"] for h in history(st, "sigterm"))
-        inc = d.incident("wedged")
+        # reported once the engine exited (the log line of that first report), and again, same id,
+        # with the restart it caused
+        iid = d.wait_line(r"incident (\S+): terminated: engine wedged: .*; engine restart pending").group(1)
+        d.wait_line(rf"incident {iid}: terminated: engine wedged: .*; engine restarted")
+        inc = d.incident("wedged", where=restarted)
+        assert inc["id"] == iid
         events = [e["event"] for e in inc["timeline"]]
         assert events[:2] == ["wedged", "sigterm"] and "exited" in events and events[-1] == "restart", events
         assert inc["outcome"] == "terminated" and inc["target"]["root_pid"] == first[0]
@@ -274,6 +283,68 @@ def test_lane_switch_end_to_end_and_lane_survives_daemon_restart(tmp_path):
         assert st["lane"] == "big"
         models = json.loads(http_get(f"http://127.0.0.1:{port}/v1/models")[1])
         assert models["data"][0]["id"] == f"{model}-big"
+    finally:
+        d.cleanup()
+        if d2 is not None:
+            d2.cleanup()
+
+
+def test_editing_engine_lane_and_sighup_switches_lanes_and_survives_a_daemon_restart(tmp_path):
+    """README: "editing engine.lane in the file wins" over the lane kept in the state file."""
+    model, port = unique(), free_port()
+    lanes = {name: {"args": ["--served-model-name", f"{model}-{name}"]} for name in ("calm", "fill", "big")}
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port), port, lanes=lanes, lane="calm")
+    state_file = cfg["engine"]["state_file"]
+
+    def serving() -> str:
+        return json.loads(http_get(f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"]
+
+    def reload(d: Daemon, lane: str) -> int:
+        cfg["engine"]["lane"] = lane
+        d.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        mark = d.mark()
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_line(r"reloaded ", start=mark)
+        return mark
+
+    d = Daemon(tmp_path, cfg)
+    d2 = None
+    try:
+        d.wait_control()
+        assert d.wait_ready()["lane"] == "calm"
+        first = list(d.engine_pids)
+        # engine.lane edited, SIGHUP: the engine is restarted in the new lane, and the log says why
+        mark = reload(d, "fill")
+        d.wait_line(r"engine: lane: engine\.lane changed from calm to fill in \S+sparkguard\.yaml: "
+                    r"switching to lane fill \(restart\)", start=mark)
+        st = d.wait_ready(after=1, lane="fill", timeout=60)
+        assert st["lane"] == "fill" and st["restarts"]["lane"] == 1 and serving() == f"{model}-fill"
+        assert wait_gone(first, 5) == []
+        with open(state_file) as f:
+            state = json.load(f)
+        assert state["lane"] == "fill" and state["config_lane"] == "fill"
+        # ... and a daemon restart keeps it
+        assert d.stop() == 0
+        d2 = Daemon(tmp_path, cfg, name="again")
+        d2.wait_control()
+        st = d2.wait_ready()
+        assert st["lane"] == "fill" and serving() == f"{model}-fill"
+        # a lane chosen with 'sparkguard engine lane' stays over a reload that leaves engine.lane alone
+        r = run_sparkguard("engine", "lane", "calm", "--socket", d2.socket, "--timeout", "60")
+        assert r.returncode == 0, r.stdout + r.stderr
+        reload(d2, "fill")
+        st = d2.status()
+        assert st["lane"] == "calm" and st["starts"] == 2 and st["want"] == "run"
+        # a stopped engine stays stopped; the new engine.lane is used at its next start
+        assert run_sparkguard("engine", "stop", "--socket", d2.socket, "--timeout", "30").returncode == 0
+        mark = reload(d2, "big")
+        d2.wait_line(r"engine: lane: engine\.lane changed from fill to big .*: lane big from the next start", start=mark)
+        st = d2.status()
+        assert st["state"] == "stopped" and st["lane"] == "big" and st["starts"] == 2
+        r = run_sparkguard("engine", "start", "--socket", d2.socket, "--timeout", "60")
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = d2.status()
+        assert st["lane"] == "big" and st["ready"] and serving() == f"{model}-big"
     finally:
         d.cleanup()
         if d2 is not None:

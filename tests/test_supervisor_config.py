@@ -67,15 +67,36 @@ def test_log_priority_from_the_level_prefix():
 
 
 def test_describe_reads_like_a_status_screen():
-    lines = supervisor.describe({"state": "backoff", "detail": "restart 3 in a row in 4 s", "pid": None, "lane": "1m",
+    detail = "restarting in 4.0 s (3 restarts in a row); last run: exit code 1 after 100 ms"
+    lines = supervisor.describe({"state": "backoff", "detail": detail, "pid": None, "lane": "1m",
                                  "lanes": ["200k", "1m"], "command": ["vllm", "serve", "m"], "starts": 4,
                                  "restarts": {"exit": 3, "guard": 0}, "restart_policy": "always",
                                  "backoff": 4.0, "consecutive_failures": 3, "last_exit": None})
-    assert lines[0] == "engine: backoff (lane 1m): restart 3 in a row in 4 s"
+    assert lines[0] == f"engine: backoff (lane 1m): {detail}"
     assert "  lanes: 200k, *1m" in lines
     assert any("restarts: exit 3" in ln for ln in lines)
-    assert any("crash loop backoff: 3 in a row" in ln for ln in lines)
+    assert any("crash loop: 3 restarts in a row" in ln for ln in lines)
     assert supervisor.describe(None)[0].startswith("engine: not supervised")
+
+
+def test_describe_says_the_pid_and_lane_once():
+    ready = {"state": "ready", "detail": "", "pid": 27228, "lane": "calm", "uptime": 11.7, "starts": 1,
+             "restarts": {}, "restart_policy": "always"}
+    assert supervisor.describe(ready)[0] == "engine: ready (pid 27228, lane calm, up 11.7 s)"
+    # a detail that only repeats what the parentheses say (an older daemon's) is left out
+    assert supervisor.describe({**ready, "detail": "pid 27228, lane calm"})[0] == \
+        "engine: ready (pid 27228, lane calm, up 11.7 s)"
+    starting = {**ready, "state": "starting", "detail": "waiting for http://127.0.0.1:8000/health to answer 200"}
+    assert supervisor.describe(starting)[0] == ("engine: starting (pid 27228, lane calm, up 11.7 s): "
+                                                "waiting for http://127.0.0.1:8000/health to answer 200")
+
+
+def test_exit_details_read_as_sentences():
+    from sparkguard.supervisor.restart import describe_exit
+    assert describe_exit(0, None, 9.94, None, True) == "exit code 0 after 9.9 s (guard: signalled by the memory guard)"
+    assert describe_exit(None, "SIGKILL", 3.1, "lane", False) == "killed by SIGKILL after 3.1 s (lane: switching lanes)"
+    assert describe_exit(1, None, 0.1, None, False) == "exit code 1 after 100 ms"
+    assert describe_exit(0, None, 2.0, "stop", False) == "exit code 0 after 2.0 s (stop)"
 
 
 # ---- config

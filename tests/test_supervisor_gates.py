@@ -9,7 +9,6 @@ Memory lines are placed relative to the MemAvailable read at the start of the te
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import mem_available, run_sparkguard
-from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, unique
+from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, restarted, unique
 from sparkguard import peers, sysinfo
 
 pytestmark = pytest.mark.usefixtures("root_only")
@@ -73,7 +72,7 @@ def test_guard_sigterm_of_the_engine_restarts_only_after_the_quiesce_gate(tmp_pa
         fd = os.pidfd_open(tp0)
         signal.pidfd_send_signal(fd, signal.SIGUSR1)
         os.close(fd)
-        d.wait_line(r"engine: guard: guard sigterm of the engine", timeout=60, start=mark)
+        d.wait_line(r"engine: guard: the memory guard sent SIGTERM to pid \d+ \(incident ", timeout=60, start=mark)
         d.wait_line(r"engine: exit: pid \d+ exit code 0", timeout=30, start=mark)
         # memory is back above the line but not above the gate: the supervisor waits
         d.wait_line(r"engine: waiting: quiesce: MemAvailable", timeout=30, start=mark)
@@ -93,7 +92,7 @@ def test_guard_sigterm_of_the_engine_restarts_only_after_the_quiesce_gate(tmp_pa
         assert st["restarts"]["guard"] == 1
         assert st["quiesce_wait"] >= 1.0 and not st["quiesce_timed_out"]
         # the incident report carries the guard's actions, the engine's last lines and the restart
-        inc = d.incident("memory", start=mark)
+        inc = d.incident("memory", start=mark, where=restarted)
         events = [e["event"] for e in inc["timeline"]]
         assert events[:2] == ["crossed", "sigterm"] and "exited" in events and events[-1] == "restart", events
         assert inc["target"]["root_pid"] == pids[0] and inc["target"]["pattern"] == "engine:supervised"
@@ -186,7 +185,7 @@ def test_gate_timeout_starts_anyway_and_the_incident_says_so(tmp_path, gate):
         cfg["guard"]["term_below"] = total - 64 * 1024**2
         d.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         d.proc.send_signal(signal.SIGHUP)
-        d.wait_line(r"engine: guard: guard sigterm of the engine", timeout=30, start=mark)
+        d.wait_line(r"engine: guard: the memory guard sent SIGTERM to pid \d+ \(incident ", timeout=30, start=mark)
         d.wait_line(rf"engine: exit: pid {first} ", timeout=30, start=mark)
         d.wait_line(r"engine: waiting: a guard incident is open", timeout=30, start=mark)
         # the line back down: the incident closes, the gate times out again, the engine starts anyway
@@ -195,7 +194,7 @@ def test_gate_timeout_starts_anyway_and_the_incident_says_so(tmp_path, gate):
         d.proc.send_signal(signal.SIGHUP)
         st = d.wait_ready(after=1, timeout=60)
         assert st["restarts"]["guard"] == 1 and st["gate_timeout"]["gate"] == gate
-        inc = d.incident("memory", start=mark)
+        inc = d.incident("memory", start=mark, where=restarted)
         events = [e["event"] for e in inc["timeline"]]
         assert events[:2] == ["crossed", "sigterm"] and events[-1] == "restart", events
         restart = inc["timeline"][-1]

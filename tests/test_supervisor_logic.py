@@ -214,13 +214,10 @@ def test_restart_policy():
     assert not restart.restarts("never", True) and not restart.restarts("never", False)
 
 
-def test_last_lines_keep_the_ended_run_for_reports():
+def test_last_lines_keep_the_last_n():
     ll = LastLines(3)
     for i in range(5):
         ll.add("stdout", f"line {i}")
     assert ll.current() == ["line 2", "line 3", "line 4"]
-    ll.freeze()
-    ll.clear()
-    ll.add("stderr", "next run")
-    assert ll.for_report(exited=True, n=2) == ["line 3", "line 4"]
-    assert ll.for_report(exited=False, n=3) == ["next run"]
+    ll.add("stderr", "from stderr")
+    assert ll.current() == ["line 3", "line 4", "from stderr"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import signal
 import threading
 import time
 from typing import Callable
@@ -71,7 +70,8 @@ class Supervisor:
         self.gate_timeout: dict | None = None   # {"gate": "quiesce"|"peers", "detail": str} of the last start
         self.last_exit: dict | None = None
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
-        self.lines = output.LastLines(self.ecfg.log_lines)
+        self._state_lock = threading.Lock()
+        self.hits: dict[str, Run] = {}        # guard incident id -> the run the guard signalled in it
         self.incident_open = False
         self.link_down = False
         self.peer_states: list[dict] = []
@@ -108,23 +108,45 @@ class Supervisor:
             self.cv.notify_all()
         if self.thread is not None:
             self.thread.join(timeout if timeout is not None else self.cfg.guard.grace * 2 + 10)
-        self.reports.flush(self.state, "daemon stopping")
+        self._flush("daemon stopping")
         self.sink.close()
 
     def reload(self, cfg) -> None:
         """New configuration (SIGHUP): gates, health, probe, restart policy take effect now or at the
-        next start; the command, env and lanes at the next start.  The control socket path needs a
-        daemon restart."""
+        next start; the command, env and lanes' args at the next start.  A changed ``engine.lane``
+        switches lanes now, as ``sparkguard engine lane`` does (a stopped engine starts in it when
+        next started); so does a current lane that ``engine.lanes`` no longer has.  The state file
+        is written by the supervisor thread once it switched; until then it still names the old
+        ``config_lane``, so a daemon restart meanwhile also starts in the new ``engine.lane``
+        (:func:`lanes.initial_lane`).  The control socket path needs a daemon restart."""
         with self.cv:
             if cfg.engine.control_socket != self.ecfg.control_socket:
                 log.warning("engine.control_socket changed to %s: takes effect after a restart",
                             cfg.engine.control_socket)
+            old_cfg_lane = lanes.config_lane(self.ecfg)
             self.cfg, self.ecfg = cfg, cfg.engine
             self.backoff.initial, self.backoff.maximum = cfg.engine.backoff_initial, cfg.engine.backoff_max
             self.backoff.stable_after = cfg.engine.stable_after
-            if self.lane not in cfg.engine.lanes:
-                self.lane = lanes.config_lane(cfg.engine)
+            new_cfg_lane = lanes.config_lane(cfg.engine)
+            why = None
+            if new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane:
+                why = f"engine.lane changed from {old_cfg_lane} to {new_cfg_lane} in {cfg.path}"
+            elif self.lane is not None and self.lane not in cfg.engine.lanes:
+                why = f"lane {self.lane} is not in engine.lanes of {cfg.path} any more"
+            if why is not None:
+                self._switch_lane(new_cfg_lane, why)
             self.cv.notify_all()
+
+    def _switch_lane(self, lane: str | None, why: str) -> None:
+        """(Under ``cv``.) Run in ``lane`` from now on: a running (or starting) engine is restarted
+        in it (reason ``lane``); a stopped one starts in it when next started."""
+        if self.want == "run" and not self.quit and lane is not None:
+            self.request = ("lane", lane)
+            self.backoff.reset()
+            self._history("lane", f"{why}: switching to lane {lane} (restart)")
+        else:
+            self.lane = lane
+            self._history("lane", f"{why}: lane {lane} from the next start")
 
     def engine_pid(self) -> int | None:
         """PID of the running engine's root (None when none runs)."""
@@ -159,7 +181,10 @@ class Supervisor:
             pids = set(event.get("pids") or ())
             if run.pid in pids or pids & set(dict(run.members)):
                 run.guard_hit = True
-                self._history("guard", f"guard {ev} of the engine (incident {incident.get('id')})")
+                if incident.get("id"):
+                    self.hits[incident["id"]] = run
+                self._history("guard", f"the memory guard sent {ev.upper()} to pid {run.pid} "
+                                       f"(incident {incident.get('id')})")
         self._poke()
 
     def _poke(self) -> None:
@@ -193,21 +218,30 @@ class Supervisor:
         self._poke()
 
     def take_incident(self, incident: dict) -> bool:
-        """The guard closed ``incident``: add the engine's state and last output lines, and report it
-        (``reporter.finish``) now, or after the restart it caused (with a ``restart`` event).
+        """The guard closed ``incident``: add the engine's state and report it (``reporter.finish``)
+        at once.
+
+        When the guard signalled the supervised engine in this incident, the engine part describes
+        that run (its exit, its last output lines, even while the supervisor is still sweeping its
+        tree), and the incident is reported again, same id, once the restart it causes happens
+        (a ``restart`` event) or is called off (``no_restart``).  Other incidents (``no_target``,
+        another victim) get the engine's state now and are reported once.
 
         Returns True (the supervisor took over finishing it).  Never blocks.
         """
-        run = self.run if self.run is not None else self.last_run
-        hit = run is not None and run.guard_hit
-        incident["engine"] = self._engine_info(run)
-        restarting = hit and self.want == "run" and not self.quit and self.ecfg.restart != "never"
+        hit_run = self.hits.pop(incident.get("id"), None)
+        run = hit_run or (self.run if self.run is not None else self.last_run)
+        exit_ = self._exit_of(run) if run is not None else None
+        incident["engine"] = self._engine_info(run, exit_)
+        restarting = (hit_run is not None and exit_ is not None and self.want == "run" and not self.quit
+                      and restarts(self.ecfg.restart, True))
         if restarting:
-            self.reports.defer(incident)
+            incident["summary"] = (incident.get("summary") or "") + reports.PENDING
+        self.reports.finish(incident)
+        if restarting:
+            self.reports.track(incident)
         self.incident_open = False
         self._poke()
-        if not restarting:
-            self.reports.finish(incident)
         return True
 
     def command(self, op: str, lane: str | None = None) -> dict:
@@ -360,14 +394,43 @@ class Supervisor:
         with self.cv:
             return self.cv.wait_for(pred, timeout=max(0.0, seconds))
 
-    def _engine_info(self, run: Run | None) -> dict:
-        exited = run is not None and run.exit is not None
-        return {"state": self.state, "lane": run.lane if run else self.lane, "pid": run.pid if run else None,
-                "command": run.argv if run else None, "exit": self.last_exit if run and run.exit else None,
-                "restarts": dict(self.restarts), "last_lines": self.lines.for_report(exited, self.ecfg.log_lines)}
+    @staticmethod
+    def _exit_of(run: Run) -> dict | None:
+        """``run``'s exit record (:meth:`Run.exit_record`); when the exit watcher has not recorded it
+        yet, the root's status is read without waiting (``waitid`` WNOHANG|WNOWAIT: not reaped)."""
+        rec = run.exit_record()
+        if rec is None:
+            ex = process.poll_exit(run.pid)
+            if ex is not None:
+                rec = run.exit_record(ex, time.monotonic())
+        return rec
+
+    def _engine_info(self, run: Run | None, exit_: dict | None = None) -> dict:
+        """The engine part of an incident report: the state now and ``run``'s own pid, lane,
+        command, exit (``exit_``, :meth:`_exit_of`), last output lines; the restart counters now."""
+        state, detail = self.state, self.detail
+        if run is not None and exit_ is not None and self.run is run and state in ("starting", "ready", "stopping"):
+            state, detail = "sweeping", f"pid {run.pid} exited; sweeping what is left of its tree"
+        return {"state": state, "detail": detail, "lane": run.lane if run else self.lane,
+                "pid": run.pid if run else None, "command": run.argv if run else None, "exit": exit_,
+                "restarts": dict(self.restarts),
+                "last_lines": run.lines.current()[-self.ecfg.log_lines:] if run else []}
+
+    def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
+        """Resolve the incidents waiting for a restart (:meth:`reports.EngineIncidents.flush`)."""
+        with self.cv:
+            now = {"state": self.state, "pid": self.run.pid if self.run is not None else None, "lane": self.lane,
+                   "restarts": dict(self.restarts)}
+        self.reports.flush(now, why, restart_detail, pids)
 
     def _write_state(self) -> None:
-        lanes.write_state(self.ecfg, self.lane, self.run)
+        """Persist the lane (a lane switch asked for and not yet done counts: a daemon restart
+        meanwhile starts in it) and the running engine; one writer at a time (the supervisor and
+        monitor threads both write, through the same temp file)."""
+        with self._state_lock:
+            req = self.request
+            lane = req[1] if req is not None and req[0] == "lane" else self.lane
+            lanes.write_state(self.ecfg, lane, self.run)
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
                group_ok: bool = True) -> list[int]:
@@ -386,10 +449,11 @@ class Supervisor:
                     req, self.request = self.request, None
                     if self.want != "run":
                         if self.state not in ("exited", "failed"):
-                            self.state, self.detail = "stopped", "stopped by command" if self.starts else "not started"
+                            self.state = "stopped"
+                            self.detail = "stopped by command" if self.starts else "not started"
                         self.cv.notify_all()
                 if self.want != "run":
-                    self.reports.flush(self.state, "the engine is stopped")
+                    self._flush("the engine is stopped")
                     with self.cv:
                         self.cv.wait_for(lambda: self.quit or self.want == "run" or self.request is not None, 5.0)
                     continue
@@ -420,9 +484,10 @@ class Supervisor:
                 self._await_exit(self.cfg.guard.grace + 10)
             if self.run is not None:
                 self._after_run()
-            self.reports.flush(self.state, "daemon stopping")
+            self._flush("daemon stopping")
 
     def _backoff(self) -> bool:
+        from sparkguard.units import format_duration
         if self.delay <= 0:
             return True
         deadline = time.monotonic() + self.delay
@@ -430,8 +495,10 @@ class Supervisor:
             self.next_start_at = deadline
             le = self.last_exit or {}
             self.state = "backoff"
-            self.detail = (f"restart {self.backoff.failures} in a row in {self.delay:g} s after "
-                           f"{le.get('detail', 'exit')}")
+            n = self.backoff.failures
+            self.detail = (f"restarting in {format_duration(self.delay)}"
+                           + (f" ({n} restarts in a row)" if n > 1 else "")
+                           + f"; last run: {le.get('detail', 'exited')}")
             self.cv.notify_all()
         interrupted = self._wait(self.delay)
         with self.cv:
@@ -456,8 +523,6 @@ class Supervisor:
         e = self.ecfg
         argv, env = lanes.command(self.cfg, self.lane)
         reason = self.next_reason
-        with self.cv:
-            self.lines.clear()
         try:
             proc = process.spawn(argv, env, e.cwd, e.user)
         except OSError as ex:
@@ -468,7 +533,7 @@ class Supervisor:
                                   "reason": "exit", "detail": f"cannot start: {ex}"}
                 self._schedule_restart("exit", failure=True, uptime=0.0)
             return
-        run = Run(proc, self.lane, argv, reason)
+        run = Run(proc, self.lane, argv, reason, e.log_lines)
         p = proctree.read_proc(run.pid)
         run.starttime = p.starttime if p else 0
         if p:
@@ -479,7 +544,8 @@ class Supervisor:
             if reason:
                 self.restarts[reason] = self.restarts.get(reason, 0) + 1
             self.next_reason = None
-            self.state, self.detail = "starting", f"pid {run.pid}" + (f", lane {run.lane}" if run.lane else "")
+            self.state = "starting"
+            self.detail = f"waiting for {e.health_url} to answer 200" if e.health_url else ""
             self._history("start", f"pid {run.pid}" + (f" lane {run.lane}" if run.lane else "")
                           + (f" (restart: {reason})" if reason else "") + ": " + " ".join(argv)[:300])
             self.cv.notify_all()
@@ -492,7 +558,7 @@ class Supervisor:
         gt = self.gate_timeout
         timed_out = (f" (the {gt['gate']} gate timed out after engine.quiesce_timeout "
                      f"{e.quiesce_timeout:g} s, started anyway: {gt['detail']})") if gt else ""
-        self.reports.flush(self.state, "", restart_detail=(
+        self._flush("", restart_detail=(
             f"engine restarted (pid {run.pid}{', lane ' + run.lane if run.lane else ''}) after a quiesce wait of "
             f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid])
         run.start_thread("sg-engine-exit", self._watch_exit)
@@ -561,8 +627,6 @@ class Supervisor:
         """The root exited: record it, sweep leftovers, reap, decide about the restart."""
         run = self.run
         run.done.set()
-        code, sig = run.exit if run.exit is not None else (None, None)
-        uptime = (run.t_exit or time.monotonic()) - run.t_spawn
         self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
         swept = self._sweep(run.pgid, run.members, exclude=run.pid)
         try:
@@ -577,41 +641,43 @@ class Supervisor:
                 stream.close()
             except (OSError, AttributeError):
                 pass
-        how = f"exit code {code}" if code is not None else f"signal {signal.Signals(sig).name}" if sig else "unknown"
+        code = run.exit[0] if run.exit is not None else None
         reason, failure = classify_exit(code, run.term_reason, run.guard_hit)
-        detail = f"{how} after {uptime:.1f} s" + (f" ({run.term_reason})" if run.term_reason else
-                                                   " (guard)" if run.guard_hit else "")
+        rec = dict(run.exit_record() or run.exit_record((None, None), run.t_exit))
         if swept:
-            detail += f"; swept {len(swept)} leftover processes"
+            rec["detail"] += f"; swept {len(swept)} leftover processes"
+        rec["reason"] = reason or run.term_reason
         with self.cv:
-            self.lines.freeze()
+            run.exit_info = rec
             self.exits += 1
-            self.last_exit = {"code": code, "signal": signal.Signals(sig).name if sig else None, "at": time.time(),
-                              "uptime": uptime, "reason": reason or run.term_reason, "detail": detail,
-                              "pid": run.pid, "lane": run.lane}
-            self._history("exit", f"pid {run.pid} {detail}")
+            self.last_exit = rec
+            self._history("exit", f"pid {run.pid} {rec['detail']}")
             self.last_run, self.run = run, None
             if reason is None:
-                self.state, self.detail = "stopped", f"stopped ({run.term_reason})"
+                self.state = "stopped"
+                self.detail = "stopped by command" if run.term_reason == "stop" else "the daemon is stopping"
             elif reason in COMMANDED:
                 self.next_reason = reason
                 self.delay = 0.0
             else:
-                self._schedule_restart(reason, failure, uptime)
+                self._schedule_restart(reason, failure, rec["uptime"])
+            restarting = self.want == "run" and not self.quit and self.state not in ("exited", "failed", "stopped")
             self.cv.notify_all()
         inc = run.incident
         if inc is not None:
-            self.reports.event(inc, "exited", f"engine pid {run.pid}: {detail}", [run.pid])
+            self.reports.event(inc, "exited", f"engine pid {run.pid}: {rec['detail']}", [run.pid])
             kinds = [ev["event"] for ev in inc["timeline"]]
             inc["outcome"] = "killed" if "sigkill" in kinds else "terminated"
             inc["ended_at"] = time.time()
-            inc["engine"] = self._engine_info(run)
+            inc["engine"] = self._engine_info(run, rec)
             inc["summary"] = (f"engine wedged: {run.verdict_detail}; {inc['outcome']}"
-                              + ("; restarting" if self.want == "run" and self.ecfg.restart != "never" else ""))
-            self.reports.defer(inc)
+                              + (reports.PENDING if restarting else ""))
+            if restarting:     # reported now, and again once the restart happened (else once, below)
+                self.reports.finish(inc)
+            self.reports.track(inc)
         self._write_state()
-        if self.want != "run" or self.quit or (self.state in ("exited", "failed")):
-            self.reports.flush(self.state, "the engine is not restarted" if not self.quit else "daemon stopping")
+        if not restarting:
+            self._flush("the engine is not restarted" if not self.quit else "daemon stopping")
 
     def _schedule_restart(self, reason: str, failure: bool, uptime: float) -> None:
         """Decide (under ``cv``) whether and when to restart after an exit for ``reason``."""
@@ -642,7 +708,7 @@ class Supervisor:
         """Forward stdout/stderr line by line to the sink and the last-lines ring."""
         def line(stream: str, raw: bytes) -> None:
             text = output.decode(raw)
-            self.lines.add(stream, text)
+            run.lines.add(stream, text)
             self.sink.write(text, stream, run.pid, run.lane)
         output.pump(run.proc.stdout, run.proc.stderr, line)
 
@@ -662,7 +728,7 @@ class Supervisor:
             run.t_ready = now
             self.time_to_ready = now - run.t_spawn
             self.ready_count += 1
-            self.state, self.detail = "ready", f"pid {run.pid}" + (f", lane {run.lane}" if run.lane else "")
+            self.state, self.detail = "ready", ""
             self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
             self.cv.notify_all()
 
@@ -670,7 +736,7 @@ class Supervisor:
         with self.cv:
             run.ready = ok
             self.state = "ready" if ok else "starting"
-            self.detail = f"pid {run.pid}" + ("" if ok else f": {url} not answering 200")
+            self.detail = "" if ok else f"{url} not answering 200"
             self.cv.notify_all()
 
     def _probed(self, run: Run, ok: bool) -> int:
@@ -724,9 +790,14 @@ class Supervisor:
         if prev is None:
             return
         pgid, members = prev
-        if process.leftovers(None, members):
+        live = process.leftovers(None, members)
+        if live:
+            from sparkguard import proctree
+            # a member may have left the group (setsid, as Ray does): then the group id could have
+            # been reused by a stranger; trust it only while a live member is still in it
+            in_group = any((p := proctree.read_proc(pid)) is not None and p.pgrp == pgid for pid in live)
             self._set("sweeping", "stopping the engine a previous sparkguard left running")
-            found = self._sweep(pgid, members, group_ok=True)
+            found = self._sweep(pgid, members, group_ok=in_group)
             log.warning("engine: stopped %d processes left by a previous sparkguard (pgid %d)", len(found), pgid)
 
 

@@ -118,11 +118,8 @@ class LogSink:
 
 
 class LastLines:
-    """The engine's last output lines, for incident reports.
-
-    ``current()`` is the running engine's ring (at most ``n`` lines); ``freeze()`` keeps a copy
-    when a run ends, so that a report written after the exit still has them while the next run
-    starts a fresh ring.
+    """One run's last output lines, for incident reports (each run has its own, so a report
+    written after the run ended, even after the next one started, still has that run's lines).
 
     Args:
         n: int, lines kept (``engine.log_lines``).
@@ -130,28 +127,14 @@ class LastLines:
 
     def __init__(self, n: int):
         self.ring: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=n)
-        self.frozen: list[str] = []
 
     def add(self, stream: str, line: str) -> None:
-        """Keep one line (``stream`` is ``"stdout"`` or ``"stderr"``)."""
+        """Keep one line (``stream`` is ``"stdout"`` or ``"stderr"``); thread-safe (deque append)."""
         self.ring.append((time.time(), stream, line))
 
-    def clear(self) -> None:
-        """A new run starts: forget the running ring (the frozen copy stays)."""
-        self.ring.clear()
-
     def current(self) -> list[str]:
-        """The running ring's lines, oldest first."""
-        return [ln for _, _, ln in self.ring]
-
-    def freeze(self) -> None:
-        """The run ended: keep its lines as the last run's."""
-        self.frozen = self.current()
-
-    def for_report(self, exited: bool, n: int) -> list[str]:
-        """The last ``n`` lines an incident report carries: the ended run's (``exited``) or the running one's."""
-        lines = self.frozen if exited and self.frozen else self.current()
-        return lines[-n:]
+        """The lines kept, oldest first."""
+        return [ln for _, _, ln in list(self.ring)]
 
 
 def pump(stdout, stderr, on_line: Callable[[str, bytes], None]) -> None:

@@ -33,7 +33,8 @@ def passwd(user: str):
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | None):
     """Start the engine: own session and process group, stdin /dev/null, stdout/stderr pipes,
-    oom_score_adj 0 (:data:`WRAPPER`), as ``user`` (uid, gid and its groups) when given.
+    oom_score_adj 0 (:data:`WRAPPER`), nice 0 (the guard's raised priority is not inherited), as
+    ``user`` (uid, gid and its groups) when given.
 
     Returns:
         ``subprocess.Popen`` (its pid is also its pgid and sid).
@@ -45,7 +46,11 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | Non
     if user is not None:
         pw = passwd(user)
         kw.update(user=pw.pw_uid, group=pw.pw_gid, extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid))
-    return subprocess.Popen(list(WRAPPER) + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    # the guard runs at a raised CPU priority (harden_self, Nice=-20 in the unit): the engine must not
+    # inherit it and compete with the guard or outrank sshd; nice(1) execs, the pid stays the engine's
+    prio = os.getpriority(os.PRIO_PROCESS, 0)
+    renice = ["nice", "-n", str(-prio)] if prio < 0 else []
+    return subprocess.Popen(list(WRAPPER) + renice + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                             close_fds=True, **kw)
 
@@ -83,6 +88,19 @@ def wait_exit(pid: int) -> tuple[int | None, int | None]:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def poll_exit(pid: int) -> tuple[int | None, int | None] | None:
+    """The child's exit status if it has exited, without waiting and without reaping it
+    (``waitid`` WEXITED|WNOHANG|WNOWAIT, ``man:waitid(2)``): ``(exit code, None)`` or
+    ``(None, signal number)``; None while it runs (or when it is not our child)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if info is None:
+        return None
+    return (info.si_status, None) if info.si_code == os.CLD_EXITED else (None, info.si_status)
 
 
 def _outside(procs: dict, tree, pgid: int, members: dict[int, int]) -> list[int]:

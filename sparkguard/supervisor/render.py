@@ -29,8 +29,9 @@ def describe(state: dict | None) -> list[str]:
         bits.append(f"up {format_duration(s['uptime'])}")
     if bits:
         head += " (" + ", ".join(bits) + ")"
-    if s.get("detail"):
-        head += f": {s['detail']}"
+    detail = str(s.get("detail") or "")
+    if detail and detail not in (", ".join(bits[:n]) for n in range(1, len(bits) + 1)):
+        head += f": {detail}"       # not when it only repeats the pid/lane in parentheses
     out = [head]
     if s.get("command"):
         out.append("  command: " + " ".join(s["command"])[:200])
@@ -44,9 +45,9 @@ def describe(state: dict | None) -> list[str]:
                    + ((f" (the {(s.get('gate_timeout') or {}).get('gate', 'quiesce')} gate timed out, "
                        "started anyway)") if s.get("quiesce_timed_out") else "")
                    + f", time to ready {format_duration(s.get('time_to_ready'))}")
-    if s.get("state") == "backoff":
-        out.append(f"  crash loop backoff: {s.get('consecutive_failures')} in a row, next start in "
-                   f"{format_duration(s.get('backoff'))}")
+    if s.get("state") == "backoff" and (s.get("consecutive_failures") or 0) > 2:
+        out.append(f"  crash loop: {s.get('consecutive_failures')} restarts in a row; the wait doubles each time "
+                   f"up to engine.backoff_max (next start in {format_duration(s.get('backoff'))})")
     le = s.get("last_exit")
     if le:
         ago = time.time() - le["at"] if le.get("at") else None

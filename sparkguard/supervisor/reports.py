@@ -1,24 +1,29 @@
 """The engine's part of incident reports.
 
 Every guard action on the engine and every restart is part of the incident report (TEAM.md
-"Incident record"): a guard incident that hit the engine is finished only after the restart it
-caused (with a ``restart`` event, or ``no_restart`` and why), and the supervisor opens incidents
-of its own, of kind ``"wedged"``.  Reporting never blocks supervision and never raises.
+"Incident record"): an incident is reported as soon as it closes, never held back for the engine's
+restart (memory may never come back, the daemon may die); one that hit the engine is then
+reported again, same id, with the ``restart`` event (or ``no_restart`` and why) appended: the
+incident store overwrites the file by id, the journal gets the updated report.  The supervisor
+also opens incidents of its own, of kind ``"wedged"``.  Reporting never blocks supervision and
+never raises.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from typing import Callable
 
 log = logging.getLogger("sparkguard.supervisor")
 
+#: summary suffix of an incident reported before the restart it causes (replaced when it is resolved)
+PENDING = "; engine restart pending"
+
 
 class EngineIncidents:
-    """Incidents waiting for the engine's restart, and the supervisor's own incidents.
+    """Reported incidents waiting for the engine's restart, and the supervisor's own incidents.
 
     Args:
         reporter: object with ``event(incident, event)`` / ``finish(incident)`` (TEAM.md
@@ -58,28 +63,37 @@ class EngineIncidents:
                 log.error("reporting an event of incident %s failed: %s", incident.get("id"), e)
         return ev
 
-    def defer(self, incident: dict) -> None:
-        """Finish ``incident`` only at the next :meth:`flush` (after the restart it caused)."""
+    def track(self, incident: dict) -> None:
+        """Report ``incident`` again at the next :meth:`flush` (the restart it caused, or why none)."""
         self.pending.append(incident)
 
-    def flush(self, state: str, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
-        """Finish every deferred incident: with a ``restart`` event (``restart_detail``, ``pids``:
-        the new engine) when the engine was restarted, else a ``no_restart`` event saying ``why``.
+    def flush(self, now: dict, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
+        """Report every tracked incident again: with a ``restart`` event (``restart_detail``,
+        ``pids``: the new engine) when the engine was restarted, else a ``no_restart`` event
+        saying ``why``.  ``incident["engine"]`` keeps what it said at the close (that run's pid,
+        exit, last lines) and gains ``restarted`` (bool), ``after`` (``now``: the supervisor's
+        ``state``, ``pid``, ``lane`` at this point) and the updated ``restarts`` counters.
 
         Args:
-            state: the supervisor's state, recorded as ``incident["engine"]["state"]``.
+            now: ``{"state": str, "pid": int|None, "lane": str|None, "restarts": {reason: int}}``.
         """
         pend = []
         while self.pending:
             pend.append(self.pending.popleft())
         for inc in pend:
+            eng = inc.setdefault("engine", {})
+            inc["summary"] = (inc.get("summary") or "").removesuffix(PENDING)
             if restart_detail is not None:
                 self.event(inc, "restart", restart_detail, pids)
-                inc["engine"]["restarted"] = True
-                inc["summary"] = (inc.get("summary") or "") + "; engine restarted"
+                eng["restarted"] = True
+                inc["summary"] += "; engine restarted"
             else:
                 self.event(inc, "no_restart", why)
-            inc["engine"]["state"] = state
+                eng["restarted"] = False
+                inc["summary"] += f"; engine not restarted ({why})"
+            eng["after"] = {k: now.get(k) for k in ("state", "pid", "lane")}
+            if now.get("restarts") is not None:
+                eng["restarts"] = dict(now["restarts"])
             self.finish(inc)
 
     def open_wedged(self, cfg, target, detail: str, engine: dict, pid: int) -> dict:
@@ -93,16 +107,15 @@ class EngineIncidents:
             engine: the supervisor's engine info (state, lane, pid, last lines).
             pid: the engine's root pid.
         """
-        from sparkguard import sysinfo
+        from sparkguard import incidents, sysinfo
         g = cfg.guard
         wall = time.time()
         try:
-            with open("/proc/meminfo", "rb") as f:
-                mi = sysinfo.parse_meminfo(f.read())
+            mi = sysinfo.read_meminfo()
         except OSError:
             mi = {}
         inc = {
-            "id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + os.urandom(3).hex(),
+            "id": incidents.new_id(wall),
             "kind": "wedged", "drill": False, "host": sysinfo.hostname(), "boot_id": sysinfo.boot_id(),
             "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
             "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,

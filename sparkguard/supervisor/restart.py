@@ -67,6 +67,39 @@ def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool) ->
     return "exit", failure
 
 
+#: why a run was ended by someone (``Run.term_reason``, or ``guard``), as words for exit details
+ENDED_BY = {"stop": "", "shutdown": "",           # the word says it
+            "manual": "by 'sparkguard engine restart'", "lane": "switching lanes",
+            "link": "restarting after the TP link came back", "wedged": "liveness probe failures",
+            "head": "its head node went away", "not_ready": "not ready within engine.ready_timeout",
+            "guard": "signalled by the memory guard"}
+
+
+def describe_exit(code: int | None, signame: str | None, uptime: float, term_reason: str | None,
+                  guard_hit: bool) -> str:
+    """One readable line about how and why a run ended.
+
+    Args:
+        code: exit code, None when a signal ended it; signame: e.g. ``"SIGKILL"`` or None.
+        uptime: seconds it ran; term_reason: why sparkguard stopped it (keys of
+            :data:`ENDED_BY`) or None; guard_hit: the memory guard signalled it.
+    Returns:
+        how, after how long, and (reason: why) when someone ended it, e.g.
+        ``"exit code 0 after 9.9 s (guard: signalled by the memory guard)"``,
+        ``"killed by SIGKILL after 3.1 s (lane: switching lanes)"``, ``"exit code 0 after 2.0 s (stop)"``,
+        ``"exit code 1 after 100 ms"``.
+    """
+    from sparkguard.units import format_duration
+    how = (f"exit code {code}" if code is not None else f"killed by {signame}" if signame
+           else "exit status unknown")
+    out = f"{how} after {format_duration(uptime)}"
+    why = term_reason or ("guard" if guard_hit else None)
+    if why:
+        words = ENDED_BY.get(why, "stopped by sparkguard")
+        out += f" ({why}: {words})" if words else f" ({why})"
+    return out
+
+
 def restarts(policy: str, failure: bool) -> bool:
     """Whether ``engine.restart`` (``always`` | ``on-failure`` | ``never``) restarts after an
     automatic stop that was (``failure``) or was not a failure."""

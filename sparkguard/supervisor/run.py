@@ -17,7 +17,8 @@ class Run:
     Times ``t_*`` are ``time.monotonic()`` seconds, ``wall_spawn`` is unix seconds.
     """
 
-    def __init__(self, proc, lane: str | None, argv: list[str], reason: str | None):
+    def __init__(self, proc, lane: str | None, argv: list[str], reason: str | None, log_lines: int = 200):
+        from sparkguard.supervisor.output import LastLines
         self.proc = proc
         self.pid: int = proc.pid
         self.pgid: int = proc.pid            # start_new_session: pid == pgid == sid
@@ -44,6 +45,37 @@ class Run:
         self.threads: list[threading.Thread] = []
         self.incident: dict | None = None   # the "wedged" incident this run caused
         self.link_hit = False               # a TP link went down during this run
+        self.lines = LastLines(log_lines)   # this run's last output lines (incident reports)
+        self.exit_info: dict | None = None  # the exit as recorded once the run is over (sweep done)
+
+    def exit_record(self, exit: tuple[int | None, int | None] | None = None,
+                    t_exit: float | None = None) -> dict | None:
+        """This run's exit as a dict (None while it runs): ``code`` (int|None), ``signal``
+        (name|None), ``at`` (unix s), ``uptime`` (s), ``pid``, ``lane``, ``reason`` (the restart
+        reason it leads to, :func:`restart.classify_exit`; None: stopped on purpose) and
+        ``detail`` (one line, e.g. ``"exit code 0 after 9.9 s, after the guard's SIGTERM"``).
+
+        Available as soon as the exit is seen (before the supervisor has swept the tree), so an
+        incident closed meanwhile describes this run, not the previous one; once the supervisor
+        recorded the exit (:attr:`exit_info`, with what the sweep found) that is returned.
+
+        Args:
+            exit: ``(code, signal)`` seen by someone else than the exit watcher (default
+                :attr:`exit`); t_exit: its monotonic time (default :attr:`t_exit`, else now).
+        """
+        if exit is None:
+            if self.exit_info is not None:
+                return self.exit_info
+            exit, t_exit = self.exit, self.t_exit
+        if exit is None:
+            return None
+        from sparkguard.supervisor.restart import classify_exit, describe_exit
+        code, sig = exit
+        uptime = (t_exit or time.monotonic()) - self.t_spawn
+        reason, _ = classify_exit(code, self.term_reason, self.guard_hit)
+        return {"code": code, "signal": _signame(sig), "at": self.wall_spawn + uptime, "uptime": uptime,
+                "reason": reason or self.term_reason, "pid": self.pid, "lane": self.lane,
+                "detail": describe_exit(code, _signame(sig), uptime, self.term_reason, self.guard_hit)}
 
     def start_thread(self, name: str, target, *args) -> threading.Thread:
         """Start a daemon thread ``target(self, *args)`` that belongs to this run (joined after it)."""
@@ -51,3 +83,14 @@ class Run:
         self.threads.append(t)
         t.start()
         return t
+
+
+def _signame(sig: int | None) -> str | None:
+    """``9`` -> ``"SIGKILL"``; None or 0 -> None."""
+    if not sig:
+        return None
+    import signal
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
