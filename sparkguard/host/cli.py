@@ -88,8 +88,8 @@ def register(sub) -> None:
                    help="install the engine sandbox drop-in even without an engine: command in the config")
     g.add_argument("--no-engine-sandbox", dest="engine_sandbox", action="store_false",
                    help="remove the engine sandbox drop-in (guard-only sandbox)")
-    p.add_argument("--prometheus-rules", metavar="DIR", help="also copy sparkguard-rules.yml into DIR")
-    p.add_argument("--grafana-dashboard", metavar="DIR", help="also copy sparkguard-dashboard.json into DIR")
+    p.add_argument("--prometheus-rules", metavar="DIR", help="also copy sparkguard-rules.yml into DIR (under --root, like every file)")
+    p.add_argument("--grafana-dashboard", metavar="DIR", help="also copy sparkguard-dashboard.json into DIR (under --root, like every file)")
     p.set_defaults(func=_handler("sparkguard.host.install", "install"))
 
     p = sub.add_parser("uninstall", help="remove what install put in place (keeps incidents unless --purge)",
