@@ -128,3 +128,37 @@ def _remove_guard_temp_dirs():
     import guardrun
     for d in guardrun.TEMP_DIRS:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
+    """SIGTERM ``proc`` (if still running), wait ``timeout`` seconds, then SIGKILL; returns its status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+@pytest.fixture
+def engine_factory():
+    """``start(*opts) -> FakeEngine``: fake vLLM trees with unique model names (``fe.model``), each
+    waited for until its whole tree exists; every one is killed (whole tree, by pidfd) afterwards."""
+    import uuid
+
+    from sparkguard import fake_engine
+    started = []
+
+    def start(*opts: str, **kw):
+        model = f"sgmodel-{uuid.uuid4().hex[:10]}"
+        fe = fake_engine.start(model, *opts, **kw)
+        fe.model = model
+        started.append(fe)
+        fe.pids(timeout=60)
+        return fe
+
+    yield start
+    for fe in started:
+        fe.stop()

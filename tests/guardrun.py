@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import tempfile
@@ -12,7 +11,7 @@ import uuid
 
 import yaml
 
-from conftest import sg_env, sparkguard_cmd
+from conftest import sg_env, sparkguard_cmd, terminate
 
 
 #: temp folders of every GuardProc, removed when the test session ends
@@ -105,13 +104,7 @@ class GuardProc:
         return self.log()
 
     def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, timeout)
         self._log.close()
         self.notify.close()
         return self.proc.returncode

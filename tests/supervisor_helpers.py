@@ -19,7 +19,7 @@ import uuid
 
 import yaml
 
-from conftest import sg_env, sparkguard_cmd
+from conftest import sg_env, sparkguard_cmd, terminate
 from sparkguard import control, fake_engine, proctree
 from sparkguard.supervisor.process import proc_state as _state
 
@@ -186,13 +186,7 @@ class Daemon:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM the daemon (it stops its engine) and wait; SIGKILL after ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc, timeout)
         self.reader.join(10)
         return self.proc.returncode
 

@@ -12,11 +12,8 @@ import os
 import signal
 import time
 
-import pytest
-
 from conftest import mem_available
-from guardrun import GuardProc, unique
-from sparkguard import fake_engine
+from guardrun import GuardProc
 
 GiB = 1024**3
 MiB = 1024**2
@@ -44,23 +41,6 @@ def wait_incident(g: GuardProc, pred=lambda i: True, timeout: float = 30.0) -> d
 
 def events(inc: dict) -> list[str]:
     return [e["event"] for e in inc["timeline"]]
-
-
-@pytest.fixture
-def engine_factory():
-    started = []
-
-    def start(*opts: str, **kw) -> fake_engine.FakeEngine:
-        model = unique("sgmodel")
-        fe = fake_engine.start(model, *opts, **kw)
-        fe.model = model
-        started.append(fe)
-        fe.pids(timeout=60)
-        return fe
-
-    yield start
-    for fe in started:
-        fe.stop()
 
 
 def filling_engine(engine_factory, *opts: str, fill: int = 2 * GiB):

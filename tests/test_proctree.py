@@ -8,31 +8,14 @@ from guardrun import unique
 from sparkguard import config, fake_engine, proctree
 
 
-@pytest.fixture
-def engines():
-    started = []
-
-    def start(*opts):
-        model = unique("sgpt")
-        fe = fake_engine.start(model, *opts)
-        fe.model = model
-        started.append(fe)
-        fe.pids(timeout=60)
-        return fe
-
-    yield start
-    for fe in started:
-        fe.stop()
-
-
 def cfg(*patterns, protect=()):
     return config.TargetsConfig(match=tuple(patterns), protect=tuple(protect) or config.TargetsConfig().protect)
 
 
 @pytest.mark.parametrize("details", [True, False])
-def test_same_pattern_the_larger_tree_first_and_the_root_is_the_api_server(engines, details):
-    small = engines("--hold", "16MiB")
-    big = engines("--hold", "160MiB")
+def test_same_pattern_the_larger_tree_first_and_the_root_is_the_api_server(engine_factory, details):
+    small = engine_factory("--hold", "16MiB")
+    big = engine_factory("--hold", "160MiB")
     pat = rf"vllm serve ({small.model}|{big.model})\b"
     ts = proctree.find_targets(cfg(pat, r"^VLLM::"), details=details)
     mine = [t for t in ts if t.root_pid in (small.top_pid, big.top_pid)]
@@ -53,15 +36,15 @@ def test_same_pattern_the_larger_tree_first_and_the_root_is_the_api_server(engin
         assert t.mem_bytes > 2 * 160 * 1024**2 and len(t.tree) == len(t.pids)
 
 
-def test_configured_order_beats_memory(engines):
-    small = engines("--hold", "16MiB")
-    big = engines("--hold", "160MiB")
+def test_configured_order_beats_memory(engine_factory):
+    small = engine_factory("--hold", "16MiB")
+    big = engine_factory("--hold", "160MiB")
     ts = proctree.find_targets(cfg(rf"vllm serve {small.model}\b", rf"vllm serve {big.model}\b"), details=False)
     assert [t.root_pid for t in ts][:2] == [small.top_pid, big.top_pid]
 
 
-def test_protected_and_self_and_kernel_threads_are_never_targets(engines):
-    fe = engines("--hold", "16MiB")
+def test_protected_and_self_and_kernel_threads_are_never_targets(engine_factory):
+    fe = engine_factory("--hold", "16MiB")
     ts = proctree.find_targets(cfg(rf"vllm serve {fe.model}\b", protect=[r"python3.*"]))
     assert fe.top_pid not in [t.root_pid for t in ts]
     # this test process itself matches ".*" but is sparkguard's "self" here; kthreads have no cmdline
@@ -82,7 +65,7 @@ def test_short_title():
     assert st("x" * 300).endswith("…") and len(st("x" * 300)) == 160
 
 
-def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engines, tmp_path):
+def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engine_factory, tmp_path):
     """launcher (argv mentions "vllm serve M") -> a middle process that does not match -> the engine,
     and an unrelated child of the launcher.  The root is where the unbroken chain of matching
     processes starts, so neither the launcher nor its other child is in the tree."""
