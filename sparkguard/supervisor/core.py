@@ -583,7 +583,13 @@ class Supervisor:
                         why = "manual"
                 else:
                     why = run.verdict
-            if run.term_reason is None:
+            if run.guard_hit and why != "shutdown" and run.term_reason is None:
+                # the memory guard is already escalating on this run (SIGTERM, grace, SIGKILL): one
+                # owner per escalation, or the engine gets a second SIGTERM and a second grace clock
+                # (uvicorn force-exits on a second signal); the command or verdict applies after exit
+                if not self._await_exit(1.0):
+                    continue
+            elif run.term_reason is None:
                 if why == "wedged" and self.cfg.guard.dry_run:
                     self._wedged_dry_run(run)
                     continue
