@@ -558,7 +558,10 @@ class Guard:
         if self.policy.dry_run:
             self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
-            sent = self.tree.term_root()
+            already = self.supervisor.stopping(target.root_pid) if self.supervisor is not None else None
+            # the supervisor already SIGTERMed it (wedged, stop, lane): no second SIGTERM (uvicorn
+            # force-exits on one); the guard's grace clock and tree SIGKILL still apply
+            sent = False if already else self.tree.term_root()
             t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
@@ -570,7 +573,9 @@ class Guard:
         if not self.policy.dry_run:
             self._event(t_sig, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
-                        f"{_fmt_size(target.mem_bytes)} RSS+swap)" + ("" if sent else " [already gone]"))
+                        f"{_fmt_size(target.mem_bytes)} RSS+swap)" +
+                        (f" [not sent again: the supervisor is already stopping it ({already})]" if already
+                         else "" if sent else " [already gone]"))
         self._fill_incident(target)
 
     def _fill_incident(self, target) -> None:
