@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 
 _AVAIL = b"MemAvailable:"
+AVAIL_LABEL = _AVAIL            # for the daemon's inline idle read (see MeminfoReader.inline_parts)
 _SWAPFREE = b"SwapFree:"
 _SWAPTOTAL = b"SwapTotal:"
 _MEMTOTAL = b"MemTotal:"
 _KB = b"kB"
+KB = _KB
 
 
 class MeminfoError(RuntimeError):
@@ -94,6 +96,19 @@ class MeminfoReader:
             return int(b[i + len(name):b.find(_KB, i, n)]) * 1024
         except ValueError:
             return 0
+
+    def inline_parts(self) -> tuple[int, list, bytearray]:
+        """What the daemon's idle fast path needs to read MemAvailable without a method call.
+
+        Returns:
+            ``(fd, view, buf)``: the open descriptor, the ``[buf]`` list for ``os.preadv`` and the
+            buffer itself.  A read through them must be followed by :meth:`sample` before
+            :meth:`raw` is used (``raw`` reports the length of the last ``sample``).
+
+        After 200 ms of sleep every line of Python runs cold (its code and data evicted): each
+        call the idle path avoids saves microseconds, five times a second, forever.
+        """
+        return self._fd, self._view, self._buf
 
     def raw(self) -> bytes:
         """The text of the last read (bytes), for snapshots and metrics."""

@@ -184,9 +184,15 @@ class GuardCollector:
         yield _gauge("last_incident_timestamp_seconds", "Unix time the last incident started. Absent "
                      "until the first incident.", s.get("last_incident_timestamp"))
         if s.get("poll_count") is not None and s.get("poll_seconds_sum") is not None:
-            yield SummaryMetricFamily(P + "poll_duration_seconds", "Time spent in each poll of the loop "
-                                      "(read /proc/meminfo, decide), seconds; _count is the number of polls.",
-                                      count_value=int(s["poll_count"]), sum_value=float(s["poll_seconds_sum"]))
+            yield SummaryMetricFamily(P + "poll_duration_seconds", "Time spent in the timed polls of the "
+                                      "loop (read /proc/meminfo, decide, act), seconds: every poll near the line "
+                                      "or in an incident, one every 2 s while idle; _count is the number of timed "
+                                      "polls.", count_value=int(s["poll_count"]), sum_value=float(s["poll_seconds_sum"]))
+        if s.get("polls_total") is not None:
+            c = CounterMetricFamily(P + "polls", "Reads of /proc/meminfo by the loop since start (timed and "
+                                    "idle fast-path polls); its rate is the polling rate.")
+            c.add_metric([], float(s["polls_total"]))
+            yield c
         yield _gauge("last_poll_timestamp_seconds", "Unix time of the daemon's last poll; a stale value "
                      "means the loop is stuck.", s.get("last_poll_timestamp"))
         yield _gauge("start_time_seconds", "Unix time the guard started.", s.get("started_timestamp"))

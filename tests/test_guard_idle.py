@@ -1,0 +1,112 @@
+"""The loop's idle fast path (``Guard.loop``): far above the line the guard polls through a lean
+inline read, and must still see a fill coming, answer signals, ping the watchdog on time and
+poll five times a second.  Real daemon, real /proc/meminfo, real fake-vLLM trees and memory."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+
+from conftest import mem_available
+from guardrun import GuardProc, unique
+from supervisor_helpers import free_port
+from test_guard_incidents import events, filling_engine, wait_incident
+
+GiB = 1024**3
+MiB = 1024**2
+FAR = int(0.2 * 8 * GiB)     # poll_interval * policy.FILL_RATE: above this headroom the fast path runs
+
+
+def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factory):
+    # the line sits well beyond FAR below MemAvailable: the guard idles on the fast path
+    # until the fill brings MemAvailable within FAR, then polls faster and SIGTERMs at the line
+    fe = filling_engine(engine_factory, fill=FAR + 2 * GiB)
+    line = mem_available() - FAR - GiB
+    g = GuardProc({"guard": {"term_below": line, "grace": "20s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        g.wait_ready()
+        pids = fe.pids()
+        fe.start_fill()
+        inc = wait_incident(g, timeout=60)
+        assert fe.wait_gone(pids, timeout=10)
+        assert events(inc)[:2] == ["crossed", "sigterm"]
+        crossed, sigterm = inc["timeline"][0], inc["timeline"][1]
+        # seen within one short poll of the line: MemAvailable at the crossing is close to it
+        assert line - 512 * MiB < crossed["available_bytes"] < line, crossed
+        assert sigterm["pids"] == [fe.top_pid] and sigterm["t"] < 1.0
+        assert inc["outcome"] == "terminated"
+    finally:
+        g.stop()
+
+
+def test_signals_are_answered_while_idling_on_the_fast_path():
+    # no watchdog: nothing shortens the fast path, the guard sleeps on an empty poll set
+    name = unique()
+    g = GuardProc({"guard": {"term_below": "0.6GiB"}, "targets": {"match": [f"^{name}$"]}})
+    try:
+        g.wait_ready()
+        g.write_config({**g.cfg, "guard": {"term_below": "0.7GiB"}})
+        t0 = time.monotonic()
+        g.proc.send_signal(signal.SIGHUP)
+        g.notify.wait_for(lambda m: m.get("RELOADING") == "1", timeout=5)
+        g.notify.wait_for(lambda m: "SIGTERM line 0.70 GiB" in m.get("STATUS", ""), timeout=5)
+        assert time.monotonic() - t0 < 2.0           # within a poll interval or two, not a full pass
+        t0 = time.monotonic()
+        g.proc.send_signal(signal.SIGTERM)
+        g.notify.wait_for(lambda m: m.get("STOPPING") == "1", timeout=5)
+        assert g.proc.wait(10) == 0
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        g.stop()
+
+
+def test_watchdog_pings_stay_on_time_with_the_fast_path():
+    # WatchdogSec=1.2s: a ping every 0.6 s; the fast path (up to 2 s) must yield to each ping
+    name = unique()
+    g = GuardProc({"guard": {"term_below": "0.6GiB"}, "targets": {"match": [f"^{name}$"]}},
+                  watchdog_usec=1_200_000)
+    try:
+        g.wait_ready()
+        g.notify.wait_for(lambda m: m.get("WATCHDOG") == "1", timeout=5)
+        last = time.monotonic()
+        gaps = []
+        while len(gaps) < 6:
+            g.notify.wait_for(lambda m: m.get("WATCHDOG") == "1", timeout=5)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        # systemd kills at 1.2 s without a ping; half of it is the schedule, a poll of slack allowed
+        assert max(gaps) < 0.95, gaps
+    finally:
+        g.stop()
+
+
+def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
+    name = unique()
+    port = free_port()
+    g = GuardProc({"guard": {"term_below": "0.6GiB"}, "targets": {"match": [f"^{name}$"]},
+                   "metrics": {"listen": f"127.0.0.1:{port}"}})
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+                if ln.startswith("sparkguard_poll") and not ln.startswith("#")}
+
+    try:
+        g.wait_ready()
+        g.wait_log("metrics on")
+        a, t0 = scrape(), time.monotonic()
+        # a rate needs an interval: 4 s of polling, observed through the guard's own STATUS= beats
+        end = t0 + 4.0
+        while time.monotonic() < end:
+            g.notify.recv(max(0.01, end - time.monotonic()))
+        b, t1 = scrape(), time.monotonic()
+        rate = (b["sparkguard_polls_total"] - a["sparkguard_polls_total"]) / (t1 - t0)
+        assert 4.0 <= rate <= 5.5, rate                           # poll_interval 0.2 s: 5 a second
+        timed = b["sparkguard_poll_duration_seconds_count"] - a["sparkguard_poll_duration_seconds_count"]
+        assert 0 < timed < 0.5 * (b["sparkguard_polls_total"] - a["sparkguard_polls_total"])  # mostly fast path
+    finally:
+        g.stop()
