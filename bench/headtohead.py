@@ -30,9 +30,12 @@ SIGTERM to them, children killed one by one are not replaced).  Tiers: ``0.5GiB/
 ``full1`` (one thread at full speed; in the tree the same total rate, measured first),
 ``full2`` (two threads at full speed; in the tree all children at full speed).
 
-Idle: the three guards run side by side for --idle-seconds with the line far away;
-CPU seconds (utime+stime from /proc/PID/stat) and VmRSS at the end.  sparkguard's
-per-poll cost is measured in-process (sample + decision + next interval).
+Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away, and
+beside them the floor: the plainest loop at sparkguard's default cadence (read /proc/meminfo,
+sleep 200 ms) in Python and, where ``cc`` exists, in C.  Per process: CPU seconds of all
+threads from /proc/PID/task/*/schedstat (nanoseconds; utime+stime's 10 ms ticks are too
+coarse for 0.05 %), wake-ups per second and CPU microseconds per wake-up, VmRSS at the end.
+sparkguard's hot per-poll cost is measured in-process (sample + decision + next interval).
 
 Memory safety: the hog stops filling once MemAvailable is 2 GiB under the line or after
 ``headroom + 2.5 GiB``; a trial that does not end in --trial-timeout seconds is ended by
@@ -365,11 +368,65 @@ def run_trial(guard: str, scenario: str, tier: str, args, one_thread_rate: float
 # ---------------------------------------------------------------- idle
 
 
-def proc_cpu(pid: int) -> float:
+def proc_cpu(pid: int) -> tuple[float, int | None]:
+    """(CPU seconds, times scheduled in) of every thread of ``pid``.
+
+    From /proc/PID/task/*/schedstat (sum_exec_runtime in ns, and the run count; proc(5),
+    Documentation/scheduler/sched-stats.rst) where the kernel has schedstats: exact to the
+    nanosecond, where utime+stime moves in 10 ms ticks (0.05 % of a core over 60 s is three
+    ticks).  Falls back to utime+stime of /proc/PID/stat (count None)."""
+    ns = runs = 0
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                x = f.read().split()
+            ns += int(x[0])
+            runs += int(x[2])
+        return ns / 1e9, runs
+    except (OSError, IndexError, ValueError):
+        pass
     with open(f"/proc/{pid}/stat") as f:
         s = f.read()
     fl = s[s.rfind(")") + 2:].split()
-    return (int(fl[11]) + int(fl[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fl[11]) + int(fl[12])) / os.sysconf("SC_CLK_TCK"), None
+
+
+#: the floor: what any guard at sparkguard's default cadence must pay on this host, written as
+#: plainly as each language allows (one read of /proc/meminfo, one 200 ms sleep, forever)
+FLOOR_PY = """import os, select, sys
+fd = os.open("/proc/meminfo", os.O_RDONLY)
+view = [bytearray(8192)]
+poll = select.poll().poll
+print("ready", flush=True)
+while True:
+    os.preadv(fd, view, 0)
+    poll(200)
+"""
+FLOOR_C = """#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+    char buf[8192];
+    int fd = open("/proc/meminfo", O_RDONLY);
+    printf("ready\\n"); fflush(stdout);
+    for (;;) { pread(fd, buf, sizeof buf, 0); poll(NULL, 0, 200); }
+}
+"""
+
+
+def floor_cmds(work: str) -> dict[str, list[str]]:
+    """The floor loops (guard name -> argv): Python always, C where ``cc`` builds it."""
+    py = os.path.join(work, "floor_python.py")
+    with open(py, "w") as f:
+        f.write(FLOOR_PY)
+    out = {"floor_python": [sys.executable, py]}
+    src, exe = os.path.join(work, "floor_c.c"), os.path.join(work, "floor_c")
+    with open(src, "w") as f:
+        f.write(FLOOR_C)
+    if subprocess.run(["cc", "-O2", "-o", exe, src], capture_output=True).returncode == 0:
+        out["floor_c"] = [exe]
+    return out
 
 
 def proc_rss(pid: int) -> int:
@@ -409,7 +466,11 @@ def sparkguard_poll_cost(n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def idle(seconds: float, guards) -> list[dict]:
+def idle(seconds: float, guards, floors: bool = True) -> list[dict]:
+    """The guards (and the floor loops) side by side for ``seconds``, the line 8 GiB away.
+
+    Returns one row per process: CPU seconds (all threads), % of one core, scheduler runs
+    (wake-ups) per second and CPU microseconds per wake-up, VmRSS at the end."""
     work = tempfile.mkdtemp(prefix="sg-h2h-idle-")
     term = max(GiB, mem_available() - 8 * GiB)
     nss = {}
@@ -420,6 +481,8 @@ def idle(seconds: float, guards) -> list[dict]:
             os.mkdir(d)
             argv, ready = guard_cmd(g, term, term - GiB, "sgidle" + uuid.uuid4().hex[:8], d)
             nss[g] = (Namespace(argv, None, os.path.join(d, "log")), ready)
+        for name, argv in (floor_cmds(work) if floors else {}).items():
+            nss[name] = (Namespace(argv, None, os.path.join(work, name + ".log")), "ready")
         pids = {}
         for g, (ns, ready) in nss.items():
             if not ns.wait_log(ready, 20):
@@ -435,9 +498,14 @@ def idle(seconds: float, guards) -> list[dict]:
         for g, p in pids.items():
             if not p:
                 continue
-            cpu = proc_cpu(p) - c0[g]
-            rows.append({"guard": g, "idle_cpu_s": round(cpu, 3), "idle_seconds": round(dt, 1),
-                         "idle_cpu_pct_core": round(cpu / dt * 100, 4), "rss_mib": round(proc_rss(p) / MiB, 1)})
+            cpu, runs = proc_cpu(p)
+            cpu -= c0[g][0]
+            runs = None if runs is None else runs - c0[g][1]
+            rows.append({"guard": g, "idle_cpu_s": round(cpu, 4), "idle_seconds": round(dt, 1),
+                         "idle_cpu_pct_core": round(cpu / dt * 100, 4),
+                         "wakeups_per_s": None if runs is None else round(runs / dt, 2),
+                         "us_per_wakeup": round(cpu / runs * 1e6, 1) if runs else None,
+                         "rss_mib": round(proc_rss(p) / MiB, 1)})
     finally:
         for ns, _ in nss.values():
             ns.close()
@@ -511,6 +579,8 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--no-idle", action="store_true")
     ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
+    ap.add_argument("--no-floors", action="store_true",
+                    help="idle without the floor loops (bare Python and C: read /proc/meminfo, sleep 200 ms)")
     ap.add_argument("--csv", default="bench/headtohead.csv")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
@@ -553,7 +623,7 @@ def bench(args, guards: list[str]) -> int:
     except Stopped as e:
         stopped = e
         print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
-    idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards)
+    idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards, not args.no_floors)
     fields = ["guard", "scenario", "tier", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
               "terms", "line_bytes", "error"]
@@ -566,10 +636,12 @@ def bench(args, guards: list[str]) -> int:
     print(summarize(rows))
     if idle_rows:
         print()
-        print(f"| guard | idle CPU s / {args.idle_seconds:.0f} s | % of one core | RSS MiB |")
-        print("|---|---|---|---|")
+        print(f"| guard | idle CPU s / {args.idle_seconds:.0f} s | % of one core | wake-ups/s | CPU us per wake-up "
+              "| RSS MiB |")
+        print("|---|---|---|---|---|---|")
         for r in idle_rows:
-            print(f"| {r['guard']} | {r['idle_cpu_s']} | {r['idle_cpu_pct_core']} | {r['rss_mib']} |")
+            print(f"| {r['guard']} | {r['idle_cpu_s']} | {r['idle_cpu_pct_core']} | {r['wakeups_per_s']} "
+                  f"| {r['us_per_wakeup']} | {r['rss_mib']} |")
         with open(os.path.splitext(args.csv)[0] + "-idle.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(idle_rows[0]))
             w.writeheader()

@@ -356,7 +356,7 @@ class Guard:
         of /proc/meminfo, one parse of MemAvailable, one compare, and a sleep on an empty poll
         set, written inline with no call or clock read.  After 200 ms of sleep every line runs
         cold, and each registered fd costs the kernel a poll-table set-up and tear-down per wake;
-        measured on the dev VM (``bench/idle_cost.py``) the fast path takes about half the CPU of a
+        measured in-process on the dev VM, the fast path takes about half the CPU of a
         full pass.  Signals are seen on the fast path through the flag the handler sets, within one
         poll interval; the PSI trigger only matters near the line, where the fast path never runs.
         The fast path checks MemAvailable alone, which is never above MemAvailable+SwapFree, so it
