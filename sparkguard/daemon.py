@@ -394,7 +394,7 @@ class Guard:
                         n = preadv(fd, view, 0)
                         i = find(AVAIL, 0, n)
                         avail = int(buf[i + 13:find(KB, i, n)]) << 10 if i >= 0 else -1
-                    except (OSError, ValueError):
+                    except Exception:  # noqa: BLE001 - OSError, ValueError; the full pass reports it
                         break
                     if avail < idle_floor or self._flags or self.stopping:
                         break
