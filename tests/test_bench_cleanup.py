@@ -69,7 +69,7 @@ def test_stopped_bench_leaves_no_namespace_behind(tmp_path, root_only, sig, stat
             if not line:
                 break
             seen.append(line)
-            if line.startswith("idle: sparkguard side by side"):
+            if line.startswith("idle: sparkguard"):
                 break
         inside = _descendants(p.pid)
         assert seen and seen[-1].startswith("idle: sparkguard"), "".join(seen)
