@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import run_sparkguard
+from conftest import mem_available, run_sparkguard, sg_env, sparkguard_cmd
 from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, restarted, unique,
                                 wait_gone)
 
@@ -240,6 +240,49 @@ def test_stop_escalates_to_sigkill_on_an_engine_ignoring_sigterm(tmp_path):
         st = d.status()
         assert st["ready"] and st["starts"] == 2 and sum(st["restarts"].values()) == 0
     finally:
+        d.cleanup()
+
+
+def test_guard_crossing_while_the_supervisor_stops_the_engine_sends_no_second_sigterm(tmp_path):
+    # one escalation owner: `engine stop` has SIGTERMed the engine, which takes 6 s to shut down
+    # (CUDA teardown); memory crosses the guard's line meanwhile.  The guard must not SIGTERM it
+    # again (uvicorn force-exits on a second one), only keep its own grace clock and tree SIGKILL.
+    model, port = unique(), free_port()
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port, "--exit-delay", "6"), port)
+    GiB, MiB = 1024**3, 1024**2
+    cfg["guard"].update({"term_below": mem_available() - 768 * MiB, "grace": "30s", "recovery_wait": "10s"})
+    d = Daemon(tmp_path, cfg)
+    stop, hog = None, None
+    try:
+        d.wait_control()
+        d.wait_ready()
+        pids = list(d.engine_pids)
+        mark = d.mark()
+        stop = subprocess.Popen(sparkguard_cmd("engine", "--socket", d.socket, "stop", "--timeout", "60"),
+                                env=sg_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 10
+        while d.status()["state"] != "stopping":
+            assert time.monotonic() < deadline, d.status()
+            time.sleep(0.05)       # the control socket has no "until stopping" wait
+        hog = b"\x01" * (1536 * MiB)        # memory under the line, by a process the guard cannot target
+        out, err = stop.communicate(timeout=60)
+        assert stop.returncode == 0 and "engine: stopped" in out, (out, err)
+        del hog                               # memory back: the incident can close
+        hog = None
+        assert wait_gone(pids, 5) == []
+        inc = d.incident("memory", start=mark, timeout=30)
+        evs = [e["event"] for e in inc["timeline"]]
+        assert evs[:2] == ["crossed", "sigterm"], evs
+        assert "sigkill" not in evs, evs                  # the engine exited inside both graces
+        assert "not sent again: the supervisor is already stopping it (stop)" in inc["timeline"][1]["detail"]
+        st = d.status()
+        assert len(history(st, "sigterm")) == 1, st["history"]      # the supervisor's own, once
+        assert st["state"] == "stopped"
+    finally:
+        hog = None
+        if stop is not None and stop.poll() is None:
+            stop.kill()
+            stop.wait()
         d.cleanup()
 
 
