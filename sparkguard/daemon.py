@@ -358,7 +358,10 @@ class Guard:
         cold, and each registered fd costs the kernel a poll-table set-up and tear-down per wake;
         measured in-process on the dev VM, the fast path takes about half the CPU of a
         full pass.  Signals are seen on the fast path through the flag the handler sets, within one
-        poll interval; the PSI trigger only matters near the line, where the fast path never runs.
+        poll interval.  The PSI trigger is not watched there: it could wake the loop before the
+        next poll only for memory falling faster than FILL_RATE, and its own stall threshold
+        (100-150 ms within a 1-2 s window, PSI_TRIGGERS) spends most of the 200 ms interval first;
+        it is watched again from the first full pass.
         The fast path checks MemAvailable alone, which is never above MemAvailable+SwapFree, so it
         is safe for either ``guard.signal``; anything else (a read or parse error, less headroom, a
         signal) ends it and the next poll is a full pass.
@@ -388,20 +391,24 @@ class Guard:
         self._tick(monotonic(), first=True)
         while not self.stopping:
             if fast_left:
-                while fast_left:
-                    # the idle fast path: keep it to these lines
-                    try:
-                        n = preadv(fd, view, 0)
-                        i = find(AVAIL, 0, n)
-                        avail = int(buf[i + 13:find(KB, i, n)]) << 10 if i >= 0 else -1
-                    except Exception:  # noqa: BLE001 - OSError, ValueError; the full pass reports it
-                        break
-                    if avail < idle_floor or self._flags or self.stopping:
-                        break
-                    fast_left -= 1
-                    self.fast_polls += 1
-                    self.avail = avail
-                    idle_poll(fast_ms)
+                try:
+                    while fast_left:
+                        # the idle fast path: keep it to these lines
+                        try:
+                            n = preadv(fd, view, 0)
+                            i = find(AVAIL, 0, n)
+                            avail = int(buf[i + 13:find(KB, i, n)]) << 10 if i >= 0 else -1
+                        except Exception:  # noqa: BLE001 - OSError, ValueError; the full pass reports it
+                            break
+                        if avail < idle_floor or self._flags or self.stopping:
+                            break
+                        fast_left -= 1
+                        self.fast_polls += 1
+                        self.avail = avail
+                        self.last_poll = monotonic()
+                        idle_poll(fast_ms)
+                except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+                    log.exception("poll loop error on the idle path; the guard keeps running")
                 fast_left = 0
             try:
                 timeout = self._pass(sample, step, next_interval, monotonic, pol, OK, use_swap, interval, far)
@@ -445,7 +452,7 @@ class Guard:
         The floor is ``term_below + far``: above it the full ``poll_interval`` is safe at the
         assumed fill rate.  The budget keeps a full pass (clock read, watchdog ping, STATUS=,
         poll metrics) at least every FULL_PASS_EVERY (2 s)."""
-        return self.policy.thresholds.term_below + far, max(0, int(round(FULL_PASS_EVERY / interval)) - 1)
+        return self.policy.thresholds.term_below + far, max(0, int(FULL_PASS_EVERY / interval + 1e-9) - 1)
 
     def _fast_budget(self, budget: int, interval: float, now: float) -> int:
         """Fast polls allowed from ``now`` (monotonic seconds): ``budget``, fewer when the
@@ -865,7 +872,9 @@ class Guard:
         swap_total = self.reader.swap_total if self.reader else 0
         return {
             "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
-            "swap_total_bytes": swap_total, "signal_bytes": self.value, "signal": g.signal,
+            "swap_total_bytes": swap_total, "signal": g.signal,
+            # the idle fast path refreshes avail only: with signal "available" it is the value
+            "signal_bytes": self.avail if g.signal == "available" else self.value,
             "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below, "grace_seconds": g.grace,
             "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
             "signals_sent": dict(self.signals_sent), "incidents": dict(self.incidents),

@@ -119,7 +119,9 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
         "last_incident_timestamp": num("sparkguard_last_incident_timestamp_seconds"),
         "last_poll_timestamp": num("sparkguard_last_poll_timestamp_seconds"),
         "start_time": num("sparkguard_start_time_seconds"),
-        "polls": num("sparkguard_poll_duration_seconds_count", int),
+        # every read of /proc/meminfo; a daemon older than sparkguard_polls_total counted them here
+        "polls": num("sparkguard_polls_total", int) if "sparkguard_polls_total" in one
+        else num("sparkguard_poll_duration_seconds_count", int),
         "poll_seconds_sum": num("sparkguard_poll_duration_seconds_sum"),
         "rss_bytes": num("process_resident_memory_bytes", int),
     })

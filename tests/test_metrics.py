@@ -35,7 +35,7 @@ def snapshot_dict(**over) -> dict:
         "signals_sent": {"SIGTERM": 1, "SIGKILL": 0},
         "incidents": {"memory": 3, "drill": 1},
         "last_incident_timestamp": now - 2.5,
-        "poll_count": 123456, "poll_seconds_sum": 0.987,
+        "poll_count": 123456, "poll_seconds_sum": 0.987, "polls_total": 1234567,
         "last_poll_timestamp": now - 0.1, "started_timestamp": now - 3600,
         "config_path": "/etc/sparkguard/sparkguard.yaml",
         "config_reloads": {"ok": 2, "failed": 1},
@@ -112,6 +112,7 @@ def test_scrape_over_http_carries_the_snapshot_and_passes_promtool(server):
     assert v[("sparkguard_config_reloads_total", (("result", "ok"),))] == 2
     assert v[("sparkguard_config_reloads_total", (("result", "failed"),))] == 1
     assert v[("sparkguard_poll_duration_seconds_count", ())] == 123456
+    assert v[("sparkguard_polls_total", ())] == 1234567
     assert v[("sparkguard_poll_duration_seconds_sum", ())] == pytest.approx(0.987)
     assert v[("sparkguard_last_incident_timestamp_seconds", ())] == pytest.approx(snap["last_incident_timestamp"])
     assert v[("sparkguard_last_poll_timestamp_seconds", ())] == pytest.approx(snap["last_poll_timestamp"])
