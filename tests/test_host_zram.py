@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_sparkguard
+from conftest import remove_zram_device, run_sparkguard, sg_env
 
 HOT_ADD = "/sys/class/zram-control/hot_add"
 DEBIAN_GENERATOR_CONF = "/etc/systemd/zram-generator.conf"
@@ -30,6 +32,35 @@ def swaps() -> dict[str, dict]:
             p = line.split()
             out[os.path.basename(p[0])] = {"filename": p[0], "type": p[1], "size_kb": int(p[2]), "priority": int(p[4])}
     return out
+
+
+def zram_devices() -> set[str]:
+    return {n for n in os.listdir("/sys/block") if re.fullmatch(r"zram\d+", n)}
+
+
+#: where install-zram records the devices it made (sparkguard/host/zram.py RECORD)
+RECORD = Path("/run/sparkguard/zram-devices")
+
+
+def recorded() -> list[str]:
+    return RECORD.read_text().split() if RECORD.exists() else []
+
+
+def made_by(stdout: str) -> str | None:
+    """The device install-zram reported creating with hot_add (``created /dev/zramN``), if any."""
+    m = re.search(r"^created\s+/dev/(zram\d+)", stdout, re.M)
+    return m.group(1) if m else None
+
+
+def no_sparkguard_swap_on_host() -> None:
+    """Skip unless install-zram without --device would hot_add a new device: it reuses a device
+    labelled ``sparkguard`` (another session's) when one exists."""
+    from sparkguard.host import zram
+
+    if not os.path.exists(HOT_ADD):
+        pytest.skip("no /sys/class/zram-control")
+    if zram.ours():
+        pytest.skip(f"a sparkguard zram swap exists on this host ({zram.ours()}): install-zram would reuse it")
 
 
 def sysfs(name: str, attr: str) -> str:
@@ -255,3 +286,83 @@ def test_generator_config_keeps_other_sections(generator_root):
     assert saved == {"existed": True, "text": original}
     assert run_sparkguard("install-zram", "--remove", "--no-now", "--root", str(root)).returncode == 0
     assert conf.read_text() == original
+
+
+#: larger than the kernel can hold the table of: zram's disksize_store answers ENOMEM
+#: (vmalloc refuses a size above the RAM total before allocating anything)
+HUGE = str(2**50)
+
+
+def test_a_step_failing_after_hot_add_rolls_the_new_device_back(root_only, tmp_path):
+    no_sparkguard_swap_on_host()
+    r = run_sparkguard("install-zram", "--size", HUGE, "--priority", "55", "--no-persist", "--root", str(tmp_path))
+    name = made_by(r.stdout)
+    left = name is not None and name in zram_devices()
+    try:
+        assert name, r.stdout + r.stderr  # it did hot_add
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"/sys/block/{name}/disksize" in r.stderr and HUGE in r.stderr  # names the failed step
+        assert "rolled back" in r.stderr and f"/dev/{name} removed" in r.stderr
+        assert not left, f"{name} was left behind"
+        assert name not in recorded()
+        assert name not in swaps()
+        # the failed write is not reported as done
+        assert not re.search(rf"^ran .*{HUGE}", r.stdout, re.M), r.stdout
+        assert re.search(r"^ran\s+echo 1 > /sys/class/zram-control/hot_remove", r.stdout, re.M), r.stdout
+    finally:
+        if left:
+            remove_zram_device(name)
+
+
+def test_a_failed_step_on_a_given_device_resets_it_and_keeps_it(own_zram, tmp_path):
+    r = run_sparkguard("install-zram", "--device", own_zram, "--size", HUGE, "--no-persist", "--root", str(tmp_path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "disksize" in r.stderr and f"/dev/{own_zram} reset, free again" in r.stderr
+    assert sysfs(own_zram, "disksize") == "0"
+    assert own_zram in zram_devices() and own_zram not in recorded()  # not ours to remove
+
+
+def test_remove_finds_a_recorded_device_that_has_no_label_yet(own_zram, tmp_path):
+    # the state a killed install-zram leaves between hot_add and mkswap: recorded, initialised, no label
+    RECORD.parent.mkdir(parents=True, exist_ok=True)
+    RECORD.write_text("".join(n + "\n" for n in recorded() + [own_zram]))
+    try:
+        Path(f"/sys/block/{own_zram}/disksize").write_text(str(64 * 1024**2))
+        r = run_sparkguard("install-zram", "--remove", "--device", own_zram, "--root", str(tmp_path))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert own_zram not in zram_devices()
+        assert own_zram not in recorded()
+    finally:
+        rest = [n for n in recorded() if n != own_zram]
+        RECORD.write_text("".join(n + "\n" for n in rest)) if rest else RECORD.unlink(missing_ok=True)
+
+
+def in_read_only_sys(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``sparkguard ARGS`` in a mount namespace of its own whose /sys is remounted read-only
+    (what a container without privileges sees)."""
+    cmd = " ".join(["exec", sys.executable, "-m", "sparkguard", *args])
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           f"mount -o remount,bind,ro /sys && {cmd}"],
+                          env=sg_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_read_only_sys_is_named_and_nothing_changes(root_only, tmp_path):
+    if not os.path.exists(HOT_ADD):
+        pytest.skip("no /sys/class/zram-control")
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) missing")
+    before = (zram_devices(), swaps(), recorded())
+    r = in_read_only_sys("install-zram", "--size", "64MiB", "--root", str(tmp_path))
+    name = made_by(r.stdout)
+    try:
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "/sys is mounted read-only" in r.stderr and "nothing changed" in r.stderr
+        assert "--no-now" in r.stderr
+        assert name is None, r.stdout
+        assert not any(tmp_path.iterdir())  # not even the boot configuration
+        assert (zram_devices(), swaps(), recorded()) == before
+        r = in_read_only_sys("install-zram", "--remove", "--root", str(tmp_path))
+        assert r.returncode == 1 and "/sys is mounted read-only" in r.stderr
+    finally:
+        if name and name in zram_devices():
+            remove_zram_device(name)

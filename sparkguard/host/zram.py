@@ -3,9 +3,12 @@
 Now (kernel: Documentation/admin-guide/blockdev/zram.rst):
   a free device from ``/sys/class/zram-control/hot_add`` (or the one named by
   ``--device``), ``comp_algorithm`` before ``disksize`` (the kernel answers EBUSY after),
-  ``mkswap -L sparkguard``, ``swapon --discard --priority P``.  The swap label marks the
-  device as ours: ``--remove`` and the idempotence check only ever touch devices that
-  carry it (swapoff, ``reset``, ``hot_remove``).
+  ``mkswap -L sparkguard``, ``swapon --discard --priority P``.  A device is ours when it
+  carries the swap label, or when its name is in :data:`RECORD`, written the moment
+  hot_add returns (before comp_algorithm, disksize or mkswap can fail).  ``--remove`` and
+  the idempotence check only ever touch our devices (swapoff, ``reset``, ``hot_remove``).
+  A step that fails after hot_add rolls the new device back (swapoff, reset, hot_remove);
+  one that fails on an existing device resets it.
 
 At boot, one of:
   * systemd-zram-generator installed (its binary in ``/usr/lib`` or ``/lib``
@@ -41,6 +44,10 @@ GENERATOR_BINARIES = ("/usr/lib/systemd/system-generators/zram-generator",
 GENERATOR_ORIG = "/var/lib/sparkguard/zram-generator.conf.orig.json"
 #: first line of our section in the generator config: marks it as ours
 GENERATOR_MARK = "# sparkguard: zram0 swap"
+#: names of the zram devices sparkguard made with hot_add and has not removed, one a line.
+#: Under /run: zram devices and this record both end at reboot.  Always the live host's
+#: (``--root`` places boot configuration only).
+RECORD = "/run/sparkguard/zram-devices"
 
 from sparkguard.host import (ZRAM_DEFAULT_ALGORITHM as DEFAULT_ALGORITHM,  # noqa: E402
                              ZRAM_DEFAULT_PRIORITY as DEFAULT_PRIORITY, ZRAM_DEFAULT_SIZE as DEFAULT_SIZE)
@@ -174,10 +181,67 @@ def zram_devices() -> list[str]:
     return sorted(names, key=lambda n: int(n[4:]))
 
 
+def recorded() -> list[str]:
+    """Device names in :data:`RECORD` (those sparkguard made and has not removed); [] when none."""
+    text = _read(RECORD) or ""
+    return [w for w in text.split() if re.fullmatch(r"zram\d+", w)]
+
+
+def _change_record(name: str, keep: bool) -> None:
+    """Add (``keep``) or drop ``name`` in :data:`RECORD`, under an flock so that two runs
+    cannot lose each other's entry.
+
+    Raises:
+        OSError: /run/sparkguard cannot be created or written.
+    """
+    import fcntl
+
+    d = os.path.dirname(RECORD)
+    os.makedirs(d, mode=0o755, exist_ok=True)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        names = [n for n in recorded() if n != name] + ([name] if keep else [])
+        if names:
+            atomic_write(RECORD, "".join(n + "\n" for n in names))
+        elif os.path.exists(RECORD):
+            os.unlink(RECORD)
+    finally:
+        os.close(fd)
+
+
+def is_ours(name: str, st: dict | None = None) -> bool:
+    """True when device ``name`` (its :func:`state` ``st``) is sparkguard's: it carries our swap
+    label, or it is in :data:`RECORD` and carries no other label and no swap of someone else."""
+    st = state(name) if st is None else st
+    if not st["exists"]:
+        return False
+    if st["label"] == LABEL:
+        return True
+    return name in recorded() and st["label"] is None and not st["swap"]
+
+
 def ours() -> list[str]:
-    """zram devices that carry our swap label."""
-    return [n for n in zram_devices() if int(_read(f"{SYS_BLOCK}/{n}/disksize") or 0)
-            and swap_label(f"/dev/{n}") == LABEL]
+    """zram devices that are sparkguard's (:func:`is_ours`), in numeric order."""
+    return [n for n in zram_devices() if is_ours(n)]
+
+
+def check_writable() -> None:
+    """Refuse, before anything is changed, where zram's sysfs files cannot be written.
+
+    Reading hot_add creates a device even on a read-only /sys, whose next write then fails:
+    this check comes first so that nothing is left behind.
+    Raises:
+        HostError: /sys is mounted read-only (names the mount, and the container when one is detected).
+    """
+    from sparkguard.host import virt
+
+    path = ZRAM_CONTROL if os.path.exists(ZRAM_CONTROL) else SYS_BLOCK
+    cause = virt.read_only_cause(path)
+    if cause:
+        raise HostError(f"{cause}: zram devices belong to the kernel, which only the host can change; "
+                        f"nothing changed. Run `sparkguard install-zram` on the host, or write only the "
+                        f"boot configuration with --no-now")
 
 
 def _aligned(size: int) -> int:
@@ -203,8 +267,13 @@ def _tool(name: str) -> str:
 
 
 def _run(ch: Changes, argv: list[str], timeout: float) -> None:
-    ch.note("ran", " ".join(argv))
+    """Run ``argv`` and report it once it succeeded (under dry-run: report only).
+
+    Raises:
+        HostError: the tool is missing, times out or fails (with its stderr).
+    """
     if ch.dry_run:
+        ch.note("ran", " ".join(argv))
         return
     try:
         p = subprocess.run([_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout)
@@ -212,16 +281,21 @@ def _run(ch: Changes, argv: list[str], timeout: float) -> None:
         raise HostError(f"{' '.join(argv)} did not finish within {timeout:.0f} s") from None
     if p.returncode != 0:
         raise HostError(f"{' '.join(argv)} failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
+    ch.note("ran", " ".join(argv))
 
 
 def _sysfs(ch: Changes, path: str, value: str, why: str = "") -> None:
+    """Write ``value`` to sysfs file ``path``, reported once the kernel took it.
+
+    Raises:
+        HostError: the kernel refused (names the value, the path and the errno text).
+    """
+    if not ch.dry_run:
+        try:
+            _write(path, value)
+        except OSError as e:
+            raise HostError(f"writing {value!r} to {path} failed: {e.strerror}") from None
     ch.note("ran", f"echo {value} > {path}", why)
-    if ch.dry_run:
-        return
-    try:
-        _write(path, value)
-    except OSError as e:
-        raise HostError(f"writing {value!r} to {path} failed: {e.strerror}") from None
 
 
 def hot_add(ch: Changes) -> str:
@@ -241,10 +315,24 @@ def hot_add(ch: Changes) -> str:
         ch.note("ran", f"cat {path}", "a new device")
         return "zram<new>"
     try:
-        name = "zram" + _read(path)  # reading hot_add creates the device
-    except TypeError:
-        raise HostError(f"reading {path} failed") from None
-    ch.note("created", f"/dev/{name}", f"cat {path}")
+        os.makedirs(os.path.dirname(RECORD), mode=0o755, exist_ok=True)
+    except OSError as e:
+        raise HostError(f"cannot create {os.path.dirname(RECORD)} to record the new device in: "
+                        f"{e.strerror}; nothing changed") from None
+    try:
+        with open(path) as f:
+            ident = f.read().strip()  # reading hot_add creates the device
+    except OSError as e:
+        raise HostError(f"reading {path} failed: {e.strerror}") from None
+    if not ident.isdigit():
+        raise HostError(f"{path} answered {ident!r}, not a device number")
+    name = "zram" + ident
+    try:
+        _change_record(name, keep=True)
+    except OSError as e:
+        _hot_remove(ch, name)
+        raise HostError(f"cannot record /dev/{name} in {RECORD}: {e.strerror}; removed /dev/{name} again") from None
+    ch.note("created", f"/dev/{name}", f"cat {path}; recorded in {RECORD}")
     return name
 
 
@@ -291,25 +379,44 @@ def setup(ch: Changes, name: str, settings: ZramSettings, boot: bool = False) ->
     ch.note("set up", dev, f"swap {ZramSettings(settings.size, settings.priority, algo).describe()}")
 
 
-def _hot_remove(ch: Changes, name: str, timeout: float = 5.0) -> None:
-    """Write the device id to hot_remove, retrying while the kernel answers EBUSY (the device
-    is briefly held open after swapoff/reset, e.g. by a udev or blkid probe)."""
+def _write_busy(path: str, value: str, timeout: float) -> None:
+    """Write ``value`` to ``path``, retrying while the kernel answers EBUSY (a zram device is
+    briefly held open after mkswap, swapoff or reset, e.g. by a udev or blkid probe).
+
+    Raises:
+        OSError: another error, or still EBUSY after ``timeout`` seconds.
+    """
     import errno
     import time
 
-    path = f"{ZRAM_CONTROL}/hot_remove"
-    ch.note("ran", f"echo {name[4:]} > {path}")
-    if ch.dry_run:
-        return
     deadline = time.monotonic() + timeout
     while True:
         try:
-            _write(path, name[4:])
+            _write(path, value)
             return
         except OSError as e:
             if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                raise HostError(f"removing /dev/{name} ({path}) failed: {e.strerror}") from None
+                raise
         time.sleep(0.05)  # polling: the kernel offers no event for "no longer open"
+
+
+def _hot_remove(ch: Changes, name: str, timeout: float = 5.0) -> None:
+    """Write the device id to hot_remove (retrying EBUSY) and drop it from :data:`RECORD`.
+
+    Raises:
+        HostError: the kernel refused.
+    """
+    path = f"{ZRAM_CONTROL}/hot_remove"
+    if not ch.dry_run:
+        try:
+            _write_busy(path, name[4:], timeout)
+        except OSError as e:
+            raise HostError(f"removing /dev/{name} ({path}) failed: {e.strerror}") from None
+        try:
+            _change_record(name, keep=False)
+        except OSError as e:
+            ch.warn(f"/dev/{name} is removed but {RECORD} could not be updated: {e.strerror}")
+    ch.note("ran", f"echo {name[4:]} > {path}")
 
 
 def teardown(ch: Changes, name: str, remove_device: bool = True) -> None:
@@ -322,7 +429,13 @@ def teardown(ch: Changes, name: str, remove_device: bool = True) -> None:
     if swap_entry(name):
         _run(ch, ["swapoff", dev], timeout=600)
     if int(_read(f"{SYS_BLOCK}/{name}/disksize") or 0):
-        _sysfs(ch, f"{SYS_BLOCK}/{name}/reset", "1")
+        path = f"{SYS_BLOCK}/{name}/reset"
+        if not ch.dry_run:
+            try:
+                _write_busy(path, "1", timeout=5.0)
+            except OSError as e:
+                raise HostError(f"writing '1' to {path} failed: {e.strerror}") from None
+        ch.note("ran", f"echo 1 > {path}")
     if remove_device and os.path.exists(f"{ZRAM_CONTROL}/hot_remove"):
         _hot_remove(ch, name)
     ch.note("torn down", dev)
@@ -358,7 +471,7 @@ def apply_now(ch: Changes, settings: ZramSettings, device: str | None = None, bo
         st = state(device)
         if not st["exists"]:
             raise HostError(f"/dev/{device} does not exist (create one with `cat {ZRAM_CONTROL}/hot_add`)", 2)
-        if st["disksize"] and st["label"] != LABEL:
+        if st["disksize"] and not is_ours(device, st):
             what = f"swap at priority {st['swap']['priority']}" if st["swap"] else "initialised"
             raise HostError(f"/dev/{device} is in use ({what}, {format_size(st['disksize'])}, not labelled "
                             f"{LABEL!r}); choose a free device or reset it yourself", 2)
@@ -375,12 +488,46 @@ def apply_now(ch: Changes, settings: ZramSettings, device: str | None = None, bo
             return name
         if st["disksize"]:
             ch.info(f"/dev/{name} is a sparkguard swap with other settings: setting it up again")
+            if not ch.dry_run:
+                # once reset it has no label: the record keeps it ours for --remove
+                _keep_record(ch, name)
             teardown(ch, name, remove_device=False)
-        setup(ch, name, settings, boot)
+        _setup_or_roll_back(ch, name, settings, boot, created=False)
         return name
     name = hot_add(ch)
-    setup(ch, name, settings, boot)
+    _setup_or_roll_back(ch, name, settings, boot, created=True)
     return name
+
+
+def _keep_record(ch: Changes, name: str) -> None:
+    try:
+        _change_record(name, keep=True)
+    except OSError as e:
+        raise HostError(f"cannot record /dev/{name} in {RECORD}: {e.strerror}; nothing changed") from None
+
+
+def _setup_or_roll_back(ch: Changes, name: str, settings: ZramSettings, boot: bool, created: bool) -> None:
+    """:func:`setup`; when a step fails, undo what it did: swapoff, reset, and hot_remove when
+    this run ``created`` the device.
+
+    Raises:
+        HostError: the failed step, then what the roll-back did (or, when the roll-back failed
+            too, that the device is left and recorded for ``--remove``).
+    """
+    try:
+        setup(ch, name, settings, boot)
+    except HostError as e:
+        if ch.dry_run:
+            raise
+        try:
+            teardown(ch, name, remove_device=created)
+        except HostError as e2:
+            undone = (f"rolling back failed too ({e2}): /dev/{name} is left" +
+                      (f", recorded in {RECORD}; `sparkguard install-zram --remove` removes it"
+                       if name in recorded() else ""))
+        else:
+            undone = f"rolled back: /dev/{name} " + ("removed" if created else "reset, free again")
+        raise HostError(f"setting up /dev/{name} failed: {e}; {undone}", e.status) from None
 
 
 def remove_now(ch: Changes, device: str | None = None) -> list[str]:
@@ -394,14 +541,17 @@ def remove_now(ch: Changes, device: str | None = None) -> list[str]:
         if not st["exists"]:
             ch.note("absent", f"/dev/{device}")
             return []
-        if st["disksize"] and st["label"] != LABEL:
+        if st["disksize"] and not is_ours(device, st):
             raise HostError(f"/dev/{device} is not a sparkguard zram swap (swap label {st['label']!r}); "
                             f"not touching it", 2)
         names = [device]
     else:
         names = ours()
+        for stale in set(recorded()) - set(zram_devices()):
+            if not ch.dry_run:
+                _change_record(stale, keep=False)  # removed by someone else since
         if not names:
-            ch.note("absent", "sparkguard zram swap", "no device labelled 'sparkguard'")
+            ch.note("absent", "sparkguard zram swap", f"no device labelled {LABEL!r} or recorded in {RECORD}")
     for name in names:
         teardown(ch, name)
     return names
