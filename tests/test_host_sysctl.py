@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_sparkguard
+from conftest import run_sparkguard, sg_env
 
 KEYS = {"vm.swappiness": "/proc/sys/vm/swappiness",
         "vm.watermark_scale_factor": "/proc/sys/vm/watermark_scale_factor",
@@ -171,3 +173,20 @@ def test_help_gives_the_defaults_tune_really_uses():
     assert "default 180 with zram" not in text
     assert "--swappiness N 0-200 (default: the persisted file's, else 180; above 100 is refused while no zram " \
            "or zswap is active" in text
+
+
+def test_read_only_proc_sys_is_named_and_nothing_changes(restore_sysctls, tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) missing")
+    before = {k: live(k) for k in KEYS}
+    want = 61 if before["vm.swappiness"] != 61 else 62
+    cmd = f"exec {sys.executable} -m sparkguard tune --swappiness {want} --root {tmp_path}"
+    # a mount namespace of its own whose /proc/sys is read-only, as a container without privileges has it
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f"mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && {cmd}"],
+                       env=sg_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "/proc/sys is mounted read-only" in r.stderr and "nothing changed" in r.stderr, r.stderr
+    assert "--no-apply" in r.stderr and "Traceback" not in r.stderr
+    assert {k: live(k) for k in KEYS} == before
+    assert not (tmp_path / FILE).exists()

@@ -66,6 +66,22 @@ def write(key: str, value: int) -> None:
         raise HostError(f"setting {key} = {value} failed: {e.strerror} (writing {proc_path(key)})") from None
 
 
+def check_writable() -> None:
+    """Refuse, before any value is set, where /proc/sys cannot be written.
+
+    Raises:
+        HostError: /proc/sys is on a read-only mount (a container's, or one made read-only);
+            names the mount and the container when one is detected.
+    """
+    from sparkguard.host import virt
+
+    cause = virt.read_only_cause(proc_path("vm.swappiness"))
+    if cause:
+        raise HostError(f"{cause}: the vm sysctls belong to the kernel, which only the host can change; "
+                        f"nothing changed. Run `sparkguard tune` on the host, or write only the file with "
+                        f"--no-apply")
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A value a guard rail refuses: ``key``, ``value``, and ``reason`` for people."""

@@ -35,6 +35,8 @@ def tune(args) -> int:
             if getattr(args, opt) is not None:
                 values[key] = getattr(args, opt)
     sysctl.check_ranges(values)
+    if not args.no_apply:
+        sysctl.check_writable()
     refusals = sysctl.guard_rails(values, sysctl.fast_swap())
     refused = bool(refusals) and not (args.force or args.boot)
     if refused and not ch.dry_run:
@@ -76,6 +78,8 @@ def install_zram(args) -> int:
     generator_live = (root == "/" and systemd_running() and device is None and not args.boot
                       and zram.generator_installed("/"))
 
+    if not args.no_now and not generator_live:
+        zram.check_writable()
     manifest = Manifest(root)
     if args.remove:
         if not args.boot:
