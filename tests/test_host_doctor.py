@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -16,7 +17,7 @@ from conftest import run_sparkguard, sg_env
 from test_host_sysctl import restore_sysctls  # noqa: F401  (fixture)
 
 CHECKS = {"zram", "swappiness", "watermark_scale_factor", "page_cluster", "min_free_kbytes", "sysctl_boot",
-          "memlock", "psi", "hidepid", "unit", "engine_sandbox", "engine_shutdown_timeout", "page_cache", "nvidia",
+          "memlock", "psi", "hidepid", "unit", "guard_priority", "other_killers", "container", "engine_sandbox", "engine_shutdown_timeout", "page_cache", "nvidia",
           "links"}
 
 
@@ -150,9 +151,10 @@ def test_renamed_engine_environment_is_reported_unknown(tmp_path):
     assert c["status"] == "WARN" and "overwritten" in c["message"], c
 
 
-def start_guard(folder: Path) -> tuple[subprocess.Popen, Path]:
-    """A real `sparkguard run` (dry run, nothing matched, no metrics/journal), running its loop;
-    returns (process, its config file)."""
+def start_guard(folder: Path, prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """A real `sparkguard run` (dry run, nothing matched, no metrics/journal), running its loop,
+    started through the command ``prefix`` (argv put before the interpreter); returns (process,
+    its config file)."""
     import select
     import time
 
@@ -160,7 +162,7 @@ def start_guard(folder: Path) -> tuple[subprocess.Popen, Path]:
     cfg = folder / "sparkguard.yaml"
     cfg.write_text(f"guard:\n  dry_run: true\ntargets:\n  match: ['sgtest-{uuid.uuid4().hex}']\n"
                    f"metrics:\n  listen: 'off'\nincidents:\n  dir: {folder}/inc\n  journal: 'off'\n")
-    guard = subprocess.Popen([sys.executable, "-m", "sparkguard", "run", "--config", str(cfg)], env=sg_env(),
+    guard = subprocess.Popen([*prefix, sys.executable, "-m", "sparkguard", "run", "--config", str(cfg)], env=sg_env(),
                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
         deadline, log = time.monotonic() + 30, ""
@@ -238,3 +240,140 @@ def test_doctor_suggests_tune_commands_that_tune_carries_out(restore_sysctls):  
         without = [cmd for cmd in cmds if "--swappiness 60" in cmd]
         assert len(without) == 1 and runs[without[0]].returncode == 0, runs[without[0]].stdout
         assert "would apply   vm.watermark_scale_factor  (50 -> 100)" in runs[without[0]].stdout
+
+
+def guard_pid(cfg: Path) -> int:
+    """The pid (as this machine's /proc shows it) of the guard started with ``--config cfg``."""
+    for d in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] == sys.executable.encode() and b"sparkguard" in argv and str(cfg).encode() in argv:
+            return int(d)
+    raise AssertionError(f"no guard with --config {cfg}")
+
+
+def lowering_oom_score_adj_works() -> bool:
+    p = subprocess.run(["sh", "-c", "echo -1000 > /proc/self/oom_score_adj"], capture_output=True, timeout=30)
+    return p.returncode == 0
+
+
+def test_a_guard_at_oom_score_adj_0_and_nice_0_is_flagged(root_only, tmp_path):
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) missing")
+    # root without CAP_SYS_RESOURCE and CAP_SYS_NICE: harden_self can lower neither
+    prefix = ("sh", "-c", 'echo 0 > /proc/self/oom_score_adj && exec "$@"', "sh",
+              "setpriv", "--bounding-set=-sys_resource,-sys_nice", "--inh-caps=-all")
+    guards = [start_guard(tmp_path / "weak", prefix)]
+    try:
+        if lowering_oom_score_adj_works():
+            guards.append(start_guard(tmp_path / "root"))
+        rc, report = doctor_json()
+    finally:
+        for g, _ in guards:
+            stop_guard(g)
+    c = by_name(report)["guard_priority"]
+    weak = guards[0][0].pid
+    assert c["status"] == "FAIL" and rc == 1, c
+    assert f"guard pid {weak}: oom_score_adj 0 (above -900" in c["message"], c["message"]
+    assert "nice 0 (above -10" in c["message"] and "CAP_SYS_RESOURCE" in c["fix"]
+    rows = {g["pid"]: g for g in c["data"]["guards"]}
+    assert rows[weak]["oom_score_adj"] == 0 and rows[weak]["nice"] == 0 and rows[weak]["policy"] == "SCHED_OTHER"
+    if len(guards) > 1:  # a guard that could harden itself is not flagged
+        strong = guards[1][0].pid
+        assert rows[strong]["oom_score_adj"] <= -900 and rows[strong]["nice"] <= -10
+        assert f"guard pid {strong}: oom_score_adj {rows[strong]['oom_score_adj']}, nice" in c["message"]
+
+
+def test_hidepid_is_judged_from_the_running_guards_own_view(root_only, tmp_path):
+    if not shutil.which("setpriv") or not shutil.which("unshare"):
+        pytest.skip("util-linux unshare/setpriv missing")
+    # a real guard, root but without CAP_SYS_PTRACE, in a mount and pid namespace whose /proc is
+    # hidepid=invisible: it starts (root's PID 1 is visible to it) but cannot see other users'
+    # processes; doctor's own /proc shows everything
+    prefix = ("unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
+              'mount -o remount,hidepid=invisible /proc && setpriv --bounding-set=-sys_ptrace --inh-caps=-all "$@"',
+              "sh")
+    guard, cfg = start_guard(tmp_path, prefix)
+    try:
+        pid = guard_pid(cfg)
+        rc, report = doctor_json()
+    finally:
+        guard.kill()  # unshare ignores SIGTERM; --kill-child takes the namespace with it
+        guard.wait(timeout=30)
+    c = by_name(report)["hidepid"]
+    assert c["status"] == "FAIL" and rc == 1, c
+    assert f"guard pid {pid}: /proc is mounted hidepid=invisible where it runs" in c["message"], c["message"]
+    assert "lacks CAP_SYS_PTRACE" in c["message"] and "CAP_SYS_PTRACE" in c["fix"]
+    row = next(g for g in c["data"]["guards"] if g["pid"] == pid)
+    assert row["uid"] == 0 and row["cap_sys_ptrace"] is False and row["proc_options"]["hidepid"] == "invisible"
+
+
+SYSCTL_FILE = Path("/etc/sysctl.d/99-zz-sparkguard.conf")
+
+
+def test_sysctl_file_passes_only_when_the_live_values_match(restore_sysctls):  # noqa: F811
+    if SYSCTL_FILE.exists():
+        pytest.skip(f"{SYSCTL_FILE} exists on this machine: not the test's to write")
+    live = {k: int(v) for k, v in restore_sysctls.items()}
+    SYSCTL_FILE.write_text("".join(f"{k} = {v}\n" for k, v in live.items()))
+    try:
+        c = by_name(doctor_json()[1])["sysctl_boot"]
+        assert c["status"] == "PASS", c
+        other = 61 if live["vm.swappiness"] != 61 else 62
+        Path("/proc/sys/vm/swappiness").write_text(f"{other}\n")
+        c = by_name(doctor_json()[1])["sysctl_boot"]
+    finally:
+        SYSCTL_FILE.unlink()
+    assert c["status"] == "WARN", c
+    assert f"vm.swappiness live {other} vs file {live['vm.swappiness']}" in c["message"], c["message"]
+    assert "sparkguard tune --boot" in c["fix"]
+
+
+def test_a_container_with_read_only_proc_sys_is_named_and_fixes_go_to_the_host(restore_sysctls):  # noqa: F811
+    if not shutil.which("unshare"):
+        pytest.skip("unshare (util-linux) missing")
+    Path("/proc/sys/vm/watermark_scale_factor").write_text("50")
+    cmd = f"exec {sys.executable} -m sparkguard doctor --json"
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f"mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && {cmd}"],
+                       env=sg_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    checks = by_name(json.loads(r.stdout))
+    c = checks["container"]
+    assert c["data"]["read_only"] == ["/proc/sys"] and "/proc/sys read-only here" in c["message"], c
+    detect = shutil.which("systemd-detect-virt")
+    if detect:
+        box = subprocess.run([detect, "--container"], capture_output=True, text=True, timeout=30).stdout.strip()
+        assert c["data"]["container"] == (None if box in ("", "none") else box)
+    w = checks["watermark_scale_factor"]
+    assert w["status"] == "WARN" and w["fix"].startswith("on the host (/proc/sys is read-only here): "), w
+
+
+def start_named(tmp_path: Path, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A real process whose program is ``name``: a copy of sleep under that name."""
+    exe = tmp_path / name
+    shutil.copy("/bin/sleep", exe)
+    return subprocess.Popen([str(exe), "120"], env=env if env is not None else {"PATH": "/usr/bin:/bin"})
+
+
+def test_other_killers_are_flagged(tmp_path):
+    procs = [start_named(tmp_path, "earlyoom"), start_named(tmp_path, "nohang"),
+             start_named(tmp_path / ".." / tmp_path.name, "raylet", {"RAY_ADDRESS": "127.0.0.1:6379"})]
+    (tmp_path / "off").mkdir()
+    procs.append(start_named(tmp_path / "off", "raylet", {"RAY_memory_monitor_refresh_ms": "0"}))
+    try:
+        rc, report = doctor_json()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    c = by_name(report)["other_killers"]
+    assert c["status"] == "WARN", c
+    earlyoom, nohang, ray_on, ray_off = (p.pid for p in procs)
+    assert f"earlyoom runs (pid {earlyoom})" in c["message"] and f"nohang runs (pid {nohang})" in c["message"]
+    assert f"Ray process pid {ray_on} runs Ray's memory monitor (RAY_memory_monitor_refresh_ms unset)" in c["message"]
+    assert f"pid {ray_off} " not in c["message"]
+    assert "RAY_memory_monitor_refresh_ms=0" in c["fix"] and "earlyoom" in c["fix"]
+    assert all(p.returncode == -9 for p in procs)  # doctor signalled none of them: only the test's kill ended them

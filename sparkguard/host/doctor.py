@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from sparkguard.host import sysctl
+from sparkguard.host import procview, sysctl, virt
 from sparkguard.units import format_duration, format_size
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
@@ -299,7 +299,13 @@ def check_psi(ctx: Context) -> Check:
 
 
 def check_hidepid(ctx: Context) -> Check:
-    """/proc mount options: hidepid hides engines from an unprivileged guard; subset=pid hides meminfo."""
+    """What the running guard sees of /proc: each guard's own /proc mount (its mount namespace)
+    and its own credentials decide (procview.hides_others); with no guard running, doctor's /proc
+    and the unit's credentials (root with CAP_SYS_PTRACE).  hidepid hides other users' engines
+    from a guard without CAP_SYS_PTRACE; subset=pid hides /proc/meminfo."""
+    pids = _guard_pids(ctx)
+    if pids:
+        return _guard_view(pids)
     opts = None
     try:
         with open("/proc/self/mounts") as f:
@@ -309,16 +315,46 @@ def check_hidepid(ctx: Context) -> Check:
                     opts = p[3]
     except OSError:
         return Check("hidepid", WARN, "cannot read /proc/self/mounts")
-    data = {"options": opts}
+    data = {"options": opts, "guards": []}
     o = dict(kv.partition("=")[::2] for kv in (opts or "").split(","))
     if o.get("subset") == "pid":
         return Check("hidepid", FAIL, f"/proc is mounted subset=pid ({opts}): /proc/meminfo is hidden",
                      "mount /proc without subset=pid", data)
     hp = o.get("hidepid")
     if hp and hp not in ("0", "off"):
-        return Check("hidepid", PASS, f"/proc is mounted hidepid={hp}: the unit runs the guard as root with "
-                     "CAP_SYS_PTRACE, which sees every process; a restricted user would see none", None, data)
-    return Check("hidepid", PASS, "/proc shows every process (no hidepid)", None, data)
+        return Check("hidepid", PASS, f"no guard running; /proc here is mounted hidepid={hp}: the unit runs the "
+                     "guard as root with CAP_SYS_PTRACE, which sees every process; a restricted user would see none",
+                     None, data)
+    return Check("hidepid", PASS, "no guard running; /proc here shows every process (no hidepid)", None, data)
+
+
+def _guard_view(pids: list[int]) -> Check:
+    """The hidepid verdict from each running guard's own /proc options and credentials."""
+    worst, lines, data = PASS, [], []
+    for pid in pids:
+        try:
+            opts, who = procview.proc_options(pid), procview.creds(pid)
+        except (OSError, ValueError, KeyError) as e:
+            worst = _worse(worst, WARN)
+            lines.append(f"guard pid {pid}: cannot read its /proc view ({getattr(e, 'strerror', None) or e}; "
+                         "run doctor as root)")
+            continue
+        shown = ",".join(f"{k}={v}" if v else k for k, v in opts.items() if k in ("hidepid", "gid", "subset"))
+        data.append({"pid": pid, "proc_options": opts, "uid": who.uid,
+                     "cap_sys_ptrace": who.has_cap(procview.CAP_SYS_PTRACE)})
+        if opts.get("subset") == "pid":
+            worst = FAIL
+            lines.append(f"guard pid {pid}: its /proc is mounted subset=pid: /proc/meminfo is hidden from it")
+        elif why := procview.hides_others(opts, who):
+            worst = FAIL
+            lines.append(f"guard pid {pid}: {why}; an engine run as another user is never found")
+        else:
+            lines.append(f"guard pid {pid} sees every process (uid {who.uid}"
+                         + (", CAP_SYS_PTRACE" if who.has_cap(procview.CAP_SYS_PTRACE) else "")
+                         + (f"; its /proc: {shown}" if shown else "; its /proc: no hidepid") + ")")
+    fix = None if worst == PASS else ("run the guard as root with CAP_SYS_PTRACE (the unit does), or add its "
+                                      "group to /proc's gid= option; mount /proc without subset=pid")
+    return Check("hidepid", worst, "; ".join(lines), fix, {"guards": data})
 
 
 def check_unit(ctx: Context) -> Check:
@@ -357,6 +393,188 @@ def _check_unit(ctx: Context, pids: list[int]) -> Check:
                      "run it under systemd (sparkguard install; systemctl enable --now sparkguard)", data)
     return Check("unit", FAIL, "systemd does not run this machine and no `sparkguard run` process is running: "
                  "nothing guards this box", "start `sparkguard run` under a supervisor that restarts it", data)
+
+
+_ORDER = {INFO: 0, PASS: 0, WARN: 1, FAIL: 2}
+
+
+def _worse(a: str, b: str) -> str:
+    """The worse of two verdicts (FAIL > WARN > PASS)."""
+    return a if _ORDER[a] >= _ORDER[b] else b
+
+
+#: the highest oom_score_adj a guard should run at: harden_self writes -1000 and falls back to
+#: -900 (sparkguard/daemon.py); the unit sets OOMScoreAdjust=-1000
+GUARD_OOM_ADJ_MAX = -900
+#: the highest nice a guard should run at: harden_self lowers it to -10 (daemon.NICE), the unit to -20
+GUARD_NICE_MAX = -10
+
+
+def check_guard_priority(ctx: Context) -> Check:
+    """Each running guard's standing, read from its /proc/PID: oom_score_adj at most -900 (else
+    the kernel OOM killer may choose the guard, FAIL), nice at most -10 (else busy fillers starve
+    its poll loop, WARN), and a policy that is not SCHED_IDLE (FAIL) or SCHED_BATCH (WARN)."""
+    pids = _guard_pids(ctx)
+    if not pids:
+        return Check("guard_priority", INFO, "no guard running: its OOM score and CPU priority are checked "
+                     "while one runs", None, {"guards": []})
+    worst, lines, data = PASS, [], []
+    for pid in pids:
+        try:
+            adj, ni, pol = procview.oom_score_adj(pid), procview.nice(pid), procview.policy(pid)
+        except (OSError, ValueError, IndexError) as e:
+            worst = _worse(worst, WARN)
+            lines.append(f"guard pid {pid}: cannot read its priority ({getattr(e, 'strerror', None) or e})")
+            continue
+        data.append({"pid": pid, "oom_score_adj": adj, "nice": ni, "policy": pol})
+        bad = []
+        if adj > GUARD_OOM_ADJ_MAX:
+            worst = FAIL
+            bad.append(f"oom_score_adj {adj} (above {GUARD_OOM_ADJ_MAX}: the kernel OOM killer may kill the guard "
+                       "instead of the engine)")
+        if ni > GUARD_NICE_MAX:
+            worst = _worse(worst, WARN)
+            bad.append(f"nice {ni} (above {GUARD_NICE_MAX}: a memory spike of busy threads delays its poll loop)")
+        if pol in ("SCHED_IDLE", "SCHED_BATCH"):
+            worst = _worse(worst, FAIL if pol == "SCHED_IDLE" else WARN)
+            bad.append(f"policy {pol} (runs only when the CPUs are idle)" if pol == "SCHED_IDLE"
+                       else f"policy {pol} (woken late)")
+        lines.append(f"guard pid {pid}: " + ("; ".join(bad) if bad else f"oom_score_adj {adj}, nice {ni}, {pol}"))
+    fix = None if worst == PASS else ("start the guard as root with CAP_SYS_RESOURCE and CAP_SYS_NICE (the unit: "
+                                      "OOMScoreAdjust=-1000, Nice=-20); its start-up warnings say what it could "
+                                      "not set")
+    return Check("guard_priority", worst, "; ".join(lines), fix, {"guards": data})
+
+
+#: peer memory killers that act on their own lines: (program name, what it does)
+KILLERS = {"earlyoom": "SIGTERMs/SIGKILLs the largest process when MemAvailable and SwapFree are low",
+           "nohang": "SIGTERMs/SIGKILLs by its own thresholds and badness",
+           "oomd": "kills whole cgroups on PSI pressure"}
+
+
+def _program(argv: list[str]) -> str:
+    """The program a process runs: argv[0]'s name, or the script's for an interpreter."""
+    exe = os.path.basename(argv[0]) if argv else ""
+    if exe.startswith(("python", "perl", "sh", "bash")) and len(argv) > 1 and not argv[1].startswith("-"):
+        return os.path.basename(argv[1])
+    return exe
+
+
+def _is_ray(argv: list[str], env: dict[str, str] | None) -> bool:
+    """A Ray process: raylet, ``ray start``, a ``ray::`` actor, or a process Ray started (RAY_ variables)."""
+    cmd = " ".join(argv)
+    return (_program(argv) == "raylet" or cmd.startswith("ray::") or
+            (_program(argv) == "ray" and "start" in argv) or
+            any(k.startswith(("RAY_RAYLET_PID", "RAY_ADDRESS", "RAY_JOB_ID")) for k in (env or {})))
+
+
+def check_other_killers(ctx: Context) -> Check:
+    """Other killers that would fight the guard over the same engine: earlyoom, nohang or oomd
+    running (found by program name in /proc; nothing is signalled), systemd-oomd active with
+    ManagedOOMMemoryPressure/ManagedOOMSwap=kill on the unit or a slice above an engine
+    (systemctl show; only when systemd is PID 1), and Ray's memory monitor in a Ray engine
+    whose environment lacks ``RAY_memory_monitor_refresh_ms=0`` (FIELD-NOTES: Ray kills actors
+    under unified-memory pressure; 0 turns its monitor off)."""
+    from sparkguard.host.systemctl import query, systemd_running
+
+    worst, lines, fixes = PASS, [], []
+    data: dict = {"killers": [], "oomd": None, "ray": []}
+    me = os.getpid()
+    for pid, _ppid, argv in ctx.processes():
+        prog = _program(argv)
+        if pid != me and prog in KILLERS:
+            worst = _worse(worst, WARN)
+            data["killers"].append({"pid": pid, "program": prog, "cmdline": " ".join(argv)[:200]})
+            lines.append(f"{prog} runs (pid {pid}): it {KILLERS[prog]}, beside the guard")
+    if data["killers"]:
+        fixes.append("stop " + ", ".join(sorted({k["program"] for k in data["killers"]})) +
+                     " (systemctl disable --now NAME), or keep its lines below the guard's kill line")
+    engines = _engines(ctx)
+    if systemd_running():
+        active = query("is-active", "systemd-oomd.service") == "active"
+        data["oomd"] = {"active": active, "units": {}}
+        if active:
+            units = {UNIT}
+            for pid, _cmd in engines:
+                try:
+                    path = procview.cgroup_path(pid) or ""
+                except OSError:
+                    continue
+                units.update(p for p in path.split("/") if p.endswith((".service", ".slice", ".scope")))
+            for u in sorted(units):
+                out = query("show", "-p", "ManagedOOMMemoryPressure", "-p", "ManagedOOMSwap", u) or ""
+                kv = dict(line.partition("=")[::2] for line in out.splitlines())
+                data["oomd"]["units"][u] = kv
+                kill = [k for k, v in kv.items() if v == "kill"]
+                if kill:
+                    worst = _worse(worst, WARN)
+                    lines.append(f"systemd-oomd is active and {u} has {', '.join(f'{k}=kill' for k in kill)}: "
+                                 "it SIGKILLs the whole cgroup on its own pressure line, without the guard's TERM first")
+                    fixes.append(f"set {', '.join(f'{k}=auto' for k in kill)} on {u} (a drop-in)")
+    else:
+        lines.append("systemd is not PID 1: no systemd-oomd to check")
+    procs = {pid: argv for pid, _pp, argv in ctx.processes()}
+    candidates = {pid for pid, _c in engines} | {pid for pid, argv in procs.items()
+                                                  if _program(argv) == "raylet" or (_program(argv) == "ray" and "start" in argv)}
+    for pid in sorted(candidates):
+        try:
+            env = procview.environ(pid)
+        except OSError:
+            continue
+        if not _is_ray(procs.get(pid, []), env):
+            continue
+        value = None if env is None else env.get("RAY_memory_monitor_refresh_ms")
+        data["ray"].append({"pid": pid, "RAY_memory_monitor_refresh_ms": value, "environment_hidden": env is None})
+        if env is None:
+            worst = _worse(worst, WARN)
+            lines.append(f"Ray process pid {pid}: its environment was overwritten by its title; cannot tell whether "
+                         "Ray's memory monitor is off")
+        elif value != "0":
+            worst = _worse(worst, WARN)
+            lines.append(f"Ray process pid {pid} runs Ray's memory monitor (RAY_memory_monitor_refresh_ms "
+                         f"{'unset' if value is None else '= ' + value}): Ray kills actors on its own line")
+    if any(r["RAY_memory_monitor_refresh_ms"] != "0" for r in data["ray"]):
+        fixes.append("start Ray (ray start, and the engine) with RAY_memory_monitor_refresh_ms=0")
+    if worst == PASS:
+        lines.insert(0, "no other memory killer runs (earlyoom, nohang, oomd, Ray's memory monitor)")
+    return Check("other_killers", worst, "; ".join(lines), "; ".join(fixes) or None, data)
+
+
+#: checks whose fix changes the kernel, and the path it writes (read-only in most containers)
+HOST_ONLY = {"zram": "/sys/class/zram-control", "swappiness": "/proc/sys/vm", "watermark_scale_factor": "/proc/sys/vm",
+             "page_cluster": "/proc/sys/vm", "min_free_kbytes": "/proc/sys/vm", "sysctl_boot": "/proc/sys/vm"}
+
+
+def check_container(ctx: Context) -> Check:
+    """Whether doctor runs in a container (virt.container) and whether /sys and /proc/sys are
+    read-only here; when they are, the fixes of the zram and sysctl checks are the host's to apply."""
+    box = virt.container()
+    ro = sorted({m.point for p in set(HOST_ONLY.values()) if (m := _ro_mount(p))})
+    data = {"container": box, "read_only": ro}
+    if not box and not ro:
+        return Check("container", INFO, "not in a container", None, data)
+    what = f"runs in a {box} container" if box else "runs on the host"
+    if ro:
+        return Check("container", INFO, f"{what}; {' and '.join(ro)} read-only here: zram and the vm sysctls are "
+                     "the host kernel's, their fixes below are to run on the host", None, data)
+    return Check("container", INFO, f"{what} with /sys and /proc/sys writable: zram and the vm sysctls set here "
+                 "change the host's kernel", None, data)
+
+
+def _ro_mount(path: str):
+    try:
+        m = virt.mount_of(path, virt.mounts())
+    except OSError:
+        return None
+    return m if m is not None and m.read_only else None
+
+
+def _host_fixes(checks: list[Check]) -> None:
+    """Say "on the host" in the fixes that cannot be carried out here (HOST_ONLY, read-only)."""
+    for c in checks:
+        path = HOST_ONLY.get(c.name)
+        if path and c.fix and c.status in (WARN, FAIL) and (m := _ro_mount(path)):
+            c.fix = f"on the host ({m.point} is read-only here): {c.fix}"
 
 
 ENGINE_DROPIN = "/etc/systemd/system/sparkguard.service.d/engine.conf"
@@ -516,17 +734,28 @@ def check_nvidia(ctx: Context) -> Check:
 
 
 def check_boot_sysctls(ctx: Context) -> Check:
-    """The persisted sysctl file exists and no later file undoes it at boot."""
+    """The persisted sysctl file exists, the kernel runs with its values now (/proc/sys), and no
+    later file undoes it at boot."""
     persisted = sysctl.read_persisted("/")
     if persisted is None:
         return Check("sysctl_boot", WARN, f"{sysctl.SYSCTL_FILE} is absent: the tuning is lost at reboot",
                      "sparkguard install (writes it with the defaults; `sparkguard tune` also applies them)")
+    live = {k: sysctl.read(k) for k in persisted}
+    differ = [(k, live[k], v) for k, v in persisted.items() if live[k] != v]
     ov = sysctl.overrides("/", persisted)
+    data = {"persisted": persisted, "live": live, "differ": differ, "overrides": ov}
+    problems, fixes = [], []
+    if differ:
+        problems.append("the kernel runs with other values than the file: " +
+                        ", ".join(f"{k} live {lv} vs file {fv}" for k, lv, fv in differ))
+        fixes.append("sparkguard tune --boot (applies the file now)")
     if ov:
-        return Check("sysctl_boot", WARN, "; ".join(f"{f} sets {k} = {v}" for f, k, v in ov) +
-                     f", after {sysctl.SYSCTL_FILE}", "remove those lines", {"overrides": ov})
-    return Check("sysctl_boot", PASS, f"{sysctl.SYSCTL_FILE} persists " +
-                 ", ".join(f"{k} = {v}" for k, v in persisted.items()), None, {"persisted": persisted})
+        problems.append("; ".join(f"{f} sets {k} = {v}" for f, k, v in ov) + f", after {sysctl.SYSCTL_FILE}")
+        fixes.append("remove those lines")
+    if problems:
+        return Check("sysctl_boot", WARN, f"{sysctl.SYSCTL_FILE}: " + "; ".join(problems), "; ".join(fixes), data)
+    return Check("sysctl_boot", PASS, f"{sysctl.SYSCTL_FILE} persists, and the kernel runs with, " +
+                 ", ".join(f"{k} = {v}" for k, v in persisted.items()), None, data)
 
 
 def check_links(ctx: Context) -> Check:
@@ -549,7 +778,8 @@ def check_links(ctx: Context) -> Check:
 
 CHECKS: list[Callable[[Context], Check]] = [
     check_zram, check_swappiness, check_watermark, check_page_cluster, check_min_free, check_boot_sysctls,
-    check_memlock, check_psi, check_hidepid, check_unit, check_engine_sandbox, check_engine_timeout,
+    check_memlock, check_psi, check_hidepid, check_unit, check_guard_priority, check_other_killers, check_container,
+    check_engine_sandbox, check_engine_timeout,
     check_page_cache, check_nvidia,
     check_links,
 ]
@@ -564,6 +794,7 @@ def run_checks(ctx: Context) -> list[Check]:
             out.append(fn(ctx))
         except Exception as e:  # noqa: BLE001 - a broken check must not hide the others
             out.append(Check(name, WARN, f"check could not run: {type(e).__name__}: {e}"))
+    _host_fixes(out)
     return out
 
 

@@ -1,0 +1,112 @@
+"""What a running process is and sees, read from /proc: its OOM and CPU standing, its
+credentials, its /proc mount, its environment.  Used by doctor to judge the running guard and
+its neighbours as they are, not as the unit file intends.
+
+Sources: proc(5) (/proc/PID/stat field 19 ``nice``, /proc/PID/oom_score_adj, /proc/PID/status
+``Uid:``/``Gid:``/``Groups:``/``CapEff:``, /proc/PID/mountinfo, /proc/PID/environ), sched(7),
+and for who may see a process under hidepid: fs/proc/base.c ``has_pid_permissions`` (the
+reader's group is /proc's ``gid=``, or ``ptrace_may_access(PTRACE_MODE_READ)``: same uids, or
+CAP_SYS_PTRACE).  Every reader raises OSError when the process is gone or unreadable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+CAP_SYS_PTRACE = 19  # linux/capability.h
+
+#: sched(7) policy numbers to names
+POLICIES = {0: "SCHED_OTHER", 1: "SCHED_FIFO", 2: "SCHED_RR", 3: "SCHED_BATCH", 5: "SCHED_IDLE", 6: "SCHED_DEADLINE"}
+
+
+def oom_score_adj(pid: int) -> int:
+    """/proc/PID/oom_score_adj (-1000: never chosen by the kernel OOM killer .. 1000)."""
+    with open(f"/proc/{pid}/oom_score_adj") as f:
+        return int(f.read().strip())
+
+
+def nice(pid: int) -> int:
+    """The nice value (-20..19) of ``pid``'s main thread: field 19 of /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        rest = f.read().rsplit(b")", 1)[1].split()
+    return int(rest[16])  # rest[0] is field 3 (state)
+
+
+def policy(pid: int) -> str:
+    """The scheduling policy name of ``pid`` (``SCHED_OTHER``...), from sched_getscheduler(2)."""
+    p = os.sched_getscheduler(pid)
+    return POLICIES.get(p, str(p))
+
+
+@dataclass(frozen=True)
+class Creds:
+    """A process's effective ``uid``, its ``gids`` (effective and supplementary) and ``cap_eff``
+    (effective capability bit mask)."""
+
+    uid: int
+    gids: frozenset[int]
+    cap_eff: int
+
+    def has_cap(self, cap: int) -> bool:
+        """True when capability number ``cap`` is effective."""
+        return bool(self.cap_eff >> cap & 1)
+
+
+def creds(pid: int) -> Creds:
+    """The credentials of ``pid`` from /proc/PID/status.
+
+    Raises:
+        OSError: gone or unreadable; ValueError: a field missing or malformed.
+    """
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.rstrip("\n").partition(":")[::2] for line in f)
+    uid = int(fields["Uid"].split()[1])
+    gids = {int(fields["Gid"].split()[1]), *(int(g) for g in fields.get("Groups", "").split())}
+    return Creds(uid, frozenset(gids), int(fields["CapEff"].strip(), 16))
+
+
+def proc_options(pid: int) -> dict[str, str]:
+    """The options of the /proc that ``pid`` sees (its mount namespace, its root), such as
+    ``{"hidepid": "invisible", "gid": "27"}``; {} when it sees no proc file system at /proc."""
+    from sparkguard.host import virt
+
+    m = virt.mount_of("/proc", virt.mounts(pid))
+    if m is None or m.fstype != "proc":
+        return {}
+    return {k: v for k, _, v in (o.partition("=") for o in m.super_options + m.options)}
+
+
+def hides_others(options: dict[str, str], who: Creds) -> str | None:
+    """Why a process with credentials ``who`` cannot see other users' processes in a /proc
+    mounted with ``options`` (:func:`proc_options`), or None when it sees them all."""
+    hide = options.get("hidepid")
+    if hide in (None, "0", "off"):
+        return None
+    gid = options.get("gid")
+    if gid is not None and gid.isdigit() and int(gid) in who.gids:
+        return None
+    if who.has_cap(CAP_SYS_PTRACE):
+        return None
+    return (f"/proc is mounted hidepid={hide} where it runs and it (uid {who.uid}) lacks CAP_SYS_PTRACE"
+            + (f" and group {gid}" if gid else "") + ": processes of other users are invisible to it")
+
+
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment ``pid`` was started with, or None when its memory was taken over by a
+    process title (setproctitle: no ``KEY=value`` left in /proc/PID/environ)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read().split(b"\0")
+    pairs = [kv.decode("utf-8", "replace").partition("=") for kv in raw if b"=" in kv]
+    if not pairs:
+        return None
+    return {k: v for k, _, v in pairs}
+
+
+def cgroup_path(pid: int) -> str | None:
+    """``pid``'s cgroup v2 path (the ``0::`` line of /proc/PID/cgroup), or None on a v1-only host."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return None
