@@ -39,7 +39,7 @@ def zram_devices() -> set[str]:
 
 
 #: where install-zram records the devices it made (sparkguard/host/zram.py RECORD)
-RECORD = Path("/run/sparkguard/zram-devices")
+RECORD = Path("/run/sparkguard-zram/devices")
 
 
 def recorded() -> list[str]:

@@ -45,9 +45,10 @@ GENERATOR_ORIG = "/var/lib/sparkguard/zram-generator.conf.orig.json"
 #: first line of our section in the generator config: marks it as ours
 GENERATOR_MARK = "# sparkguard: zram0 swap"
 #: names of the zram devices sparkguard made with hot_add and has not removed, one a line.
-#: Under /run: zram devices and this record both end at reboot.  Always the live host's
-#: (``--root`` places boot configuration only).
-RECORD = "/run/sparkguard/zram-devices"
+#: Under /run: zram devices and this record both end at reboot.  Not in /run/sparkguard, the
+#: guard unit's RuntimeDirectory, which systemd empties when the guard stops.  Always the live
+#: host's (``--root`` places boot configuration only).
+RECORD = "/run/sparkguard-zram/devices"
 
 from sparkguard.host import (ZRAM_DEFAULT_ALGORITHM as DEFAULT_ALGORITHM,  # noqa: E402
                              ZRAM_DEFAULT_PRIORITY as DEFAULT_PRIORITY, ZRAM_DEFAULT_SIZE as DEFAULT_SIZE)
@@ -539,6 +540,8 @@ def remove_now(ch: Changes, device: str | None = None) -> list[str]:
     if device:
         st = state(device)
         if not st["exists"]:
+            if device in recorded() and not ch.dry_run:
+                _change_record(device, keep=False)  # removed by someone else since
             ch.note("absent", f"/dev/{device}")
             return []
         if st["disksize"] and not is_ours(device, st):
