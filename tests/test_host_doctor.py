@@ -377,3 +377,20 @@ def test_other_killers_are_flagged(tmp_path):
     assert f"pid {ray_off} " not in c["message"]
     assert "RAY_memory_monitor_refresh_ms=0" in c["fix"] and "earlyoom" in c["fix"]
     assert all(p.returncode == -9 for p in procs)  # doctor signalled none of them: only the test's kill ended them
+
+
+@pytest.mark.parametrize("monitor,flagged", [(None, True), ("0", False)])
+def test_a_vllm_engine_on_ray_without_the_monitor_off_is_flagged(tmp_path, monitor, flagged):
+    model = f"sgtest-{uuid.uuid4().hex[:12]}"
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text(f"targets:\n  match: ['{model}']\n")
+    env = {"RAY_memory_monitor_refresh_ms": monitor} if monitor else {}
+    engine = FakeVllm(tmp_path, ["serve", model, "--distributed-executor-backend", "ray"], env)
+    try:
+        _, report = doctor_json("--config", str(cfg))
+    finally:
+        engine.stop()
+    c = by_name(report)["other_killers"]
+    rows = {r["pid"]: r for r in c["data"]["ray"]}
+    assert rows[engine.proc.pid]["RAY_memory_monitor_refresh_ms"] == monitor
+    assert (f"Ray process pid {engine.proc.pid} runs Ray's memory monitor" in c["message"]) == flagged, c

@@ -461,9 +461,11 @@ def _program(argv: list[str]) -> str:
 
 
 def _is_ray(argv: list[str], env: dict[str, str] | None) -> bool:
-    """A Ray process: raylet, ``ray start``, a ``ray::`` actor, or a process Ray started (RAY_ variables)."""
+    """A Ray process: raylet, ``ray start``, a ``ray::`` actor, vLLM on Ray's executor, or a process
+    Ray started (RAY_ variables)."""
     cmd = " ".join(argv)
     return (_program(argv) == "raylet" or cmd.startswith("ray::") or
+            re.search(r"--distributed-executor-backend[=\s]+ray\b", cmd) is not None or
             (_program(argv) == "ray" and "start" in argv) or
             any(k.startswith(("RAY_RAYLET_PID", "RAY_ADDRESS", "RAY_JOB_ID")) for k in (env or {})))
 
@@ -549,7 +551,7 @@ def check_container(ctx: Context) -> Check:
     """Whether doctor runs in a container (virt.container) and whether /sys and /proc/sys are
     read-only here; when they are, the fixes of the zram and sysctl checks are the host's to apply."""
     box = virt.container()
-    ro = sorted({m.point for p in set(HOST_ONLY.values()) if (m := _ro_mount(p))})
+    ro = sorted({m.point for p in set(HOST_ONLY.values()) if (m := virt.read_only_mount(p))})
     data = {"container": box, "read_only": ro}
     if not box and not ro:
         return Check("container", INFO, "not in a container", None, data)
@@ -561,19 +563,11 @@ def check_container(ctx: Context) -> Check:
                  "change the host's kernel", None, data)
 
 
-def _ro_mount(path: str):
-    try:
-        m = virt.mount_of(path, virt.mounts())
-    except OSError:
-        return None
-    return m if m is not None and m.read_only else None
-
-
 def _host_fixes(checks: list[Check]) -> None:
     """Say "on the host" in the fixes that cannot be carried out here (HOST_ONLY, read-only)."""
     for c in checks:
         path = HOST_ONLY.get(c.name)
-        if path and c.fix and c.status in (WARN, FAIL) and (m := _ro_mount(path)):
+        if path and c.fix and c.status in (WARN, FAIL) and (m := virt.read_only_mount(path)):
             c.fix = f"on the host ({m.point} is read-only here): {c.fix}"
 
 

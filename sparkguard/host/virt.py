@@ -74,14 +74,14 @@ def mount_of(path: str, table: list[Mount]) -> Mount | None:
     return best
 
 
-def read_only(path: str, pid: int | str = "self") -> bool:
-    """True when ``path`` is on a read-only mount in ``pid``'s mount namespace (False when
-    mountinfo cannot be read: the write itself then says what is wrong)."""
+def read_only_mount(path: str, pid: int | str = "self") -> Mount | None:
+    """The read-only mount ``path`` lies on in ``pid``'s mount namespace, or None when that mount
+    is writable (or mountinfo cannot be read: the write itself then says what is wrong)."""
     try:
         m = mount_of(path, mounts(pid))
     except OSError:
-        return False
-    return m is not None and m.read_only
+        return None
+    return m if m is not None and m.read_only else None
 
 
 def container() -> str | None:
@@ -127,11 +127,8 @@ def container() -> str | None:
 def read_only_cause(path: str) -> str | None:
     """Why ``path`` cannot be written here, for an error message (``"/sys is mounted read-only
     here (a docker container)"``), or None when its mount is writable."""
-    try:
-        m = mount_of(path, mounts())
-    except OSError:
-        return None
-    if m is None or not m.read_only:
+    m = read_only_mount(path)
+    if m is None:
         return None
     box = container()
     return f"{m.point} is mounted read-only here" + (f" (a {box} container)" if box else "")

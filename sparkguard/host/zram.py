@@ -193,7 +193,7 @@ def _change_record(name: str, keep: bool) -> None:
     cannot lose each other's entry.
 
     Raises:
-        OSError: /run/sparkguard cannot be created or written.
+        OSError: the record's folder cannot be created or written.
     """
     import fcntl
 
@@ -491,7 +491,7 @@ def apply_now(ch: Changes, settings: ZramSettings, device: str | None = None, bo
             ch.info(f"/dev/{name} is a sparkguard swap with other settings: setting it up again")
             if not ch.dry_run:
                 # once reset it has no label: the record keeps it ours for --remove
-                _keep_record(ch, name)
+                _keep_record(name)
             teardown(ch, name, remove_device=False)
         _setup_or_roll_back(ch, name, settings, boot, created=False)
         return name
@@ -500,7 +500,8 @@ def apply_now(ch: Changes, settings: ZramSettings, device: str | None = None, bo
     return name
 
 
-def _keep_record(ch: Changes, name: str) -> None:
+def _keep_record(name: str) -> None:
+    """Record ``name`` in :data:`RECORD`; raises HostError (nothing changed yet) when it cannot."""
     try:
         _change_record(name, keep=True)
     except OSError as e:
@@ -532,7 +533,7 @@ def _setup_or_roll_back(ch: Changes, name: str, settings: ZramSettings, boot: bo
 
 
 def remove_now(ch: Changes, device: str | None = None) -> list[str]:
-    """Tear down our zram swap(s): ``device`` only, or every device labelled ``sparkguard``.
+    """Tear down our zram swap(s): ``device`` only, or every device that is ours (:func:`is_ours`).
 
     Raises:
         HostError (status 2): ``device`` exists but is not ours.
