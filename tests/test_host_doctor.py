@@ -103,21 +103,29 @@ class FakeVllm:
         self.proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("timeout,expected", [("30", "FAIL"), ("5", "PASS"), (None, "WARN")])
-def test_engine_shutdown_timeout_against_grace(tmp_path, timeout, expected):
+def doctor_beside_engine(tmp_path: Path, args: list[str], env: dict[str, str],
+                         guard: str = "") -> tuple[int, int, dict]:
+    """doctor, with a config matching a FakeVllm ``serve <model> ARGS`` it runs meanwhile:
+    ``(engine pid, doctor's exit status, report)``.  ``guard``: extra ``guard:`` lines."""
     model = f"sgtest-{uuid.uuid4().hex[:12]}"
     cfg = tmp_path / "sparkguard.yaml"
-    cfg.write_text(f"guard:\n  grace: 10s\ntargets:\n  match: ['{model}']\n")
-    env = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": timeout} if timeout else {}
-    engine = FakeVllm(tmp_path, ["serve", model, "--port", "0"], env)
+    cfg.write_text((f"guard:\n{guard}" if guard else "") + f"targets:\n  match: ['{model}']\n")
+    engine = FakeVllm(tmp_path, ["serve", model, *args], env)
     try:
         rc, report = doctor_json("--config", str(cfg))
     finally:
         engine.stop()
+    return engine.proc.pid, rc, report
+
+
+@pytest.mark.parametrize("timeout,expected", [("30", "FAIL"), ("5", "PASS"), (None, "WARN")])
+def test_engine_shutdown_timeout_against_grace(tmp_path, timeout, expected):
+    env = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": timeout} if timeout else {}
+    pid, rc, report = doctor_beside_engine(tmp_path, ["--port", "0"], env, guard="  grace: 10s\n")
     c = by_name(report)["engine_shutdown_timeout"]
     assert c["status"] == expected, c
-    assert f"pid {engine.proc.pid}" in c["message"]
-    assert [e["pid"] for e in c["data"]["engines"]] == [engine.proc.pid]
+    assert f"pid {pid}" in c["message"]
+    assert [e["pid"] for e in c["data"]["engines"]] == [pid]
     if expected == "FAIL":
         assert rc == 1 and "grace" in c["message"]
     # the page-cache check knows an engine is running and does not judge its start-up
@@ -381,16 +389,9 @@ def test_other_killers_are_flagged(tmp_path):
 
 @pytest.mark.parametrize("monitor,flagged", [(None, True), ("0", False)])
 def test_a_vllm_engine_on_ray_without_the_monitor_off_is_flagged(tmp_path, monitor, flagged):
-    model = f"sgtest-{uuid.uuid4().hex[:12]}"
-    cfg = tmp_path / "sparkguard.yaml"
-    cfg.write_text(f"targets:\n  match: ['{model}']\n")
     env = {"RAY_memory_monitor_refresh_ms": monitor} if monitor else {}
-    engine = FakeVllm(tmp_path, ["serve", model, "--distributed-executor-backend", "ray"], env)
-    try:
-        _, report = doctor_json("--config", str(cfg))
-    finally:
-        engine.stop()
+    pid, _, report = doctor_beside_engine(tmp_path, ["--distributed-executor-backend", "ray"], env)
     c = by_name(report)["other_killers"]
     rows = {r["pid"]: r for r in c["data"]["ray"]}
-    assert rows[engine.proc.pid]["RAY_memory_monitor_refresh_ms"] == monitor
-    assert (f"Ray process pid {engine.proc.pid} runs Ray's memory monitor" in c["message"]) == flagged, c
+    assert rows[pid]["RAY_memory_monitor_refresh_ms"] == monitor
+    assert (f"Ray process pid {pid} runs Ray's memory monitor" in c["message"]) == flagged, c
