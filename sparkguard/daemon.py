@@ -30,6 +30,9 @@ STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing cha
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
+MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
+BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
+LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,23 +84,47 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+_log_handler = None     # the DroppingQueueHandler of a running daemon (its ``dropped`` count is in the snapshot)
+
+
 def _setup_logging(level: str) -> None:
-    """Log to stderr through a queue and a listener thread (logging.handlers.QueueListener):
-    a stalled stderr (journald starved under memory pressure) must never block the poll loop."""
+    """Log to stderr through a bounded queue (LOG_QUEUE_MAX records) and a listener thread
+    (logging.handlers.QueueListener): a stalled stderr (journald starved under memory pressure)
+    never blocks the poll loop, and its backlog never grows without bound (later records are dropped
+    and counted, ``sparkguard_log_dropped_total``)."""
+    global _log_handler
     import logging.handlers
     import queue
     fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
         "%(asctime)s sparkguard[%(process)d] %(levelname)s %(message)s"
     out = logging.StreamHandler(sys.stderr)
     out.setFormatter(logging.Formatter(fmt))
-    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    class DroppingQueueHandler(logging.handlers.QueueHandler):
+        """QueueHandler that never waits: a record that finds the queue full is dropped and counted."""
+        dropped = 0
+
+        def enqueue(self, record: logging.LogRecord) -> None:
+            try:
+                self.queue.put_nowait(record)
+            except queue.Full:
+                self.dropped += 1
+
+    q: queue.Queue = queue.Queue(maxsize=LOG_QUEUE_MAX)
     root = logging.getLogger()
-    root.handlers[:] = [logging.handlers.QueueHandler(q)]
+    _log_handler = DroppingQueueHandler(q)
+    root.handlers[:] = [_log_handler]
     root.setLevel(getattr(logging, level.upper()))
     listener = logging.handlers.QueueListener(q, out)
     listener.start()
+
+    def stop() -> None:
+        try:
+            listener.stop()
+        except queue.Full:      # stderr stalled at exit: what is queued is lost
+            pass
     import atexit
-    atexit.register(listener.stop)
+    atexit.register(stop)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -883,6 +910,9 @@ class Guard:
             "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
             "started_timestamp": self.started, "config_path": self.cfg.path,
             "config_reloads": dict(self.reloads),
+            "notify_dropped": self.notifier.dropped if self.notifier else 0,
+            "log_dropped": getattr(_log_handler, "dropped", 0),
+            "blind": bool(self.notifier and self.notifier.blind),
             "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
         }
 
