@@ -360,6 +360,7 @@ class Guard:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
+        self._start_reload_result()
         g = self.cfg.guard
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
@@ -862,11 +863,21 @@ class Guard:
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
     def reload(self) -> bool:
-        """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success."""
+        """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success.
+
+        The new config passes the same checks as ``check-config`` (``config.load`` and
+        :func:`loop_settings`) and everything derived from it is built before any of it is put in
+        force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
+        ``sparkguard reload`` returns once it is in force or refused."""
         from sparkguard import config, proctree
-        self.notifier.reloading()
+        started = self.notifier.reloading()
         try:
             cfg = config.load(self.config_arg)
+            if self.force_dry_run and not cfg.guard.dry_run:
+                cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
+            loop_settings(cfg)
+            thresholds = self._thresholds(cfg)
+            protector = proctree.Protector(cfg.targets.protect)
         except Exception as e:  # noqa: BLE001 - ConfigError, or a parser bug on a strange file
             if not isinstance(e, config.ConfigError):
                 e = config.ConfigError(self.config_arg or config.DEFAULT_PATH, "(file)", None,
@@ -879,30 +890,62 @@ class Guard:
             self.notifier.ready()
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30
+            self._reload_result(started, False, str(e))
             return False
-        if self.force_dry_run and not cfg.guard.dry_run:
-            cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
         for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
                          ("link", "interfaces"), ("link", "down_after")):
             new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)
             if new != old:
                 log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
         self.cfg = cfg
-        self.policy.thresholds = self._thresholds(cfg)
+        self.policy.thresholds = thresholds
         if self.policy.state == "ok":
             self.policy.dry_run = cfg.guard.dry_run
         elif self.policy.dry_run != cfg.guard.dry_run:
             # switching mid-incident would SIGKILL a tree that never got SIGTERM (or leave a real
             # SIGTERM without its escalation): the new dry_run applies when this incident ends
             log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
-        self.protector = proctree.Protector(cfg.targets.protect)
-        self._reload_supervisor(cfg)
-        self.reloads["ok"] += 1
+        self.protector = protector
+        error = ""
+        try:
+            self._reload_supervisor(cfg)
+        except Exception as e:  # noqa: BLE001 - the guard's part is in force; say what was not
+            log.exception("reload: the engine supervisor did not take the new config")
+            error = f"guard settings applied, engine supervisor refused them: {type(e).__name__}: {e}"
+        self.reloads["ok" if not error else "failed"] += 1
         log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
                  cfg.guard.grace)
         self.notifier.ready()
         self._tick(time.monotonic())
-        return True
+        self._reload_result(started, not error, error)
+        return not error
+
+    def _start_reload_result(self) -> None:
+        """Write the reload result file's first record (pid, generation 0) so ``sparkguard reload``
+        finds the daemon; creates the runtime directory when run without systemd."""
+        from sparkguard import reload as reload_cmd
+        d = reload_cmd.result_dir()
+        try:
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            reload_cmd.write_result(d, {"pid": os.getpid(), "generation": 0, "started_usec": 0, "ok": None,
+                                        "error": "", "config_path": self.cfg.path})
+            self._reload_dir = d
+        except OSError as e:
+            log.warning("cannot write the reload result in %s (%s): `sparkguard reload` will get no answer",
+                        d, e.strerror or e)
+
+    def _reload_result(self, started_usec: int, ok: bool, error: str) -> None:
+        """Record a reload's result (a tiny file on tmpfs; never raises)."""
+        self._reloads_done += 1
+        if self._reload_dir is None:
+            return
+        from sparkguard import reload as reload_cmd
+        try:
+            reload_cmd.write_result(self._reload_dir, {
+                "pid": os.getpid(), "generation": self._reloads_done, "started_usec": started_usec, "ok": ok,
+                "error": error, "config_path": self.cfg.path})
+        except OSError as e:
+            log.warning("cannot write the reload result in %s: %s", self._reload_dir, e.strerror or e)
 
     def _shutdown(self) -> int:
         self._stop_supervisor()
