@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -255,3 +256,57 @@ def test_sparkguard_reload_without_an_answer_times_out_with_the_reason(tmp_path)
     finally:
         p.kill()
         p.wait(10)
+
+
+# ---- 2: a stalled stderr ----------------------------------------------------------------------
+
+def test_a_stalled_stderr_drops_and_counts_log_lines_and_the_loop_goes_on(tmp_path):
+    """stderr is a pipe nobody reads: once it and the log queue are full, log records are dropped and
+    counted, and the loop keeps polling and pinging."""
+    import yaml
+
+    from conftest import sparkguard_cmd
+    from guardrun import NotifyListener
+    port = free_port()
+    cfg = tmp_path / "sparkguard.yaml"
+    good = {"targets": {"match": [f"^{unique()}$"]}, "metrics": {"listen": f"127.0.0.1:{port}"},
+            "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
+    cfg.write_text(yaml.safe_dump(good))
+    notify = NotifyListener(str(tmp_path / "notify.sock"))
+    r, w = os.pipe()
+    proc = subprocess.Popen(sparkguard_cmd("run", "--config", str(cfg)), stdout=w, stderr=w,
+                            env=sg_env(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="200000",
+                                       RUNTIME_DIRECTORY=str(tmp_path)))
+    os.close(w)
+    try:
+        notify.wait_for(lambda m: m.get("READY") == "1")
+        cfg.write_text("guard:\n  grace: soon\n")     # each SIGHUP now logs two lines (~300 bytes)
+        for i in range(3000):
+            proc.send_signal(signal.SIGHUP)
+            notify.wait_for(lambda m: m.get("RELOADING") == "1", timeout=10)
+            if i % 100 == 99 and scrape(port).get("sparkguard_log_dropped_total", 0) > 0:
+                break
+        m = scrape(port)
+        assert m["sparkguard_log_dropped_total"] > 0, m
+        assert m['sparkguard_config_reloads_total{result="failed"}'] == i + 1
+        polls = m["sparkguard_polls_total"]
+        for _ in range(3):
+            notify.wait_for(lambda m: m.get("WATCHDOG") == "1", timeout=5)
+        assert scrape(port)["sparkguard_polls_total"] > polls
+    finally:
+        os.set_blocking(r, False)
+        try:                    # unblock the writer thread so the daemon can exit
+            while os.read(r, 1 << 16):
+                pass
+        except BlockingIOError:
+            pass
+        proc.terminate()
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:   # keep draining until it exits
+            if select.select([r], [], [], 0.1)[0]:
+                os.read(r, 1 << 16)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(r)
+        notify.close()
