@@ -927,8 +927,9 @@ class Guard:
         d = reload_cmd.result_dir()
         try:
             os.makedirs(d, mode=0o755, exist_ok=True)
-            reload_cmd.write_result(d, {"pid": os.getpid(), "generation": 0, "started_usec": 0, "ok": None,
-                                        "error": "", "config_path": self.cfg.path})
+            self._reload_record = {"pid": os.getpid(), "starttime": reload_cmd.starttime(), "generation": 0,
+                                   "started_usec": 0, "ok": None, "error": "", "config_path": self.cfg.path}
+            reload_cmd.write_result(d, self._reload_record)
             self._reload_dir = d
         except OSError as e:
             log.warning("cannot write the reload result in %s (%s): `sparkguard reload` will get no answer",
@@ -941,9 +942,9 @@ class Guard:
             return
         from sparkguard import reload as reload_cmd
         try:
-            reload_cmd.write_result(self._reload_dir, {
-                "pid": os.getpid(), "generation": self._reloads_done, "started_usec": started_usec, "ok": ok,
-                "error": error, "config_path": self.cfg.path})
+            reload_cmd.write_result(self._reload_dir, dict(
+                self._reload_record, generation=self._reloads_done, started_usec=started_usec, ok=ok,
+                error=error, config_path=self.cfg.path))
         except OSError as e:
             log.warning("cannot write the reload result in %s: %s", self._reload_dir, e.strerror or e)
 

@@ -6,7 +6,9 @@ it), replaced atomically (write a temporary file, ``rename(2)``) at start-up and
 reload.  Fields: ``pid`` (int), ``generation`` (int, reloads handled since start),
 ``started_usec`` (CLOCK_MONOTONIC microseconds when the daemon began that reload, the value it
 also sends as ``MONOTONIC_USEC=``), ``ok`` (bool, None before the first reload), ``error``
-(str, the refusal: ``file: key: value: reason``), ``config_path`` (str).
+(str, the refusal: ``file: key: value: reason``), ``config_path`` (str), ``starttime`` (int, the
+daemon's start time in clock ticks, field 22 of /proc/PID/stat, proc(5)): a client that takes the
+PID from the file signals it only while that PID is still the process that wrote it.
 
 The client reads the clock, sends SIGHUP, and waits (inotify on the directory, the daemon's
 pidfd, a timeout) for a record of that PID whose ``started_usec`` is later than its own clock
@@ -38,6 +40,15 @@ _IN_MOVED_TO = 0x80
 _IN_CLOSE_WRITE = 0x08
 _IN_NONBLOCK = 0o4000
 _IN_CLOEXEC = 0o2000000
+
+
+def starttime(pid: int | str = "self") -> int | None:
+    """Field 22 of /proc/PID/stat (start time after boot, clock ticks; proc(5)), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def result_dir(environ: dict | None = None) -> str:
@@ -91,22 +102,19 @@ def _inotify(directory: str) -> int | None:
         return None
 
 
-def wait_result(directory: str, pid: int, after_usec: int, timeout: float) -> tuple[dict | None, str]:
-    """Wait for the daemon ``pid`` to record a reload begun after ``after_usec`` (CLOCK_MONOTONIC us).
+def wait_result(directory: str, pid: int, pidfd: int, after_usec: int, timeout: float
+                ) -> tuple[dict | None, str]:
+    """Wait for the daemon ``pid`` (its ``pidfd``) to record a reload begun after ``after_usec``
+    (CLOCK_MONOTONIC us).
 
     Returns:
         ``(record, "")`` when it came; ``(None, why)`` on timeout or when the daemon exited.
     """
     ino = _inotify(directory)
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        pidfd = None
     poller = select.poll()
     if ino is not None:
         poller.register(ino, select.POLLIN)
-    if pidfd is not None:
-        poller.register(pidfd, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -128,9 +136,8 @@ def wait_result(directory: str, pid: int, after_usec: int, timeout: float) -> tu
                     except BlockingIOError:
                         pass
     finally:
-        for fd in (ino, pidfd):
-            if fd is not None:
-                os.close(fd)
+        if ino is not None:
+            os.close(ino)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -149,24 +156,37 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_reload(args: argparse.Namespace) -> int:
     """SIGHUP the daemon, wait for its answer; 0 applied, 1 refused / no answer / no daemon."""
     directory = args.dir or result_dir()
-    pid = args.pid
-    if pid is None:
-        rec = read_result(directory)
-        pid = rec.get("pid") if rec else None
-        if not isinstance(pid, int):
-            print(f"sparkguard reload: no daemon pid in {directory}/{RESULT_NAME}; give --pid", file=sys.stderr)
-            return 1
     if not args.timeout > 0:
         print(f"sparkguard reload: --timeout {args.timeout}: must be a positive number of seconds", file=sys.stderr)
         return 1
-    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    pid, born = args.pid, None
+    if pid is None:
+        rec = read_result(directory)
+        pid, born = (rec.get("pid"), rec.get("starttime")) if rec else (None, None)
+        if not isinstance(pid, int) or not isinstance(born, int):
+            print(f"sparkguard reload: no daemon pid in {directory}/{RESULT_NAME}; give --pid", file=sys.stderr)
+            return 1
     try:
-        os.kill(pid, signal.SIGHUP)
+        pidfd = os.pidfd_open(pid)
     except OSError as e:
         why = "no such process" if e.errno == errno.ESRCH else e.strerror
         print(f"sparkguard reload: cannot signal pid {pid}: {why}", file=sys.stderr)
         return 1
-    rec, why = wait_result(directory, pid, after, args.timeout)
+    try:
+        if born is not None and starttime(pid) != born:
+            print(f"sparkguard reload: pid {pid} in {directory}/{RESULT_NAME} is no longer the daemon that "
+                  "wrote it (stale file); give --pid", file=sys.stderr)
+            return 1
+        after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGHUP)
+        except OSError as e:
+            why = "no such process" if e.errno == errno.ESRCH else e.strerror
+            print(f"sparkguard reload: cannot signal pid {pid}: {why}", file=sys.stderr)
+            return 1
+        rec, why = wait_result(directory, pid, pidfd, after, args.timeout)
+    finally:
+        os.close(pidfd)
     if rec is None:
         print(f"sparkguard reload: {why}", file=sys.stderr)
         return 1

@@ -310,3 +310,21 @@ def test_a_stalled_stderr_drops_and_counts_log_lines_and_the_loop_goes_on(tmp_pa
             proc.wait(10)
         os.close(r)
         notify.close()
+
+
+def test_sparkguard_reload_never_signals_a_pid_reused_after_the_daemon_died(tmp_path):
+    """The result file outlives a crashed daemon (RuntimeDirectoryPreserve=restart): its PID, now another
+    process (here one of the test's own, which SIGHUP would end), is not signalled."""
+    from sparkguard import reload as reload_cmd
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        real = reload_cmd.starttime(p.pid)
+        assert real is not None
+        reload_cmd.write_result(str(tmp_path), {"pid": p.pid, "starttime": real - 1, "generation": 3,
+                                                "started_usec": 1, "ok": True, "error": "", "config_path": "x"})
+        r = run_sparkguard("reload", "--dir", str(tmp_path), "--timeout", "5")
+        assert r.returncode == 1 and "no longer the daemon that wrote it" in r.stderr, r.stderr
+        assert p.poll() is None, "the unrelated process got SIGHUP"
+    finally:
+        p.kill()
+        p.wait(10)
