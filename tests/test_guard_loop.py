@@ -118,6 +118,39 @@ def test_a_notify_socket_that_never_reads_does_not_stop_the_sigterm(engine_facto
         os.unlink(tmp_sock)
 
 
+def test_notifier_sends_to_abstract_addresses_and_counts_what_a_full_queue_refuses():
+    """sd_notify(3): NOTIFY_SOCKET=@name is the abstract socket "\\0name"."""
+    from sparkguard import notify
+    name = unique("sg-notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(b"\0" + name.encode())
+    try:
+        n = notify.Notifier({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "1000000"})
+        n.ready("up")
+        sock.settimeout(5)
+        assert sock.recv(4096) == b"READY=1\nSTATUS=up"
+        t0 = time.monotonic()
+        sent = 0
+        while n.dropped == 0:           # nobody reads: the queue fills, then sends are refused at once
+            assert n.send("WATCHDOG=1") or n.dropped, "a refused send must be counted"
+            sent += 1
+            assert sent < 100_000
+        assert time.monotonic() - t0 < 5
+        n.status("still here")          # dropped too: it is sent again at the next refresh
+        assert n.dropped == 2
+        sock.setblocking(False)
+        try:
+            while sock.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        n.status("still here")
+        sock.settimeout(5)
+        assert sock.recv(4096) == b"STATUS=still here"
+    finally:
+        sock.close()
+
+
 # ---- 3: a blind guard stops the watchdog ------------------------------------------------------
 
 def test_a_blind_guard_stops_watchdog_pings_says_so_and_resumes(tmp_path):
