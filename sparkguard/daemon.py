@@ -63,7 +63,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.config_opt or args.path
     try:
         cfg = config.load(path, required=path is not None)
-        loop_settings(cfg)
+        prepare(cfg)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config: {e}", file=sys.stderr)
         return 1
@@ -271,6 +271,29 @@ def loop_settings(cfg) -> tuple[bool, float, int, int, int]:
     far = int(iv * policy.FILL_RATE)
     return (g.signal == "available+swap", float(iv), far, g.term_below + far,
             max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
+
+
+def prepare(cfg):
+    """Everything the guard derives from a config, built and checked before any of it is used: the
+    validation ``check-config`` and a reload share (beside ``config.load``).
+
+    Returns:
+        ``(loop settings, policy.Thresholds, proctree.Protector)`` (see :func:`loop_settings`).
+    Raises:
+        config.ConfigError: naming the file, key and value.
+    """
+    from sparkguard import config, proctree
+    settings = loop_settings(cfg)
+    try:
+        thresholds = Guard._thresholds(cfg)
+    except Exception as e:  # noqa: BLE001 - whatever a future Thresholds refuses
+        raise config.ConfigError(cfg.path, "guard", None, f"cannot use: {type(e).__name__}: {e}") from None
+    try:
+        protector = proctree.Protector(cfg.targets.protect)
+    except Exception as e:  # noqa: BLE001 - re.error from a pattern config.load let through
+        raise config.ConfigError(cfg.path, "targets.protect", list(cfg.targets.protect),
+                                 f"cannot compile: {e}") from None
+    return settings, thresholds, protector
 
 
 class Guard:
@@ -866,18 +889,15 @@ class Guard:
         """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success.
 
         The new config passes the same checks as ``check-config`` (``config.load`` and
-        :func:`loop_settings`) and everything derived from it is built before any of it is put in
-        force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
+        :func:`prepare`, which builds everything derived from it) before any of it is put in force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
         ``sparkguard reload`` returns once it is in force or refused."""
-        from sparkguard import config, proctree
+        from sparkguard import config
         started = self.notifier.reloading()
         try:
             cfg = config.load(self.config_arg)
             if self.force_dry_run and not cfg.guard.dry_run:
                 cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-            loop_settings(cfg)
-            thresholds = self._thresholds(cfg)
-            protector = proctree.Protector(cfg.targets.protect)
+            _, thresholds, protector = prepare(cfg)
         except Exception as e:  # noqa: BLE001 - ConfigError, or a parser bug on a strange file
             if not isinstance(e, config.ConfigError):
                 e = config.ConfigError(self.config_arg or config.DEFAULT_PATH, "(file)", None,
