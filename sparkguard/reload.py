@@ -116,19 +116,26 @@ def wait_result(directory: str, pid: int, pidfd: int, after_usec: int, timeout: 
         poller.register(ino, select.POLLIN)
     poller.register(pidfd, select.POLLIN)
     deadline = time.monotonic() + timeout
+
+    def answer() -> dict | None:
+        rec = read_result(directory)
+        if rec and rec.get("pid") == pid and isinstance(rec.get("started_usec"), int) \
+                and rec["started_usec"] > after_usec and rec.get("ok") is not None:
+            return rec
+        return None
     try:
         while True:
-            rec = read_result(directory)
-            if rec and rec.get("pid") == pid and isinstance(rec.get("started_usec"), int) \
-                    and rec["started_usec"] > after_usec and rec.get("ok") is not None:
+            rec = answer()
+            if rec is not None:
                 return rec, ""
             left = deadline - time.monotonic()
             if left <= 0:
                 return None, f"no answer from pid {pid} in {directory}/{RESULT_NAME} within {timeout:g}s"
             # without inotify the result file is re-read every 100 ms
             for fd, _ in poller.poll(min(left, 0.1 if ino is None else left) * 1000):
-                if fd == pidfd:
-                    return None, f"pid {pid} exited before answering the reload"
+                if fd == pidfd:     # it may have answered just before exiting
+                    rec = answer()
+                    return (rec, "") if rec is not None else (None, f"pid {pid} exited before answering the reload")
                 if fd == ino:
                     try:
                         while os.read(ino, 4096):
