@@ -18,6 +18,7 @@ from sparkguard import __version__
 #: modules that provide sub-commands, in help order
 COMMAND_MODULES = [
     "sparkguard.daemon",        # run, check-config
+    "sparkguard.reload",        # reload
     "sparkguard.status",        # status
     "sparkguard.incidents",     # incidents
     "sparkguard.host.cli",      # install, uninstall, install-zram, tune, doctor

@@ -30,6 +30,9 @@ STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing cha
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
+MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
+BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
+LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="decide and report everything, signal nothing")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity on stderr (default info)")
+    # tests point the reader at a file they control (README "Tests"); not for production
+    p.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_run)
     c = sub.add_parser("check-config", help="validate a config file and print the effective settings",
                        description="Validate a sparkguard config (every error names the file, key and value) "
@@ -58,6 +63,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.config_opt or args.path
     try:
         cfg = config.load(path, required=path is not None)
+        prepare(cfg)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config: {e}", file=sys.stderr)
         return 1
@@ -81,23 +87,47 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+_log_handler = None     # the DroppingQueueHandler of a running daemon (its ``dropped`` count is in the snapshot)
+
+
 def _setup_logging(level: str) -> None:
-    """Log to stderr through a queue and a listener thread (logging.handlers.QueueListener):
-    a stalled stderr (journald starved under memory pressure) must never block the poll loop."""
+    """Log to stderr through a bounded queue (LOG_QUEUE_MAX records) and a listener thread
+    (logging.handlers.QueueListener): a stalled stderr (journald starved under memory pressure)
+    never blocks the poll loop, and its backlog never grows without bound (later records are dropped
+    and counted, ``sparkguard_log_dropped_total``)."""
+    global _log_handler
     import logging.handlers
     import queue
     fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
         "%(asctime)s sparkguard[%(process)d] %(levelname)s %(message)s"
     out = logging.StreamHandler(sys.stderr)
     out.setFormatter(logging.Formatter(fmt))
-    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    class DroppingQueueHandler(logging.handlers.QueueHandler):
+        """QueueHandler that never waits: a record that finds the queue full is dropped and counted."""
+        dropped = 0
+
+        def enqueue(self, record: logging.LogRecord) -> None:
+            try:
+                self.queue.put_nowait(record)
+            except queue.Full:
+                self.dropped += 1
+
+    q: queue.Queue = queue.Queue(maxsize=LOG_QUEUE_MAX)
     root = logging.getLogger()
-    root.handlers[:] = [logging.handlers.QueueHandler(q)]
+    _log_handler = DroppingQueueHandler(q)
+    root.handlers[:] = [_log_handler]
     root.setLevel(getattr(logging, level.upper()))
     listener = logging.handlers.QueueListener(q, out)
     listener.start()
+
+    def stop() -> None:
+        try:
+            listener.stop()
+        except queue.Full:      # stderr stalled at exit: what is queued is lost
+            pass
     import atexit
-    atexit.register(listener.stop)
+    atexit.register(stop)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -115,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-    guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run)
+    guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run, meminfo_path=args.meminfo)
     try:
         guard.start()
     except (OSError, RuntimeError) as e:   # MeminfoError is a RuntimeError
@@ -200,6 +230,72 @@ def open_psi_trigger(path: str = "/proc/pressure/memory") -> int | None:
     return None
 
 
+def loop_settings(cfg) -> tuple[bool, float, int, int, int]:
+    """What the poll loop derives from a config, checked: the one validation that ``check-config``
+    and a reload run beside ``config.load``.
+
+    Returns:
+        ``(use_swap, interval, far, idle_floor, budget)``: the signal includes SwapFree (bool);
+        ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
+        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
+        bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
+        (clock read, watchdog ping, STATUS=, poll metrics) runs at least every FULL_PASS_EVERY (int).
+    Raises:
+        config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
+            that is not a whole number of bytes), naming the file, key and value.
+    """
+    import math
+
+    from sparkguard import config, policy
+    g = cfg.guard
+    path = getattr(cfg, "path", None) or "<config>"
+
+    def bad(key, value, reason):
+        return config.ConfigError(path, f"guard.{key}", value, reason)
+    iv = g.poll_interval
+    if isinstance(iv, bool) or not isinstance(iv, int | float) or not math.isfinite(iv) or iv < MIN_POLL_INTERVAL:
+        raise bad("poll_interval", iv, f"the poll loop needs a finite number of seconds, at least "
+                  f"{MIN_POLL_INTERVAL:g} (its shortest sleep, policy.next_interval)")
+    for key in ("term_below", "kill_below"):
+        v = getattr(g, key)
+        if v is None and key == "kill_below":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise bad(key, v, "the poll loop needs a whole number of bytes, 0 or more")
+    for key in ("grace", "recovery_wait"):
+        v = getattr(g, key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise bad(key, v, "the poll loop needs a finite number of seconds, 0 or more")
+    if g.signal not in ("available", "available+swap"):
+        raise bad("signal", g.signal, "expected available or available+swap")
+    far = int(iv * policy.FILL_RATE)
+    return (g.signal == "available+swap", float(iv), far, g.term_below + far,
+            max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
+
+
+def prepare(cfg):
+    """Everything the guard derives from a config, built and checked before any of it is used: the
+    validation ``check-config`` and a reload share (beside ``config.load``).
+
+    Returns:
+        ``(loop settings, policy.Thresholds, proctree.Protector)`` (see :func:`loop_settings`).
+    Raises:
+        config.ConfigError: naming the file, key and value.
+    """
+    from sparkguard import config, proctree
+    settings = loop_settings(cfg)
+    try:
+        thresholds = Guard._thresholds(cfg)
+    except Exception as e:  # noqa: BLE001 - whatever a future Thresholds refuses
+        raise config.ConfigError(cfg.path, "guard", None, f"cannot use: {type(e).__name__}: {e}") from None
+    try:
+        protector = proctree.Protector(cfg.targets.protect)
+    except Exception as e:  # noqa: BLE001 - re.error from a pattern config.load let through
+        raise config.ConfigError(cfg.path, "targets.protect", list(cfg.targets.protect),
+                                 f"cannot compile: {e}") from None
+    return settings, thresholds, protector
+
+
 class Guard:
     """The daemon: state, the poll loop, and the actions.
 
@@ -207,9 +303,11 @@ class Guard:
         cfg: ``config.Config``.
         config_arg: the ``--config`` path given (re-read on SIGHUP), or None for the default.
         force_dry_run: ``--dry-run`` was given: stays in force across reloads.
+        meminfo_path: the file the loop reads (``/proc/meminfo``; tests give a file they write).
     """
 
-    def __init__(self, cfg, config_arg: str | None = None, force_dry_run: bool = False):
+    def __init__(self, cfg, config_arg: str | None = None, force_dry_run: bool = False,
+                 meminfo_path: str = "/proc/meminfo"):
         from sparkguard import policy
         self.cfg = cfg
         self.config_arg = config_arg
@@ -238,6 +336,12 @@ class Guard:
         self.last_incident: float | None = None
         self.reloads = {"ok": 0, "failed": 0}
         self.read_errors = 0
+        self.meminfo_path = meminfo_path
+        self._fail_since: float | None = None   # monotonic s of the first failed read of this streak
+        self._fail_wall = 0.0
+        self._fail_error = ""
+        self._reloads_done = 0
+        self._reload_dir: str | None = None
         self._next_status = 0.0
         self._poller = None
         self._tree_fds: set[int] = set()
@@ -263,7 +367,7 @@ class Guard:
         from sparkguard.incidents import new_id
         self._new_id = new_id
         self.host, self.boot_id = sysinfo.hostname(), sysinfo.boot_id()
-        self.reader = meminfo.MeminfoReader()
+        self.reader = meminfo.MeminfoReader(self.meminfo_path)
         self.avail, self.swap_free = self.reader.sample()
         self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
         self.notifier = notify.Notifier()
@@ -279,6 +383,7 @@ class Guard:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
+        self._start_reload_result()
         g = self.cfg.guard
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
@@ -382,9 +487,8 @@ class Guard:
         preadv = os.preadv
         fd, view, buf = self.reader.inline_parts()
         find = buf.find
-        AVAIL, KB = meminfo.AVAIL_LABEL, meminfo.KB
-        use_swap, interval, far = self._loop_settings()
-        idle_floor, budget = self._fast_settings(interval, far)
+        AVAIL, AT, KB = meminfo.AVAIL_LABEL, meminfo.AVAIL_VALUE_AT, meminfo.KB
+        use_swap, interval, far, idle_floor, budget = self._loop_settings()
         idle_poll = select.poll().poll      # nothing registered: the fast path waits for time only
         fast_ms = interval * 1000.0
         fast_left = 0
@@ -396,8 +500,8 @@ class Guard:
                         # the idle fast path: keep it to these lines
                         try:
                             n = preadv(fd, view, 0)
-                            i = find(AVAIL, 0, n)
-                            avail = int(buf[i + 13:find(KB, i, n)]) << 10 if i >= 0 else -1
+                            i = find(AVAIL, 0, n)   # "\nMemAvailable:": only at a line's start
+                            avail = int(buf[i + AT:find(KB, i, n)]) << 10 if i >= 0 else -1
                         except Exception:  # noqa: BLE001 - OSError, ValueError; the full pass reports it
                             break
                         if avail < idle_floor or self._flags or self.stopping:
@@ -412,17 +516,23 @@ class Guard:
                 fast_left = 0
             try:
                 timeout = self._pass(sample, step, next_interval, monotonic, pol, OK, use_swap, interval, far)
-                if timeout >= interval and pol.state is OK and self.avail >= idle_floor and not self._flags:
+                if timeout >= interval and pol.state is OK and self.avail >= idle_floor and not self._flags \
+                        and self._fail_since is None:
                     fast_left = self._fast_budget(budget, interval, monotonic())
             except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
                 log.exception("poll loop error; the guard keeps running")
                 timeout = interval
-            events = poll(timeout * 1000.0)
-            if events and self._on_events(events):
-                use_swap, interval, far = self._loop_settings()
-                idle_floor, budget = self._fast_settings(interval, far)
-                fast_ms = interval * 1000.0
+            try:
+                events = poll(timeout * 1000.0)
+                if events and self._on_events(events):
+                    fast_left = 0
+                    # validated by reload(); a failure here keeps the settings in force
+                    use_swap, interval, far, idle_floor, budget = self._loop_settings()
+                    fast_ms = interval * 1000.0
+            except Exception:  # noqa: BLE001 - nothing after a wake-up (a reload) may end the loop
+                log.exception("poll loop error after a wake-up; the guard keeps running")
                 fast_left = 0
+                idle_poll(fast_ms)      # a fault that repeats must not spin the CPU
         return self._shutdown()
 
     def _on_events(self, events: list[tuple[int, int]]) -> bool:
@@ -446,14 +556,6 @@ class Guard:
                 self.psi_fd = None
         return changed
 
-    def _fast_settings(self, interval: float, far: int) -> tuple[int, int]:
-        """(idle floor in bytes of MemAvailable, fast polls allowed between two full passes).
-
-        The floor is ``term_below + far``: above it the full ``poll_interval`` is safe at the
-        assumed fill rate.  The budget keeps a full pass (clock read, watchdog ping, STATUS=,
-        poll metrics) at least every FULL_PASS_EVERY (2 s)."""
-        return self.policy.thresholds.term_below + far, max(0, int(FULL_PASS_EVERY / interval + 1e-9) - 1)
-
     def _fast_budget(self, budget: int, interval: float, now: float) -> int:
         """Fast polls allowed from ``now`` (monotonic seconds): ``budget``, fewer when the
         watchdog ping falls due sooner (a full pass must send it on time)."""
@@ -471,9 +573,11 @@ class Guard:
         try:
             avail, swap_free = sample()
         except (OSError, RuntimeError) as e:     # RuntimeError: meminfo.MeminfoError
-            self._read_error(e)
+            self._read_error(e, t0)
             timeout = interval
         else:
+            if self._fail_since is not None:
+                self._read_back(t0)
             value = avail + swap_free if use_swap else avail
             self.avail, self.swap_free, self.value = avail, swap_free, value
             headroom = value - pol.thresholds.term_below
@@ -506,12 +610,9 @@ class Guard:
         return timeout
 
 
-    def _loop_settings(self) -> tuple[bool, float, int]:
-        """(signal includes swap, poll_interval seconds, headroom in bytes beyond which the full
-        poll_interval is safe at the assumed fill rate); re-read after a reload."""
-        from sparkguard import policy
-        g = self.cfg.guard
-        return g.signal == "available+swap", g.poll_interval, int(g.poll_interval * policy.FILL_RATE)
+    def _loop_settings(self) -> tuple[bool, float, int, int, int]:
+        """:func:`loop_settings` of the running config; re-read after a reload."""
+        return loop_settings(self.cfg)
 
     def _act_failed(self, actions: tuple[str, ...], now: float) -> None:
         """An action raised: log it with the traceback and keep guarding.  Without a victim tree
@@ -526,10 +627,32 @@ class Guard:
             return False
         return self.tree.gone()
 
-    def _read_error(self, e: Exception) -> None:
+    def _read_error(self, e: Exception, now: float) -> None:
+        """A failed read of meminfo at ``now`` (monotonic s).  After BLIND_AFTER seconds of failures in
+        a row the guard is blind: WATCHDOG=1 stops (systemd's WatchdogSec restarts the daemon),
+        STATUS= says so, and one error is logged."""
         self.read_errors += 1
-        if self.read_errors == 1 or self.read_errors % 300 == 0:
-            log.error("reading /proc/meminfo failed (%d times so far): %s; still polling", self.read_errors, e)
+        self._fail_error = str(e) or type(e).__name__
+        if self._fail_since is None:
+            self._fail_since, self._fail_wall = now, time.time()
+        n = self.notifier
+        if not n.blind and now - self._fail_since >= BLIND_AFTER:
+            n.blind = True
+            log.error("BLIND: cannot read %s for %.1fs (%d failed reads): %s; watchdog pings stop so the "
+                      "service manager restarts the guard", self.reader.path, now - self._fail_since,
+                      self.read_errors, self._fail_error)
+            self._tick(now)
+        elif self.read_errors == 1 or self.read_errors % 300 == 0:
+            log.error("reading %s failed (%d times so far): %s; still polling", self.reader.path,
+                      self.read_errors, self._fail_error)
+
+    def _read_back(self, now: float) -> None:
+        """The first good read after failures: end the streak; a blind guard pings again."""
+        since, self._fail_since = self._fail_since, None
+        if self.notifier.blind:
+            self.notifier.blind = False
+            log.warning("reading %s again after %.1fs blind; watchdog pings resume", self.reader.path, now - since)
+            self._tick(now)
 
     def _drain_wakeup(self) -> None:
         try:
@@ -555,7 +678,10 @@ class Guard:
             self.notifier.status(status)
 
     def status_line(self) -> str:
-        """One line for STATUS=: available, line, state."""
+        """One line for STATUS=: available, line, state; or why the guard is blind."""
+        if self.notifier is not None and self.notifier.blind:
+            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self._fail_wall))
+            return f"BLIND: cannot read {self.reader.path} since {since}: {self._fail_error}"
         g = self.cfg.guard
         what = "MemAvailable" if g.signal == "available" else "MemAvailable+SwapFree"
         line = f"{what} {_fmt_size(self.value)}, SIGTERM line {_fmt_size(g.term_below)}"
@@ -760,11 +886,18 @@ class Guard:
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
     def reload(self) -> bool:
-        """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success."""
-        from sparkguard import config, proctree
-        self.notifier.reloading()
+        """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success.
+
+        The new config passes the same checks as ``check-config`` (``config.load`` and
+        :func:`prepare`, which builds everything derived from it) before any of it is put in force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
+        ``sparkguard reload`` returns once it is in force or refused."""
+        from sparkguard import config
+        started = self.notifier.reloading()
         try:
             cfg = config.load(self.config_arg)
+            if self.force_dry_run and not cfg.guard.dry_run:
+                cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
+            _, thresholds, protector = prepare(cfg)
         except Exception as e:  # noqa: BLE001 - ConfigError, or a parser bug on a strange file
             if not isinstance(e, config.ConfigError):
                 e = config.ConfigError(self.config_arg or config.DEFAULT_PATH, "(file)", None,
@@ -777,30 +910,63 @@ class Guard:
             self.notifier.ready()
             self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
             self._next_status = time.monotonic() + 30
+            self._reload_result(started, False, str(e))
             return False
-        if self.force_dry_run and not cfg.guard.dry_run:
-            cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
         for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
                          ("link", "interfaces"), ("link", "down_after")):
             new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)
             if new != old:
                 log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
         self.cfg = cfg
-        self.policy.thresholds = self._thresholds(cfg)
+        self.policy.thresholds = thresholds
         if self.policy.state == "ok":
             self.policy.dry_run = cfg.guard.dry_run
         elif self.policy.dry_run != cfg.guard.dry_run:
             # switching mid-incident would SIGKILL a tree that never got SIGTERM (or leave a real
             # SIGTERM without its escalation): the new dry_run applies when this incident ends
             log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
-        self.protector = proctree.Protector(cfg.targets.protect)
-        self._reload_supervisor(cfg)
-        self.reloads["ok"] += 1
+        self.protector = protector
+        error = ""
+        try:
+            self._reload_supervisor(cfg)
+        except Exception as e:  # noqa: BLE001 - the guard's part is in force; say what was not
+            log.exception("reload: the engine supervisor did not take the new config")
+            error = f"guard settings applied, engine supervisor refused them: {type(e).__name__}: {e}"
+        self.reloads["ok" if not error else "failed"] += 1
         log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
                  cfg.guard.grace)
         self.notifier.ready()
         self._tick(time.monotonic())
-        return True
+        self._reload_result(started, not error, error)
+        return not error
+
+    def _start_reload_result(self) -> None:
+        """Write the reload result file's first record (pid, generation 0) so ``sparkguard reload``
+        finds the daemon; creates the runtime directory when run without systemd."""
+        from sparkguard import reload as reload_cmd
+        d = reload_cmd.result_dir()
+        try:
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            self._reload_record = {"pid": os.getpid(), "starttime": reload_cmd.starttime(), "generation": 0,
+                                   "started_usec": 0, "ok": None, "error": "", "config_path": self.cfg.path}
+            reload_cmd.write_result(d, self._reload_record)
+            self._reload_dir = d
+        except OSError as e:
+            log.warning("cannot write the reload result in %s (%s): `sparkguard reload` will get no answer",
+                        d, e.strerror or e)
+
+    def _reload_result(self, started_usec: int, ok: bool, error: str) -> None:
+        """Record a reload's result (a tiny file on tmpfs; never raises)."""
+        self._reloads_done += 1
+        if self._reload_dir is None:
+            return
+        from sparkguard import reload as reload_cmd
+        try:
+            reload_cmd.write_result(self._reload_dir, dict(
+                self._reload_record, generation=self._reloads_done, started_usec=started_usec, ok=ok,
+                error=error, config_path=self.cfg.path))
+        except OSError as e:
+            log.warning("cannot write the reload result in %s: %s", self._reload_dir, e.strerror or e)
 
     def _shutdown(self) -> int:
         self._stop_supervisor()
@@ -883,6 +1049,9 @@ class Guard:
             "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
             "started_timestamp": self.started, "config_path": self.cfg.path,
             "config_reloads": dict(self.reloads),
+            "notify_dropped": self.notifier.dropped if self.notifier else 0,
+            "log_dropped": getattr(_log_handler, "dropped", 0),
+            "blind": bool(self.notifier and self.notifier.blind),
             "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
         }
 

@@ -11,13 +11,51 @@ from __future__ import annotations
 
 import os
 
-_AVAIL = b"MemAvailable:"
+# Labels carry the newline that ends the line before: a field is found only where its line starts
+# (a line "XMemAvailable:" is not MemAvailable).  MemTotal is the kernel's first line; a field at
+# offset 0 is handled by :func:`field`.
+_AVAIL = b"\nMemAvailable:"
 AVAIL_LABEL = _AVAIL            # for the daemon's inline idle read (see MeminfoReader.inline_parts)
-_SWAPFREE = b"SwapFree:"
-_SWAPTOTAL = b"SwapTotal:"
-_MEMTOTAL = b"MemTotal:"
+AVAIL_VALUE_AT = len(_AVAIL)    # offset of the value from the label's start
+_SWAPFREE = b"\nSwapFree:"
+_SWAPTOTAL = b"\nSwapTotal:"
+_MEMTOTAL = b"\nMemTotal:"
 _KB = b"kB"
 KB = _KB
+_NL = b"\n"
+#: fields :class:`MeminfoReader` parses, as ``(name, label)``; :func:`sysinfo.parse_meminfo` takes
+#: these from :func:`field` so every reader of them agrees with the guard
+GUARD_FIELDS = (("MemTotal", _MEMTOTAL), ("MemAvailable", _AVAIL), ("SwapTotal", _SWAPTOTAL),
+                ("SwapFree", _SWAPFREE))
+
+
+def field(buf: bytes | bytearray, label: bytes, n: int | None = None) -> int | None:
+    """The value in bytes of the ``kB`` line whose name is ``label`` (``b"\\nMemAvailable:"``).
+
+    The one parser of the guard's fields.  Only a line that starts with the name matches (the
+    first such line, or the text's first line); the value must be ASCII digits then ``kB``.
+
+    Args:
+        buf: /proc/meminfo text; n: its length in ``buf`` (default all of it).
+    Returns:
+        bytes (kB * 1024), or None when the line is absent.
+    Raises:
+        ValueError: the line is there but its value is not ``<digits> kB``.
+    """
+    if n is None:
+        n = len(buf)
+    if buf.startswith(label[1:], 0, n):
+        i = len(label) - 1
+    else:
+        i = buf.find(label, 0, n)
+        if i < 0:
+            return None
+        i += len(label)
+    e = buf.find(_NL, i, n)
+    parts = buf[i:n if e < 0 else e].split()
+    if len(parts) != 2 or parts[1] != _KB or not parts[0].isdigit():
+        raise ValueError(f"unparsable {label[1:].decode()} line: {bytes(buf[i:n if e < 0 else e])!r}")
+    return int(parts[0]) * 1024
 
 
 class MeminfoError(RuntimeError):
@@ -61,39 +99,24 @@ class MeminfoReader:
         n = os.preadv(self._fd, self._view, 0)
         self._n = n
         b = self._buf
-        i = b.find(_AVAIL, 0, n)
-        if i < 0:
+        try:
+            avail = field(b, _AVAIL, n)
+        except ValueError as e:
+            raise MeminfoError(f"{self.path}: {e}") from None
+        if avail is None:
             raise MeminfoError(f"{self.path}: no MemAvailable line (kernel older than 3.14?)")
-        i += 13
-        j = b.find(_KB, i, n)
         try:
-            avail = int(b[i:j]) * 1024
-        except ValueError:
-            raise MeminfoError(f"{self.path}: unparsable MemAvailable line {bytes(b[i - 13:j + 2])!r}") from None
-        t = b.find(_SWAPTOTAL, j, n)
-        if t >= 0:
             # swap added after start (zram set up later) shows up in the next sample
-            try:
-                self.swap_total = int(b[t + 10:b.find(_KB, t, n)]) * 1024
-            except ValueError:
-                pass
-        k = b.find(_SWAPFREE, j, n)
-        if k < 0:
-            return avail, 0
-        k += 9
-        m = b.find(_KB, k, n)
-        try:
-            return avail, int(b[k:m]) * 1024
+            t = field(b, _SWAPTOTAL, n)
+            if t is not None:
+                self.swap_total = t
+            return avail, field(b, _SWAPFREE, n) or 0
         except ValueError:
             return avail, 0
 
-    def _field(self, name: bytes) -> int:
-        b, n = self._buf, self._n
-        i = b.find(name, 0, n)
-        if i < 0:
-            return 0
+    def _field(self, label: bytes) -> int:
         try:
-            return int(b[i + len(name):b.find(_KB, i, n)]) * 1024
+            return field(self._buf, label, self._n) or 0
         except ValueError:
             return 0
 

@@ -193,6 +193,15 @@ class GuardCollector:
                                     "idle fast-path polls); its rate is the polling rate.")
             c.add_metric([], float(s["polls_total"]))
             yield c
+        for key, name, what in (("notify_dropped", "notify_dropped", "sd_notify datagrams (WATCHDOG=1, STATUS=...) "
+                                 "the service manager's socket could not take at once (queue full, no listener), "
+                                 "dropped so the poll loop never waits"),
+                                ("log_dropped", "log_dropped", "log records dropped because the queue to the stderr "
+                                 "writer was full (stderr stalled); the poll loop never waits for its log")):
+            if s.get(key) is not None:
+                c = CounterMetricFamily(P + name, what + ".")
+                c.add_metric([], float(s[key]))
+                yield c
         yield _gauge("last_poll_timestamp_seconds", "Unix time of the daemon's last poll; a stale value "
                      "means the loop is stuck.", s.get("last_poll_timestamp"))
         yield _gauge("start_time_seconds", "Unix time the guard started.", s.get("started_timestamp"))

@@ -1,71 +1,115 @@
-"""systemd notification (sd_notify(3)) for ``Type=notify`` units.
+"""systemd notification (sd_notify(3)) for ``Type=notify`` units, sent without ever blocking.
 
-Uses the ``sdnotify`` library for the socket; adds what it lacks (FIELD-NOTES): the
-watchdog interval from ``WATCHDOG_USEC``/``WATCHDOG_PID`` (sd_watchdog_enabled(3)), ASCII
-sanitising (sdnotify drops non-Latin-1 text silently), and the reload protocol
-(``RELOADING=1`` + ``MONOTONIC_USEC=``, then ``READY=1``; systemd.service(5)
+The poll loop itself sends WATCHDOG=1 and STATUS=, so a send must never wait: when the
+service manager's socket queue is full (PID 1 busy in reclaim is exactly when) a blocking
+``sendto`` would freeze the guard.  Each message is one ``sendto`` on an AF_UNIX datagram
+socket opened ``SOCK_NONBLOCK|SOCK_CLOEXEC``; a datagram the kernel cannot queue at once
+(EAGAIN, ENOBUFS, ECONNREFUSED, ENOENT...) is dropped and counted in ``dropped``, and the
+caller goes on.  ``NOTIFY_SOCKET`` is a path, or an abstract address when it starts with
+``@`` (sd_notify(3), "NOTIFY_SOCKET"); other forms (``vsock:``) are not supported and turn
+the notifier off with a warning.
+
+Also what sd_notify users must add themselves (FIELD-NOTES): the watchdog interval from
+``WATCHDOG_USEC``/``WATCHDOG_PID`` (sd_watchdog_enabled(3)), ASCII sanitising, and the reload
+protocol (``RELOADING=1`` + ``MONOTONIC_USEC=``, then ``READY=1``; systemd.service(5)
 "Type=notify-reload").  Every method is a no-op without ``NOTIFY_SOCKET``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import time
+
+log = logging.getLogger("sparkguard")
+
+
+def notify_address(value: str) -> str | bytes | None:
+    """The ``sendto`` address for a ``NOTIFY_SOCKET`` value: a path (str), an abstract name
+    (bytes starting with NUL, from a leading ``@``), or None for an empty or unsupported value."""
+    if value.startswith("@") and len(value) > 1:
+        return b"\0" + value[1:].encode()
+    if value.startswith("/"):
+        return value
+    return None
 
 
 class Notifier:
     """Talks to the service manager.
 
     Attributes:
-        enabled: bool, NOTIFY_SOCKET is set.
+        enabled: bool, NOTIFY_SOCKET is set to an address this notifier can use.
         watchdog_interval: float seconds between WATCHDOG=1 pings (half of WATCHDOG_USEC),
             or None when the watchdog is off or meant for another PID.
         next_ping: float, monotonic seconds when the next ping is due (the loop never sleeps past it).
+        dropped: int, datagrams the kernel refused at once (queue full, no listener); any thread may read it.
+        blind: bool; while True, :meth:`watchdog` sends no WATCHDOG=1 (the guard cannot read memory,
+            so systemd's watchdog should restart it).
     """
 
     def __init__(self, environ: dict | None = None):
         env = os.environ if environ is None else environ
-        self.enabled = bool(env.get("NOTIFY_SOCKET"))
-        self._n = None
+        raw = env.get("NOTIFY_SOCKET") or ""
+        self._addr = notify_address(raw)
+        if raw and self._addr is None:
+            log.warning("NOTIFY_SOCKET=%s: unsupported address (expected /path or @abstract); "
+                        "not notifying the service manager", raw)
+        self.enabled = self._addr is not None
+        self._sock = None
         if self.enabled:
-            import sdnotify
-            self._n = sdnotify.SystemdNotifier()
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         self.watchdog_interval: float | None = None
         usec, wpid = env.get("WATCHDOG_USEC"), env.get("WATCHDOG_PID")
         if self.enabled and usec and usec.isdigit() and int(usec) > 0 and (not wpid or wpid == str(os.getpid())):
             self.watchdog_interval = int(usec) / 2e6
         self.next_ping = 0.0
+        self.dropped = 0
+        self.blind = False
         self._last_status = ""
 
-    def send(self, text: str) -> None:
-        """Send raw ``KEY=value`` lines (non-ASCII replaced by '?')."""
-        if self._n is not None:
-            self._n.notify(text.encode("ascii", "replace").decode("ascii"))
+    def send(self, text: str) -> bool:
+        """Send raw ``KEY=value`` lines (non-ASCII replaced by '?') in one non-blocking datagram.
+
+        Returns:
+            True if the kernel queued it; False when there is no socket or it was dropped
+            (counted in ``dropped``).  Never raises, never waits.
+        """
+        if self._sock is None:
+            return False
+        try:
+            self._sock.sendto(text.encode("ascii", "replace"), self._addr)
+            return True
+        except OSError:
+            self.dropped += 1
+            return False
 
     def ready(self, status: str | None = None) -> None:
         """READY=1 (and STATUS=)."""
         self.send("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
     def status(self, status: str) -> None:
-        """STATUS= one line, sent only when it changed."""
+        """STATUS= one line, sent only when it changed (a dropped one is sent again next time)."""
         status = status.replace("\n", " ")
-        if status != self._last_status:
+        if status != self._last_status and self.send(f"STATUS={status}"):
             self._last_status = status
-            self.send(f"STATUS={status}")
 
     def watchdog(self, now: float) -> None:
-        """WATCHDOG=1 if half of WATCHDOG_USEC has passed since the last ping.
+        """WATCHDOG=1 if half of WATCHDOG_USEC has passed since the last ping, unless ``blind``.
 
         Args:
             now: monotonic seconds.  Call from the poll loop itself, so a stuck loop stops the pings.
         """
         if self.watchdog_interval is not None and now >= self.next_ping:
             self.next_ping = now + self.watchdog_interval
-            self.send("WATCHDOG=1")
+            if not self.blind:
+                self.send("WATCHDOG=1")
 
-    def reloading(self) -> None:
-        """RELOADING=1 with MONOTONIC_USEC (CLOCK_MONOTONIC, microseconds)."""
-        self.send(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    def reloading(self) -> int:
+        """RELOADING=1 with MONOTONIC_USEC (CLOCK_MONOTONIC, microseconds); returns that value."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.send(f"RELOADING=1\nMONOTONIC_USEC={usec}")
+        return usec
 
     def stopping(self) -> None:
         """STOPPING=1."""

@@ -25,24 +25,34 @@ def parse_meminfo(text: bytes | str) -> dict[str, int]:
     """Parse /proc/meminfo text into ``{field: bytes}``.
 
     Fields given in kB are converted to bytes; unit-less fields (HugePages_Total...) are
-    kept as counts.  Unknown or malformed lines are skipped, never fatal.
+    kept as counts.  A name counts only at the start of its line (no leading blank) and the
+    first line of a name wins; malformed lines are skipped, never fatal.  The guard's own
+    fields (MemTotal, MemAvailable, SwapTotal, SwapFree) come from :func:`sparkguard.meminfo.field`,
+    the parser the poll loop uses, so a report shows the value the guard acted on.
     Source: Documentation/filesystems/proc.rst, "meminfo".
     """
-    if isinstance(text, bytes):
-        text = text.decode("ascii", "replace")
+    from sparkguard import meminfo
+    raw = text if isinstance(text, bytes) else text.encode("ascii", "replace")
+    text = raw.decode("ascii", "replace")
     out: dict[str, int] = {}
     for line in text.splitlines():
         key, sep, rest = line.partition(":")
-        if not sep:
+        if not sep or not key or key != key.strip() or key in out:
             continue
         parts = rest.split()
-        if not parts:
+        if not parts or not parts[0].isdigit():
             continue
+        n = int(parts[0])
+        out[key] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
+    for name, label in meminfo.GUARD_FIELDS:
         try:
-            n = int(parts[0])
+            v = meminfo.field(raw, label)
         except ValueError:
-            continue
-        out[key.strip()] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
+            v = None
+        if v is None:
+            out.pop(name, None)
+        else:
+            out[name] = v
     return out
 
 

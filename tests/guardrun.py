@@ -71,7 +71,8 @@ class GuardProc:
         self.config_path = os.path.join(self.tmp, "sparkguard.yaml")
         self.write_config(cfg)
         self.notify = NotifyListener(os.path.join(self.tmp, "notify.sock"))
-        env = sg_env(NOTIFY_SOCKET=self.notify.path)
+        # the reload result file (sparkguard.reload) goes to this test's folder, not /run/sparkguard
+        env = sg_env(NOTIFY_SOCKET=self.notify.path, RUNTIME_DIRECTORY=self.tmp)
         if watchdog_usec:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
         env.update(env_extra or {})

@@ -52,8 +52,9 @@ def test_install_into_a_root_gives_exactly_the_tree_and_units_verify(tmp_path):
 
     unit = files["etc/systemd/system/sparkguard.service"]
     assert f"ExecStart={sys.executable} -m sparkguard run --config /etc/sparkguard/sparkguard.yaml" in unit
+    assert f"ExecReload={sys.executable} -m sparkguard reload --pid $MAINPID --timeout 20\n" in unit
     for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=5s", "Restart=always", "OOMScoreAdjust=-1000",
-                 "ExecReload=/bin/kill -HUP $MAINPID", "LimitMEMLOCK=infinity", "Nice=-20"):
+                 "LimitMEMLOCK=infinity", "Nice=-20"):
         assert line + "\n" in unit, line
     settings = [ln for ln in unit.splitlines() if ln and not ln.startswith("#")]
     assert not [ln for ln in settings if ln.startswith(("PrivateNetwork=", "SystemCallFilter=", "User=",

@@ -126,6 +126,13 @@ def incident_reports(c) -> list[tuple[dict, dict]]:
     return out
 
 
+def guard_metrics(c) -> dict[str, float]:
+    """The guard's /metrics inside the container (default 127.0.0.1:8799), as ``{name{labels}: value}``."""
+    text = c.run(PY, "-c", "import urllib.request as u; "
+                 "print(u.urlopen('http://127.0.0.1:8799/metrics', timeout=5).read().decode())").stdout
+    return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+
 def set_line_and_reload(c, tag: str, line: int) -> None:
     c.write(CONFIG_PATH, config(line, tag))
     c.run("systemctl", "reload", UNIT, timeout=15)
@@ -207,6 +214,8 @@ def test_reload_applies_a_changed_config_and_keeps_the_old_one_when_broken(machi
     t = time.monotonic()
     c.run("systemctl", "reload", UNIT, timeout=15)
     assert time.monotonic() - t < 10, "reload took too long"
+    # ExecReload (sparkguard reload) returns once the new line is in force
+    assert guard_metrics(c).get("sparkguard_term_below_bytes") == 512 * MiB
     s = wait_for("STATUS to show the new line",
                  lambda: (lambda s: s if "SIGTERM line 0.50 GiB" in s["StatusText"]
                           and s["SubState"] == "running" else None)(
@@ -215,8 +224,13 @@ def test_reload_applies_a_changed_config_and_keeps_the_old_one_when_broken(machi
 
     c.write(CONFIG_PATH, "guard:\n  term_below: lots\n")
     t = time.monotonic()
-    c.run("systemctl", "reload", UNIT, timeout=15)
+    r = c.run("systemctl", "reload", UNIT, timeout=15, check=False)
     assert time.monotonic() - t < 10, "reload took too long"
+    assert r.returncode != 0, f"a refused config must fail the reload: {r}"
+    refused = wait_for("the journal to carry the reload command's reason",
+                       lambda: [ln for ln in guard_journal(c).splitlines() if "refused, running config kept" in ln],
+                       timeout=10)
+    assert any("guard.term_below" in ln and "lots" in ln for ln in refused), refused
     why = wait_for("the journal to say why the reload failed",
                    lambda: [ln for ln in guard_journal(c).splitlines() if "reload failed" in ln], timeout=10)
     assert any(CONFIG_PATH in ln and "guard.term_below" in ln and "lots" in ln for ln in why), why
@@ -227,10 +241,8 @@ def test_reload_applies_a_changed_config_and_keeps_the_old_one_when_broken(machi
     assert "lots" not in s["StatusText"].split("kept")[0]
     # The old config is still the one in force: the metrics endpoint (default 127.0.0.1:8799; the
     # container has its own network namespace) still shows the 512 MiB line and one failed reload.
-    metrics = c.run(PY, "-c", "import urllib.request as u; "
-                    "print(u.urlopen('http://127.0.0.1:8799/metrics', timeout=5).read().decode())").stdout
-    values = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines()
-              if ln and not ln.startswith("#")}
+    values = guard_metrics(c)
+    metrics = values
     assert values.get("sparkguard_term_below_bytes") == 512 * MiB, metrics
     assert values.get('sparkguard_config_reloads_total{result="failed"}') == 1, metrics
     assert values.get('sparkguard_config_reloads_total{result="ok"}') == 1, metrics
