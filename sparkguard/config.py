@@ -771,6 +771,13 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S
                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+def _regular(path: str, st: os.stat_result) -> None:
+    """ConfigError naming the kind of file unless ``st`` is a regular file's."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a plain file")
+        raise ConfigError(path, "(file)", None, f"is {kind}, not a regular file")
+
+
 def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them.
 
@@ -786,12 +793,13 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as e:
+        try:
+            _regular(path, os.stat(path))            # a socket: open(2) fails with ENXIO
+        except OSError:
+            pass
         raise ConfigError(path, "(file)", None, f"cannot read: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a plain file")
-            raise ConfigError(path, "(file)", None, f"is {kind}, not a regular file")
+        _regular(path, os.fstat(fd))
         chunks, left = [], limit + 1
         while left > 0:
             chunk = os.read(fd, min(left, 65536))
