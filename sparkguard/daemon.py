@@ -30,6 +30,7 @@ STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing cha
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
+PROBE_BYTES = 64 * 1024     # bytes the start-up probe of incidents.dir writes: room for one report of a large tree
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -286,18 +287,36 @@ class Guard:
         self._start_supervisor()
 
     def _check_incident_dir(self) -> None:
-        """Create ``incidents.dir`` now and prove it writable, so a bad path is known at start,
-        not lost at the first incident (the guard still runs: the journal gets the reports)."""
+        """Create ``incidents.dir`` now and prove that a report fits, so a bad path or a full disk is
+        known at start, not lost at the first incident (the guard still runs either way).
+
+        The probe writes PROBE_BYTES (more than a typical report) and fsyncs them: creating an empty
+        file succeeds on a full filesystem, and delayed allocation reports ENOSPC at fsync(2).
+        The log says "and the journal" only when journald's socket exists (reporter's journal mode)."""
         d = self.cfg.incidents.dir
+        sock = self.reporter.journal_socket
+        journal = self.cfg.incidents.journal != "off" and os.path.exists(sock)
+        if self.cfg.incidents.journal == "off":
+            nojournal = ""
+        elif journal:
+            nojournal = None
+        else:
+            nojournal = f" (incidents.journal {self.cfg.incidents.journal}, but no journald socket at {sock})"
         try:
             os.makedirs(d, mode=0o750, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
-            os.close(fd)
-            os.unlink(probe)
-            log.info("incidents go to %s%s", d, "" if self.cfg.incidents.journal == "off" else " and the journal")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(b"\0" * PROBE_BYTES)
+                    f.flush()
+                    os.fsync(f.fileno())
+            finally:
+                os.unlink(probe)
+            log.info("incidents go to %s%s", d, " and the journal" if nojournal is None else nojournal)
         except OSError as e:
-            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d,
-                      e.strerror or e, "" if self.cfg.incidents.journal == "off" else "; the journal still gets them")
+            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d, e.strerror or e,
+                      "; the journal still gets them" if nojournal is None else
+                      f" and nothing keeps the full reports{nojournal}")
 
     def _warm_up(self) -> None:
         """Run the target search once (touching, hence locking, its code pages) and log what it sees."""
