@@ -105,10 +105,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     _setup_logging(args.log_level)
     from sparkguard import config, proctree
-    why = proctree.hidepid_blocks_view()
+    view: dict = {}
+    why = proctree.hidepid_blocks_view(view)
     if why:
         print(f"sparkguard: not starting: {why}", file=sys.stderr)
         return 2
+    log.info("sees %d processes in /proc, %d of other users (%d readable)%s", view["processes"],
+             view["other_users"], view["other_users_readable"],
+             f", /proc hidepid={view['hidepid']}" if view["hidepid"] else "")
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:
@@ -117,6 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
     guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run)
+    guard.proc_view = view
     try:
         guard.start()
     except (OSError, RuntimeError) as e:   # MeminfoError is a RuntimeError
@@ -903,6 +908,7 @@ class Guard:
             "started_timestamp": self.started, "config_path": self.cfg.path,
             "config_reloads": dict(self.reloads),
             "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
+            "proc_view": getattr(self, "proc_view", None),
         }
 
 

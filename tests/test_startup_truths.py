@@ -80,6 +80,10 @@ def test_status_of_a_daemon_run_with_dry_run_says_it_signals_nothing():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert "\nsparkguard_dry_run 1.0\n" in metrics
+        # what the guard sees in /proc (doctor reads it); as root here it reads every process
+        seen = dict(ln.split() for ln in metrics.splitlines() if ln.startswith("sparkguard_visible_"))
+        assert float(seen["sparkguard_visible_processes"]) >= 2, seen
+        assert "sparkguard_visible_other_user_processes" in seen, seen
         r = run_sparkguard("status", "--config", g.config_path)
         assert r.returncode == 0, r.stderr
         assert "[DRY RUN: signals nothing]" in r.stdout
