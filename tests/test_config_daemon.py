@@ -50,7 +50,7 @@ engine:
   shutdown_timeout: 59m
   head_lost_after: 24h
   log_lines: 1
-  env: {{SG_EDGE: 010}}
+  env: {{SG_EDGE_OCTAL: 010, SG_EDGE_ID: {edge_id}}}
   state_file: {dir}/engine-state.json
   control_socket: {dir}/control.sock
 """,
@@ -119,10 +119,11 @@ def workdir():
 
 @pytest.mark.parametrize("name", list(EDGES) + ["rendered_default"])
 def test_what_check_config_accepts_starts_and_reloads_and_a_refused_reload_keeps_running(workdir, name):
-    match = f"^sg-edge-{uuid.uuid4().hex}$"
+    edge_id = uuid.uuid4().hex
+    match = f"^sg-edge-{edge_id}$"
     path = os.path.join(workdir, "sg.yaml")
     text = _rendered_default(workdir, match) if name == "rendered_default" else \
-        EDGES[name].format(dir=workdir) + _tail(workdir, match)
+        EDGES[name].format(dir=workdir, edge_id=edge_id) + _tail(workdir, match)
     with open(path, "w") as f:
         f.write(text)
     c = run_sparkguard("check-config", path, timeout=30)
@@ -141,7 +142,25 @@ def test_what_check_config_accepts_starts_and_reloads_and_a_refused_reload_keeps
         assert d.proc.poll() is None
     finally:
         rc = d.stop()
+        left = _kill_marked(f"SG_EDGE_ID={edge_id}")
     assert rc == 0 and "Traceback" not in d.log(), d.log()[-3000:]
+    assert left == [], f"the daemon left its engine behind: {left}"
+
+
+def _kill_marked(marker: str) -> list[int]:
+    """SIGKILL the processes whose environment holds ``marker`` (an engine this test's daemon started
+    and did not stop); returns their PIDs."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if marker.encode() in f.read().split(b"\0"):
+                        os.kill(int(name), signal.SIGKILL)
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
 
 
 def test_a_refused_reload_mid_incident_keeps_the_escalation_and_the_term_ignoring_victim_is_killed(workdir):
