@@ -69,6 +69,14 @@ def _in_pid_namespace(nobody, mount_opts: str, cfg: Path) -> list[str]:
     return ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c", script]
 
 
+def _start_namespace(nobody, mount_opts: str) -> subprocess.Popen:
+    """The guard as PID 1 of a namespace whose /proc has ``mount_opts``; stderr piped (text)."""
+    if not shutil.which("unshare"):
+        pytest.skip("util-linux unshare missing")
+    return subprocess.Popen(_in_pid_namespace(nobody, mount_opts, _guard_config(nobody)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def _guard_config(nobody) -> Path:
     cfg = nobody.dir / "sg.yaml"
     cfg.write_text("metrics:\n  listen: off\nincidents:\n  dir: /tmp\n  journal: off\n"
@@ -79,10 +87,7 @@ def _guard_config(nobody) -> Path:
 
 def test_refuses_to_start_as_pid_1_of_a_pid_namespace_under_hidepid(nobody):
     """A container entrypoint: the unprivileged guard is PID 1, the root-owned sleep beside it is hidden."""
-    if not shutil.which("unshare"):
-        pytest.skip("util-linux unshare missing")
-    p = subprocess.Popen(_in_pid_namespace(nobody, "hidepid=invisible", _guard_config(nobody)),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = _start_namespace(nobody, "hidepid=invisible")
     try:
         _, err = p.communicate(timeout=60)
     finally:
@@ -104,10 +109,7 @@ def _end_namespace(p: subprocess.Popen) -> None:
 
 
 def test_starts_as_pid_1_when_the_gid_option_lets_it_see_and_says_what_it_sees(nobody):
-    if not shutil.which("unshare"):
-        pytest.skip("util-linux unshare missing")
-    p = subprocess.Popen(_in_pid_namespace(nobody, "hidepid=invisible,gid=65534", _guard_config(nobody)),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = _start_namespace(nobody, "hidepid=invisible,gid=65534")
     try:
         import select
         import time
