@@ -619,7 +619,7 @@ def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None)
                 values[key] = parsers[key](raw)
             except NestedValueError as e:
                 raise ConfigError(path, f"{name}.{key}{e.subkey}", e.value, str(e)) from None
-            except (ValueError, TypeError, OverflowError) as e:   # TypeError: an unhashable YAML key
+            except (ValueError, TypeError, OverflowError) as e:   # a YAML type a parser did not expect
                 raise ConfigError(path, f"{name}.{key}", raw, str(e)) from None
         sections[name] = cls(**values)
     cfg = Config(path=path, **sections)
@@ -838,8 +838,6 @@ def _loader():
     """
     global _LOADER
     if _LOADER is None:
-        import re as _re
-
         import yaml
 
         class Loader(yaml.SafeLoader):
@@ -847,8 +845,8 @@ def _loader():
                 first: [(tag, rx) for tag, rx in rules if tag not in _RESOLVED_AGAIN]
                 for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
-        Loader.add_implicit_resolver("tag:yaml.org,2002:int", _re.compile(_INT), list("-+0123456789"))
-        Loader.add_implicit_resolver("tag:yaml.org,2002:float", _re.compile(_FLOAT), list("-+0123456789."))
+        Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
 
         def mapping(loader, node, deep=False):
             seen = set()
