@@ -371,7 +371,12 @@ def _args(v: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
         raise ValueError("expected a list of strings (extra argv)")
-    return tuple(str(x) for x in v)
+    return tuple(_as_written(x) for x in v)
+
+
+def _as_written(x: str | int | float) -> str:
+    """A scalar as the file spells it: a float keeps its text (``1e3``, not ``1000.0``)."""
+    return getattr(x, "text", None) or str(x)
 
 
 def _env(v: Any) -> dict:
@@ -385,7 +390,7 @@ def _env(v: Any) -> dict:
             raise NestedValueError(f".{k}", x, "not a valid environment variable name")
         if isinstance(x, bool) or not isinstance(x, (str, int, float)):
             raise NestedValueError(f".{k}", x, "expected a string or number")
-        out[k] = str(x)
+        out[k] = _as_written(x)
     return out
 
 
@@ -827,6 +832,12 @@ _FLOAT = (r"^[-+]?(?:(?:0|[1-9][0-9]*)\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$"
 _RESOLVED_AGAIN = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
 
 
+class YamlFloat(float):
+    """A float read from the file; ``text`` is the scalar as written, for keys that take strings."""
+
+    text = ""
+
+
 def _loader():
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)
     and reads numbers as the decimal written.
@@ -847,6 +858,13 @@ def _loader():
 
         Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
         Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
+
+        def real(loader, node):
+            f = YamlFloat(loader.construct_yaml_float(node))
+            f.text = node.value
+            return f
+
+        Loader.add_constructor("tag:yaml.org,2002:float", real)
 
         def mapping(loader, node, deep=False):
             seen = set()

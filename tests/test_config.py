@@ -182,9 +182,9 @@ def test_numbers_are_read_as_written_and_booleans_keep_working(tmp_path):
                     "  dry_run: yes\n  recovery_wait: 0\n"
                     "targets:\n  fallback: no\nmetrics:\n  listen: off\nincidents:\n  journal: on\n"
                     "engine:\n  command: [sleep, '60']\n  drop_caches: no\n  log_lines: 10\n"
-                    "  env: {A: 010, B: 0x10, C: 1:30, D: 2026-01-01}\n"
+                    "  env: {A: 010, B: 0x10, C: 1:30, D: 2026-01-01, E: 1e3, F: 1.50}\n"
                     "  health_url: http://127.0.0.1:1/health\n  probe: on\n"
-                    "  lanes: {big: {args: [--n, 010, 1_000]}}\n"
+                    "  lanes: {big: {args: [--n, 010, 1_000, 2.50]}}\n"
                     "link:\n  mark_unhealthy: true\n  down_after: 1.5e0\n")
     cfg = config.load(str(path), mem_total=128 * GiB)
     g = cfg.guard
@@ -192,8 +192,9 @@ def test_numbers_are_read_as_written_and_booleans_keep_working(tmp_path):
         (0.5, 10.0, int(1.5 * GiB), None, True, 0.0)
     assert (cfg.targets.fallback, cfg.metrics.listen, cfg.incidents.journal) == ("off", None, "on")
     e = cfg.engine
-    assert e.env == {"A": "010", "B": "0x10", "C": "1:30", "D": "2026-01-01"}   # YAML 1.1: 8, 16, 90, a date
-    assert e.lanes["big"].args == ("--n", "010", "1_000")
+    # YAML 1.1: 8, 16, 90, a date; str() of the floats: 1000.0, 1.5
+    assert e.env == {"A": "010", "B": "0x10", "C": "1:30", "D": "2026-01-01", "E": "1e3", "F": "1.50"}
+    assert e.lanes["big"].args == ("--n", "010", "1_000", "2.50")
     assert (e.drop_caches, e.log_lines, e.probe) == (False, 10, config.ProbeConfig())
     assert (cfg.link.mark_unhealthy, cfg.link.down_after) == (True, 1.5)
     for text, want in (("dry_run: no", False), ("dry_run: off", False), ("dry_run: true", True),
