@@ -139,7 +139,8 @@ NONFINITE = [(".nan", "NaN"), (".inf", "infinite"), ("-.inf", "infinite"), ("1e4
 
 @pytest.mark.parametrize("dotted", DURATIONS + SIZES + WHOLE)
 @pytest.mark.parametrize("raw,why", YAML11 + NONFINITE + [
-    ("123456789012345678901234567890", ""), ("true", ""), ("2026-01-01", ""), ("'1e400GiB'", "")])
+    ("123456789012345678901234567890", ""), ("9999999999999999999", ""), ("true", ""), ("yes", ""),
+    ("2026-01-01", ""), ("'1e400GiB'", "")])
 def test_every_numeric_key_refuses_nonfinite_overflow_and_yaml11_numbers(tmp_path, dotted, raw, why):
     path = tmp_path / "n.yaml"
     path.write_text(_doc(dotted, raw))
