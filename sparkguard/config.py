@@ -15,6 +15,11 @@ Sections and keys (see README "Configuration"):
 * ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
   gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
 * ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
+
+Numbers are read as the decimal the user wrote or refused (:func:`_loader`, sparkguard.units):
+NaN, infinities, ``1e400``, octal ``010``, ``0x10``, ``1_000``, sexagesimal ``1:30`` and dates
+never become another value; each numeric key has bounds (SCHEMA) that keep the poll loop sane.
+The file itself must be a regular file of at most :data:`MAX_FILE_BYTES`.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sparkguard.units import parse_duration, parse_size
+from sparkguard.units import parse_duration, parse_size, refuse_yaml11_number
 
 DEFAULT_PATH = "/etc/sparkguard/sparkguard.yaml"
+MAX_FILE_BYTES = 1024**2     # a config is a few KiB; more is the wrong file (/dev/zero, a log)
 
 #: Default target patterns (Python regexes, ``re.search`` against the NUL->space joined
 #: /proc/PID/cmdline, which for setproctitle'd processes is the title alone).  Order is
@@ -68,7 +75,17 @@ class ConfigError(ValueError):
         if key.startswith("("):        # (file), (syntax): no value to show
             super().__init__(f"{path}: {reason}")
         else:
-            super().__init__(f"{path}: {key}: {value!r}: {reason}")
+            super().__init__(f"{path}: {key}: {_show(value)}: {reason}")
+
+
+def _show(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters; an int too long for repr (Python >= 3.11 refuses
+    more than 4300 digits) is shown by its size."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<a number of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)
@@ -219,19 +236,43 @@ def _bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
-def _positive_duration(v: Any) -> float:
-    d = parse_duration(v)
-    if d <= 0:
-        raise ValueError("must be greater than 0")
-    return d
+MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+MIN_TICK = 0.01             # seconds: the shortest period of anything that repeats (no busy loop)
+MAX_SIZE = 1024**5          # bytes (1 PiB): far above any machine's RAM, far below overflow
+
+
+def _secs(x: float) -> str:
+    """Seconds as a config duration: ``_secs(0.01) == "10ms"``, ``_secs(3600) == "1h"``."""
+    for unit, n in (("d", DAY), ("h", HOUR), ("m", MINUTE), ("s", 1.0)):
+        if x >= n and x % n == 0:
+            return f"{x / n:g}{unit}" if unit != "d" else f"{x / HOUR:g}h"
+    return f"{x * 1000:g}ms"
+
+
+def _duration(lo: float, hi: float) -> Callable[[Any], float]:
+    """Parser of a duration in seconds from ``lo`` to ``hi`` (inclusive); ValueError outside."""
+    def parse(v: Any) -> float:
+        d = parse_duration(v)
+        if not lo <= d <= hi:
+            raise ValueError(f"must be from {_secs(lo) if lo else '0'} to {_secs(hi)}")
+        return d
+    return parse
+
+
+def _size(v: Any) -> int:
+    """A size in bytes from 0 to :data:`MAX_SIZE`."""
+    n = parse_size(v)
+    if n > MAX_SIZE:
+        raise ValueError("must be at most 1024TiB")
+    return n
 
 
 MIN_LINE = 16 * 1024**2   # bytes; a line lower than this cannot save the box
 
 
 def _line_size(v: Any) -> int:
-    """A threshold: a size of at least 16 MiB; a small bare number is taken for a unit slip."""
-    n = parse_size(v)
+    """A threshold: a size from 16 MiB to 1 PiB; a small bare number is taken for a unit slip."""
+    n = _size(v)
     if isinstance(v, (int, float)) and not isinstance(v, bool) and n < MIN_LINE:
         raise ValueError(f"a bare number is bytes; did you mean {v}GiB?")
     if n < MIN_LINE:
@@ -330,7 +371,12 @@ def _args(v: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
         raise ValueError("expected a list of strings (extra argv)")
-    return tuple(str(x) for x in v)
+    return tuple(_as_written(x) for x in v)
+
+
+def _as_written(x: str | int | float) -> str:
+    """A scalar as the file spells it: a float keeps its text (``1e3``, not ``1000.0``)."""
+    return getattr(x, "text", None) or str(x)
 
 
 def _env(v: Any) -> dict:
@@ -344,7 +390,7 @@ def _env(v: Any) -> dict:
             raise NestedValueError(f".{k}", x, "not a valid environment variable name")
         if isinstance(x, bool) or not isinstance(x, (str, int, float)):
             raise NestedValueError(f".{k}", x, "expected a string or number")
-        out[k] = str(x)
+        out[k] = _as_written(x)
     return out
 
 
@@ -364,7 +410,7 @@ def _user(v: Any) -> str | None:
         raise ValueError("expected a user name or uid")
     try:
         pwd.getpwuid(v) if isinstance(v, int) else pwd.getpwnam(v)
-    except KeyError:
+    except (KeyError, OverflowError, ValueError):   # OverflowError: a uid out of uid_t's range
         raise ValueError("no such user on this machine") from None
     return str(v)
 
@@ -403,6 +449,8 @@ def _url_list(v: Any) -> tuple[str, ...]:
 
 def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
     def parse(v: Any) -> int:
+        if isinstance(v, str):
+            refuse_yaml11_number(v)
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"expected a whole number from {lo} to {hi}")
         return v
@@ -410,8 +458,8 @@ def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
 
 
 _PROBE_KEYS: dict[str, Callable[[Any], Any]] = {
-    "url": _optional_url, "model": _optional_str, "interval": _positive_duration,
-    "timeout": _positive_duration, "failures": _int_range(1, 1000),
+    "url": _optional_url, "model": _optional_str, "interval": _duration(MIN_TICK, DAY),
+    "timeout": _duration(MIN_TICK, HOUR), "failures": _int_range(1, 1000),
 }
 
 
@@ -474,16 +522,19 @@ def _lane_name(v: Any) -> str | None:
     return v
 
 
-#: section -> (dataclass, {key: parser})
+#: section -> (dataclass, {key: parser}).  Bounds (README "Configuration"): anything that repeats
+#: (poll_interval, health_interval, probe.interval) at least MIN_TICK, so no loop spins; every duration
+#: below a day (an hour for the guard's own timers), sizes at most 1 PiB, so no timeout overflows
+#: poll(2)'s int milliseconds or threading.TIMEOUT_MAX and SIGKILL always comes.
 SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     "guard": (GuardConfig, {
-        "poll_interval": _positive_duration,
+        "poll_interval": _duration(MIN_TICK, 10.0),      # 10 s: memory can fall several GiB/s
         "term_below": _line_size,
         "kill_below": _optional_size,
-        "grace": parse_duration,
+        "grace": _duration(0.0, HOUR),
         "signal": _choice("available", "available+swap"),
         "dry_run": _bool,
-        "recovery_wait": parse_duration,
+        "recovery_wait": _duration(0.0, HOUR),
     }),
     "targets": (TargetsConfig, {
         "match": _regex_list,
@@ -502,30 +553,30 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "journal_socket": _path,
         "log_lines": _int_range(1, 100000),
         "drop_caches": _bool,
-        "start_above": parse_size,
-        "stable_for": parse_duration,
-        "stable_band": parse_size,
-        "quiesce_timeout": parse_duration,
+        "start_above": _size,
+        "stable_for": _duration(0.0, HOUR),
+        "stable_band": _size,
+        "quiesce_timeout": _duration(0.0, DAY),
         "health_url": _optional_url,
-        "health_interval": _positive_duration,
-        "ready_timeout": _positive_duration,
+        "health_interval": _duration(MIN_TICK, HOUR),
+        "ready_timeout": _duration(MIN_TICK, DAY),
         "probe": _probe,
         "restart": _choice("always", "on-failure", "never"),
-        "backoff_initial": parse_duration,
-        "backoff_max": parse_duration,
-        "stable_after": _positive_duration,
-        "shutdown_timeout": lambda v: None if v is None else parse_duration(v),
+        "backoff_initial": _duration(0.0, DAY),
+        "backoff_max": _duration(0.0, DAY),
+        "stable_after": _duration(MIN_TICK, 7 * DAY),
+        "shutdown_timeout": lambda v: None if v is None else _duration(0.0, HOUR)(v),
         "lanes": _lanes,
         "lane": _lane_name,
         "state_file": _path,
         "control_socket": _path,
         "peers": _url_list,
         "head_url": _optional_url,
-        "head_lost_after": _positive_duration,
+        "head_lost_after": _duration(MIN_TICK, DAY),
     }),
     "link": (LinkConfig, {
         "interfaces": _ifname_list,
-        "down_after": parse_duration,
+        "down_after": _duration(0.0, DAY),
         "mark_unhealthy": _bool,
     }),
 }
@@ -573,7 +624,7 @@ def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None)
                 values[key] = parsers[key](raw)
             except NestedValueError as e:
                 raise ConfigError(path, f"{name}.{key}{e.subkey}", e.value, str(e)) from None
-            except ValueError as e:
+            except (ValueError, TypeError, OverflowError) as e:   # a YAML type a parser did not expect
                 raise ConfigError(path, f"{name}.{key}", raw, str(e)) from None
         sections[name] = cls(**values)
     cfg = Config(path=path, **sections)
@@ -598,9 +649,6 @@ def _check(cfg: Config, data: dict, path: str, mem_total: int | None) -> None:
     if g.kill_below is not None and g.kill_below > g.term_below:
         raise ConfigError(path, "guard.kill_below", _raw(data, "guard.kill_below"),
                           f"is above guard.term_below ({g.term_below} bytes); the KILL floor must be lower")
-    if g.poll_interval > 10:
-        raise ConfigError(path, "guard.poll_interval", _raw(data, "guard.poll_interval"),
-                          "longer than 10 s; memory can fall several GiB/s")
     if not cfg.targets.match and cfg.targets.fallback == "off":
         raise ConfigError(path, "targets.match", [], "empty with targets.fallback off: nothing could ever be signalled")
     _check_engine(cfg, data, path, total)
@@ -699,20 +747,18 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
     Returns:
         Config (``Config().path == "<defaults>"`` when the file is absent).
     Raises:
-        ConfigError: unreadable file, YAML syntax error, or an invalid value.
+        ConfigError: unreadable file, not a regular file, over :data:`MAX_FILE_BYTES`, YAML syntax
+        error, or an invalid value.
     """
     import yaml
 
     p = path or DEFAULT_PATH
     try:
-        with open(p, "rb") as f:
-            text = f.read()
+        text = read_bounded(p)
     except FileNotFoundError:
         if required or path is not None and path != DEFAULT_PATH:
             raise ConfigError(p, "(file)", None, "file not found") from None
         return from_dict({}, "<defaults>", mem_total)
-    except OSError as e:
-        raise ConfigError(p, "(file)", None, f"cannot read: {e.strerror}") from None
     p = os.path.abspath(p)
     try:
         data = yaml.load(text, Loader=_loader())
@@ -721,25 +767,114 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
         raise ConfigError(p, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(p, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
+    except RecursionError:
+        raise ConfigError(p, "(syntax)", None, "YAML nested too deeply") from None
     return from_dict(data, p, mem_total)
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _regular(path: str, st: os.stat_result) -> None:
+    """ConfigError naming the kind of file unless ``st`` is a regular file's."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a plain file")
+        raise ConfigError(path, "(file)", None, f"is {kind}, not a regular file")
+
+
+def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Opened with O_NONBLOCK, so a FIFO without a writer cannot hang the caller (open(2) returns at
+    once for a reader), then refused by fstat(2) like any other non-regular file; at most
+    ``limit + 1`` bytes are read, so /dev/zero or a file that grows cannot take memory.
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ConfigError: not a regular file, larger than ``limit`` bytes, or unreadable (the OS reason).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        try:
+            _regular(path, os.stat(path))            # a socket: open(2) fails with ENXIO
+        except OSError:
+            pass
+        raise ConfigError(path, "(file)", None, f"cannot read: {e.strerror}") from None
+    try:
+        _regular(path, os.fstat(fd))
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 65536))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise ConfigError(path, "(file)", None, f"larger than {limit // 1024} KiB: not a sparkguard config")
+        return b"".join(chunks)
+    except OSError as e:
+        raise ConfigError(path, "(file)", None, f"cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 _LOADER = None
 
 
+#: Plain scalars read as numbers: decimal only (YAML 1.2 core schema without its 0o/0x forms).  An int
+#: of more than 19 digits stays a string (and is refused by the key), so no int is too long for repr.
+_INT = r"^[-+]?(?:0|[1-9][0-9]{0,18})$"
+_FLOAT = (r"^[-+]?(?:(?:0|[1-9][0-9]*)\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$"
+          r"|^[-+]?(?:0|[1-9][0-9]*)[eE][-+]?[0-9]+$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+_RESOLVED_AGAIN = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
+
+
+class YamlFloat(float):
+    """A float read from the file; ``text`` is the scalar as written, for keys that take strings."""
+
+    text = ""
+
+
 def _loader():
-    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)
+    and reads numbers as the decimal written.
+
+    YAML 1.1 (PyYAML) reads ``010`` as 8, ``0x10`` as 16, ``1_000`` as 1000, ``1:30`` as 90 and
+    ``2026-01-01`` as a date.  Here those plain scalars stay strings, which every numeric key
+    refuses with its reason (sparkguard.units); ``1e400`` and ``.inf`` are floats (inf), refused as
+    not finite.  Booleans (``yes``/``no``/``on``/``off``/``true``/``false``) resolve as before.
+    """
     global _LOADER
     if _LOADER is None:
         import yaml
 
         class Loader(yaml.SafeLoader):
-            pass
+            yaml_implicit_resolvers = {
+                first: [(tag, rx) for tag, rx in rules if tag not in _RESOLVED_AGAIN]
+                for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+        Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
+
+        def real(loader, node):
+            f = YamlFloat(loader.construct_yaml_float(node))
+            f.text = node.value
+            return f
+
+        Loader.add_constructor("tag:yaml.org,2002:float", real)
 
         def mapping(loader, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
                 key = loader.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a key that is a {type(key).__name__}", key_node.start_mark) from None
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"key {key!r} is given twice", key_node.start_mark)

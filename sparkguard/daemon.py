@@ -33,6 +33,7 @@ THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
+PROBE_BYTES = 64 * 1024     # bytes the start-up probe of incidents.dir writes: room for one report of a large tree
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -134,18 +135,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     _setup_logging(args.log_level)
     from sparkguard import config, proctree
-    why = proctree.hidepid_blocks_view()
+    view: dict = {}
+    why = proctree.hidepid_blocks_view(view)
     if why:
         print(f"sparkguard: not starting: {why}", file=sys.stderr)
         return 2
+    log.info("sees %d processes in /proc, %d of other users (%d readable)%s", view["processes"],
+             view["other_users"], view["other_users_readable"],
+             f", /proc hidepid={view['hidepid']}" if view["hidepid"] else "")
     try:
         cfg = config.load(args.config)
+        prepare(cfg)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config, not starting: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
     guard = Guard(cfg, config_arg=args.config, force_dry_run=args.dry_run, meminfo_path=args.meminfo)
+    guard.proc_view = view
     try:
         guard.start()
     except (OSError, RuntimeError) as e:   # MeminfoError is a RuntimeError
@@ -391,18 +398,36 @@ class Guard:
         self._start_supervisor()
 
     def _check_incident_dir(self) -> None:
-        """Create ``incidents.dir`` now and prove it writable, so a bad path is known at start,
-        not lost at the first incident (the guard still runs: the journal gets the reports)."""
+        """Create ``incidents.dir`` now and prove that a report fits, so a bad path or a full disk is
+        known at start, not lost at the first incident (the guard still runs either way).
+
+        The probe writes PROBE_BYTES (more than a typical report) and fsyncs them: creating an empty
+        file succeeds on a full filesystem, and delayed allocation reports ENOSPC at fsync(2).
+        The log says "and the journal" only when journald's socket exists (reporter's journal mode)."""
         d = self.cfg.incidents.dir
+        sock = self.reporter.journal_socket
+        journal = self.cfg.incidents.journal != "off" and os.path.exists(sock)
+        if self.cfg.incidents.journal == "off":
+            nojournal = ""
+        elif journal:
+            nojournal = None
+        else:
+            nojournal = f" (incidents.journal {self.cfg.incidents.journal}, but no journald socket at {sock})"
         try:
             os.makedirs(d, mode=0o750, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
-            os.close(fd)
-            os.unlink(probe)
-            log.info("incidents go to %s%s", d, "" if self.cfg.incidents.journal == "off" else " and the journal")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(b"\0" * PROBE_BYTES)
+                    f.flush()
+                    os.fsync(f.fileno())
+            finally:
+                os.unlink(probe)
+            log.info("incidents go to %s%s", d, " and the journal" if nojournal is None else nojournal)
         except OSError as e:
-            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d,
-                      e.strerror or e, "" if self.cfg.incidents.journal == "off" else "; the journal still gets them")
+            log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d, e.strerror or e,
+                      "; the journal still gets them" if nojournal is None else
+                      f" and nothing keeps the full reports{nojournal}")
 
     def _warm_up(self) -> None:
         """Run the target search once (touching, hence locking, its code pages) and log what it sees."""
@@ -1053,6 +1078,7 @@ class Guard:
             "log_dropped": getattr(_log_handler, "dropped", 0),
             "blind": bool(self.notifier and self.notifier.blind),
             "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
+            "proc_view": getattr(self, "proc_view", None),
         }
 
 

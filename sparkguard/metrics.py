@@ -163,6 +163,11 @@ class GuardCollector:
         if s.get("dry_run") is not None:
             yield _gauge("dry_run", "1 when guard.dry_run is on: decisions are made and reported, "
                          "no signal is sent.", 1 if s["dry_run"] else 0)
+        view = s.get("proc_view") or {}
+        yield _gauge("visible_processes", "Processes the guard saw in /proc when it started.", view.get("processes"))
+        yield _gauge("visible_other_user_processes", "Processes of other users whose /proc/PID/stat the guard "
+                     "could read when it started (hidepid= hides them from a guard without CAP_SYS_PTRACE).",
+                     view.get("other_users_readable"))
         if s.get("signals_sent") is not None:
             c = CounterMetricFamily(P + "signals", "Signals sent to targets since the daemon started, "
                                     "by signal (each process signalled counts once).", labels=["signal"])

@@ -305,22 +305,60 @@ def top_consumers(n: int = 5, procs: dict[int, Proc] | None = None) -> list[dict
     return _tree_info(pids, procs)[1]
 
 
-def hidepid_blocks_view() -> str | None:
+def hidepid_blocks_view(view: dict | None = None) -> str | None:
     """Why this process cannot see other users' processes, or None if it can.
 
-    /proc mounted with ``hidepid=1|2|invisible|noaccess`` (proc(5)) hides other users'
-    /proc/PID from an unprivileged reader: the guard would then never find the engine.
-    Checked by reading PID 1's stat (hidden or unreadable under hidepid for non-root).
+    /proc mounted with ``hidepid=noaccess|invisible|ptraceable`` (or 1, 2, 4; proc(5)) shows another
+    user's /proc/PID only to a process in the mount's ``gid=`` group or one that
+    ``ptrace_may_access()`` lets read it (fs/proc/base.c ``has_pid_permissions``), which for another
+    user's process needs CAP_SYS_PTRACE.  Decided from those rules for this process (its groups, and
+    CapEff of /proc/self/status), the same in every mode: root or not, PID 1 of a PID namespace or
+    not.  Then checked against what it sees: a process of another uid whose /proc/PID/stat it can
+    read proves the view whatever the rules say.
+
+    Args:
+        view: if given, filled with what this process sees now: ``hidepid`` (str or None),
+            ``processes`` (PIDs listed in /proc), ``other_users`` (of those, owned by another uid),
+            ``other_users_readable`` (of those, with a readable stat).
+    Returns:
+        str, the reason (naming the hidepid value and the uid), or None.
     """
     opts = ""
     for line in (_read("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
         parts = line.split()
         if len(parts) > 4 and parts[4] == "/proc":
-            opts = parts[-1]
-    hide = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("hidepid=")), None)
-    if hide in (None, "0", "off"):
+            opts = parts[-1]        # the super options, where proc keeps hidepid= and gid=
+    o = dict(x.split("=", 1) if "=" in x else (x, "") for x in opts.split(","))
+    hide = None if o.get("hidepid") in (None, "0", "off") else o["hidepid"]
+    me = os.geteuid()
+    seen = other = readable = 0
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        names = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue                # gone
+        seen += 1
+        if uid != me:
+            other += 1
+            if _read(f"/proc/{name}/stat") is not None:
+                readable += 1
+    if view is not None:
+        view.update(hidepid=hide, processes=seen, other_users=other, other_users_readable=readable)
+    if hide is None or readable:
         return None
-    if os.getpid() == 1 or _read("/proc/1/stat") is not None:
+    gid = o.get("gid")
+    if gid and gid.isdigit() and (int(gid) == os.getegid() or int(gid) in os.getgroups()):
         return None
-    return (f"/proc is mounted with hidepid={hide} and this process (uid {os.geteuid()}) cannot see "
-            "other users' processes; run sparkguard as root or add its group to /proc's gid= option")
+    status = (_read("/proc/self/status") or b"").decode(errors="replace")
+    cap_eff = next((int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith("CapEff:")), 0)
+    if cap_eff >> 19 & 1:           # CAP_SYS_PTRACE, linux/capability.h
+        return None
+    return (f"/proc is mounted with hidepid={hide} and this process (uid {me}, without CAP_SYS_PTRACE"
+            + (f", not in group {gid}" if gid else "") + ") cannot see other users' processes; run sparkguard "
+            "as root with CAP_SYS_PTRACE (the unit does) or add its group to /proc's gid= option")

@@ -236,10 +236,6 @@ class Reporter:
                 self._disk_failing = False
         else:
             self.stats["files_failed"] += 1
-            level = logging.WARNING if self._disk_failing else logging.ERROR
-            log.log(level, "incident %s not saved in %s: %s%s", iid, self.store.dir, self.store.last_error,
-                    "" if self._disk_failing else " (the journal entry still carries the full report)")
-            self._disk_failing = True
 
         th = rec.get("thresholds") if isinstance(rec.get("thresholds"), dict) else {}
         tgt = rec.get("target") if isinstance(rec.get("target"), dict) else {}
@@ -268,7 +264,21 @@ class Reporter:
             "SPARKGUARD_REPORT": json.dumps(rec, separators=(",", ":"), default=str),
         }
         sent = self._journal(fields)
+        if path is None:
+            level = logging.WARNING if self._disk_failing else logging.ERROR
+            log.log(level, "incident %s not saved in %s: %s%s", iid, self.store.dir, self.store.last_error,
+                    "" if self._disk_failing else " (the journal entry still carries the full report)" if sent
+                    else f" and not journaled ({self._no_journal_reason()}): only the summary line below is kept")
+            self._disk_failing = True
         self._log(prio, sent, "%s%s", msg, f" [saved {path}]" if path else " [NOT saved to disk]")
+
+    def _no_journal_reason(self) -> str:
+        """Why the last entry did not reach journald, for people."""
+        if self.journal_mode == "off":
+            return "incidents.journal is off"
+        if not os.path.exists(self.journal_socket):
+            return f"no journald socket at {self.journal_socket}"
+        return f"the journal at {self.journal_socket} refused it"
 
     def _journal(self, fields: dict) -> bool:
         """Send one entry per the journal mode; True if journald took it."""

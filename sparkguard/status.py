@@ -258,7 +258,11 @@ def render(st: dict) -> str:
     kill = fs(th["kill_below_bytes"]) if th["kill_below_bytes"] is not None else "off"
     L.append(f"  term_below {fs(th['term_below_bytes'])}   kill_below {kill}   grace {fd(th['grace_seconds'])}"
              f"   poll every {fd(th['poll_interval_seconds'])} (or faster)")
-    L.append(f"  signal {th['signal']}   dry_run {'yes' if th['dry_run'] else 'no'}   fallback {th['fallback']}")
+    dry = "yes" if th["dry_run"] else "no"
+    if d.get("running") and d.get("dry_run") is not None and d["dry_run"] != th["dry_run"]:
+        # `run --dry-run` (or a config not reloaded yet): what the running guard does is what counts
+        dry = f"{'yes' if d['dry_run'] else 'no'} in the running daemon (the config file says {dry})"
+    L.append(f"  signal {th['signal']}   dry_run {dry}   fallback {th['fallback']}")
     L.append("")
 
     L.append("Targets (SIGTERM goes to the first, then SIGKILL to its whole tree after the grace)")

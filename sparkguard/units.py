@@ -5,10 +5,14 @@ decimal unit (``0.75GiB``, ``768MiB``, ``6G``, ``512k``).  Single-letter units a
 ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB`` are powers of 1000.
 Durations: a number of seconds (``20``, ``0.2``) or a number with a unit
 (``200ms``, ``20s``, ``5m``, ``1h``, ``500us``).
+Numbers are plain decimals: NaN, infinities, numbers that overflow a float (``1e400``) and
+the YAML 1.1 forms ``010`` (octal), ``0x10``, ``0o10``, ``0b10``, ``1_000`` and ``1:30``
+(sexagesimal) are refused with a reason, so no one silently gets another value.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE_UNITS = {
@@ -20,6 +24,34 @@ _SIZE_UNITS = {
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
 _NUM_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_LEADING_ZERO = re.compile(r"^\s*[-+]?0[0-9]")
+_OTHER_BASE = re.compile(r"^\s*[-+]?0[xXoObB]")
+
+
+def refuse_yaml11_number(value: str) -> None:
+    """Refuse the spellings a YAML 1.1 reader turns into another number than the decimal one.
+
+    Source: YAML 1.1 int/float types (yaml.org/type/int.html, float.html), as PyYAML reads them.
+    Raises:
+        ValueError: naming the form and the value YAML 1.1 gives it.
+    """
+    if _OTHER_BASE.match(value):
+        raise ValueError("a number in another base (0x, 0o, 0b); write it in decimal")
+    if _LEADING_ZERO.match(value):
+        raise ValueError("a leading zero: YAML 1.1 reads 010 as octal 8; write the number without it")
+    if "_" in value:
+        raise ValueError("'_' in a number: write the digits alone")
+    if ":" in value:
+        raise ValueError("a sexagesimal number: YAML 1.1 reads 1:30 as 90; write 90s or 1.5m")
+
+
+def _finite(value: float) -> float:
+    """``value`` if finite; ValueError for NaN and infinities (``.nan``, ``.inf``, ``1e400``)."""
+    if math.isnan(value):
+        raise ValueError("not a number (NaN)")
+    if math.isinf(value):
+        raise ValueError("infinite: expected a finite number (1e400 and larger read as inf)")
+    return value
 
 
 def parse_size(value: object) -> int:
@@ -30,7 +62,8 @@ def parse_size(value: object) -> int:
     Returns:
         int, bytes (rounded down).
     Raises:
-        ValueError: not a size, or negative.  bool is rejected (YAML ``yes``).
+        ValueError: not a size, negative, not finite, or a YAML 1.1 number form (see the module).
+            bool is rejected (YAML ``yes``).
     """
     if isinstance(value, bool):
         raise ValueError(f"expected a size like 0.75GiB, got {value!r}")
@@ -39,15 +72,16 @@ def parse_size(value: object) -> int:
             raise ValueError(f"size must not be negative, got {value!r}")
         return value
     if isinstance(value, float):
-        if value < 0:
+        if _finite(value) < 0:
             raise ValueError(f"size must not be negative, got {value!r}")
         return int(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a size like 0.75GiB, got {value!r}")
+    refuse_yaml11_number(value)
     m = _NUM_UNIT.match(value)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"expected a size like 0.75GiB, 768MiB or 805306368, got {value!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return int(_finite(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]))
 
 
 def parse_duration(value: object) -> float:
@@ -58,20 +92,25 @@ def parse_duration(value: object) -> float:
     Returns:
         float, seconds.
     Raises:
-        ValueError: not a duration, or negative.
+        ValueError: not a duration, negative, not finite, or a YAML 1.1 number form (see the module).
     """
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 200ms or 20s, got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
+        try:
+            seconds = _finite(float(value))
+        except OverflowError:           # an int beyond a float's range
+            raise ValueError(f"duration too large, got {value!r}") from None
+        if seconds < 0:
             raise ValueError(f"duration must not be negative, got {value!r}")
-        return float(value)
+        return seconds
     if not isinstance(value, str):
         raise ValueError(f"expected a duration like 200ms or 20s, got {value!r}")
+    refuse_yaml11_number(value)
     m = _NUM_UNIT.match(value)
     if not m or m.group(2).lower() not in _DURATION_UNITS:
         raise ValueError(f"expected a duration like 200ms, 20s or 5m, got {value!r}")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    return _finite(float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()])
 
 
 def format_size(nbytes: int | float | None) -> str:

@@ -325,3 +325,17 @@ def test_guard_run_reports_a_real_incident_to_a_real_journald_and_the_store(tmp_
     assert report["SPARKGUARD_FILE"].endswith(rec["id"] + ".json")
     # the terminal user saw one-line summaries on stderr
     assert "sigterm: SIGTERM" in res["log"] and f"incident {rec['id']}" in res["log"]
+
+
+@pytest.mark.parametrize("mode,why", [("off", "incidents.journal is off"), ("auto", "no journald socket at ")])
+def test_a_failed_file_write_without_a_journal_says_the_report_is_lost(tmp_path, caplog, mode, why):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+    r = Reporter(str(blocker / "incidents"), journal=mode, journal_socket=str(tmp_path / "no-journald.sock"))
+    with caplog.at_level(logging.INFO, logger="sparkguard"):
+        r.finish(make_incident("20250101T120000Z-000003"))
+        r.close()
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "Not a directory" in errors[0], errors
+    assert "journal entry" not in errors[0] and f"not journaled ({why}" in errors[0], errors[0]
+    assert "only the summary line below is kept" in errors[0]
