@@ -117,8 +117,9 @@ def test_starts_as_pid_1_when_the_gid_option_lets_it_see_and_says_what_it_sees(n
         while "started:" not in seen:
             left = deadline - time.monotonic()
             assert left > 0 and p.poll() is None, seen
+            # the raw fd, not p.stderr's buffer: select() cannot see lines already buffered
             if select.select([p.stderr], [], [], left)[0]:
-                seen += p.stderr.readline()
+                seen += os.read(p.stderr.fileno(), 65536).decode(errors="replace")
         # PID 1 is the guard (uid 65534): the root-owned sleep is the one process of another user
         assert "sees 2 processes in /proc, 1 of other users (1 readable), /proc hidepid=invisible" in seen, seen
         # PID 1 of the namespace (the guard), seen from here: unshare's child
