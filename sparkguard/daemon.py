@@ -28,7 +28,7 @@ M_ARENA_MAX = -8
 PSI_TRIGGERS = (b"some 100000 1000000\0", b"some 150000 2000000\0")
 STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
-NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
+NICE = -20                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE; the unit's Nice=
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
 
 
@@ -132,8 +132,9 @@ def harden_self() -> list[str]:
     libraries and reserved regions (earlyoom locks the same way; it keeps the RSS budget of 30 MiB with
     prometheus_client loaded).  The caller exercises the decision path once at start-up
     (:func:`warm_up`) so its pages are touched and locked before they are needed.
-    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -10 (setpriority(2); needs
-    CAP_SYS_NICE) so a spike of busy threads cannot starve the decision, a single malloc arena and
+    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -20 (setpriority(2); needs
+    CAP_SYS_NICE; measured against SCHED_RR in the unit's comment) so a spike of busy threads
+    cannot starve the decision, a single malloc arena and
     small thread stacks so locked memory stays small.  Returns warnings for what was not
     permitted; never raises.
     """
