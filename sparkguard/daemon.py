@@ -643,7 +643,10 @@ class Guard:
         engine (the first target) has not changed since it was armed, with no /proc pass; else the
         choice of one scan (its tree's pidfds opened now).  ``(None, None, False)`` when nothing matches."""
         from sparkguard import signals
-        got = self.armed.take() if getattr(self, "armed", None) is not None else None
+        armed = getattr(self, "armed", None)
+        if armed is not None and self.cfg.targets is not self._armed_for:
+            armed.disarm()          # a reload changed targets since the last full pass in the OK state
+        got = armed.take() if armed is not None else None
         if got is not None:
             target, tree, _ = got
             run = getattr(self.supervisor, "run", None) if self.supervisor is not None else None
