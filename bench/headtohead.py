@@ -30,6 +30,16 @@ SIGTERM to them, children killed one by one are not replaced).  Tiers: ``0.5GiB/
 ``full1`` (one thread at full speed; in the tree the same total rate, measured first),
 ``full2`` (two threads at full speed; in the tree all children at full speed).
 
+Bystanders (``--bystanders 0,5000``): each trial also runs with N sleeping processes started in
+its namespace before the guard (so the guard sees them in /proc, as on a busy box), and the
+line is placed after they are up; every count is a trial of its own, so one run compares them.
+They die with the namespace.
+
+CPU saturation (``--spinners 2x --sched nice-20,rr``): busy loops in the namespace (2 per CPU)
+and sparkguard started under each scheduling in turn: ``nice -n -20`` (the unit's Nice=-20),
+``chrt -r 1`` (SCHED_RR priority 1, threads and children inherit it), ``chrt --reset-on-fork -r 1``
+(CPUSchedulingResetOnFork=yes: threads start at SCHED_OTHER nice 0).
+
 Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away, and
 beside them the floor: the plainest loop at sparkguard's default cadence (read /proc/meminfo,
 sleep 200 ms) in Python and, where ``cc`` exists, in C.  Per process: CPU seconds of all
@@ -74,6 +84,15 @@ SCENARIOS = ("plain", "ignore", "tree")
 TIERS = ("0.5GiB/s", "full1", "full2")
 GUARDS = ("sparkguard", "earlyoom", "nohang")
 TREE_PROCS = 12
+#: spawns argv[1] sleeping processes (``--bystanders``; about 200 KiB of memory each) and argv[2]
+#: busy loops (``--spinners``), then exits
+SPAWN_PY = ("import os, sys\nfor _ in range(int(sys.argv[1])):\n"
+            "    os.posix_spawn('/bin/sleep', ['sleep', '1000000'], {})\n"
+            "for _ in range(int(sys.argv[2])):\n"
+            "    os.posix_spawn('/bin/sh', ['sh', '-c', 'while :; do :; done'], {})\n")
+#: how the sparkguard guard is started (``--sched``): a prefix to its argv
+SCHED = {"default": [], "nice-20": ["nice", "-n", "-20"], "rr": ["chrt", "-r", "1"],
+         "rr-reset": ["chrt", "--reset-on-fork", "-r", "1"]}
 
 
 def mem_available() -> int:
@@ -97,9 +116,11 @@ def oom_kills() -> int:
 # ---------------------------------------------------------------- the guards
 
 
-def guard_cmd(name: str, term: int, kill: int, tag: str, work: str) -> tuple[list[str], str]:
+def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str = "default") -> tuple[list[str], str]:
     """argv for one guard configured to SIGTERM below ``term`` and SIGKILL below ``kill`` (bytes),
-    and a substring of its output that says it is watching."""
+    and a substring of its output that says it is watching.  ``sched`` (sparkguard only): a key
+    of :data:`SCHED`, the CPU scheduling it starts with (nice -20 as the unit's Nice=-20, SCHED_RR
+    priority 1 as CPUSchedulingPolicy=rr, with or without CPUSchedulingResetOnFork)."""
     if name == "earlyoom":
         # -M in KiB; -s 100,100: earlyoom acts only when swap is low too, and a host without swap
         # (this one) counts as 0 % free, which 100 % always satisfies.
@@ -138,7 +159,7 @@ def guard_cmd(name: str, term: int, kill: int, tag: str, work: str) -> tuple[lis
                        "targets": {"match": [tag]}, "metrics": {"listen": "off"},
                        "incidents": {"dir": os.path.join(work, "incidents"), "journal": "off"}}, f)
         # the daemon's own entry point (cmd_run), without the CLI registry around it
-        return [sys.executable, "-c", "import sys, argparse; from sparkguard import daemon; sys.exit(daemon.cmd_run("
+        return SCHED[sched] + [sys.executable, "-c", "import sys, argparse; from sparkguard import daemon; sys.exit(daemon.cmd_run("
                 "argparse.Namespace(config=sys.argv[1], dry_run=False, log_level='info')))", conf], "started:"
     raise ValueError(name)
 
@@ -152,14 +173,25 @@ class Namespace:
     so a SIGKILLed bench leaves nothing running either.  unshare runs in its own session, so a
     Ctrl-C on the terminal reaches only the bench, which then closes the namespace."""
 
-    def __init__(self, guard_argv: list[str], hog_argv: list[str] | None, log: str):
+    def __init__(self, guard_argv: list[str] | None, hog_argv: list[str] | None, log: str, bystanders: int = 0,
+                 spinners: int = 0):
         # The commands travel in the environment, not in sh's cmdline: sh is the namespace's
         # init, and a guard matching the hog's tag in its cmdline would see init as the top
         # of the hog's tree (protected: PID 1) instead of the hog.
-        script = 'eval "$SG_GUARD" >"$SG_LOG" 2>&1 &\n' + ('eval "$SG_HOG"\n' if hog_argv else "") + "wait\n"
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", SG_GUARD=shlex.join(guard_argv),
-                   SG_HOG=shlex.join(hog_argv or []), SG_LOG=log)
+        script = 'eval "$SG_GUARD" >"$SG_LOG" 2>&1 &\n' + \
+            ('eval "$SG_HOG"\n' if hog_argv or bystanders or spinners else "") + "wait\n"
         self.log = log
+        self.ready, self.cmds = log + ".bystanders", log + ".cmds"
+        if bystanders or spinners:
+            # ``bystanders`` sleeping processes and ``spinners`` busy loops first (their spawner
+            # exits: sh, the namespace's init, adopts them and they die with it); then sh waits
+            # for the commands, which :meth:`launch` writes once the bench has read MemAvailable
+            # with them in place
+            script = (f'"$SG_PYTHON" -c "$SG_SPAWN" {int(bystanders)} {int(spinners)} && : >"$SG_READY"\n'
+                      'while [ ! -e "$SG_CMDS" ]; do sleep 0.05; done\n. "$SG_CMDS"\n' + script)
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", SG_GUARD=shlex.join(guard_argv or []),
+                   SG_HOG=shlex.join(hog_argv or []), SG_LOG=log, SG_PYTHON=sys.executable, SG_SPAWN=SPAWN_PY,
+                   SG_READY=self.ready, SG_CMDS=self.cmds)
         self.proc = subprocess.Popen(["setpriv", "--pdeathsig", "KILL",
                                       "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
                                       "sh", "-c", script], env=env, start_new_session=True)
@@ -177,6 +209,22 @@ class Namespace:
                 return False
             time.sleep(0.02)
         return False
+
+    def wait_bystanders(self, timeout: float) -> bool:
+        """Wait until the bystanders are running (a namespace made with ``bystanders``)."""
+        end = time.monotonic() + timeout
+        while not os.path.exists(self.ready):
+            if time.monotonic() > end or self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def launch(self, guard_argv: list[str], hog_argv: list[str] | None) -> None:
+        """Start the guard and the hog in a namespace made with ``bystanders`` (written atomically)."""
+        tmp = self.cmds + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"SG_GUARD={shlex.quote(shlex.join(guard_argv))}\nSG_HOG={shlex.quote(shlex.join(hog_argv or []))}\n")
+        os.replace(tmp, self.cmds)
 
     def pids(self) -> list[int]:
         """Host pids of every process inside (descendants of unshare)."""
@@ -227,10 +275,10 @@ def calibrate_one_thread(size: int = 1 * GiB) -> float:
     return size / dt
 
 
-def hog_args(scenario: str, tier: str, one_thread_rate: float) -> list[str]:
+def hog_args(scenario: str, tier: str, one_thread_rate: float, tree_procs: int = TREE_PROCS) -> list[str]:
     if scenario == "tree":
         rate = {"0.5GiB/s": 0.5 * GiB, "full1": one_thread_rate, "full2": 0}[tier]
-        return ["--procs", str(TREE_PROCS), "--rate", str(int(rate))]
+        return ["--procs", str(tree_procs), "--rate", str(int(rate))]
     rate = 0.5 * GiB if tier == "0.5GiB/s" else 0
     return ["--threads", "2" if tier == "full2" else "1", "--rate", str(int(rate))] + \
         (["--ignore-term"] if scenario == "ignore" else [])
@@ -246,10 +294,39 @@ def settle(target: int, timeout: float = 20.0) -> int:
     return a
 
 
-def run_trial(guard: str, scenario: str, tier: str, args, one_thread_rate: float) -> dict:
-    """One guard against one hog; returns the row of measurements."""
+def run_trial(guard: str, scenario: str, tier: str, args, one_thread_rate: float, bystanders: int = 0,
+              sched: str = "default") -> dict:
+    """One guard against one hog, beside ``bystanders`` sleeping processes and ``args.spinners``
+    busy loops in the same namespace (started before the guard; the line is placed after they
+    are up), the guard started with ``sched``; returns the row."""
     work = tempfile.mkdtemp(prefix="sg-h2h-")
     tag = "sghog" + uuid.uuid4().hex[:10]
+    spin = spinners(getattr(args, "spinners", "0"))
+    row = {"guard": guard, "scenario": scenario, "tier": tier, "bystanders": bystanders, "spinners": spin,
+           "sched": sched if guard == "sparkguard" else "default", "error": ""}
+    ns = Namespace(None, None, os.path.join(work, "guard.log"), bystanders, spin) if bystanders or spin else None
+    try:
+        if ns is not None and not ns.wait_bystanders(120):
+            row["error"] = "bystanders did not start"
+            return row
+        return _trial(ns, row, work, tag, guard, scenario, tier, args, one_thread_rate)
+    finally:
+        if ns is not None:
+            ns.close()
+        if args.keep_logs:
+            print(f"   logs in {work}")
+        else:
+            subprocess.run(["rm", "-rf", work])
+
+
+def spinners(spec: str) -> int:
+    """``--spinners``: a number, or ``Nx`` for N times the CPUs this bench may use."""
+    spec = str(spec).strip()
+    return int(float(spec[:-1]) * len(os.sched_getaffinity(0))) if spec.endswith("x") else int(spec or 0)
+
+
+def _trial(ns, row: dict, work: str, tag: str, guard: str, scenario: str, tier: str, args,
+           one_thread_rate: float) -> dict:
     avail0 = mem_available()
     term = avail0 - int(args.headroom * GiB)
     kill = term - GiB
@@ -258,12 +335,15 @@ def run_trial(guard: str, scenario: str, tier: str, args, one_thread_rate: float
     os.mkfifo(report)
     os.mkfifo(go)
     rfd = os.open(report, os.O_RDONLY | os.O_NONBLOCK)
-    gargv, ready = guard_cmd(guard, term, kill, tag, work)
+    gargv, ready = guard_cmd(guard, term, kill, tag, work, row["sched"])
     hargv = [sys.executable, HOG, "--tag", tag, "--report", report, "--go", go, "--line", str(term),
              "--cap", str(cap), "--max-bytes", str(int((args.headroom + 2.5) * GiB))] + \
-        hog_args(scenario, tier, one_thread_rate)
-    row = {"guard": guard, "scenario": scenario, "tier": tier, "line_bytes": term, "error": ""}
-    ns = Namespace(gargv, hargv, os.path.join(work, "guard.log"))
+        hog_args(scenario, tier, one_thread_rate, getattr(args, "tree_procs", TREE_PROCS))
+    row["line_bytes"] = term
+    if ns is None:
+        ns = Namespace(gargv, hargv, os.path.join(work, "guard.log"))
+    else:
+        ns.launch(gargv, hargv)
     buf = b""
     ev: dict = {"T": [], "M": None, "C": None, "X": [], "S": []}
     try:
@@ -359,10 +439,6 @@ def run_trial(guard: str, scenario: str, tier: str, args, one_thread_rate: float
     finally:
         ns.close()
         os.close(rfd)
-        if args.keep_logs:
-            print(f"   logs in {work}")
-        else:
-            subprocess.run(["rm", "-rf", work])
 
 
 # ---------------------------------------------------------------- idle
@@ -525,19 +601,27 @@ def med_spread(vals):
 
 
 def summarize(rows: list[dict]) -> str:
+    """The markdown table: medians (min-max) per scenario, fill, guard and, where trials differ in
+    them, bystanders, spinners and the guard's scheduling."""
+    extra = [c for c in ("bystanders", "spinners", "sched")
+             if any(r.get(c) not in (None, 0, "default") for r in rows)]
+
+    def key(r):
+        return (r["scenario"], r["tier"], r["guard"]) + tuple(r.get(c) for c in extra)
+
     keys = []
     for r in rows:
-        k = (r["scenario"], r["tier"], r["guard"])
-        if k not in keys:
-            keys.append(k)
-    out = ["| scenario | fill | guard | fill GiB/s | crossing->SIGTERM ms | overshoot MiB | SIGTERM->gone ms "
-           "| memory back after crossing ms | hog stopped | kernel OOM kills |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+        if key(r) not in keys:
+            keys.append(key(r))
+    out = ["| scenario | fill | guard | " + "".join(f"{c} | " for c in extra) + "fill GiB/s | crossing->SIGTERM ms "
+           "| overshoot MiB | SIGTERM->gone ms | memory back after crossing ms | hog stopped | kernel OOM kills |",
+           "|---|---|---|" + "---|" * len(extra) + "---|---|---|---|---|---|---|"]
     for k in keys:
-        rs = [r for r in rows if (r["scenario"], r["tier"], r["guard"]) == k]
+        rs = [r for r in rows if key(r) == k]
         ok = [r for r in rs if not r.get("error") or r.get("crossed")]
         stopped = sum(1 for r in rs if r.get("stopped"))
-        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {med_spread([r.get('fill_gib_s') for r in ok])} "
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + "".join(f"{v} | " for v in k[3:])
+                   + f"{med_spread([r.get('fill_gib_s') for r in ok])} "
                    f"| {med_spread([r.get('term_latency_ms') for r in ok])} "
                    f"| {med_spread([r.get('overshoot_mib') for r in ok])} "
                    f"| {med_spread([r.get('term_to_exit_ms') for r in ok])} "
@@ -574,6 +658,14 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(GUARDS), help="comma-separated guards")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--tiers", default=",".join(TIERS))
+    ap.add_argument("--bystanders", default="0", metavar="N[,N...]",
+                    help="sleeping processes started in each trial's namespace before the guard, e.g. 0,5000 "
+                         "(each count is a trial of its own; about 200 KiB each)")
+    ap.add_argument("--spinners", default="0", metavar="N|Nx",
+                    help="busy-looping processes in each trial's namespace (Nx: N per CPU), for CPU saturation")
+    ap.add_argument("--sched", default="default", metavar="S[,S...]",
+                    help=f"sparkguard's CPU scheduling, each a trial of its own: {', '.join(SCHED)}")
+    ap.add_argument("--tree-procs", type=int, default=TREE_PROCS, help="processes of the tree scenario's hog")
     ap.add_argument("--headroom", type=float, default=1.25, help="GiB between MemAvailable now and the line")
     ap.add_argument("--trial-timeout", type=float, default=25.0, help="seconds before the bench ends a hog itself")
     ap.add_argument("--idle-seconds", type=float, default=60.0)
@@ -606,17 +698,26 @@ def bench(args, guards: list[str]) -> int:
     print(f"one thread fills {rate1 / GiB:.2f} GiB/s here; MemAvailable {a0 / GiB:.1f} GiB", flush=True)
     rows: list[dict] = []
     stopped: Stopped | None = None
+    bystanders = [int(n) for n in args.bystanders.split(",") if n.strip()] or [0]
+    scheds = [x for x in args.sched.split(",") if x] or ["default"]
+    for x in scheds:
+        if x not in SCHED:
+            print(f"headtohead: --sched {x}: expected one of {', '.join(SCHED)}", file=sys.stderr)
+            return 2
     try:
         for sc in ([] if args.idle_only else args.scenarios.split(",")):
             for tier in args.tiers.split(","):
                 for i in range(args.trials):
                     order = guards[i % len(guards):] + guards[:i % len(guards)]
-                    for g in order:
+                    for g, nb, sch in ((g, nb, sch) for g in order for nb in bystanders
+                                       for sch in (scheds if g == "sparkguard" else ["default"])):
                         settle(a0)
-                        r = run_trial(g, sc, tier, args, rate1)
+                        r = run_trial(g, sc, tier, args, rate1, nb, sch)
                         r["trial"] = i
                         rows.append(r)
-                        print(f"{sc:6} {tier:8} #{i} {g:10} fill {r.get('fill_gib_s')} GiB/s "
+                        print(f"{sc:6} {tier:8} #{i} {g:10} " + (f"bystanders {nb} " if nb else "") +
+                              (f"{sch} " if sch != "default" else "") +
+                              f"fill {r.get('fill_gib_s')} GiB/s "
                               f"term {r.get('term_latency_ms')} ms overshoot {r.get('overshoot_mib')} MiB "
                               f"gone {r.get('term_to_exit_ms')} ms back {r.get('back_after_cross_ms')} ms "
                               f"oom {r.get('oom_kills')} {r.get('error', '')}", flush=True)
@@ -624,7 +725,7 @@ def bench(args, guards: list[str]) -> int:
         stopped = e
         print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
     idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards, not args.no_floors)
-    fields = ["guard", "scenario", "tier", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
+    fields = ["guard", "scenario", "tier", "bystanders", "spinners", "sched", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
               "terms", "line_bytes", "error"]
     if rows:

@@ -28,7 +28,7 @@ M_ARENA_MAX = -8
 PSI_TRIGGERS = (b"some 100000 1000000\0", b"some 150000 2000000\0")
 STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
-NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
+NICE = -20                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE; the unit's Nice=
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
@@ -169,8 +169,9 @@ def harden_self() -> list[str]:
     libraries and reserved regions (earlyoom locks the same way; it keeps the RSS budget of 30 MiB with
     prometheus_client loaded).  The caller exercises the decision path once at start-up
     (:func:`warm_up`) so its pages are touched and locked before they are needed.
-    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -10 (setpriority(2); needs
-    CAP_SYS_NICE) so a spike of busy threads cannot starve the decision, a single malloc arena and
+    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -20 (setpriority(2); needs
+    CAP_SYS_NICE; measured against SCHED_RR in the unit's comment) so a spike of busy threads
+    cannot starve the decision, a single malloc arena and
     small thread stacks so locked memory stays small.  Returns warnings for what was not
     permitted; never raises.
     """
@@ -430,15 +431,27 @@ class Guard:
                       f" and nothing keeps the full reports{nojournal}")
 
     def _warm_up(self) -> None:
-        """Run the target search once (touching, hence locking, its code pages) and log what it sees."""
-        from sparkguard import proctree, signals
-        targets = proctree.find_targets(self.cfg.targets)
-        signals.Tree([], {}).close()
-        if targets:
-            log.info("targets now: %s", "; ".join(f"{t.title} (pid {t.root_pid}, {len(t.pids)} processes)"
-                                                  for t in targets[:5]))
+        """Arm the first target (one /proc pass, touching, hence locking, the search's and the
+        pidfd code's pages) and log it.  Sets ``self.armed`` (:class:`sparkguard.armed.Armed`)."""
+        from sparkguard import armed, policy, proctree
+        if self.protector is None:
+            self.protector = proctree.Protector(self.cfg.targets.protect)
+        self.armed = armed.Armed(self._scan_choice, policy.FILL_RATE)
+        self._armed_for = self.cfg.targets
+        self.armed.refresh()
+        t = self.armed.target
+        if t is not None:
+            log.info("targets now: %s (pid %d, %d processes), armed", t.title, t.root_pid, len(t.pids))
         else:
             log.info("no process matches targets.match right now")
+
+    def _arm(self, now: float, headroom: int, far: int) -> None:
+        """The full pass's hook in the OK state: keep the armed target fresh (:mod:`sparkguard.armed`);
+        a reload that replaced ``targets`` drops the armed choice first."""
+        if self.cfg.targets is not self._armed_for:
+            self._armed_for = self.cfg.targets
+            self.armed.disarm()
+        self.armed.tick(now, headroom, 4 * far)
 
     def _start_metrics(self) -> None:
         listen = self.cfg.metrics.listen
@@ -609,6 +622,7 @@ class Guard:
             if pol.state is OK and headroom >= 0:
                 # the idle path: five times a second, forever; keep it short
                 timeout = interval if headroom >= far else next_interval(headroom, interval)
+                self._arm(t0, headroom, far)
             else:
                 actions = step(t0, value, self._victim_gone())
                 if actions:
@@ -759,8 +773,9 @@ class Guard:
         self._event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
-    def _choose(self):
-        """The target to signal, from one /proc scan; /proc/PID/status is read for the chosen tree only."""
+    def _scan_choice(self):
+        """One /proc pass: ``(target, procs)`` with the target's tree rows read, or None.  The
+        supervised engine comes first, then ``targets.match``."""
         from sparkguard import proctree
         procs = proctree.scan()
         target = self._engine_target(procs)
@@ -769,14 +784,35 @@ class Guard:
             if not targets:
                 return None
             target = targets[0]
-        # the chosen tree's RSS/swap/oom_score rows now: after SIGTERM vLLM's children are gone
-        # within milliseconds; one tree's /proc/PID/status reads cost well under a millisecond
+        # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
+        # are gone within milliseconds; one tree's reads cost about a millisecond
         proctree.add_details(target, procs)
-        return target
+        return target, procs
+
+    def _choose(self):
+        """``(target, tree, armed)``: the armed target when its root is alive and the supervised
+        engine (the first target) has not changed since it was armed, with no /proc pass; else the
+        choice of one scan (its tree's pidfds opened now).  ``(None, None, False)`` when nothing matches."""
+        from sparkguard import signals
+        armed = getattr(self, "armed", None)
+        if armed is not None and self.cfg.targets is not self._armed_for:
+            armed.disarm()          # a reload changed targets since the last full pass in the OK state
+        got = armed.take() if armed is not None else None
+        if got is not None:
+            target, tree, _ = got
+            run = getattr(self.supervisor, "run", None) if self.supervisor is not None else None
+            if run is None or run.pid == target.root_pid:
+                return target, tree, True
+            tree.close()
+        got = self._scan_choice()
+        if got is None:
+            return None, None, False
+        target = got[0]
+        return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid), False
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:
-        from sparkguard import signals
-        target = self._choose()
+        from sparkguard import proctree
+        target, tree, armed = self._choose()
         if target is None:
             if not retry:
                 self._fill_incident(None)
@@ -785,7 +821,7 @@ class Guard:
             self.policy.no_target(now)
             return
         self.target = target
-        self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)
+        self.tree = tree
         if self.policy.dry_run:
             self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
@@ -799,6 +835,10 @@ class Guard:
             for fd in self.tree.fds.values():
                 self._poller.register(fd, select.POLLIN)
                 self._tree_fds.add(fd)
+        if armed:
+            # act first, report after: the armed rows (read when it was armed) are re-read now;
+            # members already gone keep their armed figures
+            proctree.refresh_details(target)
         if retry:
             self.policy.target_found(now)
         if not self.policy.dry_run:

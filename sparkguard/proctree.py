@@ -1,9 +1,18 @@
 """Process discovery: one pass over /proc, pattern matching, engine trees, protection.
 
-Run only when a decision needs it (a crossing, an escalation), never per poll.  Reads
-/proc directly (stat, cmdline, status, oom_score, oom_score_adj) in one pass; a process
-that vanishes mid-scan is skipped.  Sources: proc(5) for /proc/PID/stat field numbers
-(ppid = 4, flags = 9, starttime = 22) and PF_KTHREAD (include/linux/sched.h, 0x00200000).
+Run off the poll loop's critical path (:mod:`sparkguard.armed` keeps the choice ready
+before a crossing), never per poll.  Reads /proc directly (stat, cmdline, status,
+smaps_rollup, oom_score, oom_score_adj) in one pass; a process that vanishes mid-scan is
+skipped.  Sources: proc(5) for /proc/PID/stat field numbers (ppid = 4, flags = 9,
+starttime = 22) and PF_KTHREAD (include/linux/sched.h, 0x00200000).
+
+Everything read from /proc is untrusted text: comm and cmdline pass through :func:`escape`
+when they are read, so no title, log line, STATUS= or journal field can carry a raw control
+character (a newline in argv would otherwise forge a log line).
+
+A process whose main thread has exited while other threads run (a zombie leader) has an
+empty /proc/PID/cmdline and no Vm* lines in /proc/PID/status (both read the leader's mm,
+which is gone); its cmdline and memory are read from a live thread's /proc/PID/task/TID.
 
 Target choice (issue #2): processes whose cmdline (setproctitle titles are the whole
 cmdline, e.g. ``VLLM::Worker_TP0``) matches one of ``targets.match``; the root of an
@@ -45,7 +54,7 @@ class Target:
         pattern: str, the ``targets.match`` regex that matched (or ``"fallback:oom_score"``).
         pids: list[int], root first, then descendants (breadth first), protected ones removed.
         starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
-        mem_bytes: int, sum of VmRSS + VmSwap over the tree.
+        mem_bytes: int, resident + swapped bytes over the tree (:func:`_status_mem`).
         tree: list[dict] with keys pid, ppid, title (:func:`short_title` of the cmdline, which
             setproctitle makes the title), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
     """
@@ -58,6 +67,22 @@ class Target:
     mem_bytes: int = 0
     tree: list[dict] = field(default_factory=list)
     rank: int = 0
+
+
+def _escape_table() -> dict[int, str]:
+    table = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0))}
+    table.update({0x0a: "\\n", 0x0d: "\\r", 0x09: "\\t"})
+    return table
+
+
+_ESCAPES = _escape_table()
+
+
+def escape(text: str) -> str:
+    """``text`` with every control character written out: newline, CR and tab as ``\\n``,
+    ``\\r``, ``\\t``; the other C0 controls, DEL and the C1 controls (U+0080-U+009F, which
+    terminals read as escape sequences) as ``\\xNN``.  Printable text is returned as is."""
+    return text if text.isprintable() else text.translate(_ESCAPES)
 
 
 def _read(path: str) -> bytes | None:
@@ -74,7 +99,7 @@ def read_proc(pid: int) -> Proc | None:
     if not stat:
         return None
     lp, rp = stat.find(b"("), stat.rfind(b")")
-    comm = stat[lp + 1:rp].decode("utf-8", "replace")
+    comm = escape(stat[lp + 1:rp].decode("utf-8", "replace"))
     f = stat[rp + 2:].split()
     try:
         ppid, pgrp, flags, start = int(f[1]), int(f[2]), int(f[6]), int(f[19])
@@ -82,8 +107,29 @@ def read_proc(pid: int) -> Proc | None:
         return None
     kthread = bool(flags & PF_KTHREAD)
     cmd = b"" if kthread else (_read(f"/proc/{pid}/cmdline") or b"")
-    cmdline = cmd.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+    if not cmd and not kthread:
+        task = live_task(pid)
+        cmd = (_read(f"{task}/cmdline") or b"") if task else b""
+    cmdline = escape(cmd.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"))
     return Proc(pid, ppid, pgrp, comm, cmdline, start, kthread)
+
+
+def live_task(pid: int) -> str | None:
+    """``/proc/PID/task/TID`` of a live thread other than the main one, or None.
+
+    For a zombie leader (main thread exited, others running): the leader's own cmdline and
+    status show no memory, a live thread's show the process's (the mm is shared by all
+    threads, proc(5)).  A plain zombie has no other thread: None."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid != str(pid):
+            stat = _read(f"/proc/{pid}/task/{tid}/stat")
+            if stat and stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X"):
+                return f"/proc/{pid}/task/{tid}"
+    return None
 
 
 def scan() -> dict[int, Proc]:
@@ -136,15 +182,39 @@ def descendants(roots: list[int], kids: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def _status_mem(pid: int) -> tuple[int, int]:
-    """(VmRSS, VmSwap) in bytes from /proc/PID/status; (0, 0) if unreadable."""
-    text = _read(f"/proc/{pid}/status") or b""
+def _status_mem(pid: int, shmem_swap: bool = True) -> tuple[int, int]:
+    """(resident, swapped) bytes of one process; (0, 0) if unreadable or gone.
+
+    Resident is VmRSS of /proc/PID/status (of a live thread for a zombie leader).  Swapped is
+    ``SwapPss`` of /proc/PID/smaps_rollup when ``shmem_swap``: VmSwap counts anonymous private
+    pages only ("shmem swap usage is not included"), smaps' Swap also counts the mapped part of
+    a shmem object that is out on swap, and SwapPss shares that between the processes mapping
+    it, so a tree's sum counts each page once (Documentation/filesystems/proc.rst).  ``Swap``
+    where the kernel lacks SwapPss, VmSwap where smaps_rollup cannot be read (Linux < 4.14,
+    or ``shmem_swap=False``: reading it walks every mapping, too dear for a whole-/proc pass).
+    """
+    base = f"/proc/{pid}"
+    text = _read(f"{base}/status") or b""
+    if b"\nVmRSS:" not in text and text:
+        task = live_task(pid)
+        if task is None:
+            return 0, 0
+        base = task
+        text = _read(f"{base}/status") or b""
     rss = swap = 0
     for line in text.splitlines():
         if line.startswith(b"VmRSS:"):
             rss = int(line.split()[1]) * 1024
         elif line.startswith(b"VmSwap:"):
             swap = int(line.split()[1]) * 1024
+    if shmem_swap and rss:
+        rollup = _read(f"{base}/smaps_rollup")
+        if rollup:
+            fields = {}
+            for line in rollup.splitlines():
+                if line.startswith((b"Swap:", b"SwapPss:")):
+                    fields[line.split(b":")[0]] = int(line.split()[1]) * 1024
+            swap = fields.get(b"SwapPss", fields.get(b"Swap", swap))
     return rss, swap
 
 
@@ -211,6 +281,20 @@ def build_target(root: int, pattern: str, procs: dict[int, Proc], kids: dict[int
 def add_details(target: Target, procs: dict[int, Proc]) -> None:
     """Fill ``target.tree`` rows and ``mem_bytes`` (RSS + swap) from /proc, for members of the scan."""
     target.mem_bytes, target.tree = _tree_info([pid for pid in target.pids if pid in procs], procs)
+
+
+def refresh_details(target: Target) -> None:
+    """Re-read the memory and oom_score of each row of ``target.tree``; a member gone since the
+    rows were read keeps its last figures (vLLM's children exit within milliseconds of SIGTERM,
+    so rows read after the signal would otherwise lose them).  Recomputes ``mem_bytes``."""
+    total = 0
+    for row in target.tree:
+        rss, swap = _status_mem(row["pid"])
+        if rss or swap:
+            row["rss_bytes"], row["swap_bytes"] = rss, swap
+            row["oom_score"] = _int_file(f"/proc/{row['pid']}/oom_score", row["oom_score"])
+        total += row["rss_bytes"] + row["swap_bytes"]
+    target.mem_bytes = total
 
 
 def _tree_mem(pids: list[int]) -> int:
@@ -298,7 +382,7 @@ def top_consumers(n: int = 5, procs: dict[int, Proc] | None = None) -> list[dict
     for p in procs.values():
         if p.kthread:
             continue
-        rss, swap = _status_mem(p.pid)
+        rss, swap = _status_mem(p.pid, shmem_swap=False)
         sized.append((rss + swap, p.pid))
     sized.sort(reverse=True)
     pids = [pid for _, pid in sized[:n] if pid in procs]

@@ -191,8 +191,8 @@ def _mem_total() -> int:
 
 
 def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
-    """Fault injection: the first target search of an incident raises (call 1 is the start-up warm-up);
-    the daemon logs it and searches again."""
+    """Fault injection: taking the armed target at the crossing raises the first time; the daemon
+    logs it and searches again."""
     import subprocess
     import sys
 
@@ -205,10 +205,10 @@ def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
                                    "targets": {"match": [rf"vllm serve {fe.model}\b"]},
                                    "metrics": {"listen": "off"},
                                    "incidents": {"dir": str(tmp_path / "inc"), "journal": "off"}}))
-    boot = ("import sys\nfrom sparkguard import proctree, cli\nreal = proctree.find_targets\ncalls = []\n"
-            "def flaky(*a, **k):\n    calls.append(1)\n    if len(calls) == 2:\n"
+    boot = ("import sys\nfrom sparkguard import armed, cli\nreal = armed.Armed.take\ncalls = []\n"
+            "def flaky(*a, **k):\n    calls.append(1)\n    if len(calls) == 1:\n"
             "        raise RuntimeError('injected fault')\n    return real(*a, **k)\n"
-            "proctree.find_targets = flaky\nsys.exit(cli.main(['run', '--config', sys.argv[1]]))\n")
+            "armed.Armed.take = flaky\nsys.exit(cli.main(['run', '--config', sys.argv[1]]))\n")
     g = subprocess.Popen([sys.executable, "-c", boot, str(cfg)], env=sg_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:

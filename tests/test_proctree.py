@@ -94,3 +94,105 @@ def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engine_factory
         import signal
         os.killpg(launcher.pid, signal.SIGKILL)   # the launcher's session: everything this test started
         launcher.wait(10)
+
+
+# ---- hostile /proc processes: a zombie leader, control characters in argv ----------------------
+
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}
+
+
+def _start(code: str, *argv: str):
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_zombie_leader_is_found_signalled_and_its_memory_counted():
+    """The main thread exits (the exit syscall, not exit_group) while another thread holds 64 MiB:
+    /proc/PID/cmdline is empty and /proc/PID/status has no VmRSS, yet the process is matched (a live
+    thread's cmdline), its memory counted (a live thread's status) and a SIGTERM ends it."""
+    import platform
+    import select
+    import signal
+    import time
+    if platform.machine() not in SYS_EXIT:
+        pytest.skip(f"exit syscall number unknown for {platform.machine()}")
+    tag = unique("sgzombie")
+    code = ("import ctypes, threading, time\n"
+            "hold = b'\\x01' * (64 << 20)\n"
+            "threading.Thread(target=time.sleep, args=(600,)).start()\n"
+            "print('ready', flush=True)\n"
+            f"ctypes.CDLL(None).syscall({SYS_EXIT[platform.machine()]}, 0)\n")
+    p = _start(code, tag)
+    try:
+        # the leader shows as a zombie (state Z) once its thread is gone
+        fd = os.pidfd_open(p.pid)
+        deadline = time.monotonic() + 10
+        while proctree._read(f"/proc/{p.pid}/stat").split(b") ")[1][:1] != b"Z":
+            assert time.monotonic() < deadline, "the main thread did not exit"
+            select.select([p.stdout], [], [], 0.02)      # nothing signals a thread's exit to others
+        assert proctree._read(f"/proc/{p.pid}/cmdline") == b""
+        assert b"VmRSS" not in proctree._read(f"/proc/{p.pid}/status")
+        ts = proctree.find_targets(cfg(tag))
+        assert [t.root_pid for t in ts] == [p.pid]
+        assert ts[0].tree[0]["cmdline"].endswith(tag)
+        assert ts[0].mem_bytes >= 64 << 20
+        from sparkguard import signals
+        tree = signals.Tree(ts[0].pids, ts[0].starttimes, root=p.pid)
+        assert tree.term_root()
+        assert select.select([fd], [], [], 10)[0], "SIGTERM did not end the process"
+        assert p.wait(10) == -signal.SIGTERM
+        tree.close()
+        os.close(fd)
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def test_control_characters_from_proc_are_escaped_in_titles_logs_and_journal(tmp_path):
+    """A real process whose argv carries a newline and an ESC: every string read from its /proc
+    entry has them written out, so the guard's log and the journal entry hold one line each."""
+    import socket
+    from conftest import mem_available
+    from guardrun import GuardProc
+    from sparkguard import reporter
+    tag = unique("sgnl")
+    forged = "\nERROR sparkguard forged\x1b[2J"
+    p = _start("import time\nprint('ready', flush=True)\ntime.sleep(600)\n", tag + forged)
+    try:
+        proc = proctree.read_proc(p.pid)
+        assert "\n" not in proc.cmdline and "\x1b" not in proc.cmdline
+        assert proc.cmdline.endswith(tag + "\\nERROR sparkguard forged\\x1b[2J")
+        t = proctree.find_targets(cfg(tag))[0]
+        assert "\\n" in t.title and all(c.isprintable() for c in t.title)
+        # the journal entry of an event naming it (the reporter over a real datagram socket)
+        path = str(tmp_path / "journal.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(path)
+        sock.settimeout(10)
+        rep = reporter.Reporter(str(tmp_path / "inc"), "on", journal_socket=path)
+        rep.event({"id": "x", "kind": "memory", "target": {"root_pid": t.root_pid, "title": t.title}},
+                  {"event": "sigterm", "t": 0.0, "at": 0.0, "available_bytes": 1, "pids": [t.root_pid],
+                   "detail": f"SIGTERM {t.title} (pid {t.root_pid})"})
+        entry = sock.recv(65536)
+        rep.close()
+        sock.close()
+        assert b"\x1b" not in entry
+        # every field KEY=value on one line (the binary form would mean a value with a newline)
+        assert all(b"=" in line for line in entry.splitlines()), entry
+        assert b"SPARKGUARD_TARGET_TITLE=" + t.title.encode() in entry
+        # the daemon's log: the armed target is logged at start-up, one line
+        g = GuardProc({"guard": {"term_below": "64MiB"}, "targets": {"match": [tag]}})
+        try:
+            g.wait_ready()
+            log_text = g.wait_log("targets now:")
+        finally:
+            g.stop()
+        assert not [ln for ln in log_text.splitlines() if ln.startswith("ERROR sparkguard forged")]
+        assert "\x1b" not in log_text and tag + "\\nERROR sparkguard forged" in log_text
+        assert mem_available() > 0
+    finally:
+        p.kill()
+        p.wait(10)

@@ -1,0 +1,171 @@
+"""The armed target: the victim chosen before the crossing, its tree's pidfds already open.
+
+A whole-/proc pass (:func:`sparkguard.proctree.scan`) costs about 50 us per process in
+Python: 0.22-0.40 s with 5,000 sleeping processes on the 2-core dev VM.  On the critical
+path it delayed crossing->SIGTERM from 5-7 ms to 217-446 ms (issue 11).  So the guard keeps
+the target chosen beforehand, its members' pidfds open (start times checked when opened, so
+a recycled pid is never signalled), and at the crossing only re-checks that the root is
+still alive (its pidfd not readable, one poll(2)) and signals it.
+
+Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.tick`):
+
+- Churn is noticed for the price of one ``pread`` of /proc/loadavg, whose last field is the
+  last pid the kernel handed out in this pid namespace (proc(5)): it moves whenever a process
+  or thread is created.  Exits inside the armed tree are seen on its pidfds (POLLIN, one
+  poll(2)).  Both together cost ~8 us hot and ~100 us cold (after the loop's 200 ms sleep,
+  2-core dev VM), so far from the line (headroom above ``small``) they are looked at every
+  :data:`IDLE_CHECK` seconds only: ~0.001 % of a core beside the loop's ~0.07 %.
+- A pass rescans when something changed (churn, a member exited, the target was used or
+  dropped) or the choice is :data:`MAX_AGE` old (tree memory orders trees of one pattern),
+  and never sooner than :data:`IDLE_DUTY` times the last scan's cost after the last one
+  (so at most 1/IDLE_DUTY of a core: 2 %, 0.25 s every 12.5 s with 5,000 processes; about
+  40 ms every 2 s, 2 %, with 800), nor sooner than :data:`MIN_GAP`.  A box without churn
+  never rescans between :data:`MAX_AGE` ticks: the idle cost stays one pread per full pass.
+- While the headroom is small (below ``small`` bytes, 4 poll steps at the assumed fill
+  rate), the gap shrinks to :data:`SMALL_DUTY` times the scan cost, so the choice follows a
+  tree that is still forking as memory runs out.
+- No scan starts while memory filling at ``fill_rate`` could reach the line before it ends
+  (headroom below twice ``fill_rate`` x the last scan's cost): the poll loop does not sample
+  during a scan, and the armed choice, a few seconds old at worst, is the better bet.
+
+Nothing here blocks or raises into the loop: :meth:`Armed.tick` logs and swallows errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+from sparkguard import signals
+
+log = logging.getLogger("sparkguard.armed")
+
+IDLE_CHECK = 10.0    # seconds between churn/exit checks far from the line
+MIN_GAP = 2.0        # seconds: the most often an idle guard rescans (its full pass comes every 2 s)
+MAX_AGE = 60.0       # seconds: rescan at least this often, churn or not
+IDLE_DUTY = 50       # idle: scans take at most 1/50 of the time (2 % of a core)
+SMALL_DUTY = 4       # little headroom: at most 1/4 of the time
+LOADAVG = "/proc/loadavg"
+
+
+def refresh_due(now: float, last_scan: float | None, scan_cost: float, changed: bool, headroom: int,
+                small: int, fill_rate: float) -> bool:
+    """Whether a pass at ``now`` (monotonic s) rescans.  Pure.
+
+    Args:
+        last_scan: monotonic s of the last scan, None before the first.
+        scan_cost: seconds the last scan took.
+        changed: churn since the last scan, a member of the armed tree exited, or the armed
+            target was used or dropped.
+        headroom: bytes between the memory signal and the SIGTERM line (>= 0).
+        small: headroom in bytes below which the guard follows the tree closely.
+        fill_rate: assumed fill rate, bytes/s (``policy.FILL_RATE``).
+    """
+    if headroom < 2 * fill_rate * scan_cost:
+        return False
+    if last_scan is None:
+        return True
+    age = now - last_scan
+    if age < (SMALL_DUTY * scan_cost if headroom < small else max(MIN_GAP, IDLE_DUTY * scan_cost)):
+        return False
+    return changed or age >= MAX_AGE
+
+
+class Armed:
+    """The chosen target and its open :class:`sparkguard.signals.Tree`, kept ready.
+
+    Args:
+        choose: callable returning ``(proctree.Target with tree rows, {pid: proctree.Proc})``
+            or None; it does the /proc pass (engine first, then ``targets.match``).
+        fill_rate: assumed fill rate, bytes/s.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, choose: Callable[[], tuple | None], fill_rate: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.choose = choose
+        self.fill_rate = fill_rate
+        self.clock = clock
+        self.target = None
+        self.tree: signals.Tree | None = None
+        self.procs: dict = {}
+        self.last_scan: float | None = None
+        self.scan_cost = 0.0
+        self.scans = 0
+        self.stale = False
+        self._errors = 0
+        self._next_check = 0.0
+        self._fd = os.open(LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
+        self._last_pid = b""
+
+    def _pid_cursor(self) -> bytes:
+        """The last field of /proc/loadavg: the last pid handed out (bytes, compared only)."""
+        return os.pread(self._fd, 128, 0).rsplit(None, 1)[-1]
+
+    def tick(self, now: float, headroom: int, small: int) -> None:
+        """One full pass in the OK state: note exits and churn, rescan when due (module doc)."""
+        if headroom >= small:
+            if now < self._next_check:
+                return
+            self._next_check = now + IDLE_CHECK
+        try:
+            tree = self.tree
+            if tree is not None and len(tree.alive()) < len(tree.fds):
+                self.stale = True
+                if tree.root not in tree.alive():
+                    self.disarm()
+            changed = self.stale or self._pid_cursor() != self._last_pid
+            if refresh_due(now, self.last_scan, self.scan_cost, changed, headroom, small, self.fill_rate):
+                self.refresh()
+        except Exception:  # noqa: BLE001 - the poll loop must outlive this
+            self._errors += 1
+            if self._errors == 1 or self._errors % 100 == 0:
+                log.exception("refreshing the armed target failed (%d times); the crossing will scan /proc",
+                              self._errors)
+
+    def refresh(self) -> None:
+        """Choose again now (one /proc pass) and reopen the tree's pidfds."""
+        self._last_pid = self._pid_cursor()     # before the scan: a process born during it is churn
+        t0 = self.clock()
+        got = self.choose()
+        self.scan_cost = self.clock() - t0
+        self.last_scan = t0
+        self.scans += 1
+        self.stale = False
+        self.disarm(stale=False)
+        if got is not None:
+            target, procs = got
+            self.target = target
+            self.procs = {pid: procs[pid] for pid in target.pids if pid in procs}
+            self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)
+
+    def take(self):
+        """At the crossing: ``(target, tree, procs)`` if the armed root is still alive, else None.
+
+        The tree (and its pidfds) passes to the caller; the next :meth:`tick` rescans."""
+        tree, target = self.tree, self.target
+        if tree is None or tree.root not in tree.fds or tree.root not in tree.alive():
+            self.disarm()
+            return None
+        procs = self.procs
+        self.tree = self.target = None
+        self.procs = {}
+        self.stale = True
+        self._next_check = 0.0
+        return target, tree, procs
+
+    def disarm(self, stale: bool = True) -> None:
+        """Drop the armed choice and close its pidfds; ``stale``: rescan at the next due pass."""
+        if self.tree is not None:
+            self.tree.close()
+        self.tree = self.target = None
+        self.procs = {}
+        if stale:
+            self.stale = True
+            self._next_check = 0.0
+
+    def close(self) -> None:
+        self.disarm()
+        os.close(self._fd)

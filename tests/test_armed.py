@@ -1,0 +1,116 @@
+"""The armed target: at the crossing the guard signals without a /proc pass, even with thousands
+of processes on the box; the tree's SIGKILL goes out before the sweep.  Real processes throughout:
+the bystanders are sleeping children of this test, all reaped at the end."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import mem_available
+from guardrun import GuardProc
+from test_guard_incidents import GiB, events, filling_engine, line_below_now, wait_incident
+from sparkguard import armed, proctree, signals
+
+BYSTANDERS = 5000
+
+
+@pytest.fixture
+def bystanders():
+    """``start(n)``: n sleeping children of this test (``/bin/sleep``, about 200 KiB each); every
+    one is SIGKILLed and reaped afterwards (unreaped children of ours: their pids cannot be reused)."""
+    pids: list[int] = []
+
+    def start(n: int) -> list[int]:
+        if mem_available() < n * 512 * 1024 + 4 * GiB:
+            pytest.skip(f"not enough MemAvailable for {n} bystanders")
+        for _ in range(n):
+            pids.append(os.posix_spawn("/bin/sleep", ["sleep", "600"], {}))
+        return pids
+
+    yield start
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+
+def test_crossing_to_sigterm_does_not_wait_for_a_scan_of_5000_processes(engine_factory, bystanders):
+    """With 5,000 sleeping processes a /proc pass takes 0.2-0.4 s here; the armed target is
+    signalled without one (the bound is generous: a few ms is usual)."""
+    fe = filling_engine(engine_factory)
+    bystanders(BYSTANDERS)
+    t = time.perf_counter()
+    proctree.scan()
+    scan_s = time.perf_counter() - t
+    g = GuardProc({"guard": {"term_below": line_below_now(), "grace": "20s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        g.wait_ready(60)
+        g.wait_log("armed")
+        fe.start_fill()
+        inc = wait_incident(g, timeout=60)
+        assert events(inc)[:2] == ["crossed", "sigterm"]
+        assert inc["target"]["root_pid"] == fe.top_pid
+        term_s = inc["timeline"][1]["t"]
+        assert term_s < 0.1, f"crossing->SIGTERM {term_s * 1000:.0f} ms (one /proc pass: {scan_s * 1000:.0f} ms)"
+        # the rows were read when the target was armed and again after the signal
+        assert all(r["rss_bytes"] > 0 for r in inc["target"]["tree"])
+    finally:
+        g.stop()
+
+
+def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
+    """A member's death is timed by the EOF of a pipe it holds (a thread waits on it); the sweep
+    that follows scans 5,000 processes and takes far longer than the kill."""
+    r, w = os.pipe()
+    member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(w,))
+    os.close(w)
+    died = []
+    waiter = threading.Thread(target=lambda: (select.select([r], [], [], 60), died.append(time.monotonic())))
+    try:
+        bystanders(BYSTANDERS)
+        p = proctree.read_proc(member.pid)
+        tree = signals.Tree([member.pid], {member.pid: p.starttime})
+        waiter.start()
+        t0 = time.monotonic()
+        killed = tree.kill_all(proctree.Protector(()))
+        t1 = time.monotonic()
+        waiter.join(60)
+        assert killed == [member.pid]
+        assert t1 - t0 > 0.1, "the sweep should have scanned 5,000 processes"
+        # killed first, swept after: the death comes early in kill_all (a few ms is usual; the
+        # waiter thread needs the GIL to stamp it), not after the sweep
+        assert died and died[0] - t0 < (t1 - t0) / 2, \
+            f"SIGKILL landed {(died[0] - t0) * 1000:.0f} ms into a {(t1 - t0) * 1000:.0f} ms kill_all"
+        tree.close()
+    finally:
+        os.close(r)
+        member.kill()
+        member.wait(10)
+
+
+def test_refresh_due():
+    due = armed.refresh_due
+    fill = 8 * GiB
+    # the first pass arms; no churn and a young choice: nothing to do
+    assert due(0.0, None, 0.0, False, 10 * GiB, 6 * GiB, fill)
+    assert not due(30.0, 0.0, 0.01, False, 10 * GiB, 6 * GiB, fill)
+    assert due(61.0, 0.0, 0.01, False, 10 * GiB, 6 * GiB, fill)
+    # churn: rescanned once the idle gap (max(2 s, 50 x cost)) has passed
+    assert not due(1.0, 0.0, 0.01, True, 10 * GiB, 6 * GiB, fill)
+    assert due(2.0, 0.0, 0.01, True, 10 * GiB, 6 * GiB, fill)
+    assert not due(10.0, 0.0, 0.25, True, 10 * GiB, 6 * GiB, fill)
+    assert due(12.5, 0.0, 0.25, True, 10 * GiB, 6 * GiB, fill)
+    # little headroom: the gap shrinks to 4 x cost
+    assert due(0.05, 0.0, 0.01, True, 1 * GiB, 6 * GiB, fill)
+    # never a scan that memory filling at the assumed rate could outrun
+    assert not due(100.0, 0.0, 0.25, True, 3 * GiB, 6 * GiB, fill)
+    assert not due(100.0, None, 0.25, True, 3 * GiB, 6 * GiB, fill)
