@@ -186,7 +186,7 @@ def guarded(args, gpu, gpu_idle: int, avail_idle: int) -> dict:
     log = open(os.path.join(work, "guard.log"), "w+")
     g = subprocess.Popen([sys.executable, "-c", "import sys, argparse; from sparkguard import daemon; "
                           "sys.exit(daemon.cmd_run(argparse.Namespace(config=sys.argv[1], dry_run=False, "
-                          "log_level='info')))", conf], env=env, stdout=log, stderr=subprocess.STDOUT)
+                          "log_level='info', meminfo='/proc/meminfo')))", conf], env=env, stdout=log, stderr=subprocess.STDOUT)
     time.sleep(3)
     t_start = time.monotonic()
     p = start_victim(args, "--handler", "--block", str(args.block), tag=tag)

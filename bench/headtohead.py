@@ -160,7 +160,7 @@ def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str =
                        "incidents": {"dir": os.path.join(work, "incidents"), "journal": "off"}}, f)
         # the daemon's own entry point (cmd_run), without the CLI registry around it
         return SCHED[sched] + [sys.executable, "-c", "import sys, argparse; from sparkguard import daemon; sys.exit(daemon.cmd_run("
-                "argparse.Namespace(config=sys.argv[1], dry_run=False, log_level='info')))", conf], "started:"
+                "argparse.Namespace(config=sys.argv[1], dry_run=False, log_level='info', meminfo='/proc/meminfo')))", conf], "started:"
     raise ValueError(name)
 
 

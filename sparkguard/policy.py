@@ -177,8 +177,12 @@ class Policy:
         return None
 
 
-#: assumed worst fill rate, bytes per second (FIELD-NOTES: ~3 GiB/s seen during prefill on a Spark)
-FILL_RATE = 8 * 1024**3
+#: assumed worst fill rate, bytes per second.  A 16-process tree filled 15.7-18.9 GiB/s on the
+#: 16-core GPU machine (bench/results/device-tree16.txt); a GB10 has 20 cores, and ~3 GiB/s was
+#: seen during prefill on a Spark (FIELD-NOTES).  At 8 GiB/s such a tree crossed inside one sleep
+#: and got its SIGTERM ~96 ms late.  The price: polls come faster than poll_interval only within
+#: poll_interval x FILL_RATE (3.2 GiB at 0.2 s) of the line.
+FILL_RATE = 16 * 1024**3
 
 
 def next_interval(headroom: int, poll_interval: float, fill_rate: float = FILL_RATE,
@@ -187,8 +191,7 @@ def next_interval(headroom: int, poll_interval: float, fill_rate: float = FILL_R
 
     Sized so that memory filling at ``fill_rate`` cannot cross the line between two samples:
     ``headroom / fill_rate``, clamped to ``[min_interval, poll_interval]`` (earlyoom sizes its
-    sleep the same way with an assumed 6000 MiB/s; we assume 8 GiB/s: FIELD-NOTES saw ~3 GiB/s
-    during prefill on a Spark).
+    sleep the same way with an assumed 6000 MiB/s; FILL_RATE says why we assume 16 GiB/s).
 
     Args:
         headroom: bytes above the line (may be negative).

@@ -15,7 +15,7 @@ from test_guard_incidents import events, filling_engine, wait_incident
 
 GiB = 1024**3
 MiB = 1024**2
-FAR = int(0.2 * 8 * GiB)     # poll_interval * policy.FILL_RATE: above this headroom the fast path runs
+FAR = int(0.2 * 16 * GiB)     # poll_interval * policy.FILL_RATE: above this headroom the fast path runs
 
 
 def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factory):
