@@ -311,11 +311,14 @@ class Guard:
             log.info("no process matches targets.match right now")
 
     def _start_metrics(self) -> None:
+        """Serve metrics on ``metrics.listen``.  A port that cannot be bound (taken, not
+        permitted) is logged and bound again in the endpoint's thread with a backoff: the guard
+        never waits for it (``sparkguard.metrics.start_server``, ``retry=True``)."""
         listen = self.cfg.metrics.listen
         if not listen:
             return
         from sparkguard import metrics
-        self.metrics = metrics.start_server(listen, self.snapshot)
+        self.metrics = metrics.start_server(listen, self.snapshot, retry=True)
 
     def _start_linkwatch(self) -> None:
         """Watch the TP fabric links (``link.interfaces``) through netlink events, in their own thread.
@@ -564,7 +567,8 @@ class Guard:
         state = self.policy.state
         if self.target is not None and state != "ok":
             state += f" (pid {self.target.root_pid})"
-        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "")
+        problem = self.metrics.problem() if self.metrics is not None else None
+        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "") + (f"; {problem}" if problem else "")
 
     # ---- actions -----------------------------------------------------------------------
 
@@ -884,6 +888,7 @@ class Guard:
             "started_timestamp": self.started, "config_path": self.cfg.path,
             "config_reloads": dict(self.reloads),
             "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
+            "metrics": self.metrics.state() if self.metrics is not None else None,
         }
 
 
