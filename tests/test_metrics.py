@@ -471,3 +471,100 @@ def test_a_taken_port_is_an_error_the_guard_runs_and_binds_once_it_is_free():
     finally:
         taken.close()
         assert g.stop() == 0
+
+
+def _stalled(port: int, head: bytes) -> socket.socket:
+    """A client that connected and sent ``head`` (part of a request), then nothing."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if head:
+        s.sendall(head)
+    return s
+
+
+def test_stalled_clients_do_not_hold_up_a_scrape(server):
+    """More stalled clients than the connection cap, some mid-header: Prometheus is still answered at once."""
+    srv = server(snapshot_dict)
+    port = srv.address[1]
+    stalled = [_stalled(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")
+               for i in range(metrics.MAX_CONNECTIONS + 8)]
+    try:
+        t0 = time.monotonic()
+        v = samples(scrape(srv.url))
+        assert time.monotonic() - t0 < 1.0
+        assert v[("sparkguard_memory_available_bytes", ())] == int(0.6 * GiB)
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_a_slow_drip_client_is_dropped_at_the_request_deadline(server):
+    """One byte every 0.3 s never trips a per-read timeout; the whole-request deadline ends it."""
+    srv = server(snapshot_dict)
+    s = _stalled(srv.address[1], b"G")
+    t0 = time.monotonic()
+    try:
+        s.settimeout(0.3)
+        closed_after = None
+        for ch in b"ET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            try:
+                if s.recv(1) == b"":
+                    closed_after = time.monotonic() - t0
+                    break
+            except socket.timeout:
+                pass
+            try:
+                s.send(bytes([ch]))
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+        assert closed_after is not None, "the server kept a dripping client past the request deadline"
+        assert closed_after < metrics.REQUEST_DEADLINE + 1.0
+    finally:
+        s.close()
+
+
+def test_an_oversized_request_head_is_refused(server):
+    srv = server(snapshot_dict)
+    s = _stalled(srv.address[1], b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * metrics.MAX_HEAD) + b"\r\n\r\n")
+    try:
+        s.settimeout(5)
+        answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 431 ")
+    finally:
+        s.close()
+    assert samples(scrape(srv.url))[("sparkguard_memory_available_bytes", ())] == int(0.6 * GiB)
+
+
+def test_a_flood_of_scrapes_is_answered_and_rendered_at_a_bounded_rate(server):
+    """Many clients scraping as fast as they can: each gets a fresh answer, the registry is
+    rendered at most once per RENDER_GAP, and a scrape among them is answered within a second."""
+    import threading
+    calls = []
+    srv = server(lambda: calls.append(1) or snapshot_dict())
+    stop = threading.Event()
+    answered = []
+
+    def flood():
+        while not stop.is_set():
+            try:
+                scrape(srv.url)
+                answered.append(1)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=flood) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        t_start = time.monotonic()
+        time.sleep(1.0)  # the flood runs for this long; nothing to await
+        t0 = time.monotonic()
+        scrape(srv.url)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    elapsed = time.monotonic() - t_start
+    assert len(answered) > len(calls)          # requests share renderings
+    assert len(calls) <= elapsed / metrics.RENDER_GAP + 2
