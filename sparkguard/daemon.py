@@ -30,6 +30,8 @@ STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing cha
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 NICE = -10                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE
 THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
+SWITCH_INTERVAL = 0.0005    # seconds (sys.setswitchinterval): the most the loop waits for the interpreter lock
+                            # after each system call while another thread runs Python (bench/threads_load.py)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -141,6 +143,7 @@ def harden_self() -> list[str]:
     import threading
     warnings = []
     threading.stack_size(THREAD_STACK)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     libc = ctypes.CDLL(None, use_errno=True)
     try:
         libc.mallopt(M_ARENA_MAX, 1)
