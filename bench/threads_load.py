@@ -23,7 +23,7 @@ and a fresh hog (``bench/hog.py``, one thread at 0.5 GiB/s, exits at SIGTERM):
   hog stays the target).
 
 The daemon watches the whole of this host's /proc (no PID namespace: the /proc scan of the
-crossing path is as long as on a real host), matches only the hog's unique tag, and has
+crossing path is as long as this host's, longer with --extra-procs), matches only the hog's unique tag, and has
 ``targets.fallback: off``: it can signal nothing but the hog.  Per trial: the hog's own
 crossing-to-SIGTERM (its 0.5 ms sampler, CLOCK_MONOTONIC) and the guard's (the incident's
 ``sigterm`` event ``t``, from the poll that saw the crossing), and the scrapes answered.
@@ -58,13 +58,14 @@ PEER = r"""
 import socket
 body = (b"# HELP x_pad a\n# TYPE x_pad gauge\n" + b"".join(b'x_pad{i="%d"} 1\n' % i for i in range(420000))
         + b"sparkguard_memory_available_bytes 1\n")
-head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body)
 srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 while True:
     conn, _ = srv.accept()
     try:
         conn.recv(65536)
+        print("read", flush=True)      # one line per request (tests/test_guard_threads.py waits on it)
         conn.sendall(head + body)
     except OSError:
         pass
@@ -225,6 +226,8 @@ def main() -> int:
     ap.add_argument("--switch-interval", type=float, action="append",
                     help="seconds (sys.setswitchinterval in the daemon); repeat to compare; default: the daemon's own")
     ap.add_argument("--pythonpath", help="checkout whose sparkguard runs (default: this one)")
+    ap.add_argument("--extra-procs", type=int, default=0,
+                    help="idle processes (sleep) added to /proc for the whole run: a DGX Spark runs several hundred")
     ap.add_argument("--headroom", type=float, default=1.0, help="GiB between MemAvailable now and the line")
     ap.add_argument("--trial-timeout", type=float, default=20.0)
     ap.add_argument("--json", help="write the rows here")
@@ -233,12 +236,19 @@ def main() -> int:
         print("needs >= 6 GiB MemAvailable", file=sys.stderr)
         return 1
     rows = []
-    for switch in args.switch_interval or [None]:
-        for i in range(args.trials):
-            for mode in args.modes.split(","):
-                r = trial(mode, args, switch)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+    idle = [subprocess.Popen(["sleep", "3600"]) for _ in range(args.extra_procs)]
+    try:
+        for switch in args.switch_interval or [None]:
+            for i in range(args.trials):
+                for mode in args.modes.split(","):
+                    r = trial(mode, args, switch)
+                    r["extra_procs"] = args.extra_procs
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        for p in idle:
+            p.kill()
+            p.wait(10)
     print(f"\n{'switch':>8} {'mode':<6} {'n':>2}  hog crossing->SIGTERM ms (median, max)  guard ms (median, max)"
           "  scrapes ok")
     for switch in sorted({r["switch_interval"] for r in rows}):

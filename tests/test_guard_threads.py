@@ -10,42 +10,16 @@ import socket
 import subprocess
 import sys
 
-from conftest import mem_available
+from conftest import ROOT, mem_available
 from guardrun import GuardProc
 from test_guard_incidents import events, filling_engine, wait_incident
 
 GiB = 1024**3
 
-#: a hostile peer in a process of its own: every connection gets 8 MiB of valid exposition with
-#: the peer's metric last (parsing all of it is seconds of pure Python)
-PEER = r"""
-import socket, sys
-body = (b"# HELP x_pad a\n# TYPE x_pad gauge\n" + b"".join(b'x_pad{i="%d"} 1\n' % i for i in range(420000))
-        + b"sparkguard_memory_available_bytes 1\n")
-head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body)
-srv = socket.create_server(("127.0.0.1", 0))
-print(srv.getsockname()[1], flush=True)
-while True:
-    conn, _ = srv.accept()
-    try:
-        conn.recv(65536)
-        print("read", flush=True)      # the reader now holds the whole answer
-        conn.sendall(head + body)
-    except OSError:
-        pass
-    conn.close()
-"""
-
-#: a scraping client in a process of its own, a new connection per scrape, forever
-CLIENT = r"""
-import sys, urllib.request
-while True:
-    try:
-        urllib.request.urlopen(sys.argv[1], timeout=5).read()
-    except OSError:
-        pass
-"""
-
+#: a hostile peer in a process of its own: every request gets 8 MiB of valid exposition with the
+#: peer's metric last (parsing all of it is seconds of pure Python); it prints "read" per request
+sys.path.insert(0, str(ROOT / "bench"))
+from threads_load import CLIENT, PEER  # noqa: E402  (CLIENT: a scraping process, a connection per scrape)
 
 #: idle processes the test adds to /proc: a DGX Spark runs several hundred, this VM about 80, and
 #: the crossing's /proc scan makes a few system calls for each, each one a hand-over of the lock
@@ -91,7 +65,7 @@ def test_sigterm_follows_the_crossing_quickly_while_peers_and_scrapes_keep_other
             # the gate has read both peers once and now reads one again: it is busy with that answer
             wait_reads(helpers[0], 3, timeout=60)
             for _ in range(2):
-                helpers.append(subprocess.Popen([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/metrics"]))
+                helpers.append(subprocess.Popen([sys.executable, "-c", CLIENT, str(port)]))
             pids = fe.pids()
             fe.start_fill()
             inc = wait_incident(g, timeout=60)
