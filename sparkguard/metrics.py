@@ -490,7 +490,10 @@ class MetricsServer:
                     return                      # stop() asked
                 except Exception as e:  # noqa: BLE001 - the endpoint must come back, the guard goes on
                     log.exception("metrics server on %s failed", self._shown)
-                    self._sock.close()
+                    try:
+                        self._sock.close()
+                    except OSError:
+                        pass
                     self._sock = None
                     if time.monotonic() - t_bound > RETRY_MAX:
                         delay = RETRY_FIRST
@@ -630,7 +633,10 @@ class _Loop:
                     log.warning("metrics: cannot accept (%s); pausing %g s", e.strerror, ACCEPT_PAUSE)
                     self.paused_until = now + ACCEPT_PAUSE
                     self._listen(now)
-                return              # ECONNABORTED and the like: the client went away
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR):
+                    return          # that client went away or was refused; the next one may come
+                raise               # the listening socket itself is broken: the server binds again
             sock.setblocking(False)
             c = _Conn(sock, now + REQUEST_DEADLINE)
             self.conns[sock.fileno()] = c

@@ -569,3 +569,50 @@ def test_a_flood_of_scrapes_is_answered_and_rendered_at_a_bounded_rate(server):
     elapsed = time.monotonic() - t_start
     assert len(answered) > len(calls)          # requests share renderings
     assert len(calls) <= elapsed / metrics.RENDER_GAP + 2
+
+
+def _own_listener_fd(port: int) -> int:
+    """The fd of this process that listens on ``port``, found through /proc like portowner does."""
+    from sparkguard import portowner
+    links = {f"socket:[{ino}]" for ino in portowner.listening_inodes(port)}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") in links:
+                return int(fd)
+        except OSError:
+            continue
+    raise AssertionError(f"no fd of this process listens on {port}")
+
+
+def test_a_server_whose_socket_breaks_binds_again_without_spinning(server):
+    """The listening socket shut down under the endpoint (a fault it cannot cause itself): the
+    endpoint logs it, binds again after the backoff and serves; meanwhile it does not spin."""
+    import resource
+    srv = metrics.start_server(("127.0.0.1", 0), snapshot_dict, retry=True)
+    try:
+        port = srv.address[1]
+        scrape(srv.url)
+        dup = socket.socket(fileno=os.dup(_own_listener_fd(port)))
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        dup.shutdown(socket.SHUT_RDWR)
+        dup.close()
+        t0 = time.monotonic()
+        while srv.state()["serving"]:
+            assert time.monotonic() - t0 < 5, "the broken socket was not noticed"
+            time.sleep(0.01)   # the state flips in the server's thread; nothing to await
+        assert srv.state()["attempts"] >= 1 and "server failed" in srv.state()["error"]
+        text = None
+        while text is None:
+            try:
+                text = scrape(srv.url)
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() - t0 < metrics.RETRY_FIRST + 5
+                time.sleep(0.05)
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        wall = time.monotonic() - t0
+        used = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+        assert used < 0.5 * wall, f"{used:.2f} s of CPU in {wall:.2f} s: a retry loop spins"
+        assert srv.state()["serving"] and srv.problem() is None
+        assert samples(text)[("sparkguard_memory_available_bytes", ())] == int(0.6 * GiB)
+    finally:
+        srv.stop()
