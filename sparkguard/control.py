@@ -115,8 +115,8 @@ class ControlServer:
             except OSError as e:
                 if self._stopping:
                     return
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # the socket stays readable: retrying at once would spin a core
+                if e.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR):
+                    # no fds or memory, or the socket broken: retrying at once would spin a core
                     log.warning("control socket: cannot accept (%s); pausing %g s", e.strerror, ACCEPT_PAUSE)
                     time.sleep(ACCEPT_PAUSE)
                 continue
