@@ -239,3 +239,22 @@ def test_a_dripping_client_is_dropped_at_the_request_deadline_and_busy_beyond_th
         for s in held:
             s.close()
         srv.stop()
+
+
+def test_a_broken_listening_socket_does_not_spin_the_accept_thread(tmp_path):
+    """accept() failing at once on a shut-down socket: the thread pauses between tries."""
+    import resource
+    import time
+    srv = _server(tmp_path)
+    try:
+        dup = socket.socket(fileno=os.dup(srv.sock.fileno()))
+        dup.shutdown(socket.SHUT_RDWR)
+        dup.close()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        time.sleep(1.0)      # measuring the CPU the thread burns meanwhile; nothing to await
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        used = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+        assert used < 0.2 * (time.monotonic() - t0), f"{used:.2f} s of CPU in 1 s: the accept loop spins"
+    finally:
+        srv.stop()
