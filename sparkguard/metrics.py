@@ -573,15 +573,15 @@ class _Loop:
             while True:
                 now = time.monotonic()
                 self._listen(now)
-                for key, mask in sel.select(self._timeout(now)):
+                for key, _ in sel.select(self._timeout(now)):
                     if key.data is None:
                         return
                     if key.data == "listen":
                         self._accept(time.monotonic())
-                    elif mask & selectors.EVENT_READ:
-                        self._read(key.data)
-                    else:
+                    elif key.data.out:          # registered for writing (a hang-up reads as both)
                         self._write(key.data)
+                    else:
+                        self._read(key.data)
                 now = time.monotonic()
                 if self.pending and now >= self.next_render:
                     self._render()
