@@ -38,7 +38,9 @@ log = logging.getLogger("sparkguard.control")
 DEFAULT_SOCKET = "/run/sparkguard/control.sock"
 ENV_SOCKET = "SPARKGUARD_CONTROL_SOCKET"
 MAX_REQUEST = 64 * 1024
-REQUEST_TIMEOUT = 5.0          # seconds a client may take to send its request
+REQUEST_DEADLINE = 5.0         # seconds a client may take to send its whole request, all reads together
+MAX_CONNECTIONS = 8            # connections served at once; more are answered "busy" and closed
+ACCEPT_PAUSE = 0.5             # seconds without accepting after accept() failed (no fds, no memory)
 EXIT_ERROR, EXIT_NOT_RUNNING = 1, 3
 
 
@@ -50,7 +52,9 @@ class ControlError(OSError):
 # server (in the daemon)
 
 class ControlServer:
-    """Unix-socket control server, one short-lived thread per connection.
+    """Unix-socket control server, one short-lived thread per connection, at most
+    :data:`MAX_CONNECTIONS` at once (each request is read within :data:`REQUEST_DEADLINE`
+    seconds and :data:`MAX_REQUEST` bytes; ``wait`` answers within its own timeout).
 
     Args:
         path: socket path.
@@ -64,6 +68,7 @@ class ControlServer:
         self.thread: threading.Thread | None = None
         self._ino = None
         self._stopping = False
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     def start(self) -> None:
         """Bind and listen (mode 0600), start the accept thread.
@@ -103,16 +108,41 @@ class ControlServer:
         log.info("engine control on %s (mode 0600)", self.path)
 
     def _accept(self) -> None:
+        import time
         while not self._stopping:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
+            except OSError as e:
                 if self._stopping:
                     return
+                if e.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR):
+                    # no fds or memory, or the socket broken: retrying at once would spin a core
+                    log.warning("control socket: cannot accept (%s); pausing %g s", e.strerror, ACCEPT_PAUSE)
+                    time.sleep(ACCEPT_PAUSE)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="sg-control-conn", daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                with conn:
+                    conn.setblocking(False)
+                    try:
+                        self._reply(conn, {"ok": False, "error": f"busy: {MAX_CONNECTIONS} requests are being "
+                                                                 "served; try again"})
+                    except OSError:
+                        pass
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="sg-control-conn", daemon=True).start()
+            except RuntimeError:            # no thread could be started
+                self._slots.release()
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        import time
         with conn:
             try:
                 uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -121,9 +151,13 @@ class ControlServer:
                     self._reply(conn, {"ok": False, "error": "permission denied: the engine control socket is "
                                                              "for root only"})
                     return
-                conn.settimeout(REQUEST_TIMEOUT)
+                deadline = time.monotonic() + REQUEST_DEADLINE
                 data = b""
                 while b"\n" not in data and len(data) < MAX_REQUEST:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"request not complete within {REQUEST_DEADLINE:g} s")
+                    conn.settimeout(left)
                     chunk = conn.recv(4096)
                     if not chunk:
                         break
@@ -141,6 +175,7 @@ class ControlServer:
                 except Exception as e:  # noqa: BLE001 - answer, log, keep serving
                     log.exception("control request %r failed", req.get("op"))
                     resp = {"ok": False, "error": f"internal error: {e}"}
+                conn.settimeout(REQUEST_DEADLINE)    # a client that does not read its answer is dropped
                 self._reply(conn, resp)
             except OSError as e:
                 log.debug("control connection: %s", e)

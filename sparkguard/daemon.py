@@ -34,6 +34,8 @@ MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a 
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
 PROBE_BYTES = 64 * 1024     # bytes the start-up probe of incidents.dir writes: room for one report of a large tree
+SWITCH_INTERVAL = 0.0005    # seconds (sys.setswitchinterval): the most the loop waits for the interpreter lock
+                            # after each system call while another thread runs Python (bench/threads_load.py)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -179,6 +181,7 @@ def harden_self() -> list[str]:
     import threading
     warnings = []
     threading.stack_size(THREAD_STACK)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     libc = ctypes.CDLL(None, use_errno=True)
     try:
         libc.mallopt(M_ARENA_MAX, 1)
@@ -355,6 +358,7 @@ class Guard:
         self._tree_fds: set[int] = set()
         self._killed: set[int] = set()
         self.linkwatch = None
+        self.proc_view: dict | None = None   # what /proc shows this process (proctree.hidepid_blocks_view)
 
     @staticmethod
     def _thresholds(cfg):
@@ -454,11 +458,14 @@ class Guard:
         self.armed.tick(now, headroom, 4 * far)
 
     def _start_metrics(self) -> None:
+        """Serve metrics on ``metrics.listen``.  A port that cannot be bound (taken, not
+        permitted) is logged and bound again in the endpoint's thread with a backoff: the guard
+        never waits for it (``sparkguard.metrics.start_server``, ``retry=True``)."""
         listen = self.cfg.metrics.listen
         if not listen:
             return
         from sparkguard import metrics
-        self.metrics = metrics.start_server(listen, self.snapshot)
+        self.metrics = metrics.start_server(listen, self.snapshot, retry=True)
 
     def _start_linkwatch(self) -> None:
         """Watch the TP fabric links (``link.interfaces``) through netlink events, in their own thread.
@@ -729,7 +736,8 @@ class Guard:
         state = self.policy.state
         if self.target is not None and state != "ok":
             state += f" (pid {self.target.root_pid})"
-        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "")
+        problem = self.metrics.problem() if self.metrics is not None else None
+        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "") + (f"; {problem}" if problem else "")
 
     # ---- actions -----------------------------------------------------------------------
 
@@ -1118,7 +1126,8 @@ class Guard:
             "log_dropped": getattr(_log_handler, "dropped", 0),
             "blind": bool(self.notifier and self.notifier.blind),
             "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
-            "proc_view": getattr(self, "proc_view", None),
+            "proc_view": self.proc_view,
+            "metrics": self.metrics.state() if self.metrics is not None else None,
         }
 
 

@@ -7,9 +7,11 @@ the engine it therefore reads each peer's metrics endpoint (``engine.peers``) an
 until every peer reports ``sparkguard_memory_available_bytes`` at or above the gate
 (``engine.start_above``).
 
-The exposition is parsed with prometheus_client's own text parser
+The metric's lines are parsed with prometheus_client's own text parser
 (``prometheus_client.parser.text_string_to_metric_families``), so whatever that endpoint
-serves (a real sparkguard, through a proxy) is read the way Prometheus would read it.
+serves (a real sparkguard, through a proxy) is read the way Prometheus would read it.  Each
+read is bounded: one deadline for the whole request, :data:`MAX_ANSWER` bytes of answer
+(:mod:`sparkguard.httpget`).
 Source of the metric name: TEAM.md "Metric names" / ``sparkguard.metrics``.
 """
 
@@ -57,12 +59,26 @@ def metrics_url(url: str) -> str:
 def parse_available(text: str) -> int:
     """``sparkguard_memory_available_bytes`` from Prometheus text exposition.
 
+    Only that family's lines (its ``# HELP``/``# TYPE`` and samples) go through the parser:
+    the CPU spent does not grow with what else the peer serves.
+
     Raises:
         PeerError: the text does not parse or holds no such sample.
     """
     from prometheus_client.parser import text_string_to_metric_families
+    lines = []
+    for head in (f"# HELP {METRIC} ", f"# TYPE {METRIC} ", METRIC + " "):
+        if text.startswith(head):
+            i = 0
+        else:
+            i = text.find("\n" + head)
+            if i < 0:
+                continue
+            i += 1
+        j = text.find("\n", i)
+        lines.append(text[i:] if j < 0 else text[i:j])
     try:
-        for fam in text_string_to_metric_families(text):
+        for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
             for s in fam.samples:
                 if s.name == METRIC:
                     return int(s.value)
@@ -71,27 +87,28 @@ def parse_available(text: str) -> int:
     raise PeerError(f"no {METRIC} (is it a sparkguard metrics endpoint?)")
 
 
+#: bytes of a peer's answer read at most; a sparkguard exposition is about 10 KiB
+MAX_ANSWER = 256 * 1024
+
+
 def read_available(url: str, timeout: float = 3.0) -> int:
     """Scrape one peer and return the MemAvailable it reports, in bytes.
 
     Args:
         url: the peer's sparkguard metrics URL (``/metrics`` appended when the path is empty).
-        timeout: seconds for connect + read.
+        timeout: seconds for the whole request (connect, answer and body together).
     Raises:
-        PeerError: unreachable, HTTP status other than 200, or no usable metric.
+        PeerError: unreachable, too slow, an answer over :data:`MAX_ANSWER` bytes, HTTP status
+            other than 200, or no usable metric.
     """
-    import urllib.error
-    import urllib.request
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    from sparkguard import httpget
     try:
-        with opener.open(metrics_url(url), timeout=timeout) as r:
-            text = r.read(8 * 1024 * 1024).decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        raise PeerError(f"HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise PeerError(f"no answer: {getattr(reason, 'strerror', None) or reason}") from None
-    return parse_available(text)
+        status, body = httpget.request(metrics_url(url), timeout, MAX_ANSWER)
+    except OSError as e:
+        raise PeerError(f"no answer: {e.strerror or e}") from None
+    if status != 200:
+        raise PeerError(f"HTTP {status}")
+    return parse_available(body.decode("utf-8", "replace"))
 
 
 def check(urls: list[str] | tuple[str, ...], gate: int, timeout: float = 3.0) -> list[PeerState]:
@@ -100,7 +117,7 @@ def check(urls: list[str] | tuple[str, ...], gate: int, timeout: float = 3.0) ->
     Args:
         urls: the peers' metrics URLs (``engine.peers``).
         gate: bytes of MemAvailable each peer must report (``engine.start_above``).
-        timeout: seconds per peer.
+        timeout: seconds per peer, for the whole request.
     Returns:
         list[PeerState], one per URL, in order.  Never raises.
     """

@@ -177,12 +177,14 @@ class Policy:
         return None
 
 
-#: assumed worst fill rate, bytes per second.  A 16-process tree filled 15.7-18.9 GiB/s on the
-#: 16-core GPU machine (bench/results/device-tree16.txt); a GB10 has 20 cores, and ~3 GiB/s was
-#: seen during prefill on a Spark (FIELD-NOTES).  At 8 GiB/s such a tree crossed inside one sleep
-#: and got its SIGTERM ~96 ms late.  The price: polls come faster than poll_interval only within
-#: poll_interval x FILL_RATE (3.2 GiB at 0.2 s) of the line.
-FILL_RATE = 16 * 1024**3
+#: assumed worst fill rate, bytes per second.  A fill faster than this can cross the line inside
+#: one sleep and be seen up to ``poll_interval x (1 - FILL_RATE / rate)`` late.  A 16-process tree
+#: filled 16-23 GiB/s on the 16-core GPU machine (bench/results/device-tree16.txt): at an assumed
+#: 8 GiB/s it got its SIGTERM ~96 ms after the crossing, at 16 GiB/s ~26 ms.  A GB10 has 20 cores;
+#: ~3 GiB/s was seen during prefill on a Spark (FIELD-NOTES).  The price: polls come faster than
+#: poll_interval only within ``poll_interval x FILL_RATE`` (6.4 GiB at 0.2 s) of the line, at
+#: ``FILL_RATE / headroom`` per second (32/s at 1 GiB of headroom).
+FILL_RATE = 32 * 1024**3
 
 
 def next_interval(headroom: int, poll_interval: float, fill_rate: float = FILL_RATE,
@@ -191,7 +193,7 @@ def next_interval(headroom: int, poll_interval: float, fill_rate: float = FILL_R
 
     Sized so that memory filling at ``fill_rate`` cannot cross the line between two samples:
     ``headroom / fill_rate``, clamped to ``[min_interval, poll_interval]`` (earlyoom sizes its
-    sleep the same way with an assumed 6000 MiB/s; FILL_RATE says why we assume 16 GiB/s).
+    sleep the same way with an assumed 6000 MiB/s; FILL_RATE says why we assume 32 GiB/s).
 
     Args:
         headroom: bytes above the line (may be negative).

@@ -45,6 +45,33 @@ JOURNAL_MODES = ("auto", "on", "off")
 _STOP = object()
 _STACK = 256 * 1024
 _EVENT_KEYS = {"event", "t", "at", "available_bytes", "pids", "detail"}
+#: characters of one string field written at most (a journal field, a value in the JSON report);
+#: a process's cmdline is read whole into the report, and can be hundreds of KiB
+MAX_FIELD = 512 * 1024
+#: items of one list written at most (process trees, engine output lines)
+MAX_ITEMS = 4096
+#: nesting depth of a report written at most
+MAX_DEPTH = 16
+
+
+def bounded(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with every string cut to :data:`MAX_FIELD` characters, every list to
+    :data:`MAX_ITEMS` items and nesting to :data:`MAX_DEPTH` levels, each cut saying what it
+    left out; so one report costs the reporter thread a bounded amount of work and of disk."""
+    if isinstance(obj, str):
+        return obj if len(obj) <= MAX_FIELD else obj[:MAX_FIELD] + f"... [{len(obj) - MAX_FIELD} more characters]"
+    if isinstance(obj, bytes | bytearray):
+        return obj[:MAX_FIELD * 4]
+    if depth >= MAX_DEPTH and isinstance(obj, dict | list | tuple):
+        return f"[{type(obj).__name__} nested deeper than {MAX_DEPTH} levels left out]"
+    if isinstance(obj, dict):
+        return {k: bounded(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        out = [bounded(v, depth + 1) for v in obj[:MAX_ITEMS]]
+        if len(obj) > MAX_ITEMS:
+            out.append(f"[{len(obj) - MAX_ITEMS} more items left out]")
+        return out
+    return obj
 
 
 def _level(prio: int) -> int:
@@ -190,6 +217,7 @@ class Reporter:
 
     def _do_event(self, s: dict) -> None:
         from sparkguard.units import format_size
+        s = bounded(s)
         ev = s["ev"]
         name = str(ev.get("event") or "event")
         prio = journal.priority(name)
@@ -227,6 +255,7 @@ class Reporter:
         if isinstance(rec.get("meminfo"), bytes | bytearray):
             from sparkguard import sysinfo
             rec["meminfo"] = sysinfo.parse_meminfo(rec["meminfo"])
+        rec = bounded(rec)
         iid = rec.get("id")
         path = self.store.save(rec, log_errors=False)
         if path is not None:

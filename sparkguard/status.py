@@ -47,6 +47,44 @@ def metrics_url(listen: tuple[str, int] | None) -> str | None:
     return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
 
+#: bytes of the daemon's answer read at most (its exposition is about 10 KiB)
+MAX_SCRAPE = 4 << 20
+
+
+def port_holder(url: str) -> dict | None:
+    """Who listens on the port of ``url`` when the guard's endpoint does not answer as itself.
+
+    Returns None when nothing listens there, else ``{"pid": int | None, "comm": str, "uid": int,
+    "text": str, "is_guard": bool | None, "guards": [pid, ...]}``: ``is_guard`` whether that
+    process is a ``sparkguard run`` (None when the process was not found), ``guards`` the
+    guards running on this host.  Never raises.  Sources: :mod:`sparkguard.portowner`,
+    ``sparkguard.host.doctor.is_guard``.
+    """
+    from urllib.parse import urlsplit
+
+    from sparkguard import portowner
+    from sparkguard.host.doctor import is_guard
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        return None
+    h = portowner.find_holder(port) if port else None
+    guards = []
+    for pid in portowner.pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode("utf-8", "replace") for a in f.read(4096).split(b"\0") if a]
+        except OSError:
+            continue
+        if is_guard(argv):
+            guards.append(pid)
+    if h is None:
+        return {"pid": None, "comm": "", "uid": None, "text": "", "is_guard": None, "guards": guards,
+                "listening": False}
+    return {"pid": h.pid, "comm": h.comm, "uid": h.uid, "text": h.describe(), "listening": True,
+            "is_guard": None if h.pid is None else h.pid in guards, "guards": guards}
+
+
 def read_daemon(url: str, timeout: float = 3.0) -> dict:
     """Scrape the daemon's metrics endpoint and return its state as a dict.
 
@@ -67,19 +105,22 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
     out: dict = {"url": url, "running": False}
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            text = r.read().decode("utf-8", "replace")
+            text = r.read(MAX_SCRAPE).decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         out["error"] = f"{url} answered HTTP {e.code} {e.reason}: not a sparkguard metrics endpoint"
+        out["holder"] = port_holder(url)
         return out
     except (urllib.error.URLError, OSError, ValueError) as e:
         out["error"] = f"no answer at {url}"
         reason = getattr(e, "reason", e)
         out["detail"] = getattr(reason, "strerror", None) or str(reason)
+        out["holder"] = port_holder(url)
         return out
     try:
         fams = list(text_string_to_metric_families(text))
     except Exception as e:  # not Prometheus text at all
         out["error"] = f"{url} answered, but not with Prometheus metrics ({e})"
+        out["holder"] = port_holder(url)
         return out
     one: dict[str, float] = {}
     by: dict[str, dict[str, float]] = {}
@@ -95,6 +136,7 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
                 one[s.name] = s.value
     if version is None and not any(k.startswith("sparkguard_") for k in list(one) + list(by)):
         out["error"] = f"{url} answered, but it is not sparkguard (no sparkguard_ metrics)"
+        out["holder"] = port_holder(url)
         return out
 
     def num(name: str, cast=float):
@@ -327,12 +369,13 @@ def render(st: dict) -> str:
     if not d.get("running"):
         if d["url"] is None:
             L.append(f"  state unknown: {d['error']}")
-        elif d["error"].startswith("no answer"):
+        elif d["error"].startswith("no answer") and not (d.get("holder") or {}).get("guards"):
             L.append(f"  daemon not running ({d['error']})")
             if d.get("detail"):
                 L.append(f"  ({d['detail']}; start it with `sparkguard run`, or pass --url)")
         else:
             L.append(f"  {d['error']}")
+        L += render_holder(d.get("holder"))
     else:
         up = fd(now - d["start_time"]) if d.get("start_time") else "?"
         last = fd(max(0.0, now - d["last_poll_timestamp"])) + " ago" if d.get("last_poll_timestamp") else "?"
@@ -352,6 +395,24 @@ def render(st: dict) -> str:
     L.append("")
     L += render_engine(st["engine"])
     return "\n".join(L) + "\n"
+
+
+def render_holder(h: dict | None) -> list[str]:
+    """Lines on who holds the metrics port, for a :func:`port_holder` dict (none when None)."""
+    if h is None:
+        return []
+    guards = ", ".join(str(p) for p in h["guards"])
+    L = []
+    if h["listening"] and h["is_guard"] is False:
+        L.append(f"  the port is held by {h['text']}: NOT the guard; the guard cannot serve metrics there")
+    elif h["listening"] and h["is_guard"] is None:
+        L.append(f"  the port is held by {h['text']}")
+    elif not h["listening"]:
+        L.append("  nothing listens on the port")
+    if guards and h["is_guard"] is not True:
+        L.append(f"  a guard runs (pid {guards}) without serving its metrics here: it keeps guarding and "
+                 "binds again every 1-60 s; its STATUS= (systemctl status sparkguard) says why")
+    return L
 
 
 def render_engine(e: dict) -> list[str]:

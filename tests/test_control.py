@@ -187,3 +187,74 @@ def test_socket_is_root_only_and_rejects_other_users(tmp_path):
         shutil.rmtree(sockdir, ignore_errors=True)
     # the daemon removed its socket on the way out
     assert not os.path.exists(d.socket)
+
+
+def _server(tmp_path) -> control.ControlServer:
+    srv = control.ControlServer(str(tmp_path / "c.sock"), lambda req: {"ok": True, "op": req.get("op")})
+    srv.start()
+    return srv
+
+
+def test_a_dripping_client_is_dropped_at_the_request_deadline_and_busy_beyond_the_cap(tmp_path):
+    """A client sending its request a byte at a time is cut off after REQUEST_DEADLINE in all
+    (not per read); clients beyond MAX_CONNECTIONS get "busy" at once instead of a thread each."""
+    import threading
+    import time
+    srv = _server(tmp_path)
+    held = []
+    try:
+        drip = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        drip.connect(srv.path)
+        drip.settimeout(0.3)
+        t0 = time.monotonic()
+        closed_after = None
+        while time.monotonic() - t0 < control.REQUEST_DEADLINE + 3:
+            try:
+                drip.send(b" ")
+                if drip.recv(1) == b"":
+                    closed_after = time.monotonic() - t0
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+        drip.close()
+        assert closed_after is not None and closed_after < control.REQUEST_DEADLINE + 1
+
+        threads_before = threading.active_count()
+        for _ in range(control.MAX_CONNECTIONS + 5):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(srv.path)
+            held.append(s)
+        s = held[-1]
+        s.settimeout(5)
+        assert b"busy" in s.recv(4096)
+        assert threading.active_count() <= threads_before + control.MAX_CONNECTIONS
+        for s in held:
+            s.close()
+        # the slots come back: a real request is answered
+        assert control.request(srv.path, {"op": "status"}, timeout=control.REQUEST_DEADLINE + 5)["ok"]
+    finally:
+        for s in held:
+            s.close()
+        srv.stop()
+
+
+def test_a_broken_listening_socket_does_not_spin_the_accept_thread(tmp_path):
+    """accept() failing at once on a shut-down socket: the thread pauses between tries."""
+    import resource
+    import time
+    srv = _server(tmp_path)
+    try:
+        dup = socket.socket(fileno=os.dup(srv.sock.fileno()))
+        dup.shutdown(socket.SHUT_RDWR)
+        dup.close()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        time.sleep(1.0)      # measuring the CPU the thread burns meanwhile; nothing to await
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        used = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+        assert used < 0.2 * (time.monotonic() - t0), f"{used:.2f} s of CPU in 1 s: the accept loop spins"
+    finally:
+        srv.stop()

@@ -15,7 +15,8 @@ from test_guard_incidents import events, filling_engine, wait_incident
 
 GiB = 1024**3
 MiB = 1024**2
-FAR = int(0.2 * 16 * GiB)     # poll_interval * policy.FILL_RATE: above this headroom the fast path runs
+POLL = 0.05                   # guard.poll_interval of the fill test: keeps FAR (and the fill) small
+FAR = int(POLL * 32 * GiB)    # poll_interval * policy.FILL_RATE: above this headroom the fast path runs
 
 
 def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factory):
@@ -23,7 +24,7 @@ def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factor
     # until the fill brings MemAvailable within FAR, then polls faster and SIGTERMs at the line
     fe = filling_engine(engine_factory, fill=FAR + 2 * GiB)
     line = mem_available() - FAR - GiB
-    g = GuardProc({"guard": {"term_below": line, "grace": "20s"},
+    g = GuardProc({"guard": {"term_below": line, "grace": "20s", "poll_interval": POLL},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
     try:
         g.wait_ready()

@@ -18,7 +18,7 @@ from test_host_sysctl import restore_sysctls  # noqa: F401  (fixture)
 
 CHECKS = {"zram", "swappiness", "watermark_scale_factor", "page_cluster", "min_free_kbytes", "sysctl_boot",
           "memlock", "psi", "hidepid", "unit", "guard_priority", "other_killers", "container", "engine_sandbox", "engine_shutdown_timeout", "page_cache", "nvidia",
-          "links"}
+          "links", "metrics"}
 
 
 def doctor_json(*args: str) -> tuple[int, dict]:

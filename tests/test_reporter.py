@@ -339,3 +339,27 @@ def test_a_failed_file_write_without_a_journal_says_the_report_is_lost(tmp_path,
     assert len(errors) == 1 and "Not a directory" in errors[0], errors
     assert "journal entry" not in errors[0] and f"not journaled ({why}" in errors[0], errors[0]
     assert "only the summary line below is kept" in errors[0]
+
+
+def test_what_one_report_writes_is_bounded(tmp_path, standin):
+    """A record with a giant string and a giant list (a runaway tree, endless engine output) is
+    written cut, each cut saying what it left out, the whole report within a few MiB."""
+    from sparkguard import reporter
+    d = tmp_path / "inc"
+    r = Reporter(str(d), journal="on", journal_socket=standin.path)
+    inc = make_incident()
+    inc["target"]["tree"] = [dict(inc["target"]["tree"][0], pid=10_000 + i) for i in range(50_000)]
+    inc["engine"] = {"last_lines": ["x" * 100 for _ in range(10)] + ["y" * (4 << 20)]}
+    r.event(inc, {"event": "sigterm", "t": 0.0, "at": time.time(), "available_bytes": 1, "pids": [1],
+                  "detail": "z" * (4 << 20)})
+    r.finish(inc)
+    r.close()
+    ev, _, _ = standin.recv()
+    assert len(ev["SPARKGUARD_DETAIL"]) < reporter.MAX_FIELD + 100 and "more characters]" in ev["SPARKGUARD_DETAIL"]
+    saved = json.loads((d / (inc["id"] + ".json")).read_text())
+    tree = saved["target"]["tree"]
+    assert len(tree) == reporter.MAX_ITEMS + 1 and tree[-1] == f"[{50_000 - reporter.MAX_ITEMS} more items left out]"
+    assert saved["engine"]["last_lines"][-1].endswith(f"... [{(4 << 20) - reporter.MAX_FIELD} more characters]")
+    assert len((d / (inc["id"] + ".json")).read_bytes()) < 4 << 20
+    f, _, _ = standin.recv()
+    assert json.loads(f["SPARKGUARD_REPORT"]) == saved

@@ -770,12 +770,36 @@ def check_links(ctx: Context) -> Check:
     return Check("links", PASS, "TP links up: " + ", ".join(names), None, {"links": links})
 
 
+def check_metrics(ctx: Context) -> Check:
+    """The guard's metrics endpoint (``metrics.listen``) answers as sparkguard, and if not, who
+    holds its port (``sparkguard.status.read_daemon``, ``port_holder``)."""
+    from sparkguard import status
+    url = status.metrics_url(ctx.config.metrics.listen)
+    if url is None:
+        return Check("metrics", INFO, "metrics.listen is off: no Prometheus metrics", None)
+    d = status.read_daemon(url)
+    if d.get("running"):
+        return Check("metrics", PASS, f"the guard serves metrics on {url}", None, {"url": url})
+    h = d.get("holder") or {}
+    data = {"url": url, "error": d.get("error"), "holder": h}
+    fix = ("stop the process holding the port, or set metrics.listen to a free port and restart the guard "
+           "(until then it guards without metrics and binds again every 1-60 s)")
+    if h.get("listening") and h.get("is_guard") is not True:
+        return Check("metrics", FAIL, f"{url}: the port is held by {h['text']}, not by the guard", fix, data)
+    if h.get("guards"):
+        return Check("metrics", FAIL, f"a guard runs (pid {', '.join(map(str, h['guards']))}) but {url} does not "
+                     f"answer: {d.get('error')}", "see the guard's log and STATUS= (systemctl status sparkguard)",
+                     data)
+    return Check("metrics", WARN, f"no guard is running: nothing serves {url}", "start sparkguard", data)
+
+
 CHECKS: list[Callable[[Context], Check]] = [
     check_zram, check_swappiness, check_watermark, check_page_cluster, check_min_free, check_boot_sysctls,
     check_memlock, check_psi, check_hidepid, check_unit, check_guard_priority, check_other_killers, check_container,
     check_engine_sandbox, check_engine_timeout,
     check_page_cache, check_nvidia,
     check_links,
+    check_metrics,
 ]
 
 

@@ -24,26 +24,19 @@ log = logging.getLogger("sparkguard.supervisor")
 MEMBERS_EVERY = 30.0     # seconds between tree-membership refreshes once ready
 
 
+#: bytes of an answer read at most: vLLM's /health is empty, a one-token completion and
+#: /v1/models a few KiB; parsing more would cost the process CPU the guard's loop shares
+MAX_ANSWER = 256 * 1024
+
+
 def http(url: str, timeout: float, body: dict | None = None) -> tuple[int, bytes]:
-    """(status, body) of a GET (or a JSON POST when ``body``); raises OSError when nobody answers.
-    Environment proxies are ignored: health checks are local or on the TP fabric."""
-    import urllib.error
-    import urllib.request
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    """(status, body) of a GET (or a JSON POST when ``body``) within ``timeout`` seconds for the
+    whole request and :data:`MAX_ANSWER` bytes of answer (:func:`sparkguard.httpget.request`).
+    Raises OSError when nobody answers, too slowly, too much, or not in HTTP.  Environment
+    proxies are ignored: health checks are local or on the TP fabric."""
+    from sparkguard import httpget
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with opener.open(req, timeout=timeout) as r:
-            return r.status, r.read(1 << 20)
-    except urllib.error.HTTPError as e:
-        return e.code, b""
-    except urllib.error.URLError as e:
-        r = e.reason
-        raise r if isinstance(r, OSError) else OSError(str(r)) from None
-    except (ValueError, EOFError) as e:  # broken HTTP (http.client.HTTPException is not an OSError)
-        raise OSError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - http.client.RemoteDisconnected, IncompleteRead...
-        raise OSError(f"{type(e).__name__}: {e}") from None
+    return httpget.request(url, timeout, MAX_ANSWER, data, {"Content-Type": "application/json"} if data else None)
 
 
 def base_url(url: str) -> str:

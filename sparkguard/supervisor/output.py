@@ -17,6 +17,9 @@ from typing import Callable
 log = logging.getLogger("sparkguard.supervisor")
 
 MAX_LINE = 16384         # bytes; longer output lines are cut into pieces
+#: lines of engine output passed on per second at most (journald's own default limit is
+#: 10000 per 30 s per unit, journald.conf RateLimitBurst/RateLimitIntervalSec)
+MAX_LINES_PER_SECOND = 1000
 _LEVELS = {"CRITICAL": 2, "ERROR": 3, "WARNING": 4, "WARN": 4, "INFO": 6, "DEBUG": 7}
 
 
@@ -137,13 +140,22 @@ class LastLines:
         return [ln for _, _, ln in list(self.ring)]
 
 
-def pump(stdout, stderr, on_line: Callable[[str, bytes], None]) -> None:
+def pump(stdout, stderr, on_line: Callable[[str, bytes], None],
+         max_rate: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     """Read two pipes until both close (orphans holding them included), calling
     ``on_line(stream, raw_line)`` for every line as it arrives (``stream`` ``"stdout"``/``"stderr"``;
     the line without its newline; lines longer than :data:`MAX_LINE` bytes cut into pieces;
     a last line without a newline is passed at EOF).  Returns when both pipes are closed;
-    never raises for pipes closed under it."""
+    never raises for pipes closed under it.
+
+    At most ``max_rate`` lines a second (default :data:`MAX_LINES_PER_SECOND`) are passed on;
+    beyond that the pipes are still drained (an engine blocked on a full pipe would stall) but
+    the lines are only counted, and the next second starts with one line saying how many were
+    dropped.  An engine printing as fast as it can so costs the daemon reads and a newline
+    count per 64 KiB, not a journal entry per line.
+    """
     import selectors
+    rate = MAX_LINES_PER_SECOND if max_rate is None else max_rate
     sel = selectors.DefaultSelector()
     bufs = {}
     for name, f in (("stdout", stdout), ("stderr", stderr)):
@@ -151,6 +163,7 @@ def pump(stdout, stderr, on_line: Callable[[str, bytes], None]) -> None:
         sel.register(f.fileno(), selectors.EVENT_READ, name)
         bufs[name] = b""
     open_fds = 2
+    window, passed, dropped = clock(), 0, 0
     try:
         while open_fds:
             for key, _ in sel.select():
@@ -161,6 +174,11 @@ def pump(stdout, stderr, on_line: Callable[[str, bytes], None]) -> None:
                     continue
                 except OSError:
                     chunk = b""
+                now = clock()
+                if now - window >= 1.0:
+                    if dropped:
+                        on_line("stderr", _dropped_line(dropped, rate))
+                    window, passed, dropped = now, 0, 0
                 if not chunk:
                     sel.unregister(key.fd)
                     open_fds -= 1
@@ -168,18 +186,37 @@ def pump(stdout, stderr, on_line: Callable[[str, bytes], None]) -> None:
                         on_line(name, bufs[name])
                         bufs[name] = b""
                     continue
+                if passed >= rate:
+                    # over the rate: count the lines, keep only the unfinished tail
+                    nl = chunk.rfind(b"\n")
+                    if nl >= 0:
+                        dropped += chunk.count(b"\n")
+                        bufs[name] = chunk[nl + 1:][-MAX_LINE:]
+                    else:
+                        bufs[name] = (bufs[name] + chunk)[-MAX_LINE:]
+                    continue
                 buf = bufs[name] + chunk
                 *lines, rest = buf.split(b"\n")
                 for ln in lines:
-                    on_line(name, ln)
+                    if passed < rate:
+                        on_line(name, ln)
+                        passed += 1
+                    else:
+                        dropped += 1
                 while len(rest) > MAX_LINE:
                     on_line(name, rest[:MAX_LINE])
                     rest = rest[MAX_LINE:]
                 bufs[name] = rest
+        if dropped:
+            on_line("stderr", _dropped_line(dropped, rate))
     except (OSError, ValueError) as e:  # pipes closed under us at shutdown
         log.debug("engine output pump ended: %s", e)
     finally:
         sel.close()
+
+
+def _dropped_line(n: int, rate: int) -> bytes:
+    return b"[sparkguard: %d lines of engine output dropped: more than %d lines a second]" % (n, rate)
 
 
 def decode(raw: bytes) -> str:
