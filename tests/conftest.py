@@ -46,6 +46,12 @@ def mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def mem_total() -> int:
+    """MemTotal in bytes (the first line of /proc/meminfo); a guard line must stay below it."""
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) * 1024
+
+
 @pytest.fixture
 def root_only():
     """Skip unless running as root (CI runs as root)."""

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from conftest import mem_available
+from conftest import mem_available, mem_total
 from guardrun import GuardProc
 
 GiB = 1024**3
@@ -118,7 +118,7 @@ def test_no_second_victim_while_the_first_ones_memory_is_coming_back(engine_fact
     second = engine_factory("--hold", "16MiB")
     # a line above MemAvailable: memory stays "low" after the first victim is gone, as when
     # stranded driver memory takes a while to come back
-    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
     recovery_wait = 4.0
     g = GuardProc({"guard": {"term_below": line, "grace": "20s", "recovery_wait": f"{recovery_wait}s"},
                    "targets": {"match": [rf"vllm serve {first.model}\b", rf"vllm serve {second.model}\b"]}})
@@ -145,7 +145,7 @@ def test_no_second_victim_while_the_first_ones_memory_is_coming_back(engine_fact
 
 def test_protected_processes_are_never_signalled(engine_factory):
     fe = engine_factory("--hold", "16MiB")
-    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
     # the engine's top runs as python3.x: protect it by comm
     g = GuardProc({"guard": {"term_below": line, "grace": "1s", "recovery_wait": "1s"},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"], "protect": [r"python3.*"]}})
@@ -167,7 +167,7 @@ def test_protected_processes_are_never_signalled(engine_factory):
 
 def test_dry_run_decides_and_reports_but_signals_nothing(engine_factory):
     fe = engine_factory("--hold", "16MiB")
-    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
     g = GuardProc({"guard": {"term_below": line, "grace": "1s", "dry_run": True},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
     try:
@@ -185,11 +185,6 @@ def test_dry_run_decides_and_reports_but_signals_nothing(engine_factory):
         g.stop()
 
 
-def _mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        return int(f.readline().split()[1]) * 1024
-
-
 def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
     """Fault injection: taking the armed target at the crossing raises the first time; the daemon
     logs it and searches again."""
@@ -199,7 +194,7 @@ def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
     import yaml
     from conftest import sg_env
     fe = engine_factory("--hold", "16MiB")
-    line = min(mem_available() + 512 * MiB, _mem_total() - 64 * MiB)
+    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
     cfg = tmp_path / "sg.yaml"
     cfg.write_text(yaml.safe_dump({"guard": {"term_below": line, "grace": "5s"},
                                    "targets": {"match": [rf"vllm serve {fe.model}\b"]},

@@ -297,15 +297,16 @@ def test_a_guard_at_oom_score_adj_0_and_nice_0_is_flagged(root_only, tmp_path):
 def test_hidepid_is_judged_from_the_running_guards_own_view(root_only, tmp_path):
     if not shutil.which("setpriv") or not shutil.which("unshare"):
         pytest.skip("util-linux unshare/setpriv missing")
-    # a real guard, root but without CAP_SYS_PTRACE, in a mount and pid namespace whose /proc is
-    # hidepid=invisible: it starts (root's PID 1 is visible to it) but cannot see other users'
-    # processes; doctor's own /proc shows everything
-    prefix = ("unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
-              'mount -o remount,hidepid=invisible /proc && setpriv --bounding-set=-sys_ptrace --inh-caps=-all "$@"',
-              "sh")
+    # a real guard, root but without CAP_SYS_PTRACE, in its own mount and pid namespace: it starts
+    # seeing everything, then /proc there is remounted hidepid=invisible (an admin's change after
+    # the start-up check), and it sees only its own processes; doctor's own /proc shows everything
+    prefix = ("unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
+              "setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-all")
     guard, cfg = start_guard(tmp_path, prefix)
     try:
         pid = guard_pid(cfg)
+        subprocess.run(["nsenter", "-t", str(pid), "-m", "mount", "-o", "remount,hidepid=invisible", "/proc"],
+                       check=True, timeout=30)
         rc, report = doctor_json()
     finally:
         guard.kill()  # unshare ignores SIGTERM; --kill-child takes the namespace with it

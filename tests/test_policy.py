@@ -108,7 +108,8 @@ def test_deadline_follows_the_grace_period():
 
 def test_next_interval_shrinks_with_headroom():
     assert P.next_interval(20 * GiB, 0.2) == 0.2
-    assert abs(P.next_interval(int(0.4 * GiB), 0.2) - 0.05) < 1e-6
+    # headroom / FILL_RATE: memory falling at the assumed rate reaches the line as the next sample is taken
+    assert abs(P.next_interval(int(P.FILL_RATE * 0.05), 0.2) - 0.05) < 1e-6
     assert P.next_interval(1024, 0.2) == 0.002
     assert P.next_interval(-5, 0.2) == 0.002
     # monotone: less headroom never means a longer sleep

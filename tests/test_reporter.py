@@ -254,9 +254,12 @@ while not os.path.exists(ready):
     assert time.monotonic() < deadline and eng.poll() is None, "fake vLLM did not come up"
     time.sleep(0.05)  # the fake writes the file; nothing to wait on
 pids = [int(p) for p in open(ready).read().split("pids=")[1].split()[0].split(",")]
-avail = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+mi = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/meminfo")}
+avail = mi["MemAvailable"]
+# crossed at once; the config refuses a line at or above MemTotal
+line = min(avail + 512 * 2**20, mi["MemTotal"] - 64 * 2**20)
 inc_dir = os.path.join(base, "inc")
-cfg = {"guard": {"term_below": avail + 512 * 2**20, "grace": "5s", "recovery_wait": "1s"},
+cfg = {"guard": {"term_below": line, "grace": "5s", "recovery_wait": "1s"},
        "targets": {"match": ["vllm serve " + model]}, "metrics": {"listen": "off"},
        "incidents": {"dir": inc_dir, "journal": "auto"}}
 cfg_path = os.path.join(base, "sparkguard.yaml")
