@@ -85,12 +85,32 @@ def escape(text: str) -> str:
     return text if text.isprintable() else text.translate(_ESCAPES)
 
 
-def _read(path: str) -> bytes | None:
+READ_LIMIT = 64 * 1024      # bytes read of one /proc file (status with a long Groups: line is ~1 KiB + 7 B a group)
+CMDLINE_LIMIT = 16 * 1024   # bytes of argv read: any user can pass ARG_MAX (2 MiB) of it, read and escaped on every scan
+
+
+def _read(path: str, limit: int = READ_LIMIT) -> bytes | None:
+    """At most ``limit`` bytes of ``path`` (bytes), or None when it cannot be opened or read.
+
+    Everything under /proc/PID is written by the process's owner (argv, comm): a whole-file
+    read would let any local user make each /proc pass slow and the guard's locked memory large."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        parts, left = [], limit
+        while left > 0:
+            b = os.read(fd, left)
+            if not b:
+                break
+            parts.append(b)
+            left -= len(b)
+        return b"".join(parts)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_proc(pid: int) -> Proc | None:
@@ -106,10 +126,10 @@ def read_proc(pid: int) -> Proc | None:
     except (IndexError, ValueError):
         return None
     kthread = bool(flags & PF_KTHREAD)
-    cmd = b"" if kthread else (_read(f"/proc/{pid}/cmdline") or b"")
+    cmd = b"" if kthread else (_read(f"/proc/{pid}/cmdline", CMDLINE_LIMIT) or b"")
     if not cmd and not kthread:
         task = live_task(pid)
-        cmd = (_read(f"{task}/cmdline") or b"") if task else b""
+        cmd = (_read(f"{task}/cmdline", CMDLINE_LIMIT) or b"") if task else b""
     cmdline = escape(cmd.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"))
     return Proc(pid, ppid, pgrp, comm, cmdline, start, kthread)
 

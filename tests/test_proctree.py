@@ -196,3 +196,25 @@ def test_control_characters_from_proc_are_escaped_in_titles_logs_and_journal(tmp
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_a_huge_argv_is_read_only_up_to_the_limit():
+    """Any local user can pass ~2 MiB of argv (control bytes escape to 4 characters each): a scan
+    reads at most CMDLINE_LIMIT of it, so one process cannot make each /proc pass slow and the
+    guard's (locked) memory large."""
+    import subprocess
+    import sys
+    name = unique()
+    # 16 arguments of 120 KiB (MAX_ARG_STRLEN is 128 KiB per argument): ~1.9 MiB of \x01
+    junk = ["\x01" * (120 * 1024)] * 16
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", name, *junk],
+                         stdin=subprocess.PIPE)
+    try:
+        proc = proctree.read_proc(p.pid)   # Popen returns once the exec is done
+        assert proc is not None and name in proc.cmdline
+        # escaped: 4 characters for each of at most CMDLINE_LIMIT bytes
+        assert len(proc.cmdline) <= 4 * proctree.CMDLINE_LIMIT, len(proc.cmdline)
+        assert "\x01" not in proc.cmdline and proc.cmdline.startswith(sys.executable)
+    finally:
+        p.stdin.close()
+        p.wait(10)
