@@ -32,3 +32,23 @@ def test_an_engine_spewing_output_is_drained_and_passed_on_at_a_bounded_rate():
     assert notes, "lines beyond the rate are reported as dropped"
     assert passed + sum(notes) == LINES + 1          # every line passed on or counted
     assert got[0] == ("stdout", b"INFO line 0")
+
+
+def test_output_without_newlines_is_cut_under_the_same_rate():
+    """64 MiB with no newline: cut into MAX_LINE pieces, and those count against the rate too."""
+    size = 64 << 20
+    child = subprocess.Popen([sys.executable, "-c",
+                              f"import sys\nb = b'x' * (1 << 20)\nfor i in range({size >> 20}): sys.stdout.buffer.write(b)\n"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got: list[tuple[str, bytes]] = []
+    t0 = time.monotonic()
+    try:
+        output.pump(child.stdout, child.stderr, lambda stream, line: got.append((stream, line)), max_rate=100)
+    finally:
+        child.kill()
+        child.wait(10)
+    elapsed = time.monotonic() - t0
+    notes = [ln for _, ln in got if ln.startswith(b"[sparkguard:")]
+    pieces = len(got) - len(notes)
+    assert pieces <= 100 * (elapsed + 1) + 1, (pieces, elapsed)
+    assert notes, "pieces beyond the rate are reported as dropped"

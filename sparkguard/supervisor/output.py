@@ -203,8 +203,12 @@ def pump(stdout, stderr, on_line: Callable[[str, bytes], None],
                         passed += 1
                     else:
                         dropped += 1
-                while len(rest) > MAX_LINE:
-                    on_line(name, rest[:MAX_LINE])
+                while len(rest) > MAX_LINE:     # output without newlines: cut, and under the same rate
+                    if passed < rate:
+                        on_line(name, rest[:MAX_LINE])
+                        passed += 1
+                    else:
+                        dropped += 1
                     rest = rest[MAX_LINE:]
                 bufs[name] = rest
         if dropped:
