@@ -44,6 +44,8 @@ class Notifier:
             or None when the watchdog is off or meant for another PID.
         next_ping: float, monotonic seconds when the next ping is due (the loop never sleeps past it).
         dropped: int, datagrams the kernel refused at once (queue full, no listener); any thread may read it.
+        ready_pending: bool, a READY=1 was dropped and is owed (sent again by :meth:`status` and
+            :meth:`watchdog`).
         blind: bool; while True, :meth:`watchdog` sends no WATCHDOG=1 (the guard cannot read memory,
             so systemd's watchdog should restart it).
     """
@@ -65,6 +67,7 @@ class Notifier:
             self.watchdog_interval = int(usec) / 2e6
         self.next_ping = 0.0
         self.dropped = 0
+        self.ready_pending = False
         self.blind = False
         self._last_status = ""
 
@@ -85,11 +88,15 @@ class Notifier:
             return False
 
     def ready(self, status: str | None = None) -> None:
-        """READY=1 (and STATUS=)."""
-        self.send("READY=1" + (f"\nSTATUS={status}" if status else ""))
+        """READY=1 (and STATUS=).  A dropped one is sent again by the next :meth:`status`: after
+        RELOADING=1 the service manager waits for READY=1 until its timeout fails the reload."""
+        self.ready_pending = not self.send("READY=1" + (f"\nSTATUS={status}" if status else "")) and self.enabled
 
     def status(self, status: str) -> None:
-        """STATUS= one line, sent only when it changed (a dropped one is sent again next time)."""
+        """STATUS= one line, sent only when it changed (a dropped one is sent again next time),
+        after a READY=1 that is still owed."""
+        if self.ready_pending and self.send("READY=1"):
+            self.ready_pending = False
         status = status.replace("\n", " ")
         if status != self._last_status and self.send(f"STATUS={status}"):
             self._last_status = status
@@ -102,6 +109,8 @@ class Notifier:
         """
         if self.watchdog_interval is not None and now >= self.next_ping:
             self.next_ping = now + self.watchdog_interval
+            if self.ready_pending and self.send("READY=1"):
+                self.ready_pending = False
             if not self.blind:
                 self.send("WATCHDOG=1")
 

@@ -138,6 +138,8 @@ def test_notifier_sends_to_abstract_addresses_and_counts_what_a_full_queue_refus
         assert time.monotonic() - t0 < 5
         n.status("still here")          # dropped too: it is sent again at the next refresh
         assert n.dropped == 2
+        n.ready()                       # the READY=1 that ends a reload: dropped, and owed
+        assert n.dropped == 3 and n.ready_pending
         sock.setblocking(False)
         try:
             while sock.recv(4096):
@@ -146,6 +148,7 @@ def test_notifier_sends_to_abstract_addresses_and_counts_what_a_full_queue_refus
             pass
         n.status("still here")
         sock.settimeout(5)
+        assert sock.recv(4096) == b"READY=1" and not n.ready_pending
         assert sock.recv(4096) == b"STATUS=still here"
     finally:
         sock.close()
