@@ -90,23 +90,43 @@ def find_holder(port: int, proc: str = "/proc", tables: tuple[str, ...] = TABLES
             break
         fd_dir = f"{proc}/{pid}/fd"
         try:
-            fds = os.listdir(fd_dir)
+            fds = os.scandir(fd_dir)      # an iterator: a process with 500k fds is not listed whole
         except OSError:
             continue
-        for fd in fds:
-            budget -= 1
+        try:
+            with fds:
+                found = _holder_in(fds, links, budget, deadline)
+        except OSError:           # the process exited while its fds were read
+            continue
+        if found is None:
+            break
+        budget, target = found
+        if target is not None:
             try:
-                target = os.readlink(f"{fd_dir}/{fd}")
+                with open(f"{proc}/{pid}/comm", "rb") as f:
+                    comm = f.read(64).decode("utf-8", "replace").strip()
             except OSError:
-                continue
-            if target in links:
-                try:
-                    with open(f"{proc}/{pid}/comm", "rb") as f:
-                        comm = f.read(64).decode("utf-8", "replace").strip()
-                except OSError:
-                    comm = "?"
-                return Holder(links[target], int(pid), comm)
+                comm = "?"
+            return Holder(links[target], int(pid), comm)
     return first
+
+
+def _holder_in(fds, links: dict[str, int], budget: int, deadline: float) -> tuple[int, str | None] | None:
+    """Look through one process's fd entries (an ``os.scandir`` iterator) for a link in ``links``.
+
+    Returns ``(budget left, the matching link or None)``, or None once the link budget or the
+    monotonic ``deadline`` is spent (both checked per fd, not per process)."""
+    for entry in fds:
+        budget -= 1
+        if budget <= 0 or (budget & 255) == 0 and time.monotonic() > deadline:
+            return None
+        try:
+            target = os.readlink(entry.path)
+        except OSError:
+            continue
+        if target in links:
+            return budget, target
+    return budget, None
 
 
 def pids(proc: str = "/proc") -> list[int]:
