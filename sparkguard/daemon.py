@@ -1109,6 +1109,7 @@ class Guard:
         mono_now = time.monotonic()
         total = self.reader.mem_total if self.reader else 0
         swap_total = self.reader.swap_total if self.reader else 0
+        victim = self.target      # read once: the loop may clear it between two reads
         return {
             "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
             "swap_total_bytes": swap_total, "signal": g.signal,
@@ -1125,7 +1126,7 @@ class Guard:
             "notify_dropped": self.notifier.dropped if self.notifier else 0,
             "log_dropped": getattr(_log_handler, "dropped", 0),
             "blind": bool(self.notifier and self.notifier.blind),
-            "victim": {"pid": self.target.root_pid, "title": self.target.title} if self.target else None,
+            "victim": {"pid": victim.root_pid, "title": victim.title} if victim is not None else None,
             "proc_view": self.proc_view,
             "metrics": self.metrics.state() if self.metrics is not None else None,
         }
