@@ -33,6 +33,7 @@ THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
+RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
 PROBE_BYTES = 64 * 1024     # bytes the start-up probe of incidents.dir writes: room for one report of a large tree
 SWITCH_INTERVAL = 0.0005    # seconds (sys.setswitchinterval): the most the loop waits for the interpreter lock
                             # after each system call while another thread runs Python (bench/threads_load.py)
@@ -352,6 +353,9 @@ class Guard:
         self._fail_wall = 0.0
         self._fail_error = ""
         self._reloads_done = 0
+        self._reload_thread = None      # the thread reading the config after a SIGHUP
+        self._reload_again = False      # a SIGHUP came while it was reading
+        self._loaded = None             # (MONOTONIC_USEC of the reload, (cfg, thresholds, protector) or ConfigError)
         self._reload_dir: str | None = None
         self._next_status = 0.0
         self._poller = None
@@ -707,8 +711,10 @@ class Guard:
         except BlockingIOError:
             pass
         flags, self._flags = self._flags, set()
+        if self._loaded is not None:
+            self.finish_reload()
         if signal.SIGHUP in flags:
-            self.reload()
+            self.begin_reload()
         if flags & {signal.SIGTERM, signal.SIGINT}:
             self.stopping = True
             self.notifier.stopping()
@@ -958,23 +964,59 @@ class Guard:
 
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
-    def reload(self) -> bool:
-        """Re-read the config (SIGHUP).  A bad file keeps the running config; returns success.
-
-        The new config passes the same checks as ``check-config`` (``config.load`` and
-        :func:`prepare`, which builds everything derived from it) before any of it is put in force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
-        ``sparkguard reload`` returns once it is in force or refused."""
-        from sparkguard import config
+    def begin_reload(self) -> None:
+        """SIGHUP: read and check the config file in a thread of its own, so parsing (up to a 1 MiB
+        YAML file: seconds of Python) never holds up the poll loop; :meth:`finish_reload` applies
+        the result from the loop.  A SIGHUP while a file is being read is kept for one more reload
+        once this one is applied."""
+        import threading
+        if self._reload_thread is not None:
+            self._reload_again = True
+            return
         started = self.notifier.reloading()
+        self._reload_thread = threading.Thread(target=self._load_new_config, args=(started,),
+                                               name="sparkguard-reload", daemon=True)
+        self._reload_thread.start()
+
+    def _load_new_config(self, started: int) -> None:
+        """Reload thread: ``config.load`` and :func:`prepare` (pure: nothing of the running guard
+        is touched), the outcome left in ``_loaded`` and the loop woken through its self-pipe."""
+        from sparkguard import config
         try:
             cfg = config.load(self.config_arg)
             if self.force_dry_run and not cfg.guard.dry_run:
                 cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-            _, thresholds, protector = prepare(cfg)
+            result = (cfg, *prepare(cfg)[1:])
         except Exception as e:  # noqa: BLE001 - ConfigError, or a parser bug on a strange file
             if not isinstance(e, config.ConfigError):
                 e = config.ConfigError(self.config_arg or config.DEFAULT_PATH, "(file)", None,
                                        f"cannot load: {type(e).__name__}: {e}")
+            result = e
+        self._loaded = (started, result)
+        self._flags.add(RELOAD_READ)        # ends the idle fast path; _loaded is what counts
+        try:
+            os.write(self._wake_w, b"r")    # non-blocking: a full pipe already holds a wake-up
+        except OSError:
+            pass
+
+    def finish_reload(self) -> bool:
+        """From the loop: put a config read by :meth:`begin_reload` in force, or keep the running one
+        when it was refused.  Returns success; False when no read had finished.
+
+        The new config passed the same checks as ``check-config`` (``config.load`` and
+        :func:`prepare`, which builds everything derived from it) before any of it is put in force.
+        The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
+        ``sparkguard reload`` returns once it is in force or refused."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return False
+        self._reload_thread = None          # it has stored its result: only its return is left
+        if self._reload_again:
+            self._reload_again = False
+            self.begin_reload()
+        started, result = loaded
+        if isinstance(result, Exception):
+            e = result
             self.reloads["failed"] += 1
             log.error("reload failed, keeping the running config: %s", e)
             self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
@@ -985,6 +1027,7 @@ class Guard:
             self._next_status = time.monotonic() + 30
             self._reload_result(started, False, str(e))
             return False
+        cfg, thresholds, protector = result
         for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
                          ("link", "interfaces"), ("link", "down_after")):
             new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)

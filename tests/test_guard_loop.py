@@ -249,6 +249,41 @@ def test_a_reload_to_values_the_loop_cannot_run_on_is_refused_and_the_loop_goes_
         g.stop()
 
 
+def test_a_reload_of_a_big_config_is_read_off_the_loop_which_keeps_pinging():
+    """A 1 MiB config takes seconds of Python to parse: the loop keeps its cadence meanwhile
+    (watchdog pings every 0.2 s) and applies the new config once it is read."""
+    g = GuardProc({"guard": {"term_below": "0.6GiB"}, "targets": {"match": [f"^{unique()}$"]}},
+                  watchdog_usec=400_000)
+    try:
+        g.wait_ready()
+        body = "guard:\n  term_below: 0.7GiB\nlink:\n  interfaces:\n"
+        lines, size = [], len(body)
+        while size < 1000 * 1024:           # just under config.py's 1 MiB limit
+            lines.append(f"    - e{len(lines)}\n")
+            size += len(lines[-1])
+        with open(g.config_path, "w") as f:
+            f.write(body + "".join(lines))
+        g.proc.send_signal(signal.SIGHUP)
+        g.notify.wait_for(lambda m: m.get("RELOADING") == "1", timeout=10)
+        t0 = last = time.monotonic()
+        gaps = []
+        while True:
+            m = g.notify.recv(10)
+            assert m is not None, "the guard went silent during the reload"
+            now = time.monotonic()
+            if m.get("WATCHDOG") == "1":
+                gaps.append(now - last)
+                last = now
+            if "SIGTERM line 0.70 GiB" in m.get("STATUS", ""):
+                break
+            assert now - t0 < 60, "the reload never applied"
+        took = time.monotonic() - t0
+        # the parse takes seconds here; pings came on time all along (0.2 s apart, slack for a busy box)
+        assert len(gaps) >= 2 and max(gaps) < 1.0, (took, gaps)
+    finally:
+        g.stop()
+
+
 # ---- 5: a synchronous reload ------------------------------------------------------------------
 
 def test_sparkguard_reload_fails_on_a_bad_config_and_returns_once_the_new_one_is_in_force():
