@@ -11,9 +11,9 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
 
 - Churn is noticed for the price of one ``pread`` of /proc/loadavg, whose last field is the
   last pid the kernel handed out in this pid namespace (proc(5)): it moves whenever a process
-  or thread is created.  Exits inside the armed tree are seen on its pidfds (POLLIN, one
-  poll(2)).  Both together cost ~8 us hot and ~100 us cold (after the loop's 200 ms sleep,
-  2-core dev VM), so far from the line (headroom above ``small``) they are looked at every
+  or thread is created anywhere.  Exits inside the armed tree are seen on its pidfds (POLLIN,
+  one poll(2)).  Both together cost ~8 us hot and ~100 us cold (after the loop's 200 ms sleep,
+  2-core dev VM), so far from the line (headroom at or above ``small``) they are looked at every
   :data:`IDLE_CHECK` seconds only: ~0.001 % of a core beside the loop's ~0.07 %.
 - A pass rescans when something changed (churn, a member exited, the target was used or
   dropped) or the choice is :data:`MAX_AGE` old (tree memory orders trees of one pattern),
@@ -21,9 +21,13 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
   (so at most 1/IDLE_DUTY of a core: 2 %, 0.25 s every 12.5 s with 5,000 processes; about
   40 ms every 2 s, 2 %, with 800), nor sooner than :data:`MIN_GAP`.  A box without churn
   never rescans between :data:`MAX_AGE` ticks: the idle cost stays one pread per full pass.
-- While the headroom is small (below ``small`` bytes, 4 poll steps at the assumed fill
-  rate), the gap shrinks to :data:`SMALL_DUTY` times the scan cost, so the choice follows a
-  tree that is still forking as memory runs out.
+- While the headroom is small (below ``small`` bytes: the daemon passes ``far``, one poll
+  interval at the assumed fill rate, the band where the poll loop already polls faster) and
+  the change is the armed tree's own (a member exited, the target was used or dropped), the
+  gap shrinks to :data:`SMALL_DUTY` times the scan cost, so the choice follows a tree that is
+  coming apart as memory runs out.  Churn elsewhere (a pid handed out anywhere on the box,
+  the armed tree forking included: the pid cursor cannot tell whose it is) keeps the
+  :data:`IDLE_DUTY` gap, so process creation on a busy box costs at most 2 % of a core.
 - No scan starts while memory filling at ``fill_rate`` could reach the line before it ends
   (headroom below twice ``fill_rate`` x the last scan's cost): the poll loop does not sample
   during a scan, and the armed choice, a few seconds old at worst, is the better bet.
@@ -50,17 +54,19 @@ SMALL_DUTY = 4       # little headroom: at most 1/4 of the time
 LOADAVG = "/proc/loadavg"
 
 
-def refresh_due(now: float, last_scan: float | None, scan_cost: float, changed: bool, headroom: int,
-                small: int, fill_rate: float) -> bool:
+def refresh_due(now: float, last_scan: float | None, scan_cost: float, churn: bool, ours: bool,
+                headroom: int, small: int, fill_rate: float) -> bool:
     """Whether a pass at ``now`` (monotonic s) rescans.  Pure.
 
     Args:
         last_scan: monotonic s of the last scan, None before the first.
         scan_cost: seconds the last scan took.
-        changed: churn since the last scan, a member of the armed tree exited, or the armed
-            target was used or dropped.
+        churn: the pid cursor of /proc/loadavg moved since the last scan (a process or thread
+            was created somewhere on the box).
+        ours: a member of the armed tree exited, or the armed target was used or dropped.
         headroom: bytes between the memory signal and the SIGTERM line (>= 0).
-        small: headroom in bytes below which the guard follows the tree closely.
+        small: headroom in bytes below which the armed tree's own changes are followed at
+            :data:`SMALL_DUTY`.
         fill_rate: assumed fill rate, bytes/s (``policy.FILL_RATE``).
     """
     if headroom < 2 * fill_rate * scan_cost:
@@ -68,9 +74,9 @@ def refresh_due(now: float, last_scan: float | None, scan_cost: float, changed: 
     if last_scan is None:
         return True
     age = now - last_scan
-    if age < (SMALL_DUTY * scan_cost if headroom < small else max(MIN_GAP, IDLE_DUTY * scan_cost)):
+    if age < (SMALL_DUTY * scan_cost if ours and headroom < small else max(MIN_GAP, IDLE_DUTY * scan_cost)):
         return False
-    return changed or age >= MAX_AGE
+    return churn or ours or age >= MAX_AGE
 
 
 class Armed:
@@ -116,8 +122,9 @@ class Armed:
                 self.stale = True
                 if tree.root not in tree.alive():
                     self.disarm()
-            changed = self.stale or self._pid_cursor() != self._last_pid
-            if refresh_due(now, self.last_scan, self.scan_cost, changed, headroom, small, self.fill_rate):
+            churn = self._pid_cursor() != self._last_pid
+            if refresh_due(now, self.last_scan, self.scan_cost, churn, self.stale, headroom, small,
+                           self.fill_rate):
                 self.refresh()
         except Exception:  # noqa: BLE001 - the poll loop must outlive this
             self._errors += 1

@@ -451,11 +451,13 @@ class Guard:
 
     def _arm(self, now: float, headroom: int, far: int) -> None:
         """The full pass's hook in the OK state: keep the armed target fresh (:mod:`sparkguard.armed`);
-        a reload that replaced ``targets`` drops the armed choice first."""
+        a reload that replaced ``targets`` drops the armed choice first.  ``far``: bytes of headroom
+        (poll interval x ``policy.FILL_RATE``) below which the loop polls faster; below it the armed
+        tree's own changes are followed at ``armed.SMALL_DUTY``."""
         if self.cfg.targets is not self._armed_for:
             self._armed_for = self.cfg.targets
             self.armed.disarm()
-        self.armed.tick(now, headroom, 4 * far)
+        self.armed.tick(now, headroom, far)
 
     def _start_metrics(self) -> None:
         """Serve metrics on ``metrics.listen``.  A port that cannot be bound (taken, not

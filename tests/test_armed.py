@@ -98,19 +98,29 @@ def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
 
 
 def test_refresh_due():
+    """Args: now, last_scan, scan_cost, churn, ours, headroom, small, fill_rate."""
     due = armed.refresh_due
-    fill = 8 * GiB
+    fill = 32 * GiB
+    small = 6 * GiB
     # the first pass arms; no churn and a young choice: nothing to do
-    assert due(0.0, None, 0.0, False, 10 * GiB, 6 * GiB, fill)
-    assert not due(30.0, 0.0, 0.01, False, 10 * GiB, 6 * GiB, fill)
-    assert due(61.0, 0.0, 0.01, False, 10 * GiB, 6 * GiB, fill)
+    assert due(0.0, None, 0.0, False, False, 10 * GiB, small, fill)
+    assert not due(30.0, 0.0, 0.01, False, False, 10 * GiB, small, fill)
+    assert due(61.0, 0.0, 0.01, False, False, 10 * GiB, small, fill)
     # churn: rescanned once the idle gap (max(2 s, 50 x cost)) has passed
-    assert not due(1.0, 0.0, 0.01, True, 10 * GiB, 6 * GiB, fill)
-    assert due(2.0, 0.0, 0.01, True, 10 * GiB, 6 * GiB, fill)
-    assert not due(10.0, 0.0, 0.25, True, 10 * GiB, 6 * GiB, fill)
-    assert due(12.5, 0.0, 0.25, True, 10 * GiB, 6 * GiB, fill)
-    # little headroom: the gap shrinks to 4 x cost
-    assert due(0.05, 0.0, 0.01, True, 1 * GiB, 6 * GiB, fill)
-    # never a scan that memory filling at the assumed rate could outrun
-    assert not due(100.0, 0.0, 0.25, True, 3 * GiB, 6 * GiB, fill)
-    assert not due(100.0, None, 0.25, True, 3 * GiB, 6 * GiB, fill)
+    assert not due(1.0, 0.0, 0.01, True, False, 10 * GiB, small, fill)
+    assert due(2.0, 0.0, 0.01, True, False, 10 * GiB, small, fill)
+    assert not due(10.0, 0.0, 0.25, True, False, 20 * GiB, small, fill)
+    assert due(12.5, 0.0, 0.25, True, False, 20 * GiB, small, fill)
+    # little headroom, the armed tree's own change (a member exited, target used or dropped):
+    # the gap shrinks to 4 x cost
+    assert due(0.05, 0.0, 0.01, False, True, 1 * GiB, small, fill)
+    assert not due(0.03, 0.0, 0.01, False, True, 1 * GiB, small, fill)
+    # little headroom, churn elsewhere on the box: the idle gap still holds
+    assert not due(0.05, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    assert not due(1.9, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    assert due(2.0, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    # the tree's own change far from the line: the idle gap
+    assert not due(0.05, 0.0, 0.01, False, True, 10 * GiB, small, fill)
+    # never a scan that memory filling at the assumed rate could outrun (2 x 32 GiB/s x 0.25 s = 16 GiB)
+    assert not due(100.0, 0.0, 0.25, True, True, 15 * GiB, small, fill)
+    assert not due(100.0, None, 0.25, True, True, 15 * GiB, small, fill)
