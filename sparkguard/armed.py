@@ -29,8 +29,14 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
   the armed tree forking included: the pid cursor cannot tell whose it is) keeps the
   :data:`IDLE_DUTY` gap, so process creation on a busy box costs at most 2 % of a core.
 - No scan starts while memory filling at ``fill_rate`` could reach the line before it ends
-  (headroom below twice ``fill_rate`` x the last scan's cost): the poll loop does not sample
-  during a scan, and the armed choice, a few seconds old at worst, is the better bet.
+  (headroom below twice ``fill_rate`` x the scan's expected cost): the poll loop does not
+  sample during a scan, and the armed choice, a few seconds old at worst, is the better bet.
+  The expected cost is the larger of the last scan's cost and an estimate scaled to the box
+  now: the last scan's cost per /proc entry it read (cost / processes scanned) times the
+  number of scheduling entities in the same /proc/loadavg read (the 4th field,
+  ``running/total``, the number after '/', proc(5)).  That number counts threads too, while a
+  scan reads one entry per process, so the estimate is an upper bound; it keeps a burst of
+  new processes since the last scan from making the next one far slower than the gate assumed.
 
 Nothing here blocks or raises into the loop: :meth:`Armed.tick` logs and swallows errors.
 """
@@ -55,7 +61,7 @@ LOADAVG = "/proc/loadavg"
 
 
 def refresh_due(now: float, last_scan: float | None, scan_cost: float, churn: bool, ours: bool,
-                headroom: int, small: int, fill_rate: float) -> bool:
+                headroom: int, small: int, fill_rate: float, estimate: float = 0.0) -> bool:
     """Whether a pass at ``now`` (monotonic s) rescans.  Pure.
 
     Args:
@@ -68,8 +74,12 @@ def refresh_due(now: float, last_scan: float | None, scan_cost: float, churn: bo
         small: headroom in bytes below which the armed tree's own changes are followed at
             :data:`SMALL_DUTY`.
         fill_rate: assumed fill rate, bytes/s (``policy.FILL_RATE``).
+        estimate: seconds the next scan is expected to take at the current process count
+            (:meth:`Armed.tick`: cost per entry of the last scan x scheduling entities now, an
+            upper bound).  Only the fill gate uses it, as ``max(scan_cost, estimate)``; the duty
+            gaps bound the time spent scanning and use the measured ``scan_cost``.
     """
-    if headroom < 2 * fill_rate * scan_cost:
+    if headroom < 2 * fill_rate * max(scan_cost, estimate):
         return False
     if last_scan is None:
         return True
@@ -83,8 +93,9 @@ class Armed:
     """The chosen target and its open :class:`sparkguard.signals.Tree`, kept ready.
 
     Args:
-        choose: callable returning ``(proctree.Target with tree rows, {pid: proctree.Proc})``
-            or None; it does the /proc pass (engine first, then ``targets.match``).
+        choose: callable returning ``(proctree.Target with tree rows or None, {pid: proctree.Proc})``;
+            it does the /proc pass (engine first, then ``targets.match``) and returns the whole
+            scan, whose size gives the cost per entry, even when nothing matches.
         fill_rate: assumed fill rate, bytes/s.
         clock: monotonic seconds.
     """
@@ -99,6 +110,7 @@ class Armed:
         self.procs: dict = {}
         self.last_scan: float | None = None
         self.scan_cost = 0.0
+        self.entry_cost = 0.0       # seconds per /proc entry (process) of the last scan
         self.scans = 0
         self.stale = False
         self._errors = 0
@@ -106,9 +118,12 @@ class Armed:
         self._fd = os.open(LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
         self._last_pid = b""
 
-    def _pid_cursor(self) -> bytes:
-        """The last field of /proc/loadavg: the last pid handed out (bytes, compared only)."""
-        return os.pread(self._fd, 128, 0).rsplit(None, 1)[-1]
+    def _loadavg(self) -> tuple[bytes, int]:
+        """From one read of /proc/loadavg (proc(5)): the last field, the last pid handed out
+        (bytes, compared only), and the number after '/' in the 4th field, the scheduling
+        entities (processes and threads) that exist now."""
+        f = os.pread(self._fd, 128, 0).split()
+        return f[-1], int(f[3].rpartition(b"/")[2])
 
     def tick(self, now: float, headroom: int, small: int) -> None:
         """One full pass in the OK state: note exits and churn, rescan when due (module doc)."""
@@ -122,9 +137,9 @@ class Armed:
                 self.stale = True
                 if tree.root not in tree.alive():
                     self.disarm()
-            churn = self._pid_cursor() != self._last_pid
-            if refresh_due(now, self.last_scan, self.scan_cost, churn, self.stale, headroom, small,
-                           self.fill_rate):
+            cursor, entities = self._loadavg()
+            if refresh_due(now, self.last_scan, self.scan_cost, cursor != self._last_pid, self.stale, headroom,
+                           small, self.fill_rate, self.entry_cost * entities):
                 self.refresh()
         except Exception:  # noqa: BLE001 - the poll loop must outlive this
             self._errors += 1
@@ -134,16 +149,16 @@ class Armed:
 
     def refresh(self) -> None:
         """Choose again now (one /proc pass) and reopen the tree's pidfds."""
-        self._last_pid = self._pid_cursor()     # before the scan: a process born during it is churn
+        self._last_pid = self._loadavg()[0]     # before the scan: a process born during it is churn
         t0 = self.clock()
-        got = self.choose()
+        target, procs = self.choose()
         self.scan_cost = self.clock() - t0
+        self.entry_cost = self.scan_cost / max(1, len(procs))
         self.last_scan = t0
         self.scans += 1
         self.stale = False
         self.disarm(stale=False)
-        if got is not None:
-            target, procs = got
+        if target is not None:
             self.target = target
             self.procs = {pid: procs[pid] for pid in target.pids if pid in procs}
             self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)

@@ -784,15 +784,15 @@ class Guard:
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _scan_choice(self):
-        """One /proc pass: ``(target, procs)`` with the target's tree rows read, or None.  The
-        supervised engine comes first, then ``targets.match``."""
+        """One /proc pass: ``(target, procs)``, the target with its tree rows read, or None when
+        nothing matches, and the whole scan.  The supervised engine comes first, then ``targets.match``."""
         from sparkguard import proctree
         procs = proctree.scan()
         target = self._engine_target(procs)
         if target is None:
             targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
             if not targets:
-                return None
+                return None, procs
             target = targets[0]
         # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
         # are gone within milliseconds; one tree's reads cost about a millisecond
@@ -814,10 +814,9 @@ class Guard:
             if run is None or run.pid == target.root_pid:
                 return target, tree, True
             tree.close()
-        got = self._scan_choice()
-        if got is None:
+        target = self._scan_choice()[0]
+        if target is None:
             return None, None, False
-        target = got[0]
         return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid), False
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:

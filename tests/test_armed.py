@@ -124,3 +124,35 @@ def test_refresh_due():
     # never a scan that memory filling at the assumed rate could outrun (2 x 32 GiB/s x 0.25 s = 16 GiB)
     assert not due(100.0, 0.0, 0.25, True, True, 15 * GiB, small, fill)
     assert not due(100.0, None, 0.25, True, True, 15 * GiB, small, fill)
+
+
+def test_refresh_due_gates_on_the_estimate_scaled_to_the_box_now():
+    """A burst of processes since the last scan: the estimate (cost per entry x entities now)
+    outgrows the last scan's cost and the gate follows the larger; the duty gap does not."""
+    due = armed.refresh_due
+    fill = 32 * GiB
+    small = 6 * GiB
+    # last scan 10 ms: 2 x 32 GiB/s x 10 ms = 640 MiB of headroom suffices
+    assert due(100.0, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    assert due(100.0, 0.0, 0.01, True, False, 1 * GiB, small, fill, 0.005)
+    # 800 -> 8,000 entities: the next scan may take 100 ms, 6.4 GiB of filling
+    assert not due(100.0, 0.0, 0.01, True, False, 1 * GiB, small, fill, 0.1)
+    assert not due(100.0, None, 0.01, True, False, 1 * GiB, small, fill, 0.1)
+    assert due(100.0, 0.0, 0.01, True, False, 7 * GiB, small, fill, 0.1)
+    # the gap stays 50 x the measured 10 ms (2 s floor), not 50 x the estimate
+    assert due(2.0, 0.0, 0.01, True, False, 7 * GiB, small, fill, 0.1)
+
+
+def test_the_estimate_counts_entities_from_the_same_loadavg_read():
+    """A real scan: cost per process is measured, and /proc/loadavg's entity count (threads
+    included) is at least the processes this scan saw, so the estimate bounds it from above."""
+    a = armed.Armed(lambda: (None, proctree.scan()), 32 * GiB)
+    try:
+        a.refresh()
+        n = len(proctree.scan())
+        cursor, entities = a._loadavg()
+        assert a.target is None and a.scans == 1
+        assert a.entry_cost > 0 and a.entry_cost * n <= a.scan_cost * 2
+        assert cursor.isdigit() and entities >= n * 0.9
+    finally:
+        a.close()
