@@ -38,6 +38,12 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
   scan reads one entry per process, so the estimate is an upper bound; it keeps a burst of
   new processes since the last scan from making the next one far slower than the gate assumed.
 
+An ambiguous choice is not used at the crossing: when the armed tree was ranked by memory
+among several trees matching the best pattern, or chosen by ``targets.fallback: oom_score``,
+another tree may have grown past it since the last scan without creating a process (no churn
+to notice), so :meth:`Armed.take` returns None and the crossing pays for one scan to hit the
+right victim.  The usual case, one engine tree, stays scan-free.
+
 Nothing here blocks or raises into the loop: :meth:`Armed.tick` logs and swallows errors.
 """
 
@@ -93,9 +99,11 @@ class Armed:
     """The chosen target and its open :class:`sparkguard.signals.Tree`, kept ready.
 
     Args:
-        choose: callable returning ``(proctree.Target with tree rows or None, {pid: proctree.Proc})``;
-            it does the /proc pass (engine first, then ``targets.match``) and returns the whole
-            scan, whose size gives the cost per entry, even when nothing matches.
+        choose: callable returning ``(proctree.Target with tree rows or None, {pid: proctree.Proc},
+            ambiguous)``; it does the /proc pass (engine first, then ``targets.match``) and returns
+            the whole scan, whose size gives the cost per entry, even when nothing matches;
+            ``ambiguous`` (bool): the choice ranked trees by memory or came from the oom_score
+            fallback (:func:`sparkguard.proctree.ambiguous`).
         fill_rate: assumed fill rate, bytes/s.
         clock: monotonic seconds.
     """
@@ -113,6 +121,7 @@ class Armed:
         self.entry_cost = 0.0       # seconds per /proc entry (process) of the last scan
         self.scans = 0
         self.stale = False
+        self.ambiguous = False
         self._errors = 0
         self._next_check = 0.0
         self._fd = os.open(LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
@@ -151,7 +160,7 @@ class Armed:
         """Choose again now (one /proc pass) and reopen the tree's pidfds."""
         self._last_pid = self._loadavg()[0]     # before the scan: a process born during it is churn
         t0 = self.clock()
-        target, procs = self.choose()
+        target, procs, ambiguous = self.choose()
         self.scan_cost = self.clock() - t0
         self.entry_cost = self.scan_cost / max(1, len(procs))
         self.last_scan = t0
@@ -159,16 +168,18 @@ class Armed:
         self.stale = False
         self.disarm(stale=False)
         if target is not None:
+            self.ambiguous = ambiguous
             self.target = target
             self.procs = {pid: procs[pid] for pid in target.pids if pid in procs}
             self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)
 
     def take(self):
-        """At the crossing: ``(target, tree, procs)`` if the armed root is still alive, else None.
+        """At the crossing: ``(target, tree, procs)`` if the armed root is still alive and the
+        choice was not ambiguous (module doc), else None (the caller scans).
 
         The tree (and its pidfds) passes to the caller; the next :meth:`tick` rescans."""
         tree, target = self.tree, self.target
-        if tree is None or tree.root not in tree.fds or tree.root not in tree.alive():
+        if tree is None or self.ambiguous or tree.root not in tree.fds or tree.root not in tree.alive():
             self.disarm()
             return None
         procs = self.procs
@@ -184,6 +195,7 @@ class Armed:
             self.tree.close()
         self.tree = self.target = None
         self.procs = {}
+        self.ambiguous = False
         if stale:
             self.stale = True
             self._next_check = 0.0

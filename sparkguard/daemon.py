@@ -784,24 +784,30 @@ class Guard:
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _scan_choice(self):
-        """One /proc pass: ``(target, procs)``, the target with its tree rows read, or None when
-        nothing matches, and the whole scan.  The supervised engine comes first, then ``targets.match``."""
+        """One /proc pass: ``(target, procs, ambiguous)``: the target with its tree rows read, or
+        None when nothing matches; the whole scan; and whether the choice could change without a
+        process being created (:func:`sparkguard.proctree.ambiguous`: ranked by memory among
+        several trees of one pattern, or the oom_score fallback).  The supervised engine comes
+        first, then ``targets.match``."""
         from sparkguard import proctree
         procs = proctree.scan()
         target = self._engine_target(procs)
+        ambiguous = False
         if target is None:
             targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
             if not targets:
-                return None, procs
+                return None, procs, False
             target = targets[0]
+            ambiguous = proctree.ambiguous(targets)
         # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
         # are gone within milliseconds; one tree's reads cost about a millisecond
         proctree.add_details(target, procs)
-        return target, procs
+        return target, procs, ambiguous
 
     def _choose(self):
-        """``(target, tree, armed)``: the armed target when its root is alive and the supervised
-        engine (the first target) has not changed since it was armed, with no /proc pass; else the
+        """``(target, tree, armed)``: the armed target when its root is alive, the choice was not
+        ambiguous (:meth:`sparkguard.armed.Armed.take`) and the supervised engine (the first
+        target) has not changed since it was armed, with no /proc pass; else the
         choice of one scan (its tree's pidfds opened now).  ``(None, None, False)`` when nothing matches."""
         from sparkguard import signals
         armed = getattr(self, "armed", None)

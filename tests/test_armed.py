@@ -16,7 +16,7 @@ import pytest
 
 from conftest import mem_available
 from guardrun import GuardProc
-from test_guard_incidents import GiB, events, filling_engine, line_below_now, wait_incident
+from test_guard_incidents import GiB, MiB, events, filling_engine, line_below_now, wait_incident
 from sparkguard import armed, proctree, signals
 
 BYSTANDERS = 5000
@@ -146,7 +146,7 @@ def test_refresh_due_gates_on_the_estimate_scaled_to_the_box_now():
 def test_the_estimate_counts_entities_from_the_same_loadavg_read():
     """A real scan: cost per process is measured, and /proc/loadavg's entity count (threads
     included) is at least the processes this scan saw, so the estimate bounds it from above."""
-    a = armed.Armed(lambda: (None, proctree.scan()), 32 * GiB)
+    a = armed.Armed(lambda: (None, proctree.scan(), False), 32 * GiB)
     try:
         a.refresh()
         n = len(proctree.scan())
@@ -156,3 +156,37 @@ def test_the_estimate_counts_entities_from_the_same_loadavg_read():
         assert cursor.isdigit() and entities >= n * 0.9
     finally:
         a.close()
+
+
+def test_two_trees_of_one_pattern_the_crossing_signals_the_one_that_grew_past_the_other(engine_factory):
+    """Armed when the first tree is the bigger; the second then grows past it and its fill crosses
+    the line.  A choice ranked by memory is ambiguous, so the crossing scans once and signals the
+    second (about 650 MiB at the peak: 64 + 16 MiB held, 384 MiB filled, interpreters)."""
+    first = engine_factory("--tp", "1", "--hold", "64MiB")
+    second = filling_engine(engine_factory, "--tp", "1", "--hold", "16MiB", fill=384 * MiB)
+    g = GuardProc({"guard": {"term_below": line_below_now(192 * MiB), "grace": "20s"},
+                   "targets": {"match": [rf"vllm serve ({first.model}|{second.model})\b"]}})
+    try:
+        g.wait_ready(60)
+        armed_line = g.wait_log("armed")
+        assert f"(pid {first.top_pid}," in armed_line, armed_line
+        second.start_fill()
+        inc = wait_incident(g, timeout=60)
+        assert events(inc)[:2] == ["crossed", "sigterm"]
+        assert inc["target"]["root_pid"] == second.top_pid
+        assert inc["timeline"][1]["pids"] == [second.top_pid]
+        assert first.proc.poll() is None, "the smaller tree was signalled"
+    finally:
+        g.stop()
+
+
+def test_ambiguous():
+    """More than one tree of the best rank (launchers apart), or the fallback: the first may change."""
+    T = proctree.Target
+    one = T(1, "a", "p", [1], {}, rank=0)
+    assert not proctree.ambiguous([])
+    assert not proctree.ambiguous([one])
+    assert not proctree.ambiguous([one, T(2, "b", "q", [2], {}, rank=1)])
+    assert not proctree.ambiguous([one, T(3, "l", "p", [3], {}, rank=0, launcher=True)])
+    assert proctree.ambiguous([one, T(4, "c", "p", [4], {}, rank=0)])
+    assert proctree.ambiguous([T(5, "x", proctree.FALLBACK_PATTERN, [5], {}, rank=1)])
