@@ -11,9 +11,9 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
 
 - Churn is noticed for the price of one ``pread`` of /proc/loadavg, whose last field is the
   last pid the kernel handed out in this pid namespace (proc(5)): it moves whenever a process
-  or thread is created.  Exits inside the armed tree are seen on its pidfds (POLLIN, one
-  poll(2)).  Both together cost ~8 us hot and ~100 us cold (after the loop's 200 ms sleep,
-  2-core dev VM), so far from the line (headroom above ``small``) they are looked at every
+  or thread is created anywhere.  Exits inside the armed tree are seen on its pidfds (POLLIN,
+  one poll(2)).  Both together cost ~8 us hot and ~100 us cold (after the loop's 200 ms sleep,
+  2-core dev VM), so far from the line (headroom at or above ``small``) they are looked at every
   :data:`IDLE_CHECK` seconds only: ~0.001 % of a core beside the loop's ~0.07 %.
 - A pass rescans when something changed (churn, a member exited, the target was used or
   dropped) or the choice is :data:`MAX_AGE` old (tree memory orders trees of one pattern),
@@ -21,12 +21,28 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
   (so at most 1/IDLE_DUTY of a core: 2 %, 0.25 s every 12.5 s with 5,000 processes; about
   40 ms every 2 s, 2 %, with 800), nor sooner than :data:`MIN_GAP`.  A box without churn
   never rescans between :data:`MAX_AGE` ticks: the idle cost stays one pread per full pass.
-- While the headroom is small (below ``small`` bytes, 4 poll steps at the assumed fill
-  rate), the gap shrinks to :data:`SMALL_DUTY` times the scan cost, so the choice follows a
-  tree that is still forking as memory runs out.
+- While the headroom is small (below ``small`` bytes: the daemon passes ``far``, one poll
+  interval at the assumed fill rate, the band where the poll loop already polls faster) and
+  the change is the armed tree's own (a member exited, the target was used or dropped), the
+  gap shrinks to :data:`SMALL_DUTY` times the scan cost, so the choice follows a tree that is
+  coming apart as memory runs out.  Churn elsewhere (a pid handed out anywhere on the box,
+  the armed tree forking included: the pid cursor cannot tell whose it is) keeps the
+  :data:`IDLE_DUTY` gap, so process creation on a busy box costs at most 2 % of a core.
 - No scan starts while memory filling at ``fill_rate`` could reach the line before it ends
-  (headroom below twice ``fill_rate`` x the last scan's cost): the poll loop does not sample
-  during a scan, and the armed choice, a few seconds old at worst, is the better bet.
+  (headroom below twice ``fill_rate`` x the scan's expected cost): the poll loop does not
+  sample during a scan, and the armed choice, a few seconds old at worst, is the better bet.
+  The expected cost is the larger of the last scan's cost and an estimate scaled to the box
+  now: the last scan's cost per /proc entry it read (cost / processes scanned) times the
+  number of scheduling entities in the same /proc/loadavg read (the 4th field,
+  ``running/total``, the number after '/', proc(5)).  That number counts threads too, while a
+  scan reads one entry per process, so the estimate is an upper bound; it keeps a burst of
+  new processes since the last scan from making the next one far slower than the gate assumed.
+
+An ambiguous choice is not used at the crossing: when the armed tree was ranked by memory
+among several trees matching the best pattern, or chosen by ``targets.fallback: oom_score``,
+another tree may have grown past it since the last scan without creating a process (no churn
+to notice), so :meth:`Armed.take` returns None and the crossing pays for one scan to hit the
+right victim.  The usual case, one engine tree, stays scan-free.
 
 Nothing here blocks or raises into the loop: :meth:`Armed.tick` logs and swallows errors.
 """
@@ -50,35 +66,44 @@ SMALL_DUTY = 4       # little headroom: at most 1/4 of the time
 LOADAVG = "/proc/loadavg"
 
 
-def refresh_due(now: float, last_scan: float | None, scan_cost: float, changed: bool, headroom: int,
-                small: int, fill_rate: float) -> bool:
+def refresh_due(now: float, last_scan: float | None, scan_cost: float, churn: bool, ours: bool,
+                headroom: int, small: int, fill_rate: float, estimate: float = 0.0) -> bool:
     """Whether a pass at ``now`` (monotonic s) rescans.  Pure.
 
     Args:
         last_scan: monotonic s of the last scan, None before the first.
         scan_cost: seconds the last scan took.
-        changed: churn since the last scan, a member of the armed tree exited, or the armed
-            target was used or dropped.
+        churn: the pid cursor of /proc/loadavg moved since the last scan (a process or thread
+            was created somewhere on the box).
+        ours: a member of the armed tree exited, or the armed target was used or dropped.
         headroom: bytes between the memory signal and the SIGTERM line (>= 0).
-        small: headroom in bytes below which the guard follows the tree closely.
+        small: headroom in bytes below which the armed tree's own changes are followed at
+            :data:`SMALL_DUTY`.
         fill_rate: assumed fill rate, bytes/s (``policy.FILL_RATE``).
+        estimate: seconds the next scan is expected to take at the current process count
+            (:meth:`Armed.tick`: cost per entry of the last scan x scheduling entities now, an
+            upper bound).  Only the fill gate uses it, as ``max(scan_cost, estimate)``; the duty
+            gaps bound the time spent scanning and use the measured ``scan_cost``.
     """
-    if headroom < 2 * fill_rate * scan_cost:
+    if headroom < 2 * fill_rate * max(scan_cost, estimate):
         return False
     if last_scan is None:
         return True
     age = now - last_scan
-    if age < (SMALL_DUTY * scan_cost if headroom < small else max(MIN_GAP, IDLE_DUTY * scan_cost)):
+    if age < (SMALL_DUTY * scan_cost if ours and headroom < small else max(MIN_GAP, IDLE_DUTY * scan_cost)):
         return False
-    return changed or age >= MAX_AGE
+    return churn or ours or age >= MAX_AGE
 
 
 class Armed:
     """The chosen target and its open :class:`sparkguard.signals.Tree`, kept ready.
 
     Args:
-        choose: callable returning ``(proctree.Target with tree rows, {pid: proctree.Proc})``
-            or None; it does the /proc pass (engine first, then ``targets.match``).
+        choose: callable returning ``(proctree.Target with tree rows or None, {pid: proctree.Proc},
+            ambiguous)``; it does the /proc pass (engine first, then ``targets.match``) and returns
+            the whole scan, whose size gives the cost per entry, even when nothing matches;
+            ``ambiguous`` (bool): the choice ranked trees by memory or came from the oom_score
+            fallback (:func:`sparkguard.proctree.ambiguous`).
         fill_rate: assumed fill rate, bytes/s.
         clock: monotonic seconds.
     """
@@ -93,16 +118,21 @@ class Armed:
         self.procs: dict = {}
         self.last_scan: float | None = None
         self.scan_cost = 0.0
+        self.entry_cost = 0.0       # seconds per /proc entry (process) of the last scan
         self.scans = 0
         self.stale = False
+        self.ambiguous = False
         self._errors = 0
         self._next_check = 0.0
         self._fd = os.open(LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
         self._last_pid = b""
 
-    def _pid_cursor(self) -> bytes:
-        """The last field of /proc/loadavg: the last pid handed out (bytes, compared only)."""
-        return os.pread(self._fd, 128, 0).rsplit(None, 1)[-1]
+    def _loadavg(self) -> tuple[bytes, int]:
+        """From one read of /proc/loadavg (proc(5)): the last field, the last pid handed out
+        (bytes, compared only), and the number after '/' in the 4th field, the scheduling
+        entities (processes and threads) that exist now."""
+        f = os.pread(self._fd, 128, 0).split()
+        return f[-1], int(f[3].rpartition(b"/")[2])
 
     def tick(self, now: float, headroom: int, small: int) -> None:
         """One full pass in the OK state: note exits and churn, rescan when due (module doc)."""
@@ -116,8 +146,9 @@ class Armed:
                 self.stale = True
                 if tree.root not in tree.alive():
                     self.disarm()
-            changed = self.stale or self._pid_cursor() != self._last_pid
-            if refresh_due(now, self.last_scan, self.scan_cost, changed, headroom, small, self.fill_rate):
+            cursor, entities = self._loadavg()
+            if refresh_due(now, self.last_scan, self.scan_cost, cursor != self._last_pid, self.stale, headroom,
+                           small, self.fill_rate, self.entry_cost * entities):
                 self.refresh()
         except Exception:  # noqa: BLE001 - the poll loop must outlive this
             self._errors += 1
@@ -127,26 +158,28 @@ class Armed:
 
     def refresh(self) -> None:
         """Choose again now (one /proc pass) and reopen the tree's pidfds."""
-        self._last_pid = self._pid_cursor()     # before the scan: a process born during it is churn
+        self._last_pid = self._loadavg()[0]     # before the scan: a process born during it is churn
         t0 = self.clock()
-        got = self.choose()
+        target, procs, ambiguous = self.choose()
         self.scan_cost = self.clock() - t0
+        self.entry_cost = self.scan_cost / max(1, len(procs))
         self.last_scan = t0
         self.scans += 1
         self.stale = False
         self.disarm(stale=False)
-        if got is not None:
-            target, procs = got
+        if target is not None:
+            self.ambiguous = ambiguous
             self.target = target
             self.procs = {pid: procs[pid] for pid in target.pids if pid in procs}
             self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)
 
     def take(self):
-        """At the crossing: ``(target, tree, procs)`` if the armed root is still alive, else None.
+        """At the crossing: ``(target, tree, procs)`` if the armed root is still alive and the
+        choice was not ambiguous (module doc), else None (the caller scans).
 
         The tree (and its pidfds) passes to the caller; the next :meth:`tick` rescans."""
         tree, target = self.tree, self.target
-        if tree is None or tree.root not in tree.fds or tree.root not in tree.alive():
+        if tree is None or self.ambiguous or tree.root not in tree.fds or tree.root not in tree.alive():
             self.disarm()
             return None
         procs = self.procs
@@ -162,6 +195,7 @@ class Armed:
             self.tree.close()
         self.tree = self.target = None
         self.procs = {}
+        self.ambiguous = False
         if stale:
             self.stale = True
             self._next_check = 0.0

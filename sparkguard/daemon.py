@@ -455,11 +455,13 @@ class Guard:
 
     def _arm(self, now: float, headroom: int, far: int) -> None:
         """The full pass's hook in the OK state: keep the armed target fresh (:mod:`sparkguard.armed`);
-        a reload that replaced ``targets`` drops the armed choice first."""
+        a reload that replaced ``targets`` drops the armed choice first.  ``far``: bytes of headroom
+        (poll interval x ``policy.FILL_RATE``) below which the loop polls faster; below it the armed
+        tree's own changes are followed at ``armed.SMALL_DUTY``."""
         if self.cfg.targets is not self._armed_for:
             self._armed_for = self.cfg.targets
             self.armed.disarm()
-        self.armed.tick(now, headroom, 4 * far)
+        self.armed.tick(now, headroom, far)
 
     def _start_metrics(self) -> None:
         """Serve metrics on ``metrics.listen``.  A port that cannot be bound (taken, not
@@ -788,24 +790,30 @@ class Guard:
                     f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _scan_choice(self):
-        """One /proc pass: ``(target, procs)`` with the target's tree rows read, or None.  The
-        supervised engine comes first, then ``targets.match``."""
+        """One /proc pass: ``(target, procs, ambiguous)``: the target with its tree rows read, or
+        None when nothing matches; the whole scan; and whether the choice could change without a
+        process being created (:func:`sparkguard.proctree.ambiguous`: ranked by memory among
+        several trees of one pattern, or the oom_score fallback).  The supervised engine comes
+        first, then ``targets.match``."""
         from sparkguard import proctree
         procs = proctree.scan()
         target = self._engine_target(procs)
+        ambiguous = False
         if target is None:
             targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
             if not targets:
-                return None
+                return None, procs, False
             target = targets[0]
+            ambiguous = proctree.ambiguous(targets)
         # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
         # are gone within milliseconds; one tree's reads cost about a millisecond
         proctree.add_details(target, procs)
-        return target, procs
+        return target, procs, ambiguous
 
     def _choose(self):
-        """``(target, tree, armed)``: the armed target when its root is alive and the supervised
-        engine (the first target) has not changed since it was armed, with no /proc pass; else the
+        """``(target, tree, armed)``: the armed target when its root is alive, the choice was not
+        ambiguous (:meth:`sparkguard.armed.Armed.take`) and the supervised engine (the first
+        target) has not changed since it was armed, with no /proc pass; else the
         choice of one scan (its tree's pidfds opened now).  ``(None, None, False)`` when nothing matches."""
         from sparkguard import signals
         armed = getattr(self, "armed", None)
@@ -818,10 +826,9 @@ class Guard:
             if run is None or run.pid == target.root_pid:
                 return target, tree, True
             tree.close()
-        got = self._scan_choice()
-        if got is None:
+        target = self._scan_choice()[0]
+        if target is None:
             return None, None, False
-        target = got[0]
         return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid), False
 
     def _term(self, now: float, value: int, retry: bool = False) -> None:

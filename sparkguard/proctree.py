@@ -51,12 +51,15 @@ class Target:
     Attributes:
         root_pid: int, the process that gets SIGTERM.
         title: str, the root's cmdline as :func:`short_title` shows it.
-        pattern: str, the ``targets.match`` regex that matched (or ``"fallback:oom_score"``).
+        pattern: str, the ``targets.match`` regex that matched (or :data:`FALLBACK_PATTERN`).
         pids: list[int], root first, then descendants (breadth first), protected ones removed.
         starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
         mem_bytes: int, resident + swapped bytes over the tree (:func:`_status_mem`).
         tree: list[dict] with keys pid, ppid, title (:func:`short_title` of the cmdline, which
             setproctitle makes the title), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
+        rank: int, index of the pattern in ``targets.match`` (``len(match)`` for the fallback).
+        launcher: bool, the root only mentions the engine (another matching root below it);
+            :func:`find_targets` puts launchers after the real engines of the same rank.
     """
 
     root_pid: int
@@ -67,7 +70,10 @@ class Target:
     mem_bytes: int = 0
     tree: list[dict] = field(default_factory=list)
     rank: int = 0
+    launcher: bool = False
 
+
+FALLBACK_PATTERN = "fallback:oom_score"
 
 def _escape_table() -> dict[int, str]:
     table = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0))}
@@ -371,13 +377,14 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
             continue
         tree_rank = min(rank[pid] for pid in descendants([root], own_kids) if pid in rank)
         out.append(build_target(root, targets_cfg.match[tree_rank], procs, own_kids, protector, tree_rank, details))
+        out[-1].launcher = root in launchers
     if not details and len(out) > 1:
         best = min(t.rank for t in out)
         tied = [t for t in out if t.rank == best]
         if len(tied) > 1:
             for t in tied:
                 t.mem_bytes = _tree_mem(t.pids)
-    out.sort(key=lambda t: (t.rank, t.root_pid in launchers, -t.mem_bytes))
+    out.sort(key=lambda t: (t.rank, t.launcher, -t.mem_bytes))
     if not out and targets_cfg.fallback == "oom_score":
         best, score = None, -1
         for p in procs.values():
@@ -387,8 +394,20 @@ def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc
             if s > score:
                 best, score = p.pid, s
         if best is not None:
-            out.append(build_target(best, "fallback:oom_score", procs, kids, protector, len(regexes), details))
+            out.append(build_target(best, FALLBACK_PATTERN, procs, kids, protector, len(regexes), details))
     return out
+
+
+def ambiguous(targets: list[Target]) -> bool:
+    """Whether the first of :func:`find_targets`'s list could stop being first without any
+    process being created: it was chosen by memory among several trees of the same rank (and
+    launcher-ness, which sorts before memory) or by ``/proc/PID/oom_score`` (the fallback).
+    Either order follows memory use, which changes between scans.  Pure."""
+    if not targets:
+        return False
+    best = targets[0]
+    return best.pattern == FALLBACK_PATTERN or any(
+        t.rank == best.rank and t.launcher == best.launcher for t in targets[1:])
 
 
 def top_consumers(n: int = 5, procs: dict[int, Proc] | None = None) -> list[dict]:

@@ -135,19 +135,24 @@ class Tree:
         return self.add(new, {pid: procs[pid].starttime for pid in new})
 
     def kill_all(self, protector: proctree.Protector | None = None) -> list[int]:
-        """SIGKILL every live member, then sweep for descendants that appeared since the tree
-        was chosen and SIGKILL those, then process_mrelease each.
+        """SIGKILL every live member and process_mrelease each, then sweep for descendants that
+        appeared since the tree was chosen, SIGKILL those and process_mrelease them.
 
-        The tracked members are signalled before the sweep: the sweep is a whole-/proc pass
-        (about a quarter of a second with 5,000 processes, see :mod:`sparkguard.armed`), and
-        the memory the tree holds must not wait for it.  Returns the pids signalled.
+        The tracked members are signalled and their memory released before the sweep: the sweep
+        is a whole-/proc pass (about a quarter of a second with 5,000 processes, see
+        :mod:`sparkguard.armed`), and the memory the tree holds must not wait for it.  Returns
+        the pids signalled.
         """
         killed = self._kill(self.alive(), protector)
+        self._release(killed)
         self.sweep()
-        killed += self._kill([pid for pid in self.alive() if pid not in killed], protector)
-        for pid in killed:
+        new = self._kill([pid for pid in self.alive() if pid not in killed], protector)
+        self._release(new)
+        return killed + new
+
+    def _release(self, pids: list[int]) -> None:
+        for pid in pids:
             process_mrelease(self.fds[pid])
-        return killed
 
     def _kill(self, pids: list[int], protector: proctree.Protector | None) -> list[int]:
         killed = []

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import mem_available
 from guardrun import GuardProc
-from test_guard_incidents import GiB, events, filling_engine, line_below_now, wait_incident
+from test_guard_incidents import GiB, MiB, events, filling_engine, line_below_now, wait_incident
 from sparkguard import armed, proctree, signals
 
 BYSTANDERS = 5000
@@ -98,19 +98,95 @@ def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
 
 
 def test_refresh_due():
+    """Args: now, last_scan, scan_cost, churn, ours, headroom, small, fill_rate."""
     due = armed.refresh_due
-    fill = 8 * GiB
+    fill = 32 * GiB
+    small = 6 * GiB
     # the first pass arms; no churn and a young choice: nothing to do
-    assert due(0.0, None, 0.0, False, 10 * GiB, 6 * GiB, fill)
-    assert not due(30.0, 0.0, 0.01, False, 10 * GiB, 6 * GiB, fill)
-    assert due(61.0, 0.0, 0.01, False, 10 * GiB, 6 * GiB, fill)
+    assert due(0.0, None, 0.0, False, False, 10 * GiB, small, fill)
+    assert not due(30.0, 0.0, 0.01, False, False, 10 * GiB, small, fill)
+    assert due(61.0, 0.0, 0.01, False, False, 10 * GiB, small, fill)
     # churn: rescanned once the idle gap (max(2 s, 50 x cost)) has passed
-    assert not due(1.0, 0.0, 0.01, True, 10 * GiB, 6 * GiB, fill)
-    assert due(2.0, 0.0, 0.01, True, 10 * GiB, 6 * GiB, fill)
-    assert not due(10.0, 0.0, 0.25, True, 10 * GiB, 6 * GiB, fill)
-    assert due(12.5, 0.0, 0.25, True, 10 * GiB, 6 * GiB, fill)
-    # little headroom: the gap shrinks to 4 x cost
-    assert due(0.05, 0.0, 0.01, True, 1 * GiB, 6 * GiB, fill)
-    # never a scan that memory filling at the assumed rate could outrun
-    assert not due(100.0, 0.0, 0.25, True, 3 * GiB, 6 * GiB, fill)
-    assert not due(100.0, None, 0.25, True, 3 * GiB, 6 * GiB, fill)
+    assert not due(1.0, 0.0, 0.01, True, False, 10 * GiB, small, fill)
+    assert due(2.0, 0.0, 0.01, True, False, 10 * GiB, small, fill)
+    assert not due(10.0, 0.0, 0.25, True, False, 20 * GiB, small, fill)
+    assert due(12.5, 0.0, 0.25, True, False, 20 * GiB, small, fill)
+    # little headroom, the armed tree's own change (a member exited, target used or dropped):
+    # the gap shrinks to 4 x cost
+    assert due(0.05, 0.0, 0.01, False, True, 1 * GiB, small, fill)
+    assert not due(0.03, 0.0, 0.01, False, True, 1 * GiB, small, fill)
+    # little headroom, churn elsewhere on the box: the idle gap still holds
+    assert not due(0.05, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    assert not due(1.9, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    assert due(2.0, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    # the tree's own change far from the line: the idle gap
+    assert not due(0.05, 0.0, 0.01, False, True, 10 * GiB, small, fill)
+    # never a scan that memory filling at the assumed rate could outrun (2 x 32 GiB/s x 0.25 s = 16 GiB)
+    assert not due(100.0, 0.0, 0.25, True, True, 15 * GiB, small, fill)
+    assert not due(100.0, None, 0.25, True, True, 15 * GiB, small, fill)
+
+
+def test_refresh_due_gates_on_the_estimate_scaled_to_the_box_now():
+    """A burst of processes since the last scan: the estimate (cost per entry x entities now)
+    outgrows the last scan's cost and the gate follows the larger; the duty gap does not."""
+    due = armed.refresh_due
+    fill = 32 * GiB
+    small = 6 * GiB
+    # last scan 10 ms: 2 x 32 GiB/s x 10 ms = 640 MiB of headroom suffices
+    assert due(100.0, 0.0, 0.01, True, False, 1 * GiB, small, fill)
+    assert due(100.0, 0.0, 0.01, True, False, 1 * GiB, small, fill, 0.005)
+    # 800 -> 8,000 entities: the next scan may take 100 ms, 6.4 GiB of filling
+    assert not due(100.0, 0.0, 0.01, True, False, 1 * GiB, small, fill, 0.1)
+    assert not due(100.0, None, 0.01, True, False, 1 * GiB, small, fill, 0.1)
+    assert due(100.0, 0.0, 0.01, True, False, 7 * GiB, small, fill, 0.1)
+    # the gap stays 50 x the measured 10 ms (2 s floor), not 50 x the estimate
+    assert due(2.0, 0.0, 0.01, True, False, 7 * GiB, small, fill, 0.1)
+
+
+def test_the_estimate_counts_entities_from_the_same_loadavg_read():
+    """A real scan: cost per process is measured, and /proc/loadavg's entity count (threads
+    included) is at least the processes this scan saw, so the estimate bounds it from above."""
+    a = armed.Armed(lambda: (None, proctree.scan(), False), 32 * GiB)
+    try:
+        a.refresh()
+        n = len(proctree.scan())
+        cursor, entities = a._loadavg()
+        assert a.target is None and a.scans == 1
+        assert a.entry_cost > 0 and a.entry_cost * n <= a.scan_cost * 2
+        assert cursor.isdigit() and entities >= n * 0.9
+    finally:
+        a.close()
+
+
+def test_two_trees_of_one_pattern_the_crossing_signals_the_one_that_grew_past_the_other(engine_factory):
+    """Armed when the first tree is the bigger; the second then grows past it and its fill crosses
+    the line.  A choice ranked by memory is ambiguous, so the crossing scans once and signals the
+    second (about 650 MiB at the peak: 64 + 16 MiB held, 384 MiB filled, interpreters)."""
+    first = engine_factory("--tp", "1", "--hold", "64MiB")
+    second = filling_engine(engine_factory, "--tp", "1", "--hold", "16MiB", fill=384 * MiB)
+    g = GuardProc({"guard": {"term_below": line_below_now(192 * MiB), "grace": "20s"},
+                   "targets": {"match": [rf"vllm serve ({first.model}|{second.model})\b"]}})
+    try:
+        g.wait_ready(60)
+        armed_line = g.wait_log("armed")
+        assert f"(pid {first.top_pid}," in armed_line, armed_line
+        second.start_fill()
+        inc = wait_incident(g, timeout=60)
+        assert events(inc)[:2] == ["crossed", "sigterm"]
+        assert inc["target"]["root_pid"] == second.top_pid
+        assert inc["timeline"][1]["pids"] == [second.top_pid]
+        assert first.proc.poll() is None, "the smaller tree was signalled"
+    finally:
+        g.stop()
+
+
+def test_ambiguous():
+    """More than one tree of the best rank (launchers apart), or the fallback: the first may change."""
+    T = proctree.Target
+    one = T(1, "a", "p", [1], {}, rank=0)
+    assert not proctree.ambiguous([])
+    assert not proctree.ambiguous([one])
+    assert not proctree.ambiguous([one, T(2, "b", "q", [2], {}, rank=1)])
+    assert not proctree.ambiguous([one, T(3, "l", "p", [3], {}, rank=0, launcher=True)])
+    assert proctree.ambiguous([one, T(4, "c", "p", [4], {}, rank=0)])
+    assert proctree.ambiguous([T(5, "x", proctree.FALLBACK_PATTERN, [5], {}, rank=1)])
