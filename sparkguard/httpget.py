@@ -5,7 +5,8 @@ a time resets a per-read timeout forever) or hugely (parsing it costs the proces
 the interpreter lock the guard's loop needs) is cut off.  ``http.client`` does the HTTP;
 the deadline is enforced by one watcher thread that shuts the connection's socket down when
 its time is up, whichever read or write it is blocked in (TLS included); the thread sleeps
-with no timeout while no request is in flight.  Environment proxies are never used: these
+with no timeout while no request is in flight.  The name lookup and the connect attempts end
+at the same deadline (:func:`_connector`).  Environment proxies are never used: these
 URLs are local or on the TP fabric.
 """
 
@@ -75,6 +76,62 @@ class _Watcher:
 _watcher = _Watcher()
 
 
+def _resolve(host: str, port: int, end: float) -> list[tuple]:
+    """``getaddrinfo(host, port)`` (TCP) within the monotonic deadline ``end``.
+
+    getaddrinfo(3) takes no timeout: with a resolver that does not answer it waits for
+    resolv.conf's timeout x attempts (5 s x 2 by default, resolv.conf(5)).  An IP literal is
+    resolved here at once; a name in a thread of its own that is given up at ``end`` (it ends when
+    the resolver does).  Raises TimeoutError at the deadline, OSError when the name is unknown."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    got: list = []
+
+    def run():
+        try:
+            got.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as e:
+            got.append(e)
+    old = threading.stack_size(_STACK)
+    try:
+        t = threading.Thread(target=run, name="sparkguard-resolve", daemon=True)
+        t.start()
+    finally:
+        threading.stack_size(old)
+    t.join(max(0.0, end - time.monotonic()))
+    if not got:
+        raise TimeoutError(f"resolving {host} took longer than the deadline")
+    if isinstance(got[0], OSError):
+        raise got[0]
+    return got[0]
+
+
+def _connector(end: float):
+    """A stand-in for ``socket.create_connection`` (``HTTPConnection._create_connection``) whose
+    name lookup and connects all end at the monotonic deadline ``end``."""
+    def create_connection(address, timeout=None, source_address=None):
+        host, port = address
+        last: OSError = TimeoutError("no address to connect to")
+        for family, kind, proto, _, addr in _resolve(host, port, end):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no connection within the deadline")
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(left)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(addr)
+                return sock
+            except OSError as e:
+                sock.close()
+                last = e
+        raise last
+    return create_connection
+
+
 def request(url: str, deadline: float, max_body: int, body: bytes | None = None,
             headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """GET ``url`` (POST when ``body`` is given) and return ``(status, answer body)``.
@@ -95,6 +152,7 @@ def request(url: str, deadline: float, max_body: int, body: bytes | None = None,
         conn = cls(u.hostname or "", u.port, timeout=deadline)
     except (ValueError, http.client.HTTPException) as e:      # a port that is not a number
         raise OSError(f"bad URL {url!r}: {e}") from None
+    conn._create_connection = _connector(end)    # http.client's hook for socket.create_connection
     key = None
     try:
         conn.connect()

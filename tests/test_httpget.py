@@ -124,3 +124,38 @@ def test_nobody_answering_is_an_oserror():
         port = s.getsockname()[1]
     with pytest.raises(OSError):
         httpget.request(f"http://127.0.0.1:{port}/", 2.0, 1024)
+
+
+def test_a_name_lookup_that_never_answers_ends_at_the_deadline(tmp_path):
+    """getaddrinfo takes no timeout: with a DNS server that never answers (a UDP socket of this
+    test, named in a resolv.conf bind-mounted in a mount namespace of the child's own) a peer
+    given by name fails at the request's deadline, not after resolv.conf's 5 s x attempts."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and util-linux unshare for a private /etc/resolv.conf")
+    # glibc's resolver asks port 53 of the nameserver: a loopback address of the test's own
+    dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        dns.bind(("127.0.0.42", 53))
+    except OSError as e:
+        dns.close()
+        pytest.skip(f"cannot bind a silent DNS server on 127.0.0.42:53: {e}")
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.42\noptions timeout:5 attempts:2\n")
+    code = ("import time, sys; from sparkguard import peers\n"
+            "t0 = time.monotonic()\n"
+            "try:\n    peers.read_available('http://peer-a.sparkguard-test.example:8799/metrics', timeout=1.0)\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n"
+            "print('took %.2f' % (time.monotonic() - t0))\n")
+    from conftest import sg_env
+    try:
+        r = subprocess.run(["unshare", "--mount", "sh", "-c", f'mount --bind "{conf}" /etc/resolv.conf && exec "$0" -c "$1"',
+                            sys.executable, code], env=sg_env(), capture_output=True, text=True, timeout=30)
+    finally:
+        dns.close()
+    assert r.returncode == 0, r.stderr
+    took = float(r.stdout.split("took ")[1])
+    assert "PeerError" in r.stdout and took < 2.0, r.stdout
