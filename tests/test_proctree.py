@@ -207,10 +207,12 @@ def test_a_huge_argv_is_read_only_up_to_the_limit():
     name = unique()
     # 16 arguments of 120 KiB (MAX_ARG_STRLEN is 128 KiB per argument): ~1.9 MiB of \x01
     junk = ["\x01" * (120 * 1024)] * 16
-    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", name, *junk],
-                         stdin=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()", name, *junk],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        proc = proctree.read_proc(p.pid)   # Popen returns once the exec is done
+        # the child's word that it runs: the exec has set its argv (Popen returns a little earlier)
+        assert p.stdout.readline() == b"up\n"
+        proc = proctree.read_proc(p.pid)
         assert proc is not None and name in proc.cmdline
         # escaped: 4 characters for each of at most CMDLINE_LIMIT bytes
         assert len(proc.cmdline) <= 4 * proctree.CMDLINE_LIMIT, len(proc.cmdline)
