@@ -12,19 +12,23 @@ from sparkguard.supervisor import output
 LINES = 300_000
 
 
-def test_an_engine_spewing_output_is_drained_and_passed_on_at_a_bounded_rate():
-    child = subprocess.Popen([sys.executable, "-c",
-                              f"import sys\nfor i in range({LINES}): sys.stdout.write('INFO line %d\\n' % i)\n"
-                              "sys.stderr.write('last words\\n')"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def pump_child(code: str, rate: int) -> tuple[list[tuple[str, bytes]], float]:
+    """Run ``python3 -c code`` and pump its pipes at ``rate`` lines/s until it ends:
+    ``(lines passed on as (stream, line), seconds it took)``."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     got: list[tuple[str, bytes]] = []
     t0 = time.monotonic()
     try:
-        output.pump(child.stdout, child.stderr, lambda stream, line: got.append((stream, line)), max_rate=1000)
+        output.pump(child.stdout, child.stderr, lambda stream, line: got.append((stream, line)), max_rate=rate)
     finally:
         child.kill()
         child.wait(10)
-    elapsed = time.monotonic() - t0
+    return got, time.monotonic() - t0
+
+
+def test_an_engine_spewing_output_is_drained_and_passed_on_at_a_bounded_rate():
+    got, elapsed = pump_child(f"import sys\nfor i in range({LINES}): sys.stdout.write('INFO line %d\\n' % i)\n"
+                              "sys.stderr.write('last words\\n')", 1000)
     notes = [int(m.group(1)) for _, ln in got
              if (m := re.match(rb"\[sparkguard: (\d+) lines of engine output dropped", ln))]
     passed = len(got) - len(notes)
@@ -37,17 +41,8 @@ def test_an_engine_spewing_output_is_drained_and_passed_on_at_a_bounded_rate():
 def test_output_without_newlines_is_cut_under_the_same_rate():
     """64 MiB with no newline: cut into MAX_LINE pieces, and those count against the rate too."""
     size = 64 << 20
-    child = subprocess.Popen([sys.executable, "-c",
-                              f"import sys\nb = b'x' * (1 << 20)\nfor i in range({size >> 20}): sys.stdout.buffer.write(b)\n"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    got: list[tuple[str, bytes]] = []
-    t0 = time.monotonic()
-    try:
-        output.pump(child.stdout, child.stderr, lambda stream, line: got.append((stream, line)), max_rate=100)
-    finally:
-        child.kill()
-        child.wait(10)
-    elapsed = time.monotonic() - t0
+    got, elapsed = pump_child(f"import sys\nb = b'x' * (1 << 20)\nfor i in range({size >> 20}): sys.stdout.buffer.write(b)\n",
+                              100)
     notes = [ln for _, ln in got if ln.startswith(b"[sparkguard:")]
     pieces = len(got) - len(notes)
     assert pieces <= 100 * (elapsed + 1) + 1, (pieces, elapsed)
