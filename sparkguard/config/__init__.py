@@ -1,0 +1,49 @@
+"""Configuration: schema, embedded defaults, loading and validation.
+
+The file is YAML, default path ``/etc/sparkguard/sparkguard.yaml``; when it is absent
+the embedded defaults apply.  Every error names the file, the dotted key and the value
+(:class:`ConfigError`), so that ``sparkguard run`` refuses to start and a SIGHUP reload
+keeps the running configuration.
+
+Sections and keys (see README "Configuration"):
+
+* ``guard``: ``poll_interval``, ``term_below``, ``kill_below``, ``grace``, ``signal``,
+  ``dry_run``, ``recovery_wait``
+* ``targets``: ``match``, ``protect``, ``fallback``
+* ``metrics``: ``listen``
+* ``incidents``: ``dir``, ``journal``
+* ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
+  gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
+* ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
+
+Numbers are read as the decimal the user wrote or refused (:func:`_loader`, sparkguard.units):
+NaN, infinities, ``1e400``, octal ``010``, ``0x10``, ``1_000``, sexagesimal ``1:30`` and dates
+never become another value; each numeric key has bounds (SCHEMA) that keep the poll loop sane.
+The file itself must be a regular file of at most :data:`MAX_FILE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sparkguard.config.engine import SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout
+from sparkguard.config.errors import ConfigError
+from sparkguard.config.load import DEFAULT_PATH, from_dict, load
+from sparkguard.config.schema import (
+    DEFAULT_MATCH, DEFAULT_PROTECT, SCHEMA, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig,
+    TargetsConfig,
+)
+from sparkguard.config.yamlload import MAX_FILE_BYTES, read_bounded
+
+__all__ = [
+    "Config", "ConfigError", "DEFAULT_MATCH", "DEFAULT_PATH", "DEFAULT_PROTECT", "EngineConfig", "GuardConfig",
+    "IncidentsConfig", "LaneConfig", "LinkConfig", "MAX_FILE_BYTES", "MetricsConfig", "ProbeConfig", "SCHEMA",
+    "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm", "load", "read_bounded", "replace",
+    "vllm_shutdown_timeout",
+]
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    """Return a copy of ``cfg`` with whole sections replaced (``replace(cfg, guard=g)``)."""
+    return dataclasses.replace(cfg, **sections)
