@@ -216,7 +216,7 @@ def test_snapshot_failure_still_answers_with_kernel_metrics(server, caplog):
     assert promtool(text).returncode == 0
 
 
-def test_extra_collectors_and_register_collector(server):
+def test_extra_collectors_and_a_collector_registered_later(server):
     from prometheus_client.metrics_core import GaugeMetricFamily
 
     class Engine:
@@ -231,7 +231,7 @@ def test_extra_collectors_and_register_collector(server):
 
     srv = server(snapshot_dict, extra_collectors=[Engine()])
     assert samples(scrape(srv.url))[("sparkguard_engine_up", ())] == 1
-    metrics.register_collector(Link())  # most recently started server
+    srv.register_collector(Link())
     text = scrape(srv.url)
     assert samples(text)[("sparkguard_link_up", (("interface", "enp1s0f0np0"),))] == 1
     assert promtool(text).returncode == 0

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from sparkguard.metrics.families import GuardCollector, build_registry
 from sparkguard.metrics.server import (
-    DEFAULT_LISTEN, MetricsListenError, MetricsServer, register_collector, scrape_text, start_server,
+    DEFAULT_LISTEN, MetricsListenError, MetricsServer, start_server,
 )
 
 __all__ = ["DEFAULT_LISTEN", "GuardCollector", "MetricsListenError", "MetricsServer", "build_registry",
-           "register_collector", "scrape_text", "start_server"]
+           "start_server"]

@@ -1,11 +1,11 @@
 """The ``sparkguard_*`` metric families, built at scrape time from the daemon snapshot, PSI and zram.
 
 Nothing here runs in the poll loop.  :class:`GuardCollector` calls the daemon's
-``snapshot()`` (a cheap dict copy, see TEAM.md "Daemon snapshot") from the HTTP thread when
+``snapshot()`` (a cheap dict copy of the guard's state) from the HTTP thread when
 Prometheus scrapes, and reads PSI and zram itself at that moment through
 :mod:`sparkguard.sysinfo`; so the loop pays nothing per poll.
 
-Metric names follow TEAM.md "Metric names": prefix ``sparkguard_``, base units (bytes,
+Metric names (docs/metrics.md lists every one): prefix ``sparkguard_``, base units (bytes,
 seconds, ratios 0-1), counters end in ``_total``.  ``promtool check metrics`` passes on
 the output (tests/test_metrics.py runs it).
 """
@@ -28,7 +28,7 @@ from sparkguard import __version__, sysinfo
 
 log = logging.getLogger("sparkguard.metrics")
 
-#: Guard states, in the order the daemon moves through them (TEAM.md "Daemon snapshot");
+#: Guard states, in the order the daemon moves through them (the snapshot's ``state``);
 #: ``no_target``: below the line with nothing to signal (``sparkguard.policy.NO_TARGET``).
 #: All are exported from the first scrape, so ``guard_state{state="no_target"} == 1`` can be alerted on.
 STATES = ("ok", "term_sent", "kill_sent", "recovering", "no_target")
@@ -52,8 +52,8 @@ class GuardCollector:
     """Builds every ``sparkguard_*`` metric at scrape time.
 
     Args:
-        snapshot: ``() -> dict`` returning the daemon snapshot (keys as in TEAM.md "Daemon
-            snapshot"; missing keys or None values leave their metrics out).  Called once per
+        snapshot: ``() -> dict`` returning the daemon snapshot (``Guard.snapshot()``; missing
+            keys or None values leave their metrics out).  Called once per
             scrape from the HTTP thread; an exception is logged and the guard's metrics are left
             out of that scrape (PSI, zram and build info still appear) rather than failing it.
         read_psi: ``() -> dict | None``, default :func:`sparkguard.sysinfo.read_psi_memory`.

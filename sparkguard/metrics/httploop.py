@@ -10,6 +10,7 @@ import socket
 import time
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 log = logging.getLogger("sparkguard.metrics")
 
@@ -186,7 +187,6 @@ class _Loop:
 
     def _render(self) -> None:
         """One rendering per (format, compression) asked for, sent to every waiting request."""
-        from prometheus_client.exposition import choose_encoder, gzip_accepted
         done: dict[tuple[str, bool], tuple[str, list[tuple[str, str]], bytes]] = {}
         pending, self.pending = self.pending, []
         for c in pending:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
+from sparkguard import portowner
 from sparkguard.metrics.families import build_registry
 from sparkguard.metrics.httploop import _Loop
 
@@ -160,7 +161,6 @@ class MetricsServer:
 
     def _failed(self, e: OSError, delay: float) -> None:
         """Record and log a failed bind (or a server that ended); ``delay``: seconds to the next try."""
-        from sparkguard import portowner
         holder = None
         if e.errno in (errno.EADDRINUSE, errno.EACCES):
             h = portowner.find_holder(self._listen[1])
@@ -195,7 +195,6 @@ class MetricsServer:
             self._thread.start()
         finally:
             threading.stack_size(old)
-        _servers.append(self)
         return self
 
     def _run(self, delay: float) -> None:
@@ -249,10 +248,6 @@ class MetricsServer:
         """
         self.registry.register(collector)
 
-    def unregister_collector(self, collector: Any) -> None:
-        """Remove a collector added with :meth:`register_collector`.  Raises KeyError if unknown."""
-        self.registry.unregister(collector)
-
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving (or retrying), close the socket and join the thread (at most ``timeout`` s)."""
         self._stopping = True
@@ -266,19 +261,12 @@ class MetricsServer:
             os.close(self._wake_w)
         except OSError:
             pass
-        if self in _servers:
-            _servers.remove(self)
-
-    shutdown = stop
 
     def __enter__(self) -> "MetricsServer":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-_servers: list[MetricsServer] = []
 
 
 _REASONS = {errno.EADDRINUSE: "address in use", errno.EACCES: "permission denied",
@@ -313,27 +301,3 @@ def start_server(listen: tuple[str, int] = DEFAULT_LISTEN, snapshot: Callable[[]
     host, port = listen
     registry = build_registry(snapshot or dict, extra_collectors)
     return MetricsServer((host or "127.0.0.1", port), registry).start(retry)
-
-
-def register_collector(collector: Any, server: MetricsServer | None = None) -> None:
-    """Add ``collector`` to ``server``, or to the most recently started server when None.
-
-    Raises:
-        RuntimeError: no server was started (metrics.listen is off); callers may ignore it.
-    """
-    target = server or (_servers[-1] if _servers else None)
-    if target is None:
-        raise RuntimeError("no metrics server is running (metrics.listen off?)")
-    target.register_collector(collector)
-
-
-def scrape_text(snapshot: Callable[[], dict], extra_collectors: Iterable[Any] = ()) -> str:
-    """The exposition text one scrape would return, without a server (for tools and tests)."""
-    from prometheus_client import generate_latest
-    return generate_latest(build_registry(snapshot, extra_collectors)).decode()
-
-
-if __name__ == "__main__":  # pragma: no cover - manual look at the output
-    now = time.time()
-    print(scrape_text(lambda: {"available_bytes": 1, "state": "ok", "poll_count": 1, "poll_seconds_sum": 1e-5,
-                               "started_timestamp": now}))
