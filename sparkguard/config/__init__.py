@@ -16,7 +16,7 @@ Sections and keys (see README "Configuration"):
   gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
 * ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
 
-Numbers are read as the decimal the user wrote or refused (:func:`_loader`, sparkguard.units):
+Numbers are read as the decimal the user wrote or refused (:class:`.yamlload.Loader`, sparkguard.units):
 NaN, infinities, ``1e400``, octal ``010``, ``0x10``, ``1_000``, sexagesimal ``1:30`` and dates
 never become another value; each numeric key has bounds (SCHEMA) that keep the poll loop sane.
 The file itself must be a regular file of at most :data:`MAX_FILE_BYTES`.

@@ -9,7 +9,8 @@ from typing import Any
 from sparkguard.config.engine import EngineConfig, _shutdown_values
 from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.schema import SCHEMA, Config
-from sparkguard.config.yamlload import _loader, read_bounded
+from sparkguard.config.yamlload import parse, read_bounded
+from sparkguard.sysinfo import read_meminfo
 from sparkguard.units import parse_duration
 
 
@@ -17,7 +18,6 @@ DEFAULT_PATH = "/etc/sparkguard/sparkguard.yaml"
 
 
 def _mem_total() -> int | None:
-    from sparkguard.sysinfo import read_meminfo
     try:
         return read_meminfo().get("MemTotal")
     except OSError:
@@ -138,8 +138,6 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
         ConfigError: unreadable file, not a regular file, over :data:`MAX_FILE_BYTES`, YAML syntax
         error, or an invalid value.
     """
-    import yaml
-
     p = path or DEFAULT_PATH
     try:
         text = read_bounded(p)
@@ -148,13 +146,4 @@ def load(path: str | None = None, *, mem_total: int | None = None, required: boo
             raise ConfigError(p, "(file)", None, "file not found") from None
         return from_dict({}, "<defaults>", mem_total)
     p = os.path.abspath(p)
-    try:
-        data = yaml.load(text, Loader=_loader())
-    except yaml.MarkedYAMLError as e:
-        where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: " if e.problem_mark else ""
-        raise ConfigError(p, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(p, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
-    except RecursionError:
-        raise ConfigError(p, "(syntax)", None, "YAML nested too deeply") from None
-    return from_dict(data, p, mem_total)
+    return from_dict(parse(text, p), p, mem_total)

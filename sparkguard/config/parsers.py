@@ -7,8 +7,10 @@ the keys that use it (see :data:`sparkguard.config.schema.SCHEMA`).
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from sparkguard.config.errors import NestedValueError
 from sparkguard.units import parse_duration, parse_size, refuse_yaml11_number
@@ -174,7 +176,6 @@ def _optional_str(v: Any) -> str | None:
 
 
 def _user(v: Any) -> str | None:
-    import pwd
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (str, int)):
@@ -187,7 +188,6 @@ def _user(v: Any) -> str | None:
 
 
 def _http_url(v: Any) -> str:
-    from urllib.parse import urlsplit
     if not isinstance(v, str) or not v:
         raise ValueError("expected an http:// URL")
     u = urlsplit(v)

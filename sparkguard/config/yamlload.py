@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import re
 import stat
+from typing import Any
+
+import yaml
 
 from sparkguard.config.errors import ConfigError
 
@@ -62,9 +65,6 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         os.close(fd)
 
 
-_LOADER = None
-
-
 #: Plain scalars read as numbers: decimal only (YAML 1.2 core schema without its 0o/0x forms).  An int
 #: of more than 19 digits stays a string (and is refused by the key), so no int is too long for repr.
 _INT = r"^[-+]?(?:0|[1-9][0-9]{0,18})$"
@@ -79,49 +79,66 @@ class YamlFloat(float):
     text = ""
 
 
-def _loader():
+class Loader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)
     and reads numbers as the decimal written.
 
     YAML 1.1 (PyYAML) reads ``010`` as 8, ``0x10`` as 16, ``1_000`` as 1000, ``1:30`` as 90 and
     ``2026-01-01`` as a date.  Here those plain scalars stay strings, which every numeric key
     refuses with its reason (sparkguard.units); ``1e400`` and ``.inf`` are floats (inf), refused as
-    not finite.  Booleans (``yes``/``no``/``on``/``off``/``true``/``false``) resolve as before.
+    not finite.  Booleans (``yes``/``no``/``on``/``off``/``true``/``false``) resolve as in YAML 1.1.
     """
-    global _LOADER
-    if _LOADER is None:
-        import yaml
 
-        class Loader(yaml.SafeLoader):
-            yaml_implicit_resolvers = {
-                first: [(tag, rx) for tag, rx in rules if tag not in _RESOLVED_AGAIN]
-                for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in rules if tag not in _RESOLVED_AGAIN]
+        for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
-        Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
-        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
 
-        def real(loader, node):
-            f = YamlFloat(loader.construct_yaml_float(node))
-            f.text = node.value
-            return f
+def _real(loader: Loader, node: yaml.ScalarNode) -> YamlFloat:
+    f = YamlFloat(loader.construct_yaml_float(node))
+    f.text = node.value
+    return f
 
-        Loader.add_constructor("tag:yaml.org,2002:float", real)
 
-        def mapping(loader, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = loader.construct_object(key_node, deep=deep)
-                try:
-                    hash(key)
-                except TypeError:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"a key that is a {type(key).__name__}", key_node.start_mark) from None
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice", key_node.start_mark)
-                seen.add(key)
-            return loader.construct_mapping(node, deep)
+def _mapping(loader: Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key that is a {type(key).__name__}", key_node.start_mark) from None
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
 
-        Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-        _LOADER = Loader
-    return _LOADER
+
+Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
+Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
+Loader.add_constructor("tag:yaml.org,2002:float", _real)
+Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def parse(text: bytes | str, path: str) -> Any:
+    """The YAML document ``text`` read with :class:`Loader`.
+
+    Args:
+        text: the file's content; path: the file name for errors.
+    Returns:
+        the parsed document (None for an empty file).
+    Raises:
+        ConfigError: a YAML syntax error (with its line and column), a duplicate or unhashable
+        key, or a document nested too deeply for the parser.
+    """
+    try:
+        return yaml.load(text, Loader=Loader)
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: " if e.problem_mark else ""
+        raise ConfigError(path, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(path, "(syntax)", None, f"YAML error: {e}".replace("\n", " ")) from None
+    except RecursionError:
+        raise ConfigError(path, "(syntax)", None, "YAML nested too deeply") from None
