@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from sparkguard.config.errors import NestedValueError
 from sparkguard.config.parsers import (
-    DAY, HOUR, MIN_TICK, _args, _duration, _env, _int_range, _optional_str, _optional_url,
+    DAY, HOUR, MIN_TICK, duration, env_map, extra_args, int_range, optional_str, optional_url,
 )
 
 
@@ -39,7 +39,7 @@ class LaneConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """``engine:``, the engine sparkguard starts and supervises (issue #5).
+    """``engine:``, the engine sparkguard starts and supervises.
 
     ``command`` None means no engine: sparkguard only guards.  Sizes in bytes, durations in
     seconds.  ``shutdown_timeout`` None means: for a vLLM command, derived from ``guard.grace``
@@ -83,12 +83,12 @@ class EngineConfig:
 
 
 _PROBE_KEYS: dict[str, Callable[[Any], Any]] = {
-    "url": _optional_url, "model": _optional_str, "interval": _duration(MIN_TICK, DAY),
-    "timeout": _duration(MIN_TICK, HOUR), "failures": _int_range(1, 1000),
+    "url": optional_url, "model": optional_str, "interval": duration(MIN_TICK, DAY),
+    "timeout": duration(MIN_TICK, HOUR), "failures": int_range(1, 1000),
 }
 
 
-def _probe(v: Any) -> ProbeConfig | None:
+def parse_probe(v: Any) -> ProbeConfig | None:
     if v is None or v is False or (isinstance(v, str) and v.lower() == "off"):
         return None
     if v is True or (isinstance(v, str) and v.lower() == "on"):
@@ -111,7 +111,7 @@ def _probe(v: Any) -> ProbeConfig | None:
 _LANE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
 
-def _lanes(v: Any) -> dict:
+def parse_lanes(v: Any) -> dict:
     if v is None:
         return {}
     if not isinstance(v, dict):
@@ -126,7 +126,7 @@ def _lanes(v: Any) -> dict:
             raise NestedValueError(f".{name}", body, "expected a mapping with args and/or env")
         vals = {}
         for k, x in body.items():
-            parser = {"args": _args, "env": _env}.get(k)
+            parser = {"args": extra_args, "env": env_map}.get(k)
             if parser is None:
                 raise NestedValueError(f".{name}.{k}", x, "unknown key; expected one of args, env")
             try:
@@ -139,7 +139,7 @@ def _lanes(v: Any) -> dict:
     return out
 
 
-def _lane_name(v: Any) -> str | None:
+def parse_lane_name(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not _LANE_NAME.match(v):
@@ -173,7 +173,7 @@ def vllm_shutdown_timeout(grace: float) -> int:
     return int(max(0.0, grace - max(2.0, 0.2 * grace)))
 
 
-def _shutdown_values(e: EngineConfig) -> list[tuple[str, Any]]:
+def shutdown_values(e: EngineConfig) -> list[tuple[str, Any]]:
     """Every shutdown timeout the engine could be given, as (dotted key, raw value)."""
     out: list[tuple[str, Any]] = []
     if e.shutdown_timeout is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sparkguard.config.engine import EngineConfig, _shutdown_values
+from sparkguard.config.engine import EngineConfig, shutdown_values
 from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.schema import SCHEMA, Config
 from sparkguard.config.yamlload import parse, read_bounded
@@ -114,7 +114,7 @@ def _check_engine(cfg: Config, data: dict, path: str, total: int | None) -> None
         raise ConfigError(path, "engine.probe", body.get("probe"),
                           "needs probe.url, or engine.health_url to derive /v1/completions from")
     grace = cfg.guard.grace
-    for key, raw in _shutdown_values(e):
+    for key, raw in shutdown_values(e):
         try:
             secs = parse_duration(raw)
         except ValueError as err:

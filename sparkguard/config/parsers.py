@@ -16,7 +16,7 @@ from sparkguard.config.errors import NestedValueError
 from sparkguard.units import parse_duration, parse_size, refuse_yaml11_number
 
 
-def _bool(v: Any) -> bool:
+def boolean(v: Any) -> bool:
     if isinstance(v, bool):
         return v
     raise ValueError("expected true or false")
@@ -35,7 +35,7 @@ def _secs(x: float) -> str:
     return f"{x * 1000:g}ms"
 
 
-def _duration(lo: float, hi: float) -> Callable[[Any], float]:
+def duration(lo: float, hi: float) -> Callable[[Any], float]:
     """Parser of a duration in seconds from ``lo`` to ``hi`` (inclusive); ValueError outside."""
     def parse(v: Any) -> float:
         d = parse_duration(v)
@@ -45,7 +45,7 @@ def _duration(lo: float, hi: float) -> Callable[[Any], float]:
     return parse
 
 
-def _size(v: Any) -> int:
+def size(v: Any) -> int:
     """A size in bytes from 0 to :data:`MAX_SIZE`."""
     n = parse_size(v)
     if n > MAX_SIZE:
@@ -56,9 +56,9 @@ def _size(v: Any) -> int:
 MIN_LINE = 16 * 1024**2   # bytes; a line lower than this cannot save the box
 
 
-def _line_size(v: Any) -> int:
+def line_size(v: Any) -> int:
     """A threshold: a size from 16 MiB to 1 PiB; a small bare number is taken for a unit slip."""
-    n = _size(v)
+    n = size(v)
     if isinstance(v, (int, float)) and not isinstance(v, bool) and n < MIN_LINE:
         raise ValueError(f"a bare number is bytes; did you mean {v}GiB?")
     if n < MIN_LINE:
@@ -66,13 +66,13 @@ def _line_size(v: Any) -> int:
     return n
 
 
-def _optional_size(v: Any) -> int | None:
+def optional_line_size(v: Any) -> int | None:
     if v is None or v is False or (isinstance(v, str) and v.lower() in ("off", "none")):
         return None
-    return _line_size(v)
+    return line_size(v)
 
 
-def _choice(*choices: str) -> Callable[[Any], str]:
+def choice(*choices: str) -> Callable[[Any], str]:
     def parse(v: Any) -> str:
         # YAML 1.1 reads a bare off/on/no/yes as a bool: take it as the word the user wrote
         if isinstance(v, bool):
@@ -83,7 +83,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
     return parse
 
 
-def _regex_list(v: Any) -> tuple[str, ...]:
+def regex_list(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ValueError("expected a list of regular expressions (strings)")
     for x in v:
@@ -94,7 +94,7 @@ def _regex_list(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _listen(v: Any) -> tuple[str, int] | None:
+def listen_address(v: Any) -> tuple[str, int] | None:
     if v is None or v is False or (isinstance(v, str) and v.lower() == "off"):
         return None
     if not isinstance(v, str) or ":" not in v:
@@ -106,7 +106,7 @@ def _listen(v: Any) -> tuple[str, int] | None:
     return (host or "127.0.0.1", int(port))
 
 
-def _ifname_list(v: Any) -> tuple[str, ...]:
+def ifname_list(v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -120,7 +120,7 @@ def _ifname_list(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _path(v: Any) -> str:
+def abs_path(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("expected a path")
     if not os.path.isabs(v):
@@ -131,7 +131,7 @@ def _path(v: Any) -> str:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def _argv(v: Any) -> tuple[str, ...] | None:
+def argv_list(v: Any) -> tuple[str, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
@@ -139,7 +139,7 @@ def _argv(v: Any) -> tuple[str, ...] | None:
     return tuple(v)
 
 
-def _args(v: Any) -> tuple[str, ...]:
+def extra_args(v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
     if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
@@ -152,7 +152,7 @@ def _as_written(x: str | int | float) -> str:
     return getattr(x, "text", None) or str(x)
 
 
-def _env(v: Any) -> dict:
+def env_map(v: Any) -> dict:
     if v is None:
         return {}
     if not isinstance(v, dict):
@@ -167,7 +167,7 @@ def _env(v: Any) -> dict:
     return out
 
 
-def _optional_str(v: Any) -> str | None:
+def optional_str(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not v:
@@ -175,7 +175,7 @@ def _optional_str(v: Any) -> str | None:
     return v
 
 
-def _user(v: Any) -> str | None:
+def user_name(v: Any) -> str | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (str, int)):
@@ -187,7 +187,7 @@ def _user(v: Any) -> str | None:
     return str(v)
 
 
-def _http_url(v: Any) -> str:
+def http_url(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError("expected an http:// URL")
     u = urlsplit(v)
@@ -200,11 +200,11 @@ def _http_url(v: Any) -> str:
     return v
 
 
-def _optional_url(v: Any) -> str | None:
-    return None if v is None else _http_url(v)
+def optional_url(v: Any) -> str | None:
+    return None if v is None else http_url(v)
 
 
-def _url_list(v: Any) -> tuple[str, ...]:
+def url_list(v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
     if not isinstance(v, list):
@@ -212,13 +212,13 @@ def _url_list(v: Any) -> tuple[str, ...]:
     out = []
     for i, x in enumerate(v):
         try:
-            out.append(_http_url(x))
+            out.append(http_url(x))
         except ValueError as e:
             raise NestedValueError(f"[{i}]", x, str(e)) from None
     return tuple(out)
 
 
-def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
+def int_range(lo: int, hi: int) -> Callable[[Any], int]:
     def parse(v: Any) -> int:
         if isinstance(v, str):
             refuse_yaml11_number(v)
