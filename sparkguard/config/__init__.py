@@ -19,7 +19,12 @@ Sections and keys (see README "Configuration"):
 Numbers are read as the decimal the user wrote or refused (:class:`.yamlload.Loader`, sparkguard.units):
 NaN, infinities, ``1e400``, octal ``010``, ``0x10``, ``1_000``, sexagesimal ``1:30`` and dates
 never become another value; each numeric key has bounds (SCHEMA) that keep the poll loop sane.
-The file itself must be a regular file of at most :data:`MAX_FILE_BYTES`.
+The file itself must be a regular file of at most :data:`.yamlload.MAX_FILE_BYTES` (1 MiB).
+
+Modules: ``errors`` (ConfigError), ``parsers`` (value parsers and their bounds), ``engine`` (the
+``engine:`` section and its vLLM facts), ``schema`` (the section dataclasses and SCHEMA),
+``yamlload`` (the bounded file read and the YAML loader), ``load`` (build and cross-checks).
+This package exposes the names callers use.
 """
 
 from __future__ import annotations
@@ -30,17 +35,12 @@ from typing import Any
 from sparkguard.config.engine import SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout
 from sparkguard.config.errors import ConfigError
 from sparkguard.config.load import DEFAULT_PATH, from_dict, load
-from sparkguard.config.schema import (
-    DEFAULT_MATCH, DEFAULT_PROTECT, SCHEMA, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig,
-    TargetsConfig,
-)
-from sparkguard.config.yamlload import MAX_FILE_BYTES, read_bounded
+from sparkguard.config.schema import SCHEMA, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig, TargetsConfig
 
 __all__ = [
-    "Config", "ConfigError", "DEFAULT_MATCH", "DEFAULT_PATH", "DEFAULT_PROTECT", "EngineConfig", "GuardConfig",
-    "IncidentsConfig", "LaneConfig", "LinkConfig", "MAX_FILE_BYTES", "MetricsConfig", "ProbeConfig", "SCHEMA",
-    "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm", "load", "read_bounded", "replace",
-    "vllm_shutdown_timeout",
+    "Config", "ConfigError", "DEFAULT_PATH", "EngineConfig", "GuardConfig", "IncidentsConfig", "LaneConfig",
+    "LinkConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
+    "load", "replace", "vllm_shutdown_timeout",
 ]
 
 
