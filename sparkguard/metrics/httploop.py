@@ -68,7 +68,7 @@ def _response(status: str, headers: list[tuple[str, str]], body: bytes, head_onl
     return "\r\n".join(lines).encode("latin-1") + (b"" if head_only else body)
 
 
-class _Loop:
+class ServingLoop:
     """The serving loop of one bound socket (see :class:`MetricsServer` for its bounds)."""
 
     def __init__(self, lsock: socket.socket, wake_r: int, registry: CollectorRegistry):

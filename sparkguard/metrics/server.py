@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from sparkguard import portowner
 from sparkguard.metrics.families import build_registry
-from sparkguard.metrics.httploop import _Loop
+from sparkguard.metrics.httploop import ServingLoop
 
 log = logging.getLogger("sparkguard.metrics")
 
@@ -70,7 +70,7 @@ class MetricsServer:
         url: ``http://host:port/metrics``.
 
     The thread serves every connection from one poll(2) loop, so the endpoint never has more
-    than one thread whatever the clients do.  Bounds (each a module constant): a request head
+    than one thread whatever the clients do.  Bounds (constants of :mod:`.httploop`): a request head
     of :data:`MAX_HEAD` bytes (431 beyond), :data:`REQUEST_DEADLINE` seconds from accept until
     the response is written (a slow or stalled client is dropped then, whichever read or write
     it stalls in), :data:`MAX_CONNECTIONS` open connections (beyond, the oldest one still
@@ -213,7 +213,7 @@ class MetricsServer:
                         continue
                 t_bound = time.monotonic()
                 try:
-                    _Loop(self._sock, self._wake_r, self.registry).run()
+                    ServingLoop(self._sock, self._wake_r, self.registry).run()
                     return                      # stop() asked
                 except Exception as e:  # noqa: BLE001 - the endpoint must come back, the guard goes on
                     log.exception("metrics server on %s failed", self._shown)
