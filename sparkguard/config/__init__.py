@@ -32,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparkguard.config.engine import SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout
+from sparkguard.config.engine import (
+    SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout,
+)
 from sparkguard.config.errors import ConfigError
 from sparkguard.config.load import DEFAULT_PATH, from_dict, load
 from sparkguard.config.schema import SCHEMA, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig, TargetsConfig

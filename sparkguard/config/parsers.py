@@ -15,16 +15,18 @@ from urllib.parse import urlsplit
 from sparkguard.config.errors import NestedValueError
 from sparkguard.units import parse_duration, parse_size, refuse_yaml11_number
 
-
-def boolean(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise ValueError("expected true or false")
-
-
 MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 MIN_TICK = 0.01             # seconds: the shortest period of anything that repeats (no busy loop)
 MAX_SIZE = 1024**5          # bytes (1 PiB): far above any machine's RAM, far below overflow
+MIN_LINE = 16 * 1024**2     # bytes: a line lower than this cannot save the box
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def boolean(v: Any) -> bool:
+    """``true``/``false`` as bool; any other value (``1``, ``"yes"`` quoted) is refused."""
+    if isinstance(v, bool):
+        return v
+    raise ValueError("expected true or false")
 
 
 def _secs(x: float) -> str:
@@ -53,9 +55,6 @@ def size(v: Any) -> int:
     return n
 
 
-MIN_LINE = 16 * 1024**2   # bytes; a line lower than this cannot save the box
-
-
 def line_size(v: Any) -> int:
     """A threshold: a size from 16 MiB to 1 PiB; a small bare number is taken for a unit slip."""
     n = size(v)
@@ -67,12 +66,14 @@ def line_size(v: Any) -> int:
 
 
 def optional_line_size(v: Any) -> int | None:
+    """A threshold as :func:`line_size`, or None for ``off``/``none``/``false``/empty."""
     if v is None or v is False or (isinstance(v, str) and v.lower() in ("off", "none")):
         return None
     return line_size(v)
 
 
 def choice(*choices: str) -> Callable[[Any], str]:
+    """Parser of one word out of ``choices``; a YAML bool reads as the ``on``/``off`` written."""
     def parse(v: Any) -> str:
         # YAML 1.1 reads a bare off/on/no/yes as a bool: take it as the word the user wrote
         if isinstance(v, bool):
@@ -84,6 +85,7 @@ def choice(*choices: str) -> Callable[[Any], str]:
 
 
 def regex_list(v: Any) -> tuple[str, ...]:
+    """A list of Python regular expressions, each compiled once to refuse a bad one."""
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ValueError("expected a list of regular expressions (strings)")
     for x in v:
@@ -95,6 +97,7 @@ def regex_list(v: Any) -> tuple[str, ...]:
 
 
 def listen_address(v: Any) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port``; empty host = 127.0.0.1) as ``(host, port)``, or None for ``off``."""
     if v is None or v is False or (isinstance(v, str) and v.lower() == "off"):
         return None
     if not isinstance(v, str) or ":" not in v:
@@ -107,6 +110,7 @@ def listen_address(v: Any) -> tuple[str, int] | None:
 
 
 def ifname_list(v: Any) -> tuple[str, ...]:
+    """Network interface names (empty for None), each valid for the kernel and listed once."""
     if v is None:
         return ()
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -121,6 +125,7 @@ def ifname_list(v: Any) -> tuple[str, ...]:
 
 
 def abs_path(v: Any) -> str:
+    """An absolute path (the daemon runs in /, so a relative one would mean something else)."""
     if not isinstance(v, str) or not v:
         raise ValueError("expected a path")
     if not os.path.isabs(v):
@@ -128,10 +133,8 @@ def abs_path(v: Any) -> str:
     return v
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
 def argv_list(v: Any) -> tuple[str, ...] | None:
+    """The engine's argv: a non-empty list of non-empty strings, or None (no engine)."""
     if v is None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
@@ -140,6 +143,7 @@ def argv_list(v: Any) -> tuple[str, ...] | None:
 
 
 def extra_args(v: Any) -> tuple[str, ...]:
+    """Extra argv (a lane's ``args``): scalars kept as written, empty for None."""
     if v is None:
         return ()
     if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v):
@@ -153,6 +157,7 @@ def _as_written(x: str | int | float) -> str:
 
 
 def env_map(v: Any) -> dict:
+    """Environment ``{NAME: value}`` (values as written); NestedValueError names the bad entry."""
     if v is None:
         return {}
     if not isinstance(v, dict):
@@ -168,6 +173,7 @@ def env_map(v: Any) -> dict:
 
 
 def optional_str(v: Any) -> str | None:
+    """A non-empty string, or None."""
     if v is None:
         return None
     if not isinstance(v, str) or not v:
@@ -176,6 +182,7 @@ def optional_str(v: Any) -> str | None:
 
 
 def user_name(v: Any) -> str | None:
+    """A user name or uid that exists on this machine (pwd), as str, or None."""
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (str, int)):
@@ -188,6 +195,7 @@ def user_name(v: Any) -> str | None:
 
 
 def http_url(v: Any) -> str:
+    """An ``http://`` or ``https://`` URL with a host and a valid port, unchanged."""
     if not isinstance(v, str) or not v:
         raise ValueError("expected an http:// URL")
     u = urlsplit(v)
@@ -201,10 +209,12 @@ def http_url(v: Any) -> str:
 
 
 def optional_url(v: Any) -> str | None:
+    """An :func:`http_url`, or None."""
     return None if v is None else http_url(v)
 
 
 def url_list(v: Any) -> tuple[str, ...]:
+    """A list of :func:`http_url` (empty for None); NestedValueError names the bad index."""
     if v is None:
         return ()
     if not isinstance(v, list):
@@ -219,6 +229,7 @@ def url_list(v: Any) -> tuple[str, ...]:
 
 
 def int_range(lo: int, hi: int) -> Callable[[Any], int]:
+    """Parser of a whole number from ``lo`` to ``hi`` (inclusive), YAML 1.1 spellings refused."""
     def parse(v: Any) -> int:
         if isinstance(v, str):
             refuse_yaml11_number(v)
