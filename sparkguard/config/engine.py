@@ -89,6 +89,10 @@ _PROBE_KEYS: dict[str, Callable[[Any], Any]] = {
 
 
 def parse_probe(v: Any) -> ProbeConfig | None:
+    """``engine.probe``: ``off`` (None), ``on`` (the defaults) or a mapping of :data:`_PROBE_KEYS`.
+
+    Raises ValueError, or NestedValueError naming the key below ``probe``.
+    """
     if v is None or v is False or (isinstance(v, str) and v.lower() == "off"):
         return None
     if v is True or (isinstance(v, str) and v.lower() == "on"):
@@ -112,6 +116,10 @@ _LANE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
 
 def parse_lanes(v: Any) -> dict:
+    """``engine.lanes``: ``{name: LaneConfig}``, each lane a mapping of ``args`` and/or ``env``.
+
+    Raises ValueError, or NestedValueError naming the lane and key (``.big.args``).
+    """
     if v is None:
         return {}
     if not isinstance(v, dict):
@@ -140,6 +148,7 @@ def parse_lanes(v: Any) -> dict:
 
 
 def parse_lane_name(v: Any) -> str | None:
+    """``engine.lane``: a lane name (checked against ``engine.lanes`` by the load), or None."""
     if v is None:
         return None
     if not isinstance(v, str) or not _LANE_NAME.match(v):
