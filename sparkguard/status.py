@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from sparkguard import meminfo
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``sparkguard status [--config PATH] [--url URL] [--json]``."""
@@ -206,7 +208,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
 
     g = cfg.guard
     try:
-        mi = sysinfo.read_meminfo()
+        mi = meminfo.read()
     except OSError as e:
         mi = {}
         mem_error = f"cannot read /proc/meminfo: {e.strerror}"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import socket
 
+from sparkguard import meminfo
+
 SYS_ZRAM = "/sys/block"
 
 
@@ -22,48 +24,13 @@ def _read(path: str) -> str | None:
 
 
 def parse_meminfo(text: bytes | str) -> dict[str, int]:
-    """Parse /proc/meminfo text into ``{field: bytes}``.
-
-    Fields given in kB are converted to bytes; unit-less fields (HugePages_Total...) are
-    kept as counts.  A name counts only at the start of its line (no leading blank) and the
-    first line of a name wins; malformed lines are skipped, never fatal.  The guard's own
-    fields (MemTotal, MemAvailable, SwapTotal, SwapFree) come from :func:`sparkguard.meminfo.field`,
-    the parser the poll loop uses, so a report shows the value the guard acted on.
-    Source: Documentation/filesystems/proc.rst, "meminfo".
-    """
-    from sparkguard import meminfo
-    raw = text if isinstance(text, bytes) else text.encode("ascii", "replace")
-    text = raw.decode("ascii", "replace")
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, sep, rest = line.partition(":")
-        if not sep or not key or key != key.strip() or key in out:
-            continue
-        parts = rest.split()
-        if not parts or not parts[0].isdigit():
-            continue
-        n = int(parts[0])
-        out[key] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
-    for name, label in meminfo.GUARD_FIELDS:
-        try:
-            v = meminfo.field(raw, label)
-        except ValueError:
-            v = None
-        if v is None:
-            out.pop(name, None)
-        else:
-            out[name] = v
-    return out
+    """/proc/meminfo text as ``{field: bytes}``: :func:`sparkguard.meminfo.parse`."""
+    return meminfo.parse(text)
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """/proc/meminfo now, as :func:`parse_meminfo` gives it (``{field: bytes}``).
-
-    Raises:
-        OSError: the file cannot be read (the caller decides what that means).
-    """
-    with open(path, "rb") as f:
-        return parse_meminfo(f.read())
+    """/proc/meminfo now as ``{field: bytes}``: :func:`sparkguard.meminfo.read`.  Raises OSError."""
+    return meminfo.read(path)
 
 
 def read_psi_memory(path: str = "/proc/pressure/memory") -> dict | None:

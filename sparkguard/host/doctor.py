@@ -15,6 +15,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from sparkguard import meminfo
 from sparkguard.host import procview, sysctl, virt
 from sparkguard.units import format_duration, format_size
 
@@ -64,12 +65,6 @@ class Context:
                     out.append((int(d), ppid, argv))
             self._procs = out
         return self._procs
-
-
-def _meminfo() -> dict[str, int]:
-    from sparkguard.sysinfo import read_meminfo
-
-    return read_meminfo()
 
 
 def tune_fix(**options: int) -> str:
@@ -191,7 +186,7 @@ def check_min_free(ctx: Context) -> Check:
     v = sysctl.read("vm.min_free_kbytes")
     if v is None:
         return Check("min_free_kbytes", WARN, "cannot read /proc/sys/vm/min_free_kbytes")
-    total = _meminfo().get("MemTotal", 0)
+    total = meminfo.read().get("MemTotal", 0)
     data = {"value_kb": v, "mem_total_bytes": total}
     if total and v * 1024 > 0.02 * total:
         return Check("min_free_kbytes", WARN, f"vm.min_free_kbytes = {v} ({format_size(v * 1024)}, "
@@ -680,7 +675,7 @@ def check_page_cache(ctx: Context) -> Check:
     weights trips it; ``sync; echo 3 > /proc/sys/vm/drop_caches`` is the fix (vLLM
     ``worker/gpu_worker.py`` "Free memory on device ... less than desired").
     """
-    mi = _meminfo()
+    mi = meminfo.read()
     total, free = mi.get("MemTotal", 0), mi.get("MemFree", 0)
     cache = mi.get("Cached", 0) + mi.get("Buffers", 0)
     need = int(total * ctx.gpu_memory_utilization)
