@@ -34,11 +34,14 @@ GUARD_FIELDS = (("MemTotal", _MEMTOTAL), ("MemAvailable", _AVAIL), ("SwapTotal",
 def field(buf: bytes | bytearray, label: bytes, n: int | None = None) -> int | None:
     """The value in bytes of the ``kB`` line whose name is ``label`` (``b"\\nMemAvailable:"``).
 
-    The one parser of the guard's fields.  Only a line that starts with the name matches (the
-    first such line, or the text's first line); the value must be ASCII digits then ``kB``.
+    The one parser of the guard's fields, and of the ``Name: N kB`` lines of the other /proc
+    files written the same way (/proc/PID/status ``VmRSS:``, smaps_rollup ``SwapPss:``).  Only a
+    line that starts with the name matches (the first such line, or the text's first line); the
+    value must be ASCII digits then ``kB``.
 
     Args:
-        buf: /proc/meminfo text; n: its length in ``buf`` (default all of it).
+        buf: /proc/meminfo text (or a file of the same form); n: its length in ``buf`` (default
+            all of it).
     Returns:
         bytes (kB * 1024), or None when the line is absent.
     Raises:

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from sparkguard import meminfo
+from sparkguard import meminfo, proctree
 from sparkguard.host import procview, sysctl, virt
 from sparkguard.units import format_duration, format_size
 
@@ -50,19 +50,14 @@ class Context:
         """``[(pid, ppid, argv)]`` of every process, read once; unreadable ones and kernel threads skipped."""
         if self._procs is None:
             out = []
-            for d in os.listdir("/proc"):
-                if not d.isdigit():
-                    continue
+            for pid in proctree.pids():
                 try:
-                    with open(f"/proc/{d}/cmdline", "rb") as f:
-                        raw = f.read()
-                    with open(f"/proc/{d}/stat", "rb") as f:
-                        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                    argv = procview.argv(pid)
+                    ppid = procview.ppid(pid)
                 except (OSError, ValueError, IndexError):
                     continue
-                argv = [a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
                 if argv:
-                    out.append((int(d), ppid, argv))
+                    out.append((pid, ppid, argv))
             self._procs = out
         return self._procs
 
@@ -195,22 +190,10 @@ def check_min_free(ctx: Context) -> Check:
     return Check("min_free_kbytes", PASS, f"vm.min_free_kbytes = {v} ({format_size(v * 1024)})", None, data)
 
 
-def is_guard(argv: list[str]) -> bool:
-    """True for ``sparkguard run ...`` or ``<python> -m sparkguard run ...`` (not a shell wrapping one)."""
-    if not argv:
-        return False
-    exe = os.path.basename(argv[0])
-    if exe == "sparkguard":
-        return len(argv) > 1 and argv[1] == "run"
-    if exe.startswith("python"):
-        return any(argv[i:i + 3] == ["-m", "sparkguard", "run"] for i in range(1, len(argv) - 2))
-    return False
-
-
 def _guard_pids(ctx: Context) -> list[int]:
     """Pids of the running guards: ``sparkguard run`` processes, not counting one whose parent
     is a guard too (a fork of the same guard)."""
-    guards = {pid: ppid for pid, ppid, argv in ctx.processes() if pid != os.getpid() and is_guard(argv)}
+    guards = {pid: ppid for pid, ppid, argv in ctx.processes() if pid != os.getpid() and procview.is_guard(argv)}
     return sorted(pid for pid, ppid in guards.items() if ppid not in guards)
 
 
@@ -232,17 +215,6 @@ def _several_guards(ctx: Context, pids: list[int]) -> str:
             "record every incident twice and, supervising, start a second engine")
 
 
-def _cap_eff() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def check_memlock(ctx: Context) -> Check:
     """Can the guard mlockall()?  Running guard's VmLck, else the unit's LimitMEMLOCK, else ours."""
     import resource
@@ -250,8 +222,7 @@ def check_memlock(ctx: Context) -> Check:
     locked: dict[int, int] = {}
     for pid in _guard_pids(ctx):
         try:
-            with open(f"/proc/{pid}/status") as f:
-                locked[pid] = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmLck:")), 0)
+            locked[pid] = int(procview.status(pid).get("VmLck", "0 kB").split()[0]) * 1024
         except OSError:
             continue
     if locked:
@@ -272,7 +243,10 @@ def check_memlock(ctx: Context) -> Check:
         return Check("memlock", WARN, f"{UNIT_FILE} does not set LimitMEMLOCK=infinity",
                      "sparkguard install (or add LimitMEMLOCK=infinity in a drop-in)", {"unit": UNIT_FILE})
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    cap = bool(_cap_eff() >> CAP_IPC_LOCK & 1)
+    try:
+        cap = procview.creds("self").has_cap(CAP_IPC_LOCK)
+    except (OSError, KeyError, ValueError):
+        cap = False
     data = {"rlimit_memlock": None if soft == resource.RLIM_INFINITY else soft, "cap_ipc_lock": cap}
     if soft == resource.RLIM_INFINITY or cap:
         why = "unlimited RLIMIT_MEMLOCK" if soft == resource.RLIM_INFINITY else "CAP_IPC_LOCK"
