@@ -2,7 +2,8 @@
 
 All functions return plain dicts/lists (JSON-ready) and never raise on a missing or
 unreadable file: they return None / empty instead, because the guard must survive an
-odd /proc (hidepid, containers, old kernels).
+odd /proc (hidepid, containers, old kernels).  Each takes the path it reads (or the folder
+of /sys/block), so tests run them on fixture files (tests/fixtures/).
 """
 
 from __future__ import annotations
@@ -62,27 +63,43 @@ ZRAM_MM_STAT = ("orig_data_bytes", "compr_data_bytes", "mem_used_bytes", "mem_li
                 "mem_used_max_bytes", "same_pages", "pages_compacted", "huge_pages", "huge_pages_since")
 
 
-def read_zram() -> list[dict]:
+def comp_algorithms(text: str) -> tuple[list[str], str | None]:
+    """The algorithms of a zram ``comp_algorithm`` file (``"lzo [lz4] zstd"``) and the selected
+    one, which the kernel writes in brackets (None when none is).
+    Source: Documentation/admin-guide/blockdev/zram.rst."""
+    names, selected = [], None
+    for w in text.split():
+        if w.startswith("["):
+            w = w.strip("[]")
+            selected = w
+        names.append(w)
+    return names, selected
+
+
+def read_zram(sys_block: str = SYS_ZRAM) -> list[dict]:
     """zram devices with a non-zero disksize, each ``{"device", "disksize_bytes", "comp_algorithm", <mm_stat fields>}``.
 
     mm_stat columns (bytes unless named pages): orig_data_size, compr_data_size,
     mem_used_total (the RAM zram really uses), mem_limit, mem_used_max, same_pages,
     pages_compacted, huge_pages, huge_pages_since.  Source: Documentation/admin-guide/blockdev/zram.rst.
+
+    Args:
+        sys_block: the folder holding ``zramN/`` (``/sys/block``).
     """
     out = []
     try:
-        names = sorted(n for n in os.listdir(SYS_ZRAM) if n.startswith("zram"))
+        names = sorted(n for n in os.listdir(sys_block) if n.startswith("zram"))
     except OSError:
         return out
     for name in names:
-        base = f"{SYS_ZRAM}/{name}"
-        disksize = _read(f"{base}/disksize")
-        if not disksize or int(disksize.strip() or 0) == 0:
+        base = f"{sys_block}/{name}"
+        disksize = (_read(f"{base}/disksize") or "").strip()
+        if not disksize.isdigit() or int(disksize) == 0:
             continue
         dev: dict = {"device": name, "disksize_bytes": int(disksize)}
         algo = _read(f"{base}/comp_algorithm") or ""
-        sel = [w.strip("[]") for w in algo.split() if w.startswith("[")]
-        dev["comp_algorithm"] = sel[0] if sel else algo.strip()
+        selected = comp_algorithms(algo)[1]
+        dev["comp_algorithm"] = selected if selected is not None else algo.strip()
         mm = (_read(f"{base}/mm_stat") or "").split()
         for k, v in zip(ZRAM_MM_STAT, mm):
             try:
@@ -108,9 +125,9 @@ def read_swaps(path: str = "/proc/swaps") -> list[dict]:
     return out
 
 
-def boot_id() -> str:
+def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
     """The kernel's boot id (/proc/sys/kernel/random/boot_id, dashes removed), or ``""``."""
-    return (_read("/proc/sys/kernel/random/boot_id") or "").strip().replace("-", "")
+    return (_read(path) or "").strip().replace("-", "")
 
 
 def hostname() -> str:

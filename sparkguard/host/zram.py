@@ -29,6 +29,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from sparkguard import sysinfo
 from sparkguard.host.files import (Changes, HostError, Manifest, atomic_write, in_root, install_file, read_text,
                                    remove_file, set_keys, shipped)
 from sparkguard.units import format_size, parse_size
@@ -121,21 +122,12 @@ def algorithms(name: str) -> tuple[list[str], str | None]:
 
     Source: /sys/block/zramN/comp_algorithm lists them, the selected one in brackets.
     """
-    text = _read(f"{SYS_BLOCK}/{name}/comp_algorithm") or ""
-    names, selected = [], None
-    for w in text.split():
-        if w.startswith("["):
-            w = w.strip("[]")
-            selected = w
-        names.append(w)
-    return names, selected
+    return sysinfo.comp_algorithms(_read(f"{SYS_BLOCK}/{name}/comp_algorithm") or "")
 
 
 def swap_entry(name: str, swaps: list[dict] | None = None) -> dict | None:
     """The /proc/swaps entry of ``/dev/<name>`` (sysinfo.read_swaps format) or None."""
-    from sparkguard.sysinfo import read_swaps
-
-    for s in swaps if swaps is not None else read_swaps():
+    for s in swaps if swaps is not None else sysinfo.read_swaps():
         if os.path.basename(s["filename"]) == name:
             return s
     return None
@@ -448,9 +440,7 @@ def check_priority(ch: Changes, priority: int) -> None:
     On Sparks a 16 GiB file swap proved too slow to absorb reclaim spikes: zram must be
     used first, i.e. have the strictly highest priority.
     """
-    from sparkguard.sysinfo import read_swaps
-
-    for s in read_swaps():
+    for s in sysinfo.read_swaps():
         if not os.path.basename(s["filename"]).startswith("zram") and s["priority"] >= priority:
             ch.warn(f"swap {s['filename']} ({s['type']}, {format_size(s['size_bytes'])}) has priority "
                     f"{s['priority']}, not below zram's {priority}: the kernel fills it as early as zram, "
