@@ -562,17 +562,10 @@ def generator_installed(root: str) -> str | None:
     return None
 
 
-def _size_text(size: int) -> str:
-    for unit, mult in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if size % mult == 0:
-            return f"{size // mult}{unit}"
-    return str(size)
-
-
 def render_conf(settings: ZramSettings) -> str:
     """Text of /etc/sparkguard/zram.conf for ``settings`` (from the shipped zram/sparkguard-zram.conf)."""
     return set_keys(shipped("host/zram/sparkguard-zram.conf"), {
-        "size": _size_text(settings.size), "priority": settings.priority, "algorithm": settings.algorithm})
+        "size": format_size(settings.size, exact=True), "priority": settings.priority, "algorithm": settings.algorithm})
 
 
 def read_conf(root: str = "/") -> ZramSettings | None:
