@@ -14,9 +14,11 @@ the report.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from typing import Callable
 
+from sparkguard import config
 from sparkguard.host import virt
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, WARN, Check, Context
 from sparkguard.host.doctor_engine import (check_engine_sandbox, check_engine_timeout, check_nvidia,
@@ -26,6 +28,7 @@ from sparkguard.host.doctor_guard import (check_guard_priority, check_hidepid, c
 from sparkguard.host.doctor_memory import (HOST_ONLY, check_boot_sysctls, check_container, check_min_free,
                                            check_page_cache, check_page_cluster, check_psi, check_swappiness,
                                            check_watermark, check_zram)
+from sparkguard.host.files import HostError
 
 def _host_fixes(checks: list[Check]) -> None:
     """Say "on the host" in the fixes that cannot be carried out here (HOST_ONLY, read-only)."""
@@ -60,11 +63,6 @@ def run_checks(ctx: Context) -> list[Check]:
 
 def doctor(args) -> int:
     """Handler of ``sparkguard doctor``: prints the verdicts (or JSON); 1 on any FAIL."""
-    import json
-
-    from sparkguard import config
-    from sparkguard.host.files import HostError
-
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:

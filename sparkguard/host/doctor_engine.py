@@ -12,6 +12,7 @@ import subprocess
 from sparkguard.host import procview
 from sparkguard.host.doctor_base import (FAIL, INFO, PASS, UNIT, UNIT_FILE, WARN, Check, Context, engine_roots,
                                          worse)
+from sparkguard.host.systemctl import query, systemd_running
 from sparkguard.units import format_duration
 
 #: peer memory killers that act on their own lines: (program name, what it does)
@@ -45,8 +46,6 @@ def check_other_killers(ctx: Context) -> Check:
     (systemctl show; only when systemd is PID 1), and Ray's memory monitor in a Ray engine
     whose environment lacks ``RAY_memory_monitor_refresh_ms=0`` (FIELD-NOTES: Ray kills actors
     under unified-memory pressure; 0 turns its monitor off)."""
-    from sparkguard.host.systemctl import query, systemd_running
-
     worst, lines, fixes = PASS, [], []
     data: dict = {"killers": [], "oomd": None, "ray": []}
     me = os.getpid()

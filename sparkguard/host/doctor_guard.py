@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 
+from sparkguard import linkwatch, status
 from sparkguard.host import procview
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, UNIT, UNIT_FILE, WARN, Check, Context, guard_pids, worse
+from sparkguard.host.files import read_text
+from sparkguard.host.systemctl import query, systemd_running
 from sparkguard.units import format_size
 
 CAP_IPC_LOCK = 14  # linux/capability.h
@@ -34,8 +38,6 @@ def _several_guards(ctx: Context, pids: list[int]) -> str:
 
 def check_memlock(ctx: Context) -> Check:
     """Can the guard mlockall()?  Running guard's VmLck, else the unit's LimitMEMLOCK, else ours."""
-    import resource
-
     locked: dict[int, int] = {}
     for pid in guard_pids(ctx):
         try:
@@ -51,8 +53,6 @@ def check_memlock(ctx: Context) -> Check:
                          "under heavy swap it can be paged out and react seconds late",
                          "run the guard as root or with LimitMEMLOCK=infinity (the unit does)", {"locked_bytes": locked})
         return Check("memlock", PASS, f"running guard memory locked (mlockall; {desc})", None, {"locked_bytes": locked})
-    from sparkguard.host.files import read_text
-
     unit = read_text(UNIT_FILE)
     if unit is not None:
         if re.search(r"^LimitMEMLOCK=infinity\s*$", unit, re.M):
@@ -145,8 +145,6 @@ def check_unit(ctx: Context) -> Check:
 
 
 def _check_unit(ctx: Context, pids: list[int]) -> Check:
-    from sparkguard.host.systemctl import query, systemd_running
-
     if systemd_running():
         enabled = query("is-enabled", UNIT) or "unknown"
         active = query("is-active", UNIT) or "unknown"
@@ -220,8 +218,6 @@ def check_links(ctx: Context) -> Check:
     if not names:
         return Check("links", INFO, "no TP links watched (link.interfaces is empty)",
                      "list the ConnectX-7 ports under link.interfaces to have link drops reported")
-    from sparkguard import linkwatch
-
     links = linkwatch.read_links(names)
     missing = [n for n, ln in links.items() if not ln.get("present")]
     down = [n for n, ln in links.items() if ln.get("present") and not ln.get("up")]
@@ -235,7 +231,6 @@ def check_links(ctx: Context) -> Check:
 def check_metrics(ctx: Context) -> Check:
     """The guard's metrics endpoint (``metrics.listen``) answers as sparkguard, and if not, who
     holds its port (``sparkguard.status.read_daemon``, ``port_holder``)."""
-    from sparkguard import status
     url = status.metrics_url(ctx.config.metrics.listen)
     if url is None:
         return Check("metrics", INFO, "metrics.listen is off: no Prometheus metrics", None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-from sparkguard import meminfo
+from sparkguard import meminfo, sysinfo
 from sparkguard.host import sysctl, virt
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, WARN, Check, Context, engine_roots
 from sparkguard.units import format_size
@@ -43,9 +43,7 @@ def tune_fix(**options: int) -> str:
 
 def check_zram(ctx: Context) -> Check:
     """zram swap present, active, and used before any file/partition swap."""
-    from sparkguard.sysinfo import read_swaps
-
-    swaps = read_swaps()
+    swaps = sysinfo.read_swaps()
     zr = [s for s in swaps if os.path.basename(s["filename"]).startswith("zram")]
     other = [s for s in swaps if s not in zr]
     data = {"zram": zr, "other_swap": other}
@@ -139,9 +137,7 @@ def check_min_free(ctx: Context) -> Check:
 
 def check_psi(ctx: Context) -> Check:
     """/proc/pressure/memory readable (kernel >= 4.20 with PSI on)."""
-    from sparkguard.sysinfo import read_psi_memory
-
-    psi = read_psi_memory()
+    psi = sysinfo.read_psi_memory()
     if psi is None:
         return Check("psi", WARN, "/proc/pressure/memory is missing: no memory-pressure wake-ups or metrics",
                      "boot with psi=1 (kernel >= 4.20, CONFIG_PSI)")
