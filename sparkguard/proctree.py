@@ -122,15 +122,13 @@ def read_limited(path: str, limit: int = READ_LIMIT) -> bytes | None:
 
 
 def read_proc(pid: int, root: str = "/proc") -> Proc | None:
-    """Read one process's stat and cmdline under ``root`` (a /proc, or a copy of one); None if
-    it is gone or unreadable.  comm is what lies between the first ``(`` and the last ``)`` of
-    stat, so a name holding spaces, parentheses or a newline is read whole."""
-    stat = read_limited(f"{root}/{pid}/stat")
-    if not stat:
+    """Read one process's stat (:func:`stat_fields`) and cmdline under ``root`` (a /proc, or a
+    copy of one); None if it is gone or unreadable."""
+    st = stat_fields(f"{root}/{pid}/stat")
+    if st is None:
         return None
-    lp, rp = stat.find(b"("), stat.rfind(b")")
-    comm = escape(stat[lp + 1:rp].decode("utf-8", "replace"))
-    f = stat[rp + 2:].split()
+    comm = escape(st[0].decode("utf-8", "replace"))
+    f = st[1]
     try:
         ppid, pgrp, flags, start = int(f[1]), int(f[2]), int(f[6]), int(f[19])
     except (IndexError, ValueError):
@@ -156,10 +154,24 @@ def live_task(pid: int, root: str = "/proc") -> str | None:
         return None
     for tid in tids:
         if tid != str(pid):
-            stat = read_limited(f"{root}/{pid}/task/{tid}/stat")
-            if stat and stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X"):
+            st = stat_fields(f"{root}/{pid}/task/{tid}/stat")
+            if st is not None and (st[1][0][:1] if st[1] else b"") not in (b"Z", b"X"):
                 return f"{root}/{pid}/task/{tid}"
     return None
+
+
+def stat_fields(path: str) -> tuple[bytes, list[bytes]] | None:
+    """A /proc/PID/stat (or task/TID/stat) file as ``(comm, fields)``: comm is what lies between
+    the first ``(`` and the last ``)`` (so a name holding spaces, parentheses or a newline is
+    read whole), ``fields[k]`` is proc(5) field ``k + 3`` (``fields[0]`` the state letter,
+    ``fields[1]`` ppid, ``fields[19]`` starttime).  None when unreadable or without ``(...)``."""
+    stat = read_limited(path)
+    if not stat:
+        return None
+    lp, rp = stat.find(b"("), stat.rfind(b")")
+    if lp < 0 or rp < lp:
+        return None
+    return stat[lp + 1:rp], stat[rp + 2:].split()
 
 
 def pids(root: str = "/proc") -> list[int]:

@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 
+from sparkguard import proctree
 from sparkguard.host.files import atomic_write
 
 RESULT_NAME = "reload"
@@ -46,10 +47,10 @@ _IN_CLOEXEC = 0o2000000
 
 def starttime(pid: int | str = "self") -> int | None:
     """Field 22 of /proc/PID/stat (start time after boot, clock ticks; proc(5)), or None."""
+    st = proctree.stat_fields(f"/proc/{pid}/stat")
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(st[1][19]) if st is not None else None
+    except (ValueError, IndexError):
         return None
 
 

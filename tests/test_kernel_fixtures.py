@@ -9,7 +9,7 @@ The readers compared (a file a case lacks is read as absent, as the kernel would
 (the poll loop's: its first sample, MemTotal and SwapTotal, or the error that stops the guard);
 ``swaps``, ``psi_memory``, ``zram`` the :mod:`sparkguard.sysinfo` readers; ``procs``
 :func:`sparkguard.proctree.scan` and ``memory`` the resident and swapped bytes of each process
-found (``proctree._status_mem``, what the incident's tree rows show); ``argv`` and ``creds`` the
+found (``proctree._status_mem``, what the incident's tree rows show); ``argv``, ``creds`` and ``stat`` (ppid, nice) the
 :mod:`sparkguard.host.procview` readers doctor uses.
 
 Regenerate after a deliberate change of a reader: ``python3 tests/test_kernel_fixtures.py``
@@ -54,9 +54,10 @@ def observe(case: Path) -> dict:
     procs = proctree.scan(str(proc)) if proc.is_dir() else {}
     out["procs"] = {str(pid): dataclasses.asdict(p) for pid, p in sorted(procs.items())}
     out["memory"] = {str(pid): list(proctree._status_mem(pid, root=str(proc))) for pid in sorted(procs)}
-    out["argv"], out["creds"] = {}, {}
+    out["argv"], out["creds"], out["stat"] = {}, {}, {}
     for pid in sorted(procs):
         out["argv"][str(pid)] = procview.argv(pid, str(proc))
+        out["stat"][str(pid)] = {"ppid": procview.ppid(pid, str(proc)), "nice": procview.nice(pid, str(proc))}
         try:
             c = procview.creds(pid, str(proc))
         except (OSError, KeyError, ValueError) as e:

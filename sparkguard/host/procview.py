@@ -30,19 +30,25 @@ def oom_score_adj(pid: int, root: str = "/proc") -> int:
         return int(f.read().strip())
 
 
+def _stat(pid: int, root: str) -> list[bytes]:
+    """The fields of /proc/PID/stat after comm (:func:`sparkguard.proctree.stat_fields`).
+    Raises OSError when gone or unreadable."""
+    st = proctree.stat_fields(f"{root}/{pid}/stat")
+    if st is None:
+        raise FileNotFoundError(2, "No such process", f"{root}/{pid}/stat")
+    return st[1]
+
+
 def nice(pid: int, root: str = "/proc") -> int:
-    """The nice value (-20..19) of ``pid``'s main thread: field 19 of /proc/PID/stat."""
-    with open(f"{root}/{pid}/stat", "rb") as f:
-        rest = f.read().rsplit(b")", 1)[1].split()
-    return int(rest[16])  # rest[0] is field 3 (state)
+    """The nice value (-20..19) of ``pid``'s main thread: field 19 of /proc/PID/stat.
+    Raises OSError, or ValueError/IndexError on a malformed stat."""
+    return int(_stat(pid, root)[16])
 
 
 def ppid(pid: int, root: str = "/proc") -> int:
-    """The parent's pid: field 4 of /proc/PID/stat (read after the last ``)``, so a comm holding
-    spaces or parentheses does not shift it).  Raises OSError, or ValueError/IndexError on a
-    malformed stat."""
-    with open(f"{root}/{pid}/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[1])
+    """The parent's pid: field 4 of /proc/PID/stat.  Raises OSError, or ValueError/IndexError
+    on a malformed stat."""
+    return int(_stat(pid, root)[1])
 
 
 def argv(pid: int, root: str = "/proc") -> list[str]:
