@@ -7,6 +7,7 @@ files laid out as the kernel does (``proc/meminfo``, ``proc/swaps``, ``proc/pres
 The readers compared (a file a case lacks is read as absent, as the kernel would have it):
 ``meminfo`` :func:`sparkguard.meminfo.read`; ``reader`` :class:`sparkguard.meminfo.MeminfoReader`
 (the poll loop's: its first sample, MemTotal and SwapTotal, or the error that stops the guard);
+``start_gate`` the supervisor's MemAvailable reader (``supervisor.gates.read_mem_available``);
 ``swaps``, ``psi_memory``, ``zram`` the :mod:`sparkguard.sysinfo` readers; ``procs``
 :func:`sparkguard.proctree.scan` and ``memory`` the resident and swapped bytes of each process
 found (``proctree._status_mem``, what the incident's tree rows show); ``argv``, ``creds`` and ``stat`` (ppid, nice) the
@@ -27,6 +28,7 @@ import pytest
 
 from sparkguard import meminfo, proctree, sysinfo
 from sparkguard.host import procview
+from sparkguard.supervisor import gates
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.json").exists())
@@ -48,6 +50,10 @@ def observe(case: Path) -> dict:
             out["reader"] = {"sample": list(r.sample()), "mem_total": r.mem_total, "swap_total": r.swap_total}
         finally:
             r.close()
+    try:
+        out["start_gate"] = gates.read_mem_available(str(proc / "meminfo"))
+    except (OSError, ValueError) as e:
+        out["start_gate"] = {"error": type(e).__name__}
     out["swaps"] = sysinfo.read_swaps(str(proc / "swaps"))
     out["psi_memory"] = sysinfo.read_psi_memory(str(proc / "pressure" / "memory"))
     out["zram"] = sysinfo.read_zram(str(case / "sys" / "block"))
