@@ -130,11 +130,11 @@ def test_a_zombie_leader_is_found_signalled_and_its_memory_counted():
         # the leader shows as a zombie (state Z) once its thread is gone
         fd = os.pidfd_open(p.pid)
         deadline = time.monotonic() + 10
-        while proctree._read(f"/proc/{p.pid}/stat").split(b") ")[1][:1] != b"Z":
+        while proctree.read_limited(f"/proc/{p.pid}/stat").split(b") ")[1][:1] != b"Z":
             assert time.monotonic() < deadline, "the main thread did not exit"
             select.select([p.stdout], [], [], 0.02)      # nothing signals a thread's exit to others
-        assert proctree._read(f"/proc/{p.pid}/cmdline") == b""
-        assert b"VmRSS" not in proctree._read(f"/proc/{p.pid}/status")
+        assert proctree.read_limited(f"/proc/{p.pid}/cmdline") == b""
+        assert b"VmRSS" not in proctree.read_limited(f"/proc/{p.pid}/status")
         ts = proctree.find_targets(cfg(tag))
         assert [t.root_pid for t in ts] == [p.pid]
         assert ts[0].tree[0]["cmdline"].endswith(tag)
