@@ -196,7 +196,8 @@ def test_drill_refuses_near_the_configured_line(tmp_path, root_only):
 
 
 def test_plan_places_lines_and_keeps_kill_distance():
-    from sparkguard import config, drill
+    from sparkguard import config
+    from sparkguard.drill import planning as drill
     cfg = config.from_dict({"guard": {"term_below": "1GiB", "kill_below": "0.5GiB"}}, "x.yaml", mem_total=64 * GiB)
     p = drill.plan(cfg, 20 * GiB, GiB, GiB // 2)
     assert p["term_below"] == 19 * GiB
@@ -222,7 +223,7 @@ def _report(**kw) -> dict:
 
 
 def test_headline_and_report_lines_say_what_was_measured():
-    from sparkguard import drill
+    from sparkguard.drill import report as drill
     assert drill.headline(_report()) == ("SIGTERM 12.3 ms after the crossing (ignored), SIGKILL 5.0 s after SIGTERM "
                                          "(the 5 s grace was over), tree gone, memory back above the line")
     # a SIGKILL line reached before the grace is over is named as the reason

@@ -1,136 +1,14 @@
-"""``sparkguard drill``: a fire drill of the memory guard on the live host.
-
-It starts a synthetic engine tree (the fake vLLM of :mod:`sparkguard.fake_engine`:
-``vllm serve sparkguard-drill-<hex>`` -> ``VLLM::EngineCore`` -> ``VLLM::Worker_TP0/1``)
-whose worker TP0 fills memory at a chosen rate, and runs the guard's own poll loop
-(:class:`sparkguard.daemon.Guard`, in this process) with the running configuration,
-changed in three places only:
-
-* ``guard.term_below`` becomes a temporary line ``--margin`` (default 1 GiB) under the
-  memory signal read now (MemAvailable, or MemAvailable+SwapFree with
-  ``guard.signal: available+swap``); ``guard.kill_below``, if set, keeps its distance under
-  it.  The drill refuses to run when the lowest point it may reach (line minus ``--past``)
-  would be closer than 2 GiB to the configured line: it never goes near the real floor.
-* ``targets.match`` becomes the escaped model name unique to this drill and ``fallback``
-  off, so the guard cannot signal any process but the drill's own fake engine.
-* ``metrics.listen`` is off (a running daemon keeps its port).
-
-Grace, poll interval, signal kind, protection list, incident store and journal are the
-configured ones.  The incident is reported through the configured reporter with
-``kind: "drill"`` and ``drill: true``.  Progress (memory vs the line, the guard's state)
-goes to stderr while it runs.  The report: crossing-to-SIGTERM latency, overshoot past
-the line, SIGTERM-to-exit time, whether escalation (SIGKILL) happened, memory recovered
-``--recover`` seconds after the tree was gone, and PASS or FAIL with the reason.
-
-The fake tree is SIGKILLed and reaped on every path (normal end, error, timeout,
-SIGINT/Ctrl-C, SIGTERM); the report lists any process of it still alive (none expected).
-Exit status: 0 PASS, 1 FAIL, 2 refused (bad config, not enough headroom), 130 interrupted.
-"""
+"""One drill run: the fake engine, the guard's own loop on it, the controller, the report."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
 import time
 
-GiB = 1 << 30
-SAFETY = 2 * GiB          # the drill's lowest point stays this far above the configured line
-TERM_LATENCY_LIMIT = 0.5  # seconds from the guard's crossing to SIGTERM for a PASS
-
-
-class DrillError(Exception):
-    """The drill cannot run safely or at all (message says why and what to change)."""
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``drill``."""
-    p = sub.add_parser("drill", help="fire drill: a fake engine fills memory past a temporary line; "
-                                     "watch the guard act and get PASS/FAIL",
-                       description="Start a fake vLLM tree that fills memory, put a temporary SIGTERM line "
-                                   "--margin under the current MemAvailable, let the configured guard logic act "
-                                   "on it (it can only signal the drill's own fake engine), and report.")
-    p.add_argument("--config", "-c", metavar="PATH", help="config whose logic is drilled (default "
-                   "/etc/sparkguard/sparkguard.yaml; embedded defaults when absent)")
-    p.add_argument("--rate", default="1GiB/s", help="fill rate of the fake engine: 512MiB/s, 1GiB/s, max "
-                   "(default 1GiB/s)")
-    p.add_argument("--margin", default="1GiB", help="temporary line this far under the memory now (default 1GiB)")
-    p.add_argument("--past", default=None, help="how far past the line the fake may fill before it stops "
-                   "(default 0.5GiB; 1GiB with --ignore-term)")
-    p.add_argument("--ignore-term", action="store_true", help="the fake ignores SIGTERM: drills the escalation "
-                   "(SIGKILL of the whole tree after guard.grace)")
-    p.add_argument("--recover", default="3s", help="measure memory this long after the tree is gone (default 3s)")
-    p.add_argument("--timeout", default=None, help="give up after this long (default: fill time + grace + 30s)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
-    p.add_argument("--verbose", "-v", action="store_true", help="show the guard's own log lines")
-    p.set_defaults(func=cmd_drill)
-
-
-# ---------------------------------------------------------------------------- planning
-
-
-def parse_rate(text: str) -> float | None:
-    """``"1GiB/s"`` / ``"512MiB"`` -> bytes per second; ``"max"`` -> None.  Raises ValueError."""
-    from sparkguard.units import parse_size
-    t = str(text).strip()
-    if t.lower() == "max":
-        return None
-    if t.lower().endswith("/s"):
-        t = t[:-2]
-    r = parse_size(t)
-    if r <= 0:
-        raise ValueError(f"rate must be positive, got {text!r}")
-    return float(r)
-
-
-def plan(cfg, value_now: int, margin: int, past: int) -> dict:
-    """Where the temporary lines go.
-
-    Args:
-        cfg: ``config.Config`` being drilled.
-        value_now: the memory signal now (bytes; MemAvailable or MemAvailable+SwapFree).
-        margin: bytes between ``value_now`` and the temporary SIGTERM line.
-        past: bytes the fake may fill past the line.
-    Returns:
-        dict with ``term_below``, ``kill_below`` (or None), ``fill_size``, ``floor`` (lowest
-        expected signal), all bytes.
-    Raises:
-        DrillError: the floor would come closer than 2 GiB to the configured ``guard.term_below``.
-    """
-    from sparkguard.units import format_size
-    g = cfg.guard
-    if margin <= 0 or past <= 0:
-        raise DrillError("--margin and --past must be greater than 0")
-    line = value_now - margin
-    floor = line - past
-    if floor < g.term_below + SAFETY:
-        raise DrillError(
-            f"not enough headroom for a safe drill: {_signal_name(g.signal)} is {format_size(value_now)}; the drill "
-            f"would take it to about {format_size(floor)}, closer than {format_size(SAFETY)} to the configured "
-            f"SIGTERM line {format_size(g.term_below)} (guard.term_below in {cfg.path}). "
-            f"Free some memory or lower --margin/--past.")
-    kill = None if g.kill_below is None else line - (g.term_below - g.kill_below)
-    return {"term_below": line, "kill_below": kill, "fill_size": margin + past, "floor": floor}
-
-
-def _signal_name(sig: str) -> str:
-    return "MemAvailable" if sig == "available" else "MemAvailable+SwapFree"
-
-
-def read_signal(signal_kind: str) -> int:
-    """The configured memory signal now, bytes (one read of /proc/meminfo)."""
-    from sparkguard import meminfo
-    r = meminfo.MeminfoReader()
-    try:
-        a, s = r.sample()
-    finally:
-        r.close()
-    return a + s if signal_kind == "available+swap" else a
-
-
-# ---------------------------------------------------------------------------- the guard
+from sparkguard.drill.planning import TERM_LATENCY_LIMIT, _signal_name
+from sparkguard.drill.report import _bar, _fs, headline
 
 
 class _DrillReporter:
@@ -180,9 +58,6 @@ def _make_guard(cfg, drill: "Drill"):
                 pass
 
     return DrillGuard(cfg, config_arg=None)
-
-
-# ---------------------------------------------------------------------------- the drill
 
 
 class Drill:
@@ -408,29 +283,6 @@ class Drill:
         return "PASS", headline(r)
 
 
-def headline(r: dict) -> str:
-    """What the guard did, for the PASS line: ``"SIGTERM 0.4 ms after the crossing, tree gone
-    95 ms later, memory back above the line"``, or with escalation ``"SIGTERM 0.4 ms after the
-    crossing (ignored), SIGKILL 1.0 s after SIGTERM (the 1 s grace was over), tree gone, ..."``.
-
-    Args:
-        r: the report dict of :meth:`Drill.report` (seconds in ``crossing_to_sigterm_seconds``,
-            ``sigkill_after_sigterm_seconds``, ``sigterm_to_exit_seconds``, ``grace_seconds``).
-    """
-    from sparkguard.units import format_duration as fd
-    text = f"SIGTERM {r['crossing_to_sigterm_seconds'] * 1000:.1f} ms after the crossing"
-    if r["escalated"]:
-        after = r["sigkill_after_sigterm_seconds"]
-        grace = r["grace_seconds"]
-        why = (f"the {grace:g} s grace was over" if after is None or after >= grace - 0.05 else
-               f"below the SIGKILL line, before the {grace:g} s grace was over")
-        text += f" (ignored), SIGKILL {fd(after)} after SIGTERM ({why}), tree gone"
-    else:
-        gone = r["sigterm_to_exit_seconds"]
-        text += ", tree gone" + ("" if gone is None else f" {fd(gone)} later")
-    return text + ", memory back above the line"
-
-
 def _since(event: dict | None, t_cross: float | None) -> float | None:
     """Seconds from the crossing to ``event`` (both ``t`` values of the guard's timeline), or None."""
     if event is None or event.get("t") is None:
@@ -470,111 +322,8 @@ def _survivors(model: str, pids: list[int]) -> list[int]:
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
-
-def _fs(n) -> str:
-    from sparkguard.units import format_size
-    return format_size(n)
-
-
-def _bar(v: int, top: int, floor: int, line: int, width: int = 20) -> str:
-    """``[#####|....]``: how far the signal has fallen from the start towards the floor; ``|`` is the line."""
-    span = max(1, top - floor)
-    fill = min(width, max(0, round((top - v) / span * width)))
-    mark = min(width - 1, max(0, round((top - line) / span * width)))
-    cells = ["#" if i < fill else "." for i in range(width)]
-    cells[mark] = "|"
-    return "[" + "".join(cells) + "]"
-
-
 def _jsonable(inc):
     if inc is None:
         return None
     import json
     return json.loads(json.dumps({k: v for k, v in inc.items() if not k.startswith("_")}, default=str))
-
-
-def format_report(r: dict) -> str:
-    """The report for people (several lines)."""
-    from sparkguard.units import format_duration as fd
-    lines = [f"sparkguard drill: {r['result']} - {r['reason']}",
-             f"  config            {r['config']} (signal {_signal_name(r['signal'])}, grace {r['grace_seconds']:g}s)",
-             f"  lines             temporary SIGTERM {_fs(r['term_below_bytes'])}"
-             + (f", SIGKILL {_fs(r['kill_below_bytes'])}" if r["kill_below_bytes"] is not None else "")
-             + f"; configured {_fs(r['configured_term_below_bytes'])} (untouched)",
-             f"  fake engine       {r['model']}, fill {_fs(r['fill_size_bytes'])} at "
-             + ("full speed" if r["fill_rate_bytes_per_second"] is None else _fs(r["fill_rate_bytes_per_second"]) + "/s")
-             + (", ignores SIGTERM" if r["ignore_term"] else ""),
-             f"  memory            start {_fs(r['start_bytes'])}, lowest {_fs(r['min_bytes'])}, "
-             f"overshoot past the line {_fs(r['overshoot_bytes'])}",
-             f"  crossing->SIGTERM " + ("-" if r["crossing_to_sigterm_seconds"] is None else
-                                        f"{r['crossing_to_sigterm_seconds'] * 1000:.1f} ms"),
-             f"  SIGTERM->exit     " + (fd(r["sigterm_to_exit_seconds"]) if r["sigterm_to_exit_seconds"] is not None
-                                        or r["crossing_to_sigterm_seconds"] is None else "not measured (no exit seen)"),
-             f"  escalation        " + (f"yes, SIGKILL {fd(r['sigkill_after_sigterm_seconds'])} after SIGTERM "
-                                        f"(grace {r['grace_seconds']:g}s)" if r["escalated"] else "no"),
-             f"  {'after ' + format(r['recover_seconds'], 'g') + 's':<18}" + _after(r),
-             f"  incident          " + _incident_line(r),
-             f"  left processes    {r['left_processes'] or 'none'}"]
-    return "\n".join(lines)
-
-
-def _after(r: dict) -> str:
-    """The report's memory-after line: measured, or why not."""
-    if r["after_bytes"] is None:
-        why = ("the drill was interrupted" if r["interrupted"] else
-               "the fake engine's tree was never gone" if not r.get("tree_gone") else
-               "memory was not back above the line before the drill's timeout")
-        return f"not measured ({why})"
-    return (f"{_fs(r['after_bytes'])} (recovered {_fs(r['recovered_bytes'])}; "
-            + ("above" if r["back_above_line"] else "NOT above") + " the line)")
-
-
-def _incident_line(r: dict) -> str:
-    if not r["incident_id"]:
-        return f"none (store {r['incidents_dir']})"
-    if r.get("incident_file"):
-        return f"{r['incident_id']} (kind drill, saved as {r['incident_file']})"
-    return (f"{r['incident_id']} (kind drill, NOT saved in {r['incidents_dir']}; "
-            f"run with -v to see the reporter's error)")
-
-
-def cmd_drill(args: argparse.Namespace) -> int:
-    """Run the drill; 0 PASS, 1 FAIL, 2 refused, 130 interrupted."""
-    import json
-    import logging
-    from sparkguard import config
-    from sparkguard.units import parse_duration, parse_size
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    if not args.verbose:
-        # the reporter logs every event of the drill's incident (SIGKILL at priority err): the
-        # report says all of it, and whether the incident was saved; -v shows these lines
-        logging.getLogger("sparkguard.reporter").setLevel(logging.CRITICAL + 1)
-    try:
-        cfg = config.load(args.config)
-    except config.ConfigError as e:
-        print(f"sparkguard drill: invalid config: {e}", file=sys.stderr)
-        return 2
-    try:
-        rate = parse_rate(args.rate)
-        margin = parse_size(args.margin)
-        past = parse_size(args.past) if args.past is not None else (GiB if args.ignore_term else GiB // 2)
-        recover = parse_duration(args.recover)
-        p = plan(cfg, read_signal(cfg.guard.signal), margin, past)
-        fill_time = p["fill_size"] / rate if rate else 10.0
-        timeout = parse_duration(args.timeout) if args.timeout else fill_time + cfg.guard.grace + recover + 30
-    except ValueError as e:
-        print(f"sparkguard drill: bad option: {e}", file=sys.stderr)
-        return 2
-    except DrillError as e:
-        print(f"sparkguard drill: refused: {e}", file=sys.stderr)
-        return 2
-    d = Drill(args, cfg, p, rate, recover, timeout)
-    rep = d.run()
-    if args.json:
-        print(json.dumps(rep, indent=2, default=str))
-    else:
-        print(format_report(rep))
-    if rep["interrupted"]:
-        return 130
-    return 0 if rep["result"] == "PASS" else 1
