@@ -30,6 +30,8 @@ Exit status: 0 PASS, 1 FAIL, 2 refused (bad config, not enough headroom), 130 in
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 
 
@@ -59,8 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     """Run the drill; 0 PASS, 1 FAIL, 2 refused, 130 interrupted."""
-    import json
-    import logging
     from sparkguard import config
     from sparkguard.drill.planning import GiB, DrillError, parse_rate, plan, read_signal
     from sparkguard.drill.report import format_report

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from sparkguard import meminfo
+from sparkguard.units import format_size, parse_size
+
 GiB = 1 << 30
 SAFETY = 2 * GiB          # the drill's lowest point stays this far above the configured line
 TERM_LATENCY_LIMIT = 0.5  # seconds from the guard's crossing to SIGTERM for a PASS
@@ -13,7 +16,6 @@ class DrillError(Exception):
 
 def parse_rate(text: str) -> float | None:
     """``"1GiB/s"`` / ``"512MiB"`` -> bytes per second; ``"max"`` -> None.  Raises ValueError."""
-    from sparkguard.units import parse_size
     t = str(text).strip()
     if t.lower() == "max":
         return None
@@ -39,7 +41,6 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
     Raises:
         DrillError: the floor would come closer than 2 GiB to the configured ``guard.term_below``.
     """
-    from sparkguard.units import format_size
     g = cfg.guard
     if margin <= 0 or past <= 0:
         raise DrillError("--margin and --past must be greater than 0")
@@ -47,7 +48,7 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
     floor = line - past
     if floor < g.term_below + SAFETY:
         raise DrillError(
-            f"not enough headroom for a safe drill: {_signal_name(g.signal)} is {format_size(value_now)}; the drill "
+            f"not enough headroom for a safe drill: {signal_name(g.signal)} is {format_size(value_now)}; the drill "
             f"would take it to about {format_size(floor)}, closer than {format_size(SAFETY)} to the configured "
             f"SIGTERM line {format_size(g.term_below)} (guard.term_below in {cfg.path}). "
             f"Free some memory or lower --margin/--past.")
@@ -55,13 +56,12 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
     return {"term_below": line, "kill_below": kill, "fill_size": margin + past, "floor": floor}
 
 
-def _signal_name(sig: str) -> str:
+def signal_name(sig: str) -> str:
     return "MemAvailable" if sig == "available" else "MemAvailable+SwapFree"
 
 
 def read_signal(signal_kind: str) -> int:
     """The configured memory signal now, bytes (one read of /proc/meminfo)."""
-    from sparkguard import meminfo
     r = meminfo.MeminfoReader()
     try:
         a, s = r.sample()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import sys
 import threading
 import time
 
-from sparkguard.drill.planning import TERM_LATENCY_LIMIT, _signal_name
-from sparkguard.drill.report import _bar, _fs, headline
+from sparkguard import config, daemon, fake_engine, incidents, meminfo, proctree
+from sparkguard.drill.planning import TERM_LATENCY_LIMIT, signal_name
+from sparkguard.drill.report import headline, progress_bar
+from sparkguard.units import format_size
 
 
 class _DrillReporter:
@@ -41,8 +46,6 @@ class _DrillReporter:
 
 
 def _make_guard(cfg, drill: "Drill"):
-    from sparkguard import daemon
-
     class DrillGuard(daemon.Guard):
         """The daemon's Guard with the drill's reporter and a stop button for the controller thread."""
 
@@ -99,9 +102,6 @@ class Drill:
 
     def run(self) -> dict:
         """Run the drill to the end; always cleans up.  Returns the report dict."""
-        import re
-        import signal
-        from sparkguard import config, fake_engine
         g = self.cfg.guard
         p = self.plan
         dcfg = config.replace(
@@ -122,9 +122,9 @@ class Drill:
             self.engine = fake_engine.start(self.model, *opts)
             self.pids = self.engine.pids(timeout=60)
             self._say(f"drill: fake engine {self.model} up (pids {', '.join(map(str, self.pids))}); "
-                      f"temporary SIGTERM line {_fs(p['term_below'])}"
-                      + (f", SIGKILL line {_fs(p['kill_below'])}" if p["kill_below"] is not None else "")
-                      + f", grace {g.grace:g}s; configured line {_fs(g.term_below)} untouched")
+                      f"temporary SIGTERM line {format_size(p['term_below'])}"
+                      + (f", SIGKILL line {format_size(p['kill_below'])}" if p["kill_below"] is not None else "")
+                      + f", grace {g.grace:g}s; configured line {format_size(g.term_below)} untouched")
             self.guard = _make_guard(dcfg, self)
             self.guard.start()
             self.value_start = self.guard.value
@@ -147,7 +147,6 @@ class Drill:
 
     def _control(self) -> None:
         """Controller thread: start the fill, show progress, decide when the drill is over."""
-        from sparkguard import meminfo
         p = self.plan
         reader = meminfo.MeminfoReader()
         sig = self.cfg.guard.signal
@@ -167,9 +166,9 @@ class Drill:
                 if self.gone_at is None and self._tree_gone():
                     self.gone_at = now
                 if not self.args.quiet and (tty or now >= next_line):
-                    bar = _bar(v, self.value_start, p["floor"], p["term_below"])
-                    msg = (f"  {now - start:5.1f}s {_signal_name(sig)} {_fs(v):>10} line {_fs(p['term_below'])} "
-                           f"{bar} guard {state}")
+                    bar = progress_bar(v, self.value_start, p["floor"], p["term_below"])
+                    msg = (f"  {now - start:5.1f}s {signal_name(sig)} {format_size(v):>10} "
+                           f"line {format_size(p['term_below'])} {bar} guard {state}")
                     print(("\r" + msg + "   ") if tty else msg, end="" if tty else "\n", file=self.out, flush=True)
                     next_line = now + 1.0
                 if self.gone_at is not None and now - self.gone_at >= self.recover and state == "ok":
@@ -279,7 +278,7 @@ class Drill:
             return "FAIL", f"memory was not measured {self.recover:g}s after the tree was gone"
         if not r["back_above_line"]:
             return "FAIL", (f"memory was still under the line {self.recover:g}s after the tree was gone "
-                            f"({_fs(r['after_bytes'])} < {_fs(r['term_below_bytes'])})")
+                            f"({format_size(r['after_bytes'])} < {format_size(r['term_below_bytes'])})")
         return "PASS", headline(r)
 
 
@@ -294,7 +293,6 @@ def _saved_incident(store: str, incident_id: str | None) -> str | None:
     """Path of the drill's incident file in the configured store, None when it is not there."""
     if not incident_id:
         return None
-    from sparkguard import incidents
     if not incidents.valid_id(incident_id):
         return None
     path = incidents.IncidentStore(store).path_for(incident_id)
@@ -305,7 +303,6 @@ def _survivors(model: str, pids: list[int]) -> list[int]:
     """Live (not zombie) processes of the drill's tree: its pids still titled VLLM::*, or any
     process whose cmdline names the drill's model.  Zombies hold no memory and are not counted
     (in a container whose init reaps lazily they linger for a while)."""
-    from sparkguard import proctree
     left = []
     for pid, pr in proctree.scan().items():
         if model in pr.cmdline or (pid in pids and pr.comm.startswith("VLLM::")):
@@ -325,5 +322,4 @@ def _raise_interrupt(signum, frame):
 def _jsonable(inc):
     if inc is None:
         return None
-    import json
     return json.loads(json.dumps({k: v for k, v in inc.items() if not k.startswith("_")}, default=str))
