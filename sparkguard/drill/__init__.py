@@ -1,6 +1,6 @@
 """``sparkguard drill``: a fire drill of the memory guard on the live host.
 
-It starts a synthetic engine tree (the fake vLLM of :mod:`sparkguard.fake_engine`:
+It starts a synthetic engine tree (:mod:`sparkguard.drill.hog`, shaped and titled like vLLM's:
 ``vllm serve sparkguard-drill-<hex>`` -> ``VLLM::EngineCore`` -> ``VLLM::Worker_TP0/1``)
 whose worker TP0 fills memory at a chosen rate, and runs the guard's own poll loop
 (:class:`sparkguard.daemon.Guard`, in this process) with the running configuration,

@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from sparkguard import config, daemon, fake_engine, incidents, meminfo, proctree
+from sparkguard import config, daemon, incidents, meminfo, proctree
+from sparkguard.drill import hog
 from sparkguard.drill.planning import TERM_LATENCY_LIMIT, signal_name
 from sparkguard.drill.report import headline, progress_bar
 from sparkguard.units import format_size
@@ -115,11 +116,11 @@ class Drill:
         ctl = None
         try:
             opts = ["--tp", "2", "--hold", "16MiB", "--hold-core", "8MiB", "--hold-api", "8MiB",
-                    "--fill-size", str(p["fill_size"]), "--fill-rate", "max" if self.rate is None else str(int(self.rate)),
-                    "--fill-on-signal"]
+                    "--fill-size", str(p["fill_size"]),
+                    "--fill-rate", "max" if self.rate is None else str(int(self.rate))]
             if self.args.ignore_term:
-                opts += ["--mode", "ignore-term"]
-            self.engine = fake_engine.start(self.model, *opts)
+                opts.append("--ignore-term")
+            self.engine = hog.start(self.model, *opts)
             self.pids = self.engine.pids(timeout=60)
             self._say(f"drill: fake engine {self.model} up (pids {', '.join(map(str, self.pids))}); "
                       f"temporary SIGTERM line {format_size(p['term_below'])}"
