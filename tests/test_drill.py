@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import mem_available, run_sparkguard, sg_env, sparkguard_cmd
+from conftest import fake_vllm, mem_available, run_sparkguard, sg_env, sparkguard_cmd
 
 GiB = 1 << 30
 
@@ -74,10 +74,9 @@ def _procs_with(word: str) -> list[int]:
 
 def test_drill_passes_reports_and_leaves_real_engines_alone(tmp_path, root_only):
     """The default targets.match matches any `vllm serve`: a bystander engine must survive the drill."""
-    from sparkguard import fake_engine
     _need_headroom()
     cfg = _config(tmp_path)
-    bystander = fake_engine.start("sg-bystander-" + os.urandom(3).hex(), "--hold", "16MiB")
+    bystander = fake_vllm.start("sg-bystander-" + os.urandom(3).hex(), "--hold", "16MiB")
     try:
         by_pids = bystander.pids(timeout=30)
         # --past 0.5GiB: memory that other work (or the kernel) gives back during the fill must not

@@ -1,4 +1,4 @@
-"""A fake vLLM for tests and ``sparkguard drill``: real processes that look and die like vLLM's.
+"""The tests' fake vLLM: real processes that look, serve and die like vLLM's.
 
 What sparkguard can observe of a vLLM engine is imitated with real processes, real memory and a
 real HTTP port; nothing is mocked.  Facts imitated (FIELD-NOTES "vLLM, the main engine guarded",
@@ -7,7 +7,7 @@ read from vLLM 0.33: ``vllm/entrypoints/cli/serve.py``, ``vllm/v1/engine/core.py
 
 Process tree (all in the launcher's process group; nothing calls setsid, nothing sets PDEATHSIG)::
 
-    python3 .../sparkguard/fakes/vllm serve MODEL ...   (cmdline intact, not renamed: the API server)
+    python3 .../tests/fakes/vllm serve MODEL ...        (cmdline intact, not renamed: the API server)
       `- VLLM::EngineCore                               (setproctitle: cmdline is the title alone,
            |- VLLM::Worker_TP0                           /proc/PID/comm cut to 15 bytes:
            `- VLLM::Worker_TP1 ... TP<N-1>               "VLLM::EngineCor", "VLLM::Worker_TP")
@@ -96,19 +96,12 @@ _SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
 def script_path() -> str:
-    """Absolute path of the ``vllm`` launcher script shipped in ``sparkguard/fakes/``.
-
-    Raises:
-        FileNotFoundError: the package was installed without its ``fakes/vllm`` data file.
-    """
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakes", "vllm")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"fake vllm launcher missing: {path} (package data not installed?)")
-    return path
+    """Absolute path of the ``vllm`` launcher script beside this module (``tests/fakes/vllm``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm")
 
 
 def command(model: str, *opts: str) -> list[str]:
-    """argv that starts a fake vLLM: ``[sys.executable, <pkg>/fakes/vllm, "serve", model, *opts]``.
+    """argv that starts a fake vLLM: ``[sys.executable, tests/fakes/vllm, "serve", model, *opts]``.
 
     The top process's /proc/PID/cmdline is then exactly this list, like real vLLM's
     ``/usr/bin/python3 /usr/local/bin/vllm serve MODEL ...``.  ``opts`` are strings (``"--tp", "4"``);
@@ -163,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Sizes take units (``64MiB``), durations too (``500ms``); see ``sparkguard.units``.
     """
-    p = argparse.ArgumentParser(prog="vllm serve", description="sparkguard's fake vLLM (see sparkguard.fake_engine)")
+    p = argparse.ArgumentParser(prog="vllm serve", description="sparkguard's fake vLLM (see tests/fakes/fake_vllm.py)")
     p.add_argument("model")
     p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=2,
                    help="workers VLLM::Worker_TP0..N-1 under EngineCore (default 2)")
@@ -458,7 +451,7 @@ class _Fill:
     def begin(self, now: float) -> None:
         self.started = self.active = True
         self.t0 = self.last_report = now
-        self.log("INFO", "fake_engine.py:1", f"filling {self.size} bytes at "
+        self.log("INFO", "fake_vllm.py:1", f"filling {self.size} bytes at "
                  f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}")
 
     def next_due(self, now: float) -> float:
@@ -477,7 +470,7 @@ class _Fill:
             try:
                 self.mem.add(n)
             except OSError as e:
-                self.log("ERROR", "fake_engine.py:1", f"fill allocation failed: {e}; holding {self.done} bytes")
+                self.log("ERROR", "fake_vllm.py:1", f"fill allocation failed: {e}; holding {self.done} bytes")
                 self.active = False
                 return
             self.done += n
@@ -753,7 +746,7 @@ def _write_ready_file(path: str, line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fakes/vllm`` script: ``serve MODEL [options]``; returns the exit status.
+    """Entry point of the ``tests/fakes/vllm`` script: ``serve MODEL [options]``; returns the exit status.
 
     Exit status: 0 after a SIGTERM/SIGINT shutdown; 1 when the engine died (crash mode, a child
     killed) or the tree failed to come up; 2 on bad options (argparse).
