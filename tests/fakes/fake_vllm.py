@@ -451,7 +451,7 @@ class _Fill:
     def begin(self, now: float) -> None:
         self.started = self.active = True
         self.t0 = self.last_report = now
-        self.log("INFO", "fake_vllm.py:1", f"filling {self.size} bytes at "
+        self.log("INFO", "fake_engine.py:1", f"filling {self.size} bytes at "
                  f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}")
 
     def next_due(self, now: float) -> float:
@@ -470,7 +470,7 @@ class _Fill:
             try:
                 self.mem.add(n)
             except OSError as e:
-                self.log("ERROR", "fake_vllm.py:1", f"fill allocation failed: {e}; holding {self.done} bytes")
+                self.log("ERROR", "fake_engine.py:1", f"fill allocation failed: {e}; holding {self.done} bytes")
                 self.active = False
                 return
             self.done += n
