@@ -173,13 +173,14 @@ class Fill:
     """Allocate ``size`` bytes at ``rate`` bytes/s (None = as fast as possible), then hold them.
 
     The owner calls :meth:`begin` once, then :meth:`step` whenever :meth:`next_due` says, while
-    ``active``.  Progress goes to ``log`` as ``fake-vllm: fill`` lines, about once a second.
+    ``active``.  Progress goes to ``log`` as ``fake-vllm: fill`` lines, about once a second;
+    ``where`` is the ``[file:line]`` tag of its other log lines.
     """
 
     MAX_STEP = 64 << 20
 
-    def __init__(self, mem: Memory, rate: float | None, size: int, log: Log):
-        self.mem, self.rate, self.size, self.log = mem, rate, int(size), log
+    def __init__(self, mem: Memory, rate: float | None, size: int, log: Log, where: str = "fill"):
+        self.mem, self.rate, self.size, self.log, self.where = mem, rate, int(size), log, where
         self.done = 0
         self.started = False
         self.active = False
@@ -190,7 +191,7 @@ class Fill:
     def begin(self, now: float) -> None:
         self.started = self.active = True
         self.t0 = self.last_report = now
-        self.log("INFO", "fill", f"filling {self.size} bytes at "
+        self.log("INFO", self.where, f"filling {self.size} bytes at "
                  f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}")
 
     def next_due(self, now: float) -> float:
@@ -209,7 +210,7 @@ class Fill:
             try:
                 self.mem.add(n)
             except OSError as e:
-                self.log("ERROR", "fill", f"fill allocation failed: {e}; holding {self.done} bytes")
+                self.log("ERROR", self.where, f"fill allocation failed: {e}; holding {self.done} bytes")
                 self.active = False
                 return
             self.done += n
@@ -305,18 +306,20 @@ def fork(child_main, close_fds: list[int]) -> int:
 # --------------------------------------------------------------------------------------------
 # the drill's tree
 
-def _size(text: str) -> int:
+def size_arg(text: str) -> int:
+    """argparse type: ``64MiB`` -> bytes (see ``sparkguard.units.parse_size``)."""
     try:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _rate(text: str) -> float | None:
+def rate_arg(text: str) -> float | None:
+    """argparse type: ``1GiB/s``, ``512MiB``, ``1000000`` -> bytes/s; ``max`` -> None (see ``planning.parse_rate``)."""
     try:
         return parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a rate like 1GiB/s, 512MiB or max: {e}") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate like 1GiB/s, 512MiB or max, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,11 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm serve", description="sparkguard drill's engine tree")
     p.add_argument("model")
     p.add_argument("--tp", type=int, default=2, help="workers VLLM::Worker_TP0..N-1 under EngineCore (default 2)")
-    p.add_argument("--hold", type=_size, default=parse_size("64MiB"), help="memory each worker holds (default 64MiB)")
-    p.add_argument("--hold-core", type=_size, default=parse_size("32MiB"), help="memory EngineCore holds (default 32MiB)")
-    p.add_argument("--hold-api", type=_size, default=parse_size("16MiB"), help="memory the top holds (default 16MiB)")
-    p.add_argument("--fill-size", type=_size, default=0, help="bytes worker TP0 fills on SIGUSR1 (then holds)")
-    p.add_argument("--fill-rate", type=_rate, default=None, help="bytes/s of the fill (1GiB/s, 512MiB, max: default)")
+    p.add_argument("--hold", type=size_arg, default=parse_size("64MiB"), help="memory each worker holds (default 64MiB)")
+    p.add_argument("--hold-core", type=size_arg, default=parse_size("32MiB"), help="memory EngineCore holds (default 32MiB)")
+    p.add_argument("--hold-api", type=size_arg, default=parse_size("16MiB"), help="memory the top holds (default 16MiB)")
+    p.add_argument("--fill-size", type=size_arg, default=0, help="bytes worker TP0 fills on SIGUSR1 (then holds)")
+    p.add_argument("--fill-rate", type=rate_arg, default=None, help="bytes/s of the fill (1GiB/s, 512MiB, max: default)")
     p.add_argument("--ignore-term", action="store_true", help="every process ignores SIGTERM and SIGINT")
     return p
 
