@@ -29,9 +29,9 @@ Output: vLLM-like log lines on stdout, one ``write(2)`` per line, and these line
     fake-vllm: ready pids=<top>,<core>,<w0>,<w1>       the tree is titled and holds its memory
     fake-vllm: fill pid=N bytes=N target=N [done]      fill progress (about once a second)
 
-The parts here (logging, the signal self-pipe, memory, the fill, fork, pidfd helpers and the
-:class:`Tree` handle of a running tree) are also the building blocks of the full fake vLLM the
-tests use (tests/fakes/fake_vllm.py).
+:class:`Memory` and :class:`Fill` here, with :mod:`sparkguard.drill.plumbing` (log lines, signals,
+fork, pidfds) and :mod:`sparkguard.drill.tree` (the handle of a running tree), are also the
+building blocks of the full fake vLLM the tests use (tests/fakes/fake_vllm.py).
 
 Python API: ``command(model, *opts)`` (argv) and ``start(model, *opts) -> Tree``.
 """
@@ -41,24 +41,21 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import select
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 from sparkguard.drill.planning import parse_rate
+from sparkguard.drill.plumbing import (BLOCKED, Log, Signals, exited, fork, is_term, reap, send, settitle, sleep_until,
+                                       wait_fds)
+from sparkguard.drill.tree import READY_PREFIX, Tree
 from sparkguard.units import parse_size
 
-READY_PREFIX = "fake-vllm: ready "
 FILL_PREFIX = "fake-vllm: fill "
 #: seconds each process takes to exit after its SIGTERM (vLLM's CUDA teardown, shortened)
 EXIT_DELAY = 0.2
 #: seconds the top waits for EngineCore and every worker to report before it gives up
 READY_TIMEOUT = 120.0
-#: the signals a new child blocks until its own handlers are in place
-BLOCKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 PAGE = mmap.PAGESIZE
 BLOCK = 1 << 20
 
@@ -93,58 +90,7 @@ def start(model: str, *opts: str) -> "Tree":
 
 
 # --------------------------------------------------------------------------------------------
-# building blocks, shared with the tests' full fake vLLM
-
-class Log:
-    """vLLM-style log lines, one write(2) per line to stdout (atomic on a pipe below PIPE_BUF)."""
-
-    def __init__(self, prefix: str = ""):
-        self.prefix = prefix
-
-    def raw(self, line: str) -> None:
-        data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
-        try:
-            os.write(1, data)
-        except OSError:
-            pass  # reader gone: an orphan keeps running without its log, as vLLM's would
-
-    def __call__(self, level: str, where: str, msg: str) -> None:
-        self.raw(f"{self.prefix}{level} {time.strftime('%m-%d %H:%M:%S')} [{where}] {msg}")
-
-
-class Signals:
-    """Self-pipe for signals: handlers only wake ``rfd``; the owning loop decides what to do.
-
-    SIGTERM and SIGINT are ignored (``ignore_term``) or caught; SIGUSR1 is caught with
-    ``catch_usr1`` and keeps its default action (death) otherwise.
-    """
-
-    def __init__(self, ignore_term: bool, catch_usr1: bool = False):
-        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_IGN if ignore_term else _noop)
-        signal.signal(signal.SIGUSR1, _noop if catch_usr1 else signal.SIG_DFL)
-
-    def read(self) -> list[int]:
-        """Signal numbers received since the last read (non-blocking)."""
-        try:
-            return list(os.read(self.rfd, 512))
-        except BlockingIOError:
-            return []
-
-    def fds(self) -> list[int]:
-        return [self.rfd, self.wfd]
-
-
-def _noop(signum, frame) -> None:  # the wakeup fd carries the signal number
-    return None
-
-
-def is_term(signals: list[int]) -> bool:
-    """True if SIGTERM or SIGINT is among ``signals`` (numbers from :meth:`Signals.read`)."""
-    return any(s in (signal.SIGTERM, signal.SIGINT) for s in signals)
-
+# memory and the fill, shared with the tests' full fake vLLM
 
 class Memory:
     """Anonymous private mappings filled with random bytes: resident, and incompressible for zram/KSM."""
@@ -221,86 +167,6 @@ class Fill:
                          + (" done" if finished else ""))
         if finished:
             self.active = False
-
-
-def settitle(title: str) -> None:
-    """Rename this process as vLLM does (setproctitle: cmdline = title, comm = title[:15])."""
-    import setproctitle  # imported only in the children: the top must keep its cmdline
-
-    setproctitle.setproctitle(title)
-
-
-def wait_fds(fds: list[int], timeout: float | None) -> list[int]:
-    """The fds of ``fds`` readable within ``timeout`` seconds (None: no limit)."""
-    if timeout is not None:
-        timeout = max(0.0, timeout)
-    return select.select(fds, [], [], timeout)[0]
-
-
-def exited(pidfd: int) -> bool:
-    """True once the process of ``pidfd`` has exited (the pidfd polls readable; a zombie counts)."""
-    return bool(wait_fds([pidfd], 0))
-
-
-def send(pidfd: int | None, sig: int) -> None:
-    """Signal the process of ``pidfd``; nothing when it is None or gone."""
-    if pidfd is None:
-        return
-    try:
-        signal.pidfd_send_signal(pidfd, sig)
-    except OSError:
-        pass
-
-
-def reap(pid: int, block: bool) -> int | None:
-    """waitpid a child; returns its exit status (negative signal like Popen) or None if still running."""
-    try:
-        got, status = os.waitpid(pid, 0 if block else os.WNOHANG)
-    except ChildProcessError:
-        return None
-    if got == 0:
-        return None
-    return os.waitstatus_to_exitcode(status)
-
-
-def sleep_until(deadline: float) -> None:
-    """Sleep to a monotonic deadline; signals meanwhile only wake the (unread) pipe."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(left)
-
-
-def fork(child_main, close_fds: list[int]) -> int:
-    """fork with :data:`BLOCKED` blocked, so none reaches the child before it installs its own.
-
-    The child closes ``close_fds`` (the parent's wakeup pipe, sockets, pidfds), runs
-    ``child_main()`` (which unblocks the signals once its handlers are in place) and always
-    leaves with os._exit, never through the parent's stack.  Returns the child's pid.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            signal.set_wakeup_fd(-1)
-            for fd in close_fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            code = child_main()
-        except BaseException as e:  # noqa: BLE001 - a child must never return into the parent's code
-            try:
-                Log(f"(pid={os.getpid()}) ").raw(f"ERROR fake-vllm child failed: {e!r}")
-            finally:
-                os._exit(70)
-        os._exit(code if isinstance(code, int) else 0)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return pid
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,165 +338,3 @@ def _shutdown(engine: dict[int, int], core: int, t_term: float, code: int = 0) -
     reap(core, block=True)
     sleep_until(t_term + EXIT_DELAY)
     return code
-
-
-# --------------------------------------------------------------------------------------------
-# the handle of a running tree
-
-def parse_ready(line: str) -> dict:
-    """``fake-vllm: ready pids=1,2,3 port=80`` -> ``{"pids": [1, 2, 3], "port": 80}``."""
-    out: dict = {}
-    for word in line[len(READY_PREFIX):].split():
-        key, _, val = word.partition("=")
-        if key == "pids":
-            out["pids"] = [int(p) for p in val.split(",") if p]
-        elif key == "port":
-            out["port"] = int(val)
-    return out
-
-
-class Tree:
-    """A running tree (this module's or the tests' full fake vLLM): its Popen, its output, its pids.
-
-    Every pid of the ready line is pinned by a pidfd as soon as the line is read, so that
-    :meth:`exited` and :meth:`stop` never touch a recycled pid.
-
-    Attributes:
-        proc: subprocess.Popen of the top process (stdout+stderr are a pipe drained by a thread).
-        argv: list[str], the command line.
-        lines: list[str], every output line so far (without newline).
-    """
-
-    def __init__(self, argv: list[str], on_line=None, **popen_kw):
-        self.argv = argv
-        self.lines: list[str] = []
-        self._on_line = on_line
-        self._cond = threading.Condition()
-        self._ready_line: str | None = None
-        self._pidfds: dict[int, int] = {}
-        self._own_session = popen_kw.setdefault("start_new_session", True)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, **popen_kw)
-        self._pidfds[self.proc.pid] = os.pidfd_open(self.proc.pid)
-        self._reader = threading.Thread(target=self._read, name=f"fake-vllm-{self.proc.pid}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self._cond:
-                if line.startswith(READY_PREFIX) and self._ready_line is None:
-                    for pid in parse_ready(line)["pids"]:
-                        if pid not in self._pidfds:
-                            try:
-                                self._pidfds[pid] = os.pidfd_open(pid)
-                            except OSError:
-                                pass
-                    self._ready_line = line
-                self.lines.append(line)
-                self._cond.notify_all()
-            if self._on_line:
-                try:
-                    self._on_line(line)
-                except Exception:  # noqa: BLE001 - a callback must not stop the draining
-                    pass
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_line(self, substring: str, timeout: float = 30.0, start: int = 0) -> str:
-        """Wait for an output line containing ``substring`` (searching from index ``start``).
-
-        Raises:
-            TimeoutError: not seen within ``timeout`` seconds, or the output ended first.
-        """
-        deadline = time.monotonic() + timeout
-        i = start
-        with self._cond:
-            while True:
-                while i < len(self.lines):
-                    if substring in self.lines[i]:
-                        return self.lines[i]
-                    i += 1
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._reader.is_alive():
-                    tail = "\n".join(self.lines[-20:])
-                    raise TimeoutError(f"fake vllm: no line with {substring!r} within {timeout} s; output tail:\n{tail}")
-                self._cond.wait(left)
-
-    def pids(self, timeout: float = 30.0) -> list[int]:
-        """Wait for the ready line; return ``[top, core, w0, w1, ...]``.
-
-        Raises:
-            TimeoutError: the tree was not up within ``timeout`` seconds (or it exited).
-        """
-        return parse_ready(self.wait_line(READY_PREFIX, timeout))["pids"]
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Worker pids by rank; waits for readiness."""
-        return self.pids()[2:]
-
-    def start_fill(self) -> None:
-        """Send SIGUSR1 to the filling worker (TP0); waits for readiness.
-
-        Raises:
-            ValueError: started without ``--fill-size`` (SIGUSR1 would kill that worker).
-        """
-        if "--fill-size" not in self.argv:
-            raise ValueError("start_fill(): this tree was started without --fill-size")
-        send(self._pidfds.get(self.worker_pids[0]), signal.SIGUSR1)
-
-    def exited(self, pid: int) -> bool:
-        """True once process ``pid`` of this tree has exited (pidfd readable; zombie counts as exited).
-
-        Raises:
-            KeyError: ``pid`` is not one of this tree's (or it was gone before its pidfd was opened).
-        """
-        fd = self._pidfds.get(pid)
-        if fd is None:
-            raise KeyError(f"pid {pid} is not part of this tree")
-        return exited(fd)
-
-    def wait_gone(self, pids: list[int], timeout: float) -> bool:
-        """Wait until every pid in ``pids`` (of this tree) has exited; False on timeout."""
-        fds = [self._pidfds[p] for p in pids]
-        deadline = time.monotonic() + timeout
-        while True:
-            left = [fd for fd in fds if not exited(fd)]
-            if not left:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            wait_fds(left[:1], remaining)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGKILL the whole tree this started (every recorded pid, by pidfd, plus its process group
-        while the top is unreaped and in its own session), reap the top, close the pidfds.  Idempotent."""
-        for fd in list(self._pidfds.values()):
-            send(fd, signal.SIGKILL)
-        if self._own_session and self.proc.returncode is None:
-            try:  # the top is unreaped, so its pid (= our pgid) cannot have been reused
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        self.wait_gone(list(self._pidfds), timeout)
-        self._reader.join(timeout)
-        for fd in self._pidfds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._pidfds = {}
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-    def __enter__(self) -> "Tree":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -79,8 +79,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from sparkguard.drill.hog import (BLOCKED, READY_PREFIX, Fill, Log, Memory, Signals, Tree, exited, fork,
-                                  parse_ready, rate_arg, reap, send, settitle, size_arg, sleep_until, wait_fds)
+from sparkguard.drill.hog import Fill, Memory, rate_arg, size_arg
+from sparkguard.drill.plumbing import BLOCKED, Log, Signals, exited, fork, reap, send, settitle, sleep_until, wait_fds
+from sparkguard.drill.tree import READY_PREFIX, Tree, parse_ready
 from sparkguard.units import parse_duration, parse_size
 
 #: the vLLM version whose behaviour this fake imitates (FIELD-NOTES)
