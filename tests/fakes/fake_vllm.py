@@ -46,7 +46,7 @@ engine is known dead), ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/ch
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``),
 ``GET /ping``, ``GET /version``.
 
-Memory fill for drills: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
+Memory fill: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
 bytes at ``--fill-rate`` bytes/s (``max`` = as fast as it can), then holds them.  The fill starts
 ``--fill-delay`` seconds after the tree is ready, or, with ``--fill-on-signal``, when TP0 receives
 SIGUSR1 (``FakeEngine.start_fill``).
@@ -64,6 +64,11 @@ to stdout.  Machine-readable lines, unprefixed:
 ``--ready-file PATH`` also gets the ready line (written atomically).
 
 Python API: ``command(model, *opts)`` (argv) and ``start(model, *opts, **popen_kw) -> FakeEngine``.
+
+Built on the parts of ``sparkguard drill``'s own small tree (``sparkguard/drill/hog.py``: memory
+and the fill; ``plumbing.py``: log lines, signals, fork, pidfds; ``tree.py``: the running-tree
+handle); what only tests need (HTTP, crash, wedge, headless, load time, shutdown timeout, ready
+file) lives here, outside the product.
 """
 
 from __future__ import annotations
@@ -717,7 +722,7 @@ class _Top:
 # test helper
 
 class FakeEngine(Tree):
-    """A running fake vLLM started by ``start()``: the drill's :class:`~sparkguard.drill.hog.Tree`
+    """A running fake vLLM started by ``start()``: the drill's :class:`~sparkguard.drill.tree.Tree`
     handle (Popen, output lines, pids pinned by pidfds, ``stop()``) plus what only this fake has.
 
     Attributes (beyond Tree's ``proc``, ``argv``, ``lines``):
