@@ -4,8 +4,9 @@ import os
 
 import pytest
 
+from conftest import fake_vllm
 from guardrun import unique
-from sparkguard import config, fake_engine, proctree
+from sparkguard import config, proctree
 
 
 def cfg(*patterns, protect=()):
@@ -80,7 +81,7 @@ def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engine_factory
                      f"m = subprocess.Popen([sys.executable, '-c', {middle!r}], stdout=subprocess.PIPE, text=True)\n"
                      "ed = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
                      "print(m.stdout.readline().strip(), ed.pid, flush=True); time.sleep(120)\n")
-    env = dict(os.environ, SG_ENGINE=json.dumps(fake_engine.command(model)))
+    env = dict(os.environ, SG_ENGINE=json.dumps(fake_vllm.command(model)))
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code, f"vllm serve {model}"],
                                 stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from conftest import fake_vllm
 from sparkguard import journal
 from sparkguard.reporter import Reporter
 from test_journal import JournalStandIn
@@ -243,11 +244,11 @@ def test_never_raises_and_handles_events_outside_an_incident(tmp_path, standin):
 GUARD_E2E = r"""
 import json, os, signal, subprocess, sys, time
 import yaml
-from sparkguard import fake_engine, journal
-model, base = sys.argv[1], sys.argv[2]
+from sparkguard import journal
+model, base, fake_vllm = sys.argv[1], sys.argv[2], sys.argv[3]
 ready = os.path.join(base, "ready")
-eng = subprocess.Popen(fake_engine.command(model, "--tp", "2", "--ready-file", ready, "--hold", "16MiB",
-                                           "--hold-core", "8MiB", "--hold-api", "8MiB", "--exit-delay", "0.2"),
+eng = subprocess.Popen([sys.executable, fake_vllm, "serve", model, "--tp", "2", "--ready-file", ready,
+                        "--hold", "16MiB", "--hold-core", "8MiB", "--hold-api", "8MiB", "--exit-delay", "0.2"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 deadline = time.monotonic() + 60
 while not os.path.exists(ready):
@@ -302,7 +303,8 @@ def test_guard_run_reports_a_real_incident_to_a_real_journald_and_the_store(tmp_
 
     from test_journal import run_with_journald
     model = "sgtest-report-" + uuid.uuid4().hex[:10]
-    p = run_with_journald(tmp_path, [sys.executable, "-c", GUARD_E2E, model, str(tmp_path)], timeout=240)
+    p = run_with_journald(tmp_path, [sys.executable, "-c", GUARD_E2E, model, str(tmp_path), fake_vllm.script_path()],
+                          timeout=240)
     assert p.returncode == 0, p.stderr + p.stdout
     res = json.loads(p.stdout.strip().splitlines()[-1])
     rec, pids = res["rec"], res["pids"]
