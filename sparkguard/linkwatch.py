@@ -36,6 +36,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from sparkguard import sysinfo
+from sparkguard.model import Event, Incident, Link, LinkThresholds, new_incident
+
 log = logging.getLogger("sparkguard.linkwatch")
 
 #: rtnetlink multicast group of link events (include/uapi/linux/rtnetlink.h)
@@ -104,15 +107,9 @@ def _ethtool_speed_mbps(sock_fd: int, ifname: str) -> int | None:
     return None if v in (0, 0xFFFFFFFF) else v
 
 
-def _incident_id(started_at: float) -> str:
-    from sparkguard.incidents import new_id
-    return new_id(started_at)
-
-
 def _mem_available() -> int:
-    from sparkguard.sysinfo import read_meminfo
     try:
-        return read_meminfo().get("MemAvailable", 0)
+        return sysinfo.read_meminfo().get("MemAvailable", 0)
     except OSError:
         pass
     return -1
@@ -197,7 +194,7 @@ class LinkWatch:
         self._clock = clock
         self._lock = threading.Lock()
         self._state: dict[str, dict] = {n: _new_state(n) for n in names}
-        self._incidents: dict[str, dict] = {}        # ifname -> open incident
+        self._incidents: dict[str, Incident] = {}    # ifname -> open incident
         self._timers: dict[str, Any] = {}            # ifname -> asyncio.TimerHandle
         self._pending: dict[str, dict] = {}          # ifname -> facts at the drop
         self._counts = {"events": 0, "incidents": 0, "resyncs": 0}
@@ -429,15 +426,12 @@ class LinkWatch:
             return None
         return _ethtool_speed_mbps(self._speed_sock.fileno(), name)
 
-    def _event(self, event: str, inc_start: float, at: float, detail: str) -> dict:
-        return {"event": event, "t": round(at - inc_start, 3), "at": at,
-                "available_bytes": _mem_available(), "pids": [], "detail": detail}
+    def _event(self, event: str, inc_start: float, at: float, detail: str) -> Event:
+        return Event(event, round(at - inc_start, 3), at, _mem_available(), [], detail)
 
     def _link_down(self, name: str, now: float, detail: str) -> None:
         with self._lock:
             self._state[name]["down_since"] = now
-        from sparkguard import sysinfo
-
         try:
             meminfo = sysinfo.read_meminfo()
         except OSError as e:
@@ -457,41 +451,24 @@ class LinkWatch:
             st = dict(self._state[name])
         if p is None or st["up"]:
             return
-        from sparkguard import sysinfo
-
         now = self._clock()
         start = p["at"]
         down_ev = self._event("down", start, start, f"{name}: {p['detail']}")
-        down_ev["available_bytes"] = p["meminfo"].get("MemAvailable", down_ev["available_bytes"])
-        inc = {
-            "id": _incident_id(start),
-            "kind": "link",
-            "drill": False,
-            "host": sysinfo.hostname(),
-            "boot_id": sysinfo.boot_id(),
-            "started_at": start,
-            "ended_at": None,
-            "dry_run": False,
-            "thresholds": {"down_after_seconds": self.down_after},   # the memory lines do not apply
-            "meminfo": p["meminfo"],
-            "psi_memory": sysinfo.read_psi_memory(),
-            "zram": sysinfo.read_zram(),
-            "target": None,
-            "timeline": [
-                down_ev,
-                self._event("incident", start, now,
-                            f"{name} down for {now - start:.1f} s (link.down_after {self.down_after:g} s)"),
-            ],
-            "outcome": "link_down",
-            "summary": f"TP link {name} down for more than {self.down_after:g} s ({p['detail']})",
-            "link": {"interface": name, "netns": self.netns, "operstate": st["operstate"],
-                     "carrier": st["carrier"], "present": st["present"],
-                     "down_after_seconds": self.down_after},
-        }
+        down_ev.available_bytes = p["meminfo"].get("MemAvailable", down_ev.available_bytes)
+        inc = new_incident(
+            "link", start, LinkThresholds(self.down_after), p["meminfo"],   # the memory lines do not apply
+            psi_memory=sysinfo.read_psi_memory(), zram=sysinfo.read_zram(), outcome="link_down",
+            summary=f"TP link {name} down for more than {self.down_after:g} s ({p['detail']})",
+            link=Link(name, self.netns, st["operstate"], st["carrier"], st["present"], self.down_after))
+        inc.timeline += [
+            down_ev,
+            self._event("incident", start, now,
+                        f"{name} down for {now - start:.1f} s (link.down_after {self.down_after:g} s)"),
+        ]
         with self._lock:
             self._incidents[name] = inc
             self._counts["incidents"] += 1
-        log.warning("incident %s: %s", inc["id"], inc["summary"])
+        log.warning("incident %s: %s", inc.id, inc.summary)
         self._call_incident(inc)
 
     def _link_up(self, name: str, now: float, detail: str) -> None:
@@ -508,16 +485,16 @@ class LinkWatch:
             if pending is not None and down_since is not None:
                 log.info("link %s was down %.2f s, under link.down_after: no incident", name, now - down_since)
             return
-        inc["timeline"].append(self._event("up", inc["started_at"], now, f"{name}: {detail}"))
-        inc["ended_at"] = now
-        inc["outcome"] = "recovered"
-        inc["summary"] = f"TP link {name} was down {now - inc['started_at']:.1f} s, now up again"
-        inc["link"].update(operstate=st["operstate"], carrier=st["carrier"], present=st["present"])
+        inc.timeline.append(self._event("up", inc.started_at, now, f"{name}: {detail}"))
+        inc.ended_at = now
+        inc.outcome = "recovered"
+        inc.summary = f"TP link {name} was down {now - inc.started_at:.1f} s, now up again"
+        inc.link.operstate, inc.link.carrier, inc.link.present = st["operstate"], st["carrier"], st["present"]
         self._call_incident(inc)
 
-    def _call_incident(self, inc: dict) -> None:
+    def _call_incident(self, inc: Incident) -> None:
         try:
-            self._on_incident(copy.deepcopy(inc))
+            self._on_incident(copy.deepcopy(inc.to_json()))
         except Exception:                 # noqa: BLE001 - act first, report after; never die of it
             log.exception("on_incident callback failed")
 
@@ -580,7 +557,7 @@ class LinkWatch:
                      "speed_bytes_per_second": st["speed_mbps"] * 125_000 if st["speed_mbps"] else None,
                      "down_since": st["down_since"], "last_change": st["last_change"],
                      "carrier_changes": st["carrier_changes"],
-                     "open_incident": self._incidents[name]["id"] if name in self._incidents else None}
+                     "open_incident": self._incidents[name].id if name in self._incidents else None}
                 d.update(st["stats"])
                 ifs[name] = d
             return {"running": self.running, "netns": self.netns, "down_after_seconds": self.down_after,
