@@ -373,7 +373,7 @@ class LinkWatch:
                     **self.states.counts, "interfaces": ifs}
 
     def collector(self):
-        """A prometheus_client collector of the link metrics (TEAM.md "Metric names").
+        """A prometheus_client collector of the link metrics (names: docs/metrics.md).
 
         Per interface (label ``interface``): ``sparkguard_link_up`` and
         ``sparkguard_link_carrier`` (gauges 0/1; a missing interface gives 0),
