@@ -1,20 +1,20 @@
 """The incident record: typed parts, the one builder (:func:`new_incident`) and its views.
 
 Every incident (kind ``memory`` from the guard's poll loop, ``wedged`` from the engine
-supervisor, ``link`` from the TP link watch, ``drill`` from ``sparkguard drill``) is an
-:class:`Incident` built by :func:`new_incident`.  Its views:
+supervisor, ``link`` from the TP link watch; ``sparkguard drill`` marks its memory incident
+``drill``) is an :class:`Incident` built by :func:`new_incident`.  Its views:
 
 * :meth:`Incident.to_json`: the incident file (``<incidents.dir>/<id>.json``), the journal's
   ``SPARKGUARD_REPORT`` and ``sparkguard incidents --json``; key order is part of the format.
 * :meth:`Incident.ref`: the few facts an event's journal entry and the supervisor's hook read.
-* :func:`event_fields` / :func:`report_fields`: the journal entries of an event and of the
-  report (fields and MESSAGE_IDs: :mod:`sparkguard.journal`).
+* :func:`event_entry` / :func:`report_entry`: the journal entries of an event and of the
+  report (fields: :mod:`sparkguard.reporter`; MESSAGE_IDs: :mod:`sparkguard.journal`).
 
 The schema (every field, type, unit, meaning) and who owns a record when are in
 ``docs/incident.md``; ``tests/test_model.py`` checks it against what the daemon writes.
-Reading stored records (``sparkguard incidents``) works on the JSON dicts
-(:mod:`sparkguard.incident_facts`, :mod:`sparkguard.incident_render`): old files render
-even where a field is missing.
+Stored records (the store, the journal, ``sparkguard incidents``) are read as the JSON dicts
+they are: the facts at the end of this module and :mod:`sparkguard.incidents.render` take any
+record, old files included, a missing field showing as unknown.
 """
 
 from __future__ import annotations
