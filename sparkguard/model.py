@@ -206,7 +206,8 @@ class Incident:
         """The record as written (a new dict, nothing shared with the Incident but ``engine``'s
         and ``psi_memory``'s and ``zram``'s values): key order id, kind, drill, host, boot_id,
         started_at, ended_at, dry_run, thresholds, meminfo, psi_memory, zram, target, timeline,
-        outcome, summary, then where set top_consumers, min_available_bytes, link, engine."""
+        outcome, summary, then where set top_consumers, min_available_bytes, link, engine.
+        Parses :attr:`meminfo_raw` first if nobody has (:meth:`parse_meminfo`)."""
         self.parse_meminfo()
         out = {
             "id": self.id, "kind": self.kind, "drill": self.drill, "host": self.host, "boot_id": self.boot_id,
