@@ -121,7 +121,7 @@ class Event:
     ``event``: str (``crossed``, ``sigterm``, ``sigkill``, ``exited``, ``recovered``, ...: see
     docs/incident.md); ``t``: float s since the incident started (the crossing); ``at``: float
     unix s; ``available_bytes``: int bytes (the guard's signal for memory incidents,
-    MemAvailable for the others, -1 when /proc/meminfo could not be read); ``pids``: list of
+    MemAvailable for the others; unreadable: -1 in link events, 0 in the supervisor's); ``pids``: list of
     int; ``detail``: str for people.
     """
 
