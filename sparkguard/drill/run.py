@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from sparkguard import config, daemon, incidents, meminfo, proctree
+from sparkguard import config, daemon, meminfo, proctree
+from sparkguard.incidents.store import IncidentStore, valid_id
 from sparkguard.drill import hog
 from sparkguard.drill.planning import TERM_LATENCY_LIMIT, signal_name
 from sparkguard.drill.report import headline, progress_bar
@@ -52,7 +53,7 @@ def _make_guard(cfg, drill: "Drill"):
 
         def start(self) -> None:
             super().start()
-            self.reporter = _DrillReporter(self.reporter, drill)
+            self.reporter = self.recorder.reporter = _DrillReporter(self.reporter, drill)
 
         def request_stop(self) -> None:
             self.stopping = True
@@ -294,9 +295,9 @@ def _saved_incident(store: str, incident_id: str | None) -> str | None:
     """Path of the drill's incident file in the configured store, None when it is not there."""
     if not incident_id:
         return None
-    if not incidents.valid_id(incident_id):
+    if not valid_id(incident_id):
         return None
-    path = incidents.IncidentStore(store).path_for(incident_id)
+    path = IncidentStore(store).path_for(incident_id)
     return path if os.path.exists(path) else None
 
 
