@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from sparkguard import sysinfo
+from sparkguard import meminfo, sysinfo
 from sparkguard.model import Event, Incident, Link, LinkThresholds, new_incident
 
 log = logging.getLogger("sparkguard.linkwatch")
@@ -122,7 +122,7 @@ class LinkStates:
                  on_change: Callable[[str, bool], None] | None = None, *, netns: str | None = None,
                  clock: Callable[[], float] = time.time, schedule: Callable[[float, Callable], Any] | None = None,
                  speed: Callable[[str], int | None] = lambda name: None,
-                 read_meminfo: Callable[[], dict] = sysinfo.read_meminfo):
+                 read_meminfo: Callable[[], dict] = meminfo.read):
         self.down_after = float(down_after)
         self.netns = netns
         self._on_incident = on_incident

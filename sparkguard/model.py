@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkguard import journal, sysinfo
+from sparkguard import journal, meminfo, sysinfo
 from sparkguard.units import format_size
 
 
@@ -188,7 +188,7 @@ class Incident:
     def parse_meminfo(self) -> None:
         """Parse :attr:`meminfo_raw` into :attr:`meminfo` (no-op once done)."""
         if self.meminfo_raw is not None:
-            self.meminfo = sysinfo.parse_meminfo(self.meminfo_raw)
+            self.meminfo = meminfo.parse(self.meminfo_raw)
             self.meminfo_raw = None
 
     def events(self) -> list[str]:

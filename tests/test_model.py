@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from sparkguard import model, sysinfo
+from sparkguard import meminfo, model, sysinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "incident.md").read_text()
@@ -91,7 +91,7 @@ def test_meminfo_read_at_the_crossing_is_parsed_once_by_meminfos_parser():
     raw = inc.meminfo_raw
     assert inc.meminfo == {} and raw is not None
     inc.parse_meminfo()
-    assert inc.meminfo_raw is None and inc.meminfo == sysinfo.parse_meminfo(raw)
+    assert inc.meminfo_raw is None and inc.meminfo == meminfo.parse(raw)
     assert inc.meminfo["MemAvailable"] == 775946 * 1024 and inc.meminfo["HugePages_Total"] == 0
     assert inc.to_json()["meminfo"] == inc.meminfo
 

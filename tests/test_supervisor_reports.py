@@ -24,14 +24,14 @@ import yaml
 
 from conftest import run_sparkguard
 from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, restarted, unique, wait_gone
-from sparkguard import model, sysinfo
+from sparkguard import meminfo, model
 
 pytestmark = pytest.mark.usefixtures("root_only")
 
 
 def mem_total() -> int:
     with open("/proc/meminfo", "rb") as f:
-        return sysinfo.parse_meminfo(f.read())["MemTotal"]
+        return meminfo.parse(f.read())["MemTotal"]
 
 
 class ReportLog(logging.Handler):

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Callable
 
-from sparkguard import sysinfo
+from sparkguard import meminfo, sysinfo
 from sparkguard.model import Event, Incident, Target, Thresholds, new_incident
 from sparkguard.supervisor.gates import read_mem_available
 
@@ -114,7 +114,7 @@ class EngineIncidents:
         g = cfg.guard
         wall = time.time()
         try:
-            mi = sysinfo.read_meminfo()
+            mi = meminfo.read()
         except OSError:
             mi = {}
         inc = new_incident("wedged", wall, Thresholds.of(g), mi, dry_run=g.dry_run,
