@@ -1114,8 +1114,8 @@ class Guard:
         """Start supervising ``engine:`` when configured.  Raises OSError (control socket)."""
         if not self.cfg.engine.enabled:
             return
-        from sparkguard import supervisor
-        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self._count_incident)
+        from sparkguard.supervisor.core import Supervisor
+        self.supervisor = Supervisor(self.cfg, self.reporter, count_incident=self._count_incident)
         self.supervisor.start()
         register = getattr(self.metrics, "register_collector", None)
         if register is not None:

@@ -1,7 +1,7 @@
 """Engine supervision: start the inference engine, know it is healthy, restart it once memory is back.
 
 With an ``engine:`` section (:class:`sparkguard.config.EngineConfig`) the daemon starts the
-engine as its own child and keeps it running (issue #5).  Everything here runs in the
+engine as its own child and keeps it running.  Everything here runs in the
 supervisor's own threads; the guard's poll loop only calls the cheap, non-blocking hooks
 (:meth:`Supervisor.target`, :meth:`Supervisor.on_guard_event`, :meth:`Supervisor.take_incident`).
 
@@ -54,18 +54,6 @@ Modules, one concern each:
 * :mod:`.collector`, :mod:`.render`: metrics and the human status lines;
 * :mod:`.run`: the state of one spawned engine.
 
-Every module imports only the standard library at its top (the CLI imports this package for
-``describe``).
+This package file imports nothing, so that importing one of its modules (the CLI's
+``engine`` command needs only :mod:`.render`) loads only that module and what it imports.
 """
-
-from sparkguard.supervisor.collector import EngineCollector
-from sparkguard.supervisor.core import HISTORY, STATES, Supervisor
-from sparkguard.supervisor.gates import MEM_SAMPLE, PEER_EVERY, QuiesceGate, drop_caches, read_mem_available
-from sparkguard.supervisor.health import MEMBERS_EVERY
-from sparkguard.supervisor.output import MAX_LINE, LogSink, _level_priority, identifier_for
-from sparkguard.supervisor.render import describe
-from sparkguard.supervisor.restart import REASONS, Backoff
-
-__all__ = ["Supervisor", "EngineCollector", "LogSink", "QuiesceGate", "Backoff", "describe", "identifier_for",
-           "read_mem_available", "drop_caches", "REASONS", "STATES", "HISTORY", "MEM_SAMPLE", "PEER_EVERY",
-           "MEMBERS_EVERY", "MAX_LINE", "_level_priority"]

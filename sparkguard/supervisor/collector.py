@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
 
 class EngineCollector:
     """prometheus_client collector of the engine metrics (TEAM.md "Metric names", issue #5).
@@ -20,7 +22,6 @@ class EngineCollector:
 
     def collect(self):
         """Yield the metric families (prometheus_client Collector protocol)."""
-        from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
         s = self.sup.status()
         P = "sparkguard_engine_"
         yield GaugeMetricFamily(P + "up", "1 while the supervised engine's process runs.", value=float(s["up"]))

@@ -16,10 +16,13 @@ import threading
 import time
 from typing import Callable
 
+from sparkguard import control, proctree, sysinfo
 from sparkguard.supervisor import health, lanes, output, process, reports
+from sparkguard.supervisor.collector import EngineCollector
 from sparkguard.supervisor.gates import StartGates, read_mem_available
 from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
 from sparkguard.supervisor.run import Run
+from sparkguard.units import format_duration, format_size
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -90,7 +93,6 @@ class Supervisor:
             OSError: the control socket cannot be served (another daemon, permissions).
         """
         if self.start_control:
-            from sparkguard import control
             self.control = control.ControlServer(self.ecfg.control_socket, self.handle)
             self.control.start()
         self.previous_state = lanes.read_state(self.ecfg.state_file)
@@ -378,7 +380,6 @@ class Supervisor:
 
     def collector(self):
         """A prometheus_client collector of the engine metrics (see :class:`EngineCollector`)."""
-        from sparkguard.supervisor.collector import EngineCollector
         return EngineCollector(self)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -494,7 +495,6 @@ class Supervisor:
             self._flush("daemon stopping")
 
     def _backoff(self) -> bool:
-        from sparkguard.units import format_duration
         if self.delay <= 0:
             return True
         deadline = time.monotonic() + self.delay
@@ -526,7 +526,6 @@ class Supervisor:
         return True
 
     def _spawn(self) -> None:
-        from sparkguard import proctree
         e = self.ecfg
         argv, env = lanes.command(self.cfg, self.lane)
         reason = self.next_reason
@@ -557,7 +556,6 @@ class Supervisor:
                           + (f" (restart: {reason})" if reason else "") + ": " + " ".join(argv)[:300])
             self.cv.notify_all()
         self._write_state()
-        from sparkguard.units import format_size
         try:
             avail = format_size(read_mem_available())
         except (OSError, ValueError):
@@ -779,7 +777,6 @@ class Supervisor:
 
     def _open_wedged_incident(self, run: Run, detail: str) -> dict:
         """An incident of kind ``"wedged"`` in the daemon's incident shape (TEAM.md)."""
-        from sparkguard import proctree
         t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
         return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
 

@@ -24,6 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from sparkguard import peers
+from sparkguard.units import format_size
+
 log = logging.getLogger("sparkguard.supervisor")
 
 MEM_SAMPLE = 0.25        # seconds between MemAvailable samples in the quiesce gate
@@ -135,11 +138,8 @@ class StartGates:
     """
 
     def __init__(self, ecfg, hooks: GateHooks, clock: Callable[[], float] = time.monotonic,
-                 read_mem: Callable[[], int] = read_mem_available, check_peers=None,
+                 read_mem: Callable[[], int] = read_mem_available, check_peers=peers.check,
                  drop: Callable[[], str] = drop_caches):
-        if check_peers is None:
-            from sparkguard import peers
-            check_peers = peers.check
         self.e, self.hooks, self.clock = ecfg, hooks, clock
         self.read_mem, self.check_peers, self.drop = read_mem, check_peers, drop
 
@@ -187,7 +187,6 @@ class StartGates:
     def _quiesce(self, deadline: float):
         """Returns ``("", "")`` open, ``("quiesce", detail)`` timed out, ``(None, ...)`` interrupted,
         ``(_AGAIN, ...)`` a guard hold came back."""
-        from sparkguard.units import format_size
         e, h = self.e, self.hooks
         gate = QuiesceGate(e.start_above, e.stable_for, e.stable_band)
         announced = False
@@ -215,7 +214,6 @@ class StartGates:
 
     def _peers(self, deadline: float):
         """Returns ``("", "")`` all ok, ``("peers", detail)`` timed out, ``(None, "")`` interrupted."""
-        from sparkguard.units import format_size
         e, h = self.e, self.hooks
         announced = False
         while True:
