@@ -12,7 +12,7 @@ The metric's lines are parsed with prometheus_client's own text parser
 serves (a real sparkguard, through a proxy) is read the way Prometheus would read it.  Each
 read is bounded: one deadline for the whole request, :data:`MAX_ANSWER` bytes of answer
 (:mod:`sparkguard.httpget`).
-Source of the metric name: TEAM.md "Metric names" / ``sparkguard.metrics``.
+Source of the metric name: :mod:`sparkguard.metrics`, the exporter every node runs.
 """
 
 from __future__ import annotations

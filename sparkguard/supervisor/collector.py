@@ -6,7 +6,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 
 class EngineCollector:
-    """prometheus_client collector of the engine metrics (TEAM.md "Metric names", issue #5).
+    """prometheus_client collector of the engine metrics (exported beside :mod:`sparkguard.metrics`' own).
 
     ``sparkguard_engine_up``, ``_ready`` (0/1), ``sparkguard_engine_restarts_total{reason}``,
     ``sparkguard_engine_lane_info{lane}``, ``sparkguard_engine_time_to_ready_seconds`` (last start;

@@ -36,7 +36,7 @@ class Supervisor:
 
     Args:
         cfg: ``config.Config`` (``engine`` must be enabled; ``guard.grace`` is the TERM->KILL time).
-        reporter: object with ``event(incident, event)`` / ``finish(incident)`` (TEAM.md), or None.
+        reporter: :class:`sparkguard.reporter.Reporter` (``event(incident, event)``, ``finish(incident)``), or None.
         count_incident: ``(kind: str, wall: float) -> None`` called when the supervisor opens an
             incident of its own (``"wedged"``), so the daemon's incident counters include it.
         start_control: serve the control socket (``engine.control_socket``).
@@ -62,7 +62,6 @@ class Supervisor:
         self.restarts = {r: 0 for r in REASONS}
         self.starts = 0
         self.ready_count = 0
-        self.exits = 0
         self.backoff = Backoff(self.ecfg.backoff_initial, self.ecfg.backoff_max, self.ecfg.stable_after)
         self.delay = 0.0
         self.next_start_at: float | None = None
@@ -149,11 +148,6 @@ class Supervisor:
         else:
             self.lane = lane
             self._history("lane", f"{why}: lane {lane} from the next start")
-
-    def engine_pid(self) -> int | None:
-        """PID of the running engine's root (None when none runs)."""
-        run = self.run
-        return run.pid if run is not None and run.exit is None else None
 
     def target(self, procs: dict, protector, details: bool = True):
         """The supervised engine as the guard's target: its root, descendants and every process
@@ -534,7 +528,6 @@ class Supervisor:
         except OSError as ex:
             log.error("engine: cannot start %s: %s", argv, ex)
             with self.cv:
-                self.exits += 1
                 self.last_exit = {"code": None, "signal": None, "at": time.time(), "uptime": 0.0,
                                   "reason": "exit", "detail": f"cannot start: {ex}"}
                 self._schedule_restart("exit", failure=True, uptime=0.0)
@@ -660,7 +653,6 @@ class Supervisor:
         rec["reason"] = reason or run.term_reason
         with self.cv:
             run.exit_info = rec
-            self.exits += 1
             self.last_exit = rec
             self._history("exit", f"pid {run.pid} {rec['detail']}")
             self.last_run, self.run = run, None
@@ -736,7 +728,6 @@ class Supervisor:
             if run.exit is not None:
                 return
             run.ready = run.ever_ready = True
-            run.t_ready = now
             self.time_to_ready = now - run.t_spawn
             self.ready_count += 1
             self.state, self.detail = "ready", ""
@@ -776,7 +767,7 @@ class Supervisor:
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))
 
     def _open_wedged_incident(self, run: Run, detail: str) -> dict:
-        """An incident of kind ``"wedged"`` in the daemon's incident shape (TEAM.md)."""
+        """An incident of kind ``"wedged"``, in the shape of the guard's incidents (:meth:`reports.EngineIncidents.open_wedged`)."""
         t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
         return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
 

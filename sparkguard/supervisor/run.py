@@ -32,7 +32,6 @@ class Run:
         self.wall_spawn = time.time()
         self.ready = False
         self.ever_ready = False
-        self.t_ready: float | None = None
         self.exit: tuple[int | None, int | None] | None = None   # (code, signal)
         self.t_exit: float | None = None
         self.verdict: str | None = None     # monitor's: wedged | head | not_ready
