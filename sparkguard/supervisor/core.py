@@ -18,10 +18,12 @@ from typing import Callable
 
 from sparkguard import control, proctree, sysinfo
 from sparkguard.supervisor import health, lanes, output, process, reports
-from sparkguard.supervisor.collector import EngineCollector
+from sparkguard.supervisor.api import ControlApi
 from sparkguard.supervisor.gates import StartGates, read_mem_available
 from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
 from sparkguard.supervisor.run import Run
+from sparkguard.supervisor.runthreads import RunThreads, _GateHooks, _MonitorHooks
+from sparkguard.supervisor.state import StatusViews
 from sparkguard.units import format_duration, format_size
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -31,7 +33,7 @@ STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "ready", "sto
 HISTORY = 50             # status history entries kept
 
 
-class Supervisor:
+class Supervisor(ControlApi, StatusViews, RunThreads):
     """Starts, watches and restarts one engine.
 
     Args:
@@ -112,43 +114,6 @@ class Supervisor:
         self._flush("daemon stopping")
         self.sink.close()
 
-    def reload(self, cfg) -> None:
-        """New configuration (SIGHUP): gates, health, probe, restart policy take effect now or at the
-        next start; the command, env and lanes' args at the next start.  A changed ``engine.lane``
-        switches lanes now, as ``sparkguard engine lane`` does (a stopped engine starts in it when
-        next started); so does a current lane that ``engine.lanes`` no longer has.  The state file
-        is written by the supervisor thread once it switched; until then it still names the old
-        ``config_lane``, so a daemon restart meanwhile also starts in the new ``engine.lane``
-        (:func:`lanes.initial_lane`).  The control socket path needs a daemon restart."""
-        with self.cv:
-            if cfg.engine.control_socket != self.ecfg.control_socket:
-                log.warning("engine.control_socket changed to %s: takes effect after a restart",
-                            cfg.engine.control_socket)
-            old_cfg_lane = lanes.config_lane(self.ecfg)
-            self.cfg, self.ecfg = cfg, cfg.engine
-            self.backoff.initial, self.backoff.maximum = cfg.engine.backoff_initial, cfg.engine.backoff_max
-            self.backoff.stable_after = cfg.engine.stable_after
-            new_cfg_lane = lanes.config_lane(cfg.engine)
-            why = None
-            if new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane:
-                why = f"engine.lane changed from {old_cfg_lane} to {new_cfg_lane} in {cfg.path}"
-            elif self.lane is not None and self.lane not in cfg.engine.lanes:
-                why = f"lane {self.lane} is not in engine.lanes of {cfg.path} any more"
-            if why is not None:
-                self._switch_lane(new_cfg_lane, why)
-            self.cv.notify_all()
-
-    def _switch_lane(self, lane: str | None, why: str) -> None:
-        """(Under ``cv``.) Run in ``lane`` from now on: a running (or starting) engine is restarted
-        in it (reason ``lane``); a stopped one starts in it when next started."""
-        if self.want == "run" and not self.quit and lane is not None:
-            self.request = ("lane", lane)
-            self.backoff.reset()
-            self._history("lane", f"{why}: switching to lane {lane} (restart)")
-        else:
-            self.lane = lane
-            self._history("lane", f"{why}: lane {lane} from the next start")
-
     def target(self, procs: dict, protector, details: bool = True):
         """The supervised engine as the guard's target: its root, descendants and every process
         still in its process group (reparented ``VLLM::`` orphans included).
@@ -199,27 +164,6 @@ class Supervisor:
             finally:
                 self.cv.release()
 
-    def link_event(self, down: bool, detail: str) -> None:
-        """The TP link watch declared a link incident (``down``) or its end (``link.mark_unhealthy``).
-
-        While a link is down the engine (NCCL hangs inside a collective) is marked unhealthy and no
-        new start happens; once the link is back the engine is restarted (reason ``link``) so its
-        ranks meet again.  Never blocks.
-        """
-        if down:
-            self.link_down = True
-            run = self.run
-            if run is not None:
-                run.link_hit = True
-            self._history("link", f"TP link down ({detail}): engine marked unhealthy; restart once it is back")
-        else:
-            self.link_down = False
-            run = self.run
-            if run is not None and run.link_hit and self.request is None and self.want == "run":
-                self.request = ("link", None)
-            self._history("link", f"TP link back ({detail})")
-        self._poke()
-
     def take_incident(self, incident: dict) -> bool:
         """The guard closed ``incident``: add the engine's state and report it (``reporter.finish``)
         at once.
@@ -247,140 +191,7 @@ class Supervisor:
         self._poke()
         return True
 
-    def command(self, op: str, lane: str | None = None) -> dict:
-        """Control: ``start``, ``stop``, ``restart``, ``lane`` (with ``lane``).
-
-        Returns:
-            ``{"ok": bool, "error": str?, "starts": int, "status": dict}``; ``starts`` is the
-            spawn count before the command (wait for ``starts`` > it, then ready).
-        """
-        with self.cv:
-            starts = self.starts
-            if op == "start":
-                if self.want == "run" and self.state not in ("exited", "failed"):
-                    return {"ok": True, "starts": starts, "note": "already running", "status": self._status()}
-                self.want = "run"
-                self.backoff.reset()
-                self.delay = 0.0
-                self.next_reason = None
-                self._history("command", "start")
-            elif op == "stop":
-                self.want = "stop"
-                self.request = None
-                self._history("command", "stop")
-            elif op == "restart":
-                self.want = "run"
-                self.backoff.reset()
-                self.request = ("restart", None)
-                self._history("command", "restart")
-            elif op == "lane":
-                if not self.ecfg.lanes:
-                    return {"ok": False, "error": "no engine.lanes configured"}
-                if lane not in self.ecfg.lanes:
-                    return {"ok": False, "error": f"no lane {lane!r}; engine.lanes has " + ", ".join(self.ecfg.lanes)}
-                self.want = "run"
-                self.backoff.reset()
-                self.request = ("lane", lane)
-                self._history("command", f"lane {lane}")
-            else:
-                return {"ok": False, "error": f"unknown command {op!r}"}
-            self.cv.notify_all()
-            return {"ok": True, "starts": starts, "status": self._status()}
-
-    def wait(self, until: str, after: int = 0, timeout: float = 60.0, lane: str | None = None) -> dict:
-        """Block until a condition (control ``wait``; bounded by ``timeout`` seconds).
-
-        Args:
-            until: ``"ready"`` (a start after the ``after``-th is ready, in ``lane`` if given),
-                ``"stopped"``, or ``"starts"`` (spawn count > ``after``).
-        Returns:
-            ``{"ok": bool, "error": str?, "status": dict}``; ``ok`` False on timeout or when the
-            engine gave up (stopped, exited, failed, or crashed into backoff) instead.
-        """
-        deadline = time.monotonic() + timeout
-
-        def done() -> str | None:
-            if self.quit:
-                return "the daemon is stopping"
-            if until == "stopped":
-                return "" if self.state in ("stopped", "exited", "failed") else None
-            if until == "starts":
-                return "" if self.starts > after else None
-            run = self.run
-            if self.starts > after and run is not None and run.ready and (lane is None or run.lane == lane):
-                return ""
-            if self.starts > after and self.state in ("backoff", "exited", "failed", "stopped"):
-                le = self.last_exit or {}
-                return f"the engine did not become ready: {self.state} ({le.get('detail', self.detail)})"
-            if self.want == "stop" and self.state == "stopped":
-                return "the engine was stopped"
-            return None
-
-        with self.cv:
-            while True:
-                r = done()
-                if r is not None:
-                    return {"ok": r == "", **({"error": r} if r else {}), "status": self._status()}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return {"ok": False, "error": f"timed out after {timeout:g} s ({self.state}: {self.detail})",
-                            "status": self._status()}
-                self.cv.wait(left)
-
-    def handle(self, req: dict) -> dict:
-        """Control-socket request -> response (see :mod:`sparkguard.control` for the protocol)."""
-        op = req.get("op")
-        if op == "status":
-            with self.cv:
-                return {"ok": True, "status": self._status()}
-        if op in ("start", "stop", "restart", "lane"):
-            return self.command(op, req.get("lane"))
-        if op == "wait":
-            try:
-                timeout = float(req.get("timeout", 60))
-                after = int(req.get("after", 0))
-            except (TypeError, ValueError):
-                return {"ok": False, "error": "bad wait arguments"}
-            return self.wait(str(req.get("until", "ready")), after, min(max(timeout, 0.0), 86400.0), req.get("lane"))
-        return {"ok": False, "error": f"unknown op {op!r}; expected status, start, stop, restart, lane, wait"}
-
-    def status(self) -> dict:
-        """JSON-ready engine state (see :func:`sparkguard.supervisor.describe`); cheap, any thread."""
-        with self.cv:
-            return self._status()
-
-    def _status(self) -> dict:
-        run = self.run
-        now_m, now_w = time.monotonic(), time.time()
-        st = {
-            "state": self.state, "detail": self.detail, "want": self.want,
-            "pid": run.pid if run and run.exit is None else None,
-            "lane": self.lane, "lanes": list(self.ecfg.lanes),
-            "command": list(self.ecfg.command or ()) + (list(self.ecfg.lanes[self.lane].args) if self.lane else []),
-            "up": bool(run and run.exit is None), "ready": bool(run and run.ready and run.exit is None),
-            "started_at": run.wall_spawn if run else None,
-            "uptime": (now_m - run.t_spawn) if run and run.exit is None else None,
-            "time_to_ready": self.time_to_ready, "quiesce_wait": self.quiesce_wait,
-            "quiesce_timed_out": self.quiesce_timed_out, "gate_timeout": self.gate_timeout,
-            "starts": self.starts, "ready_count": self.ready_count, "restarts": dict(self.restarts),
-            "backoff": self.delay, "consecutive_failures": self.backoff.failures,
-            "next_start_at": (now_w + self.next_start_at - now_m) if self.next_start_at else None,
-            "restart_policy": self.ecfg.restart, "last_exit": self.last_exit,
-            "probe_failures": run.probe_failures if run else 0,
-            "peers": list(self.peer_states), "history": list(self.history),
-            "control_socket": self.ecfg.control_socket,
-        }
-        return st
-
-    def collector(self):
-        """A prometheus_client collector of the engine metrics (see :class:`EngineCollector`)."""
-        return EngineCollector(self)
-
     # ---- helpers --------------------------------------------------------------------------
-
-    def _history(self, event: str, detail: str) -> None:
-        self.history.append({"at": time.time(), "mono": time.monotonic(), "event": event, "detail": detail})
-        log.info("engine: %s: %s", event, detail)
 
     def _set(self, state: str, detail: str = "") -> None:
         with self.cv:
@@ -395,44 +206,6 @@ class Supervisor:
         pred = pred or self._interrupted
         with self.cv:
             return self.cv.wait_for(pred, timeout=max(0.0, seconds))
-
-    @staticmethod
-    def _exit_of(run: Run) -> dict | None:
-        """``run``'s exit record (:meth:`Run.exit_record`); when the exit watcher has not recorded it
-        yet, the root's status is read without waiting (``waitid`` WNOHANG|WNOWAIT: not reaped)."""
-        rec = run.exit_record()
-        if rec is None:
-            ex = process.poll_exit(run.pid)
-            if ex is not None:
-                rec = run.exit_record(ex, time.monotonic())
-        return rec
-
-    def _engine_info(self, run: Run | None, exit_: dict | None = None) -> dict:
-        """The engine part of an incident report: the state now and ``run``'s own pid, lane,
-        command, exit (``exit_``, :meth:`_exit_of`), last output lines; the restart counters now."""
-        state, detail = self.state, self.detail
-        if run is not None and exit_ is not None and self.run is run and state in ("starting", "ready", "stopping"):
-            state, detail = "sweeping", f"pid {run.pid} exited; sweeping what is left of its tree"
-        return {"state": state, "detail": detail, "lane": run.lane if run else self.lane,
-                "pid": run.pid if run else None, "command": run.argv if run else None, "exit": exit_,
-                "restarts": dict(self.restarts),
-                "last_lines": run.lines.current()[-self.ecfg.log_lines:] if run else []}
-
-    def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
-        """Resolve the incidents waiting for a restart (:meth:`reports.EngineIncidents.flush`)."""
-        with self.cv:
-            now = {"state": self.state, "pid": self.run.pid if self.run is not None else None, "lane": self.lane,
-                   "restarts": dict(self.restarts)}
-        self.reports.flush(now, why, restart_detail, pids)
-
-    def _write_state(self) -> None:
-        """Persist the lane (a lane switch asked for and not yet done counts: a daemon restart
-        meanwhile starts in it) and the running engine; one writer at a time (the supervisor and
-        monitor threads both write, through the same temp file)."""
-        with self._state_lock:
-            req = self.request
-            lane = req[1] if req is not None and req[0] == "lane" else self.lane
-            lanes.write_state(self.ecfg, lane, self.run)
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
                group_ok: bool = True) -> list[int]:
@@ -696,80 +469,6 @@ class Supervisor:
         if self.backoff.failures > 2:
             log.warning("engine: crash loop? %d restarts in a row; next in %g s", self.backoff.failures, self.delay)
 
-    # ---- per-run threads ---------------------------------------------------------------------
-
-    def _watch_exit(self, run: Run) -> None:
-        """Record the root's exit status (not reaped: :func:`process.wait_exit`)."""
-        code, sig = process.wait_exit(run.pid)
-        with self.cv:
-            run.exit = (code, sig)
-            run.t_exit = time.monotonic()
-            run.ready = False
-            self.cv.notify_all()
-
-    def _pump(self, run: Run) -> None:
-        """Forward stdout/stderr line by line to the sink and the last-lines ring."""
-        def line(stream: str, raw: bytes) -> None:
-            text = output.decode(raw)
-            run.lines.add(stream, text)
-            self.sink.write(text, stream, run.pid, run.lane)
-        output.pump(run.proc.stdout, run.proc.stderr, line)
-
-    # MonitorHooks (sparkguard.supervisor.health), called from the monitor thread
-
-    def _refresh_members(self, run: Run) -> None:
-        """Record every process of the run's tree; persisted when it changed."""
-        if process.refresh_members(run):
-            self._write_state()
-
-    def _became_ready(self, run: Run) -> None:
-        now = time.monotonic()
-        with self.cv:
-            if run.exit is not None:
-                return
-            run.ready = run.ever_ready = True
-            self.time_to_ready = now - run.t_spawn
-            self.ready_count += 1
-            self.state, self.detail = "ready", ""
-            self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
-            self.cv.notify_all()
-
-    def _health_changed(self, run: Run, ok: bool, url: str) -> None:
-        with self.cv:
-            run.ready = ok
-            self.state = "ready" if ok else "starting"
-            self.detail = "" if ok else f"{url} not answering 200"
-            self.cv.notify_all()
-
-    def _probed(self, run: Run, ok: bool) -> int:
-        with self.cv:
-            run.probe_failures = 0 if ok else run.probe_failures + 1
-            return run.probe_failures
-
-    def _verdict(self, run: Run, verdict: str, detail: str) -> None:
-        if run.exit is not None or run.verdict is not None:
-            return
-        if verdict == "wedged" and not self.cfg.guard.dry_run:
-            run.incident = self._open_wedged_incident(run, detail)   # before _supervise acts on it
-        with self.cv:
-            run.verdict, run.verdict_detail = verdict, detail
-            self._history(verdict, detail)
-            self.cv.notify_all()
-
-    def _wedged_dry_run(self, run: Run) -> None:
-        inc = self._open_wedged_incident(run, run.verdict_detail)
-        self.reports.event(inc, "would_term", f"dry run: would SIGTERM the wedged engine (pid {run.pid})", [run.pid])
-        inc["outcome"], inc["ended_at"] = "dry_run", time.time()
-        inc["summary"] = f"engine wedged: {run.verdict_detail}; dry run, nothing signalled"
-        self.reports.finish(inc)
-        with self.cv:
-            run.verdict, run.probe_failures = None, 0
-        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))
-
-    def _open_wedged_incident(self, run: Run, detail: str) -> dict:
-        """An incident of kind ``"wedged"``, in the shape of the guard's incidents (:meth:`reports.EngineIncidents.open_wedged`)."""
-        t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
-        return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
 
     # ---- sweeping ------------------------------------------------------------------------------
 
@@ -800,35 +499,3 @@ class Supervisor:
             self._set("sweeping", "stopping the engine a previous sparkguard left running")
             found = self._sweep(pgid, members, group_ok=in_group)
             log.warning("engine: stopped %d processes left by a previous sparkguard (pgid %d)", len(found), pgid)
-
-
-class _GateHooks:
-    """:class:`gates.GateHooks` on a :class:`Supervisor` (called from the supervisor thread)."""
-
-    def __init__(self, sup: Supervisor):
-        self.sup = sup
-        self.interrupted, self.wait, self.note = sup._interrupted, sup._wait, sup._history
-
-    def held(self) -> str | None:
-        """Why starts are held: a guard incident is open, or the TP link is down."""
-        if self.sup.incident_open:
-            return "a guard incident is open (memory below the SIGTERM line)"
-        return "the TP link is down" if self.sup.link_down else None
-
-    def show(self, detail: str) -> None:
-        """State ``waiting`` with ``detail``."""
-        self.sup._set("waiting", detail)
-
-    def peers_seen(self, states: list[dict]) -> None:
-        """The peers gate's last readings (status ``peers``)."""
-        with self.sup.cv:
-            self.sup.peer_states = states
-
-
-class _MonitorHooks:
-    """:class:`health.MonitorHooks` on a :class:`Supervisor` (called from the monitor thread)."""
-
-    def __init__(self, sup: Supervisor):
-        self.refresh_members, self.became_ready = sup._refresh_members, sup._became_ready
-        self.health_changed, self.probed, self.verdict = sup._health_changed, sup._probed, sup._verdict
-        self.note = sup._history

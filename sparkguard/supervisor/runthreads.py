@@ -1,0 +1,122 @@
+"""The Supervisor's per-run threads (exit watcher, output pump, monitor) and its gate hooks.
+
+:class:`RunThreads` is a part of :class:`sparkguard.supervisor.core.Supervisor` (its base
+class); the state it writes is the Supervisor's and the run's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sparkguard import proctree
+from sparkguard.supervisor import health, output, process
+from sparkguard.supervisor.run import Run
+
+
+class RunThreads:
+    """What the threads of one run call on a :class:`Supervisor`."""
+
+    def _watch_exit(self, run: Run) -> None:
+        """Record the root's exit status (not reaped: :func:`process.wait_exit`)."""
+        code, sig = process.wait_exit(run.pid)
+        with self.cv:
+            run.exit = (code, sig)
+            run.t_exit = time.monotonic()
+            run.ready = False
+            self.cv.notify_all()
+
+    def _pump(self, run: Run) -> None:
+        """Forward stdout/stderr line by line to the sink and the last-lines ring."""
+        def line(stream: str, raw: bytes) -> None:
+            text = output.decode(raw)
+            run.lines.add(stream, text)
+            self.sink.write(text, stream, run.pid, run.lane)
+        output.pump(run.proc.stdout, run.proc.stderr, line)
+
+    # MonitorHooks (sparkguard.supervisor.health), called from the monitor thread
+
+    def _refresh_members(self, run: Run) -> None:
+        """Record every process of the run's tree; persisted when it changed."""
+        if process.refresh_members(run):
+            self._write_state()
+
+    def _became_ready(self, run: Run) -> None:
+        now = time.monotonic()
+        with self.cv:
+            if run.exit is not None:
+                return
+            run.ready = run.ever_ready = True
+            self.time_to_ready = now - run.t_spawn
+            self.ready_count += 1
+            self.state, self.detail = "ready", ""
+            self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
+            self.cv.notify_all()
+
+    def _health_changed(self, run: Run, ok: bool, url: str) -> None:
+        with self.cv:
+            run.ready = ok
+            self.state = "ready" if ok else "starting"
+            self.detail = "" if ok else f"{url} not answering 200"
+            self.cv.notify_all()
+
+    def _probed(self, run: Run, ok: bool) -> int:
+        with self.cv:
+            run.probe_failures = 0 if ok else run.probe_failures + 1
+            return run.probe_failures
+
+    def _verdict(self, run: Run, verdict: str, detail: str) -> None:
+        if run.exit is not None or run.verdict is not None:
+            return
+        if verdict == "wedged" and not self.cfg.guard.dry_run:
+            run.incident = self._open_wedged_incident(run, detail)   # before _supervise acts on it
+        with self.cv:
+            run.verdict, run.verdict_detail = verdict, detail
+            self._history(verdict, detail)
+            self.cv.notify_all()
+
+    def _wedged_dry_run(self, run: Run) -> None:
+        inc = self._open_wedged_incident(run, run.verdict_detail)
+        self.reports.event(inc, "would_term", f"dry run: would SIGTERM the wedged engine (pid {run.pid})", [run.pid])
+        inc["outcome"], inc["ended_at"] = "dry_run", time.time()
+        inc["summary"] = f"engine wedged: {run.verdict_detail}; dry run, nothing signalled"
+        self.reports.finish(inc)
+        with self.cv:
+            run.verdict, run.probe_failures = None, 0
+        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))
+
+    def _open_wedged_incident(self, run: Run, detail: str) -> dict:
+        """An incident of kind ``"wedged"``, in the shape of the guard's incidents (:meth:`reports.EngineIncidents.open_wedged`)."""
+        t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
+        return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
+
+
+class _GateHooks:
+    """:class:`gates.GateHooks` on a :class:`Supervisor` (called from the supervisor thread)."""
+
+    def __init__(self, sup: Supervisor):
+        self.sup = sup
+        self.interrupted, self.wait, self.note = sup._interrupted, sup._wait, sup._history
+
+    def held(self) -> str | None:
+        """Why starts are held: a guard incident is open, or the TP link is down."""
+        if self.sup.incident_open:
+            return "a guard incident is open (memory below the SIGTERM line)"
+        return "the TP link is down" if self.sup.link_down else None
+
+    def show(self, detail: str) -> None:
+        """State ``waiting`` with ``detail``."""
+        self.sup._set("waiting", detail)
+
+    def peers_seen(self, states: list[dict]) -> None:
+        """The peers gate's last readings (status ``peers``)."""
+        with self.sup.cv:
+            self.sup.peer_states = states
+
+
+class _MonitorHooks:
+    """:class:`health.MonitorHooks` on a :class:`Supervisor` (called from the monitor thread)."""
+
+    def __init__(self, sup: Supervisor):
+        self.refresh_members, self.became_ready = sup._refresh_members, sup._became_ready
+        self.health_changed, self.probed, self.verdict = sup._health_changed, sup._probed, sup._verdict
+        self.note = sup._history
