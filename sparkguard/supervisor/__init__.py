@@ -39,11 +39,17 @@ Restart reasons (metric label ``reason``): ``exit`` (the engine exited by itself
 ``manual`` (``sparkguard engine restart``), ``link`` (reserved for the link watch).
 
 Threads: one supervisor thread, and per run an exit watcher (pidfd), an output pump and a
-monitor (health/probe/head).  The daemon sets ``threading.stack_size`` (512 KiB) before.
+monitor (health/probe/head).  The daemon sets ``threading.stack_size`` (512 KiB) before.  The
+supervisor thread owns the state: the other threads post events that it applies (:mod:`.core`
+says who writes what).
 
 Modules, one concern each:
 
-* :mod:`.core`: :class:`Supervisor`, the orchestration thread, control and guard hooks;
+* :mod:`.core`: :class:`core.Supervisor`, the supervisor thread (start, supervise, stop,
+  restart) and the guard's hooks;
+* :mod:`.api`: the mailbox, and the hooks of the reload, link watch and control threads;
+* :mod:`.state`: the status dict, the history, incident engine parts, the state file;
+* :mod:`.runthreads`: the exit watcher, output pump and monitor of a run, the gate hooks;
 * :mod:`.process`: spawn, exit watch, the run's tree, the sweep of leftovers;
 * :mod:`.output`: output forwarding to the journal, the last-lines ring;
 * :mod:`.health`: readiness, liveness probe, head watch;

@@ -1,25 +1,112 @@
-"""The Supervisor's hooks for the other threads: reload, the link watch, the control socket.
+"""The Supervisor's hooks for the other threads: its mailbox, reload, the link watch, the control socket.
 
 :class:`ControlApi` is a part of :class:`sparkguard.supervisor.core.Supervisor` (its base
-class); the state it reads and writes is the Supervisor's.
+class).  Each hook posts an event, a function that changes the state, which the supervisor
+thread applies under ``cv`` (:meth:`ControlApi._apply_events`); reads take ``cv``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from typing import Callable
 
 from sparkguard.supervisor import lanes
 from sparkguard.supervisor.collector import EngineCollector
 
 log = logging.getLogger("sparkguard.supervisor")
 
+#: events the mailbox holds at most; the oldest are dropped beyond (only a supervisor thread
+#: that is dead or stuck lets that many pile up: a few events come per incident, command or run)
+EVENTS_MAX = 1024
+#: seconds the link watch and reload threads wait for their event to be applied (it is applied
+#: later all the same, when the supervisor thread is busy longer)
+HOOK_WAIT = 5.0
+#: seconds a control command waits for the supervisor thread to take it; beyond, it is called
+#: off and answered as not taken (below the client's 10 s, so that the client reads why)
+COMMAND_WAIT = 8.0
+
 
 class ControlApi:
-    """Reload, link events and the control requests of a :class:`Supervisor`."""
+    """The mailbox, reload, link events and the control requests of a :class:`Supervisor`."""
+
+    def _owner(self) -> bool:
+        """True on the supervisor thread, or when none runs (before :meth:`start`, after its end):
+        then the caller may change the state itself, under ``cv``."""
+        t = self.thread
+        return t is None or t is threading.current_thread() or not t.is_alive()
+
+    def _post(self, event: Callable[[], None]) -> None:
+        """Hand ``event`` to the supervisor thread and wake it; never blocks (any thread)."""
+        self._events.append(event)
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the supervisor without ever blocking the caller (the poll loop): a missed wake-up
+        is caught by the supervisor's bounded waits (:data:`core.TICK`)."""
+        if self.cv.acquire(timeout=0.005):
+            try:
+                self.cv.notify_all()
+            finally:
+                self.cv.release()
+
+    def _apply_events(self) -> None:
+        """(Supervisor thread, under ``cv``.) Apply the posted events in order; one that raises
+        is logged and the others still apply."""
+        if not self._events:
+            return
+        while self._events:
+            event = self._events.popleft()
+            try:
+                event()
+            except Exception:  # noqa: BLE001 - a broken event must not end supervision
+                log.exception("engine: applying %r failed", event)
+        self.cv.notify_all()
+
+    def _call(self, fn: Callable[[], object], timeout: float, cancel: bool = False):
+        """Have the supervisor thread run ``fn`` (under ``cv``) and return its result.
+
+        Waits up to ``timeout`` seconds (0: does not wait).  When no supervisor thread runs,
+        ``fn`` runs here, under ``cv``.
+
+        Args:
+            cancel: past ``timeout``, call ``fn`` off instead of leaving it queued.
+        Returns:
+            what ``fn`` returned, or None when it was not applied within ``timeout``.
+        Raises:
+            whatever ``fn`` raised.
+        """
+        box: dict = {}
+
+        def event() -> None:
+            if box.get("cancelled"):
+                return
+            try:
+                box["result"] = fn()
+            except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
+                box["error"] = e
+            box["done"] = True
+
+        with self.cv:
+            if self._owner():
+                event()
+            else:
+                self._events.append(event)
+                self.cv.notify_all()
+                if timeout > 0 and not self.cv.wait_for(lambda: "done" in box, timeout):
+                    box["cancelled"] = cancel
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
 
     def reload(self, cfg) -> None:
-        """New configuration (SIGHUP): gates, health, probe, restart policy take effect now or at the
+        """(Reload thread.) Hand a new configuration to the supervisor thread (:meth:`_reload`);
+        waits up to :data:`HOOK_WAIT` seconds for it to be applied."""
+        self._call(lambda: self._reload(cfg), HOOK_WAIT)
+
+    def _reload(self, cfg) -> None:
+        """(Event.) New configuration (SIGHUP): gates, health, probe, restart policy take effect now or at the
         next start; the command, env and lanes' args at the next start.  A changed ``engine.lane``
         switches lanes now, as ``sparkguard engine lane`` does (a stopped engine starts in it when
         next started); so does a current lane that ``engine.lanes`` no longer has.  The state file
@@ -60,8 +147,13 @@ class ControlApi:
 
         While a link is down the engine (NCCL hangs inside a collective) is marked unhealthy and no
         new start happens; once the link is back the engine is restarted (reason ``link``) so its
-        ranks meet again.  Never blocks.
+        ranks meet again.  Called from the link watch thread; waits up to :data:`HOOK_WAIT`
+        seconds for the supervisor thread to apply it (:meth:`_link_changed`).
         """
+        self._call(lambda: self._link_changed(down, detail), HOOK_WAIT)
+
+    def _link_changed(self, down: bool, detail: str) -> None:
+        """(Event.) :meth:`link_event`."""
         if down:
             self.link_down = True
             run = self.run
@@ -74,15 +166,24 @@ class ControlApi:
             if run is not None and run.link_hit and self.request is None and self.want == "run":
                 self.request = ("link", None)
             self._history("link", f"TP link back ({detail})")
-        self._poke()
 
     def command(self, op: str, lane: str | None = None) -> dict:
-        """Control: ``start``, ``stop``, ``restart``, ``lane`` (with ``lane``).
+        """Control: ``start``, ``stop``, ``restart``, ``lane`` (with ``lane``), applied by the
+        supervisor thread (:meth:`_command`) within :data:`COMMAND_WAIT` seconds, else called off.
 
         Returns:
             ``{"ok": bool, "error": str?, "starts": int, "status": dict}``; ``starts`` is the
             spawn count before the command (wait for ``starts`` > it, then ready).
         """
+        r = self._call(lambda: self._command(op, lane), COMMAND_WAIT, cancel=True)
+        if r is not None:
+            return r
+        with self.cv:
+            return {"ok": False, "error": f"the supervisor did not take the command within {COMMAND_WAIT:g} s "
+                                          f"({self.state}: {self.detail}); try again", "status": self._status()}
+
+    def _command(self, op: str, lane: str | None) -> dict:
+        """(Event.) :meth:`command`."""
         with self.cv:
             starts = self.starts
             if op == "start":

@@ -6,6 +6,18 @@ It ties the pieces together (see the package doc for one start in order): the ga
 incident reports (:mod:`.reports`).  The guard's poll loop only calls the cheap, non-blocking
 hooks (:meth:`Supervisor.target`, :meth:`Supervisor.on_guard_event`, :meth:`Supervisor.take_incident`);
 control requests arrive on the control socket's threads (:meth:`Supervisor.handle`).
+
+One owner: the supervisor thread (``sg-supervisor``) owns the Supervisor's state and writes it
+under ``cv``.  Other threads never write it: they post an event (a function) to the
+supervisor's mailbox (:meth:`ControlApi._post`), and the supervisor thread applies the events
+under ``cv`` each time it waits (:meth:`Supervisor._wait_for`), in the order they were posted.
+The poll loop's hooks post and return (a wake-up costs at most a 5 ms try for the lock); the
+link watch, reload and control threads wait until their event is applied (bounded).  Other
+threads read the state under ``cv`` (:meth:`status`, :meth:`wait`, the collector) or, from the
+poll loop, as single attribute reads (``run``, ``last_run``, ``want``, ``quit``, ``state``...:
+each is replaced whole by one assignment).  The events wait while the supervisor thread is in a
+step that does not wait on ``cv``: a sweep of leftovers (up to ``guard.grace`` + 10 s), a spawn,
+``sync``, a peer read (``engine.peers``, 3 s each).
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from typing import Callable
 
 from sparkguard import control, proctree, sysinfo
 from sparkguard.supervisor import health, lanes, output, process, reports
-from sparkguard.supervisor.api import ControlApi
+from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import StartGates, read_mem_available
 from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
 from sparkguard.supervisor.run import Run
@@ -31,6 +43,9 @@ log = logging.getLogger("sparkguard.supervisor")
 #: supervisor states (``status()["state"]``)
 STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "ready", "stopping", "exited", "failed")
 HISTORY = 50             # status history entries kept
+#: seconds the supervisor thread waits on ``cv`` at most before it looks at its mailbox again
+#: (a wake-up the poll loop could not deliver because the lock was held is seen by then)
+TICK = 0.5
 
 
 class Supervisor(ControlApi, StatusViews, RunThreads):
@@ -44,6 +59,18 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         start_control: serve the control socket (``engine.control_socket``).
     Raises (from :meth:`start`):
         OSError: the control socket cannot be created (another daemon owns it, no permission).
+
+    Who writes what (every field not named here: the supervisor thread, under ``cv``):
+
+    * ``hits`` and each run's ``guard_hit``: the poll loop's hooks (:meth:`on_guard_event`,
+      :meth:`take_incident`), the guard's own marks; the supervisor thread only reads them.
+    * a run's ``probe_failures``, ``head_*`` and ``incident`` (``wedged``): that run's monitor
+      thread; its ``members``: the monitor and the supervisor thread's escalation; ``lines``:
+      the output pump (:class:`output.LastLines` has its own lock).
+    * ``cfg``/``ecfg``, ``control``, ``thread``, ``previous_state``: set before the thread
+      starts, and ``cfg``/``ecfg`` again by the supervisor thread on a reload.
+    * ``reports``: :class:`reports.EngineIncidents`, safe from any thread.
+    * ``_events``: the mailbox, appended by any thread, emptied by the supervisor thread.
     """
 
     def __init__(self, cfg, reporter=None, count_incident: Callable[[str, float], None] | None = None,
@@ -74,7 +101,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         self.gate_timeout: dict | None = None   # {"gate": "quiesce"|"peers", "detail": str} of the last start
         self.last_exit: dict | None = None
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
-        self._state_lock = threading.Lock()
+        self._events: collections.deque[Callable[[], None]] = collections.deque(maxlen=EVENTS_MAX)
         self.hits: dict[str, Run] = {}        # guard incident id -> the run the guard signalled in it
         self.incident_open = False
         self.link_down = False
@@ -106,9 +133,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         (default grace * 2 + 10)."""
         if self.control is not None:
             self.control.stop()
-        with self.cv:
-            self.quit = True
-            self.cv.notify_all()
+        self._call(self._quit, 0.0)
         if self.thread is not None:
             self.thread.join(timeout if timeout is not None else self.cfg.guard.grace * 2 + 10)
         self._flush("daemon stopping")
@@ -144,7 +169,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         ev = event.get("event")
         run = self.run
         if ev == "crossed":
-            self.incident_open = True
+            self._post(self._incident_opened)
         elif ev in ("sigterm", "sigkill") and run is not None:
             pids = set(event.get("pids") or ())
             if run.pid in pids or pids & set(dict(run.members)):
@@ -155,14 +180,17 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
                                        f"(incident {incident.get('id')})")
         self._poke()
 
-    def _poke(self) -> None:
-        """Wake the supervisor without ever blocking the caller (the poll loop): a missed wake-up
-        is caught by the supervisor's bounded waits."""
-        if self.cv.acquire(timeout=0.005):
-            try:
-                self.cv.notify_all()
-            finally:
-                self.cv.release()
+    def _incident_opened(self) -> None:
+        """(Event.) A guard incident is open: hold starts until it is closed."""
+        self.incident_open = True
+
+    def _incident_closed(self) -> None:
+        """(Event.) The guard incident is closed: starts may go on."""
+        self.incident_open = False
+
+    def _quit(self) -> None:
+        """(Event.) The daemon is stopping: stop the engine and end the thread."""
+        self.quit = True
 
     def take_incident(self, incident: dict) -> bool:
         """The guard closed ``incident``: add the engine's state and report it (``reporter.finish``)
@@ -187,8 +215,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         self.reports.finish(incident)
         if restarting:
             self.reports.track(incident)
-        self.incident_open = False
-        self._poke()
+        self._post(self._incident_closed)
         return True
 
     # ---- helpers --------------------------------------------------------------------------
@@ -203,9 +230,25 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
 
     def _wait(self, seconds: float, pred: Callable[[], bool] | None = None) -> bool:
         """Wait up to ``seconds`` on the condition; True if ``pred`` (default: interrupted) became true."""
-        pred = pred or self._interrupted
+        return self._wait_for(pred or self._interrupted, max(0.0, seconds))
+
+    def _wait_for(self, pred: Callable[[], bool], timeout: float | None = None) -> bool:
+        """(Supervisor thread.) Apply the posted events and wait on ``cv`` until ``pred()`` (read
+        under ``cv``, after the events) is true or ``timeout`` seconds (None: no limit) passed.
+
+        Returns:
+            bool, ``pred()`` at the end.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.cv:
-            return self.cv.wait_for(pred, timeout=max(0.0, seconds))
+            while True:
+                self._apply_events()
+                if pred():
+                    return True
+                left = TICK if deadline is None else min(TICK, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                self.cv.wait(left)
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
                group_ok: bool = True) -> list[int]:
@@ -219,6 +262,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
             self._sweep_previous()
             while True:
                 with self.cv:
+                    self._apply_events()
                     if self.quit:
                         break
                     req, self.request = self.request, None
@@ -229,8 +273,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
                         self.cv.notify_all()
                 if self.want != "run":
                     self._flush("the engine is stopped")
-                    with self.cv:
-                        self.cv.wait_for(lambda: self.quit or self.want == "run" or self.request is not None, 5.0)
+                    self._wait_for(lambda: self.quit or self.want == "run" or self.request is not None, 5.0)
                     continue
                 with self.cv:
                     if req is not None:
@@ -340,8 +383,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         """Wait for the run to end; stop it on a command, a verdict or shutdown."""
         run = self.run
         while True:
+            self._wait_for(lambda: run.exit is not None or run.verdict is not None or self._interrupted())
             with self.cv:
-                self.cv.wait_for(lambda: run.exit is not None or run.verdict is not None or self._interrupted())
                 if run.exit is not None:
                     break
                 if self.quit:
@@ -370,9 +413,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         self._after_run()
 
     def _await_exit(self, timeout: float) -> bool:
+        """(Supervisor thread.) Wait up to ``timeout`` seconds for the run's exit; True once it exited."""
         run = self.run
-        with self.cv:
-            return self.cv.wait_for(lambda: run.exit is not None, timeout=timeout)
+        return self._wait_for(lambda: run.exit is not None, timeout)
 
     def _terminate(self, why: str) -> None:
         """SIGTERM the root, wait ``guard.grace`` for it to exit, then SIGKILL the whole tree."""

@@ -1,7 +1,8 @@
 """The Supervisor's per-run threads (exit watcher, output pump, monitor) and its gate hooks.
 
 :class:`RunThreads` is a part of :class:`sparkguard.supervisor.core.Supervisor` (its base
-class); the state it writes is the Supervisor's and the run's.
+class).  The exit watcher and the monitor post what they saw to the supervisor thread
+(:meth:`ControlApi._post`); the monitor keeps only the probe's failure count itself.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ class RunThreads:
     def _watch_exit(self, run: Run) -> None:
         """Record the root's exit status (not reaped: :func:`process.wait_exit`)."""
         code, sig = process.wait_exit(run.pid)
-        with self.cv:
+        t_exit = time.monotonic()
+
+        def exited() -> None:
             run.exit = (code, sig)
-            run.t_exit = time.monotonic()
+            run.t_exit = t_exit
             run.ready = False
-            self.cv.notify_all()
+        self._post(exited)
 
     def _pump(self, run: Run) -> None:
         """Forward stdout/stderr line by line to the sink and the last-lines ring."""
@@ -38,11 +41,12 @@ class RunThreads:
     def _refresh_members(self, run: Run) -> None:
         """Record every process of the run's tree; persisted when it changed."""
         if process.refresh_members(run):
-            self._write_state()
+            self._post(self._write_state)
 
     def _became_ready(self, run: Run) -> None:
         now = time.monotonic()
-        with self.cv:
+
+        def ready() -> None:
             if run.exit is not None:
                 return
             run.ready = run.ever_ready = True
@@ -50,29 +54,31 @@ class RunThreads:
             self.ready_count += 1
             self.state, self.detail = "ready", ""
             self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
-            self.cv.notify_all()
+        self._post(ready)
 
     def _health_changed(self, run: Run, ok: bool, url: str) -> None:
-        with self.cv:
+        def changed() -> None:
+            if run.exit is not None or run is not self.run:    # seen before the exit was applied
+                return
             run.ready = ok
             self.state = "ready" if ok else "starting"
             self.detail = "" if ok else f"{url} not answering 200"
-            self.cv.notify_all()
+        self._post(changed)
 
     def _probed(self, run: Run, ok: bool) -> int:
-        with self.cv:
-            run.probe_failures = 0 if ok else run.probe_failures + 1
-            return run.probe_failures
+        run.probe_failures = 0 if ok else run.probe_failures + 1
+        return run.probe_failures
 
     def _verdict(self, run: Run, verdict: str, detail: str) -> None:
         if run.exit is not None or run.verdict is not None:
             return
         if verdict == "wedged" and not self.cfg.guard.dry_run:
             run.incident = self._open_wedged_incident(run, detail)   # before _supervise acts on it
-        with self.cv:
+
+        def given() -> None:
             run.verdict, run.verdict_detail = verdict, detail
             self._history(verdict, detail)
-            self.cv.notify_all()
+        self._post(given)
 
     def _wedged_dry_run(self, run: Run) -> None:
         inc = self._open_wedged_incident(run, run.verdict_detail)
@@ -91,17 +97,20 @@ class RunThreads:
 
 
 class _GateHooks:
-    """:class:`gates.GateHooks` on a :class:`Supervisor` (called from the supervisor thread)."""
+    """:class:`gates.GateHooks` on a :class:`Supervisor` ``sup`` (called from the supervisor thread)."""
 
-    def __init__(self, sup: Supervisor):
+    def __init__(self, sup):
         self.sup = sup
         self.interrupted, self.wait, self.note = sup._interrupted, sup._wait, sup._history
 
     def held(self) -> str | None:
-        """Why starts are held: a guard incident is open, or the TP link is down."""
-        if self.sup.incident_open:
-            return "a guard incident is open (memory below the SIGTERM line)"
-        return "the TP link is down" if self.sup.link_down else None
+        """Why starts are held: a guard incident is open, or the TP link is down (the events
+        posted so far applied first)."""
+        with self.sup.cv:
+            self.sup._apply_events()
+            if self.sup.incident_open:
+                return "a guard incident is open (memory below the SIGTERM line)"
+            return "the TP link is down" if self.sup.link_down else None
 
     def show(self, detail: str) -> None:
         """State ``waiting`` with ``detail``."""
@@ -114,9 +123,9 @@ class _GateHooks:
 
 
 class _MonitorHooks:
-    """:class:`health.MonitorHooks` on a :class:`Supervisor` (called from the monitor thread)."""
+    """:class:`health.MonitorHooks` on a :class:`Supervisor` ``sup`` (called from the monitor thread)."""
 
-    def __init__(self, sup: Supervisor):
+    def __init__(self, sup):
         self.refresh_members, self.became_ready = sup._refresh_members, sup._became_ready
         self.health_changed, self.probed, self.verdict = sup._health_changed, sup._probed, sup._verdict
         self.note = sup._history

@@ -47,8 +47,18 @@ class StatusViews:
         return st
 
     def _history(self, event: str, detail: str) -> None:
-        self.history.append({"at": time.time(), "mono": time.monotonic(), "event": event, "detail": detail})
-        log.info("engine: %s: %s", event, detail)
+        """Add a status history entry (``at`` unix s, ``mono`` monotonic s, ``event``, ``detail``)
+        and log it; from another thread than the supervisor's the entry is posted (its times are
+        those of the call)."""
+        entry = {"at": time.time(), "mono": time.monotonic(), "event": event, "detail": detail}
+        if self._owner():
+            self._note(entry)
+        else:
+            self._post(lambda: self._note(entry))
+
+    def _note(self, entry: dict) -> None:
+        self.history.append(entry)
+        log.info("engine: %s: %s", entry["event"], entry["detail"])
 
     @staticmethod
     def _exit_of(run: Run) -> dict | None:
@@ -80,10 +90,8 @@ class StatusViews:
         self.reports.flush(now, why, restart_detail, pids)
 
     def _write_state(self) -> None:
-        """Persist the lane (a lane switch asked for and not yet done counts: a daemon restart
-        meanwhile starts in it) and the running engine; one writer at a time (the supervisor and
-        monitor threads both write, through the same temp file)."""
-        with self._state_lock:
-            req = self.request
-            lane = req[1] if req is not None and req[0] == "lane" else self.lane
-            lanes.write_state(self.ecfg, lane, self.run)
+        """(Supervisor thread, the file's one writer.) Persist the lane (a lane switch asked for
+        and not yet done counts: a daemon restart meanwhile starts in it) and the running engine."""
+        req = self.request
+        lane = req[1] if req is not None and req[0] == "lane" else self.lane
+        lanes.write_state(self.ecfg, lane, self.run)
