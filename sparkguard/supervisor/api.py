@@ -26,6 +26,9 @@ HOOK_WAIT = 5.0
 #: seconds a control command waits for the supervisor thread to take it; beyond, it is called
 #: off and answered as not taken (below the client's 10 s, so that the client reads why)
 COMMAND_WAIT = 8.0
+#: seconds the supervisor thread waits on ``cv`` at most before it looks at its mailbox again
+#: (a wake-up the poll loop could not deliver because the lock was held is seen by then)
+TICK = 0.5
 
 
 class ControlApi:
@@ -63,6 +66,31 @@ class ControlApi:
             except Exception:  # noqa: BLE001 - a broken event must not end supervision
                 log.exception("engine: applying %r failed", event)
         self.cv.notify_all()
+
+    def _interrupted(self) -> bool:
+        return self.quit or self.want != "run" or self.request is not None
+
+    def _wait(self, seconds: float, pred: Callable[[], bool] | None = None) -> bool:
+        """Wait up to ``seconds`` on the condition; True if ``pred`` (default: interrupted) became true."""
+        return self._wait_for(pred or self._interrupted, max(0.0, seconds))
+
+    def _wait_for(self, pred: Callable[[], bool], timeout: float | None = None) -> bool:
+        """(Supervisor thread.) Apply the posted events and wait on ``cv`` until ``pred()`` (read
+        under ``cv``, after the events) is true or ``timeout`` seconds (None: no limit) passed.
+
+        Returns:
+            bool, ``pred()`` at the end.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while True:
+                self._apply_events()
+                if pred():
+                    return True
+                left = TICK if deadline is None else min(TICK, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                self.cv.wait(left)
 
     def _call(self, fn: Callable[[], object], timeout: float, cancel: bool = False):
         """Have the supervisor thread run ``fn`` (under ``cv``) and return its result.

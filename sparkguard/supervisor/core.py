@@ -31,24 +31,22 @@ from typing import Callable
 from sparkguard import control, proctree, sysinfo
 from sparkguard.supervisor import health, lanes, output, process, reports
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
-from sparkguard.supervisor.gates import StartGates, read_mem_available
+from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
 from sparkguard.supervisor.run import Run
-from sparkguard.supervisor.runthreads import RunThreads, _GateHooks, _MonitorHooks
+from sparkguard.supervisor.runthreads import RunThreads, _MonitorHooks
+from sparkguard.supervisor.schedule import BetweenRuns
 from sparkguard.supervisor.state import StatusViews
-from sparkguard.units import format_duration, format_size
+from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard.supervisor")
 
 #: supervisor states (``status()["state"]``)
 STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "ready", "stopping", "exited", "failed")
 HISTORY = 50             # status history entries kept
-#: seconds the supervisor thread waits on ``cv`` at most before it looks at its mailbox again
-#: (a wake-up the poll loop could not deliver because the lock was held is seen by then)
-TICK = 0.5
 
 
-class Supervisor(ControlApi, StatusViews, RunThreads):
+class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
     """Starts, watches and restarts one engine.
 
     Args:
@@ -225,31 +223,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
             self.state, self.detail = state, detail
             self.cv.notify_all()
 
-    def _interrupted(self) -> bool:
-        return self.quit or self.want != "run" or self.request is not None
-
-    def _wait(self, seconds: float, pred: Callable[[], bool] | None = None) -> bool:
-        """Wait up to ``seconds`` on the condition; True if ``pred`` (default: interrupted) became true."""
-        return self._wait_for(pred or self._interrupted, max(0.0, seconds))
-
-    def _wait_for(self, pred: Callable[[], bool], timeout: float | None = None) -> bool:
-        """(Supervisor thread.) Apply the posted events and wait on ``cv`` until ``pred()`` (read
-        under ``cv``, after the events) is true or ``timeout`` seconds (None: no limit) passed.
-
-        Returns:
-            bool, ``pred()`` at the end.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cv:
-            while True:
-                self._apply_events()
-                if pred():
-                    return True
-                left = TICK if deadline is None else min(TICK, deadline - time.monotonic())
-                if left <= 0:
-                    return False
-                self.cv.wait(left)
-
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
                group_ok: bool = True) -> list[int]:
         return process.sweep(pgid, members, self.cfg.guard.grace, self.cfg.targets.protect, self._history,
@@ -303,37 +276,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
             if self.run is not None:
                 self._after_run()
             self._flush("daemon stopping")
-
-    def _backoff(self) -> bool:
-        if self.delay <= 0:
-            return True
-        deadline = time.monotonic() + self.delay
-        with self.cv:
-            self.next_start_at = deadline
-            le = self.last_exit or {}
-            self.state = "backoff"
-            n = self.backoff.failures
-            self.detail = (f"restarting in {format_duration(self.delay)}"
-                           + (f" ({n} restarts in a row)" if n > 1 else "")
-                           + f"; last run: {le.get('detail', 'exited')}")
-            self.cv.notify_all()
-        interrupted = self._wait(self.delay)
-        with self.cv:
-            self.next_start_at = None
-            if interrupted:
-                return False
-            self.delay = 0.0
-        return True
-
-    def _gates(self) -> bool:
-        """Guard hold, drop caches, quiesce, peers.  False when interrupted (stop/lane/quit)."""
-        r = StartGates(self.ecfg, _GateHooks(self)).run()
-        if r is None:
-            return False
-        with self.cv:
-            self.quiesce_wait, self.quiesce_timed_out = r.waited, bool(r.timed_out)
-            self.gate_timeout = {"gate": r.timed_out, "detail": r.detail} if r.timed_out else None
-        return True
 
     def _spawn(self) -> None:
         e = self.ecfg
@@ -497,20 +439,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads):
         self._write_state()
         if not restarting:
             self._flush("the engine is not restarted" if not self.quit else "daemon stopping")
-
-    def _schedule_restart(self, reason: str, failure: bool, uptime: float) -> None:
-        """Decide (under ``cv``) whether and when to restart after an exit for ``reason``."""
-        policy = self.ecfg.restart
-        if not restarts(policy, failure):
-            self.want = "stop"
-            self.state = "exited" if not failure else "failed"
-            self.detail = f"not restarted (engine.restart: {policy}): {self.last_exit and self.last_exit['detail']}"
-            self._history("no_restart", self.detail)
-            return
-        self.delay = self.backoff.next(uptime)
-        self.next_reason = reason
-        if self.backoff.failures > 2:
-            log.warning("engine: crash loop? %d restarts in a row; next in %g s", self.backoff.failures, self.delay)
 
 
     # ---- sweeping ------------------------------------------------------------------------------
