@@ -50,6 +50,7 @@ Modules, one concern each:
 * :mod:`.api`: the mailbox, and the hooks of the reload, link watch and control threads;
 * :mod:`.state`: the status dict, the history, incident engine parts, the state file;
 * :mod:`.runthreads`: the exit watcher, output pump and monitor of a run, the gate hooks;
+* :mod:`.schedule`: between two runs: the backoff wait, the start gates, the restart decision;
 * :mod:`.process`: spawn, exit watch, the run's tree, the sweep of leftovers;
 * :mod:`.output`: output forwarding to the journal, the last-lines ring;
 * :mod:`.health`: readiness, liveness probe, head watch;

@@ -1,4 +1,4 @@
-"""The Supervisor's hooks for the other threads: its mailbox, reload, the link watch, the control socket.
+"""The Supervisor's mailbox and the hooks of the other threads: reload, the link watch, the control socket.
 
 :class:`ControlApi` is a part of :class:`sparkguard.supervisor.core.Supervisor` (its base
 class).  Each hook posts an event, a function that changes the state, which the supervisor
@@ -47,7 +47,7 @@ class ControlApi:
 
     def _poke(self) -> None:
         """Wake the supervisor without ever blocking the caller (the poll loop): a missed wake-up
-        is caught by the supervisor's bounded waits (:data:`core.TICK`)."""
+        is caught by the supervisor's bounded waits (:data:`TICK`)."""
         if self.cv.acquire(timeout=0.005):
             try:
                 self.cv.notify_all()

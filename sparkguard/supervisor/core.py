@@ -10,7 +10,7 @@ control requests arrive on the control socket's threads (:meth:`Supervisor.handl
 One owner: the supervisor thread (``sg-supervisor``) owns the Supervisor's state and writes it
 under ``cv``.  Other threads never write it: they post an event (a function) to the
 supervisor's mailbox (:meth:`ControlApi._post`), and the supervisor thread applies the events
-under ``cv`` each time it waits (:meth:`Supervisor._wait_for`), in the order they were posted.
+under ``cv`` each time it waits (:meth:`ControlApi._wait_for`), in the order they were posted.
 The poll loop's hooks post and return (a wake-up costs at most a 5 ms try for the lock); the
 link watch, reload and control threads wait until their event is applied (bounded).  Other
 threads read the state under ``cv`` (:meth:`status`, :meth:`wait`, the collector) or, from the
