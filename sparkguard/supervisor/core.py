@@ -34,7 +34,7 @@ from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
 from sparkguard.supervisor.run import Run
-from sparkguard.supervisor.runthreads import RunThreads, _MonitorHooks
+from sparkguard.supervisor.runthreads import RunThreads, SupervisorMonitorHooks
 from sparkguard.supervisor.schedule import BetweenRuns
 from sparkguard.supervisor.state import StatusViews
 from sparkguard.units import format_size
@@ -319,7 +319,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid])
         run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
-        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))
+        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
 
     def _supervise(self) -> None:
         """Wait for the run to end; stop it on a command, a verdict or shutdown."""

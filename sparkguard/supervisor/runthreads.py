@@ -88,7 +88,7 @@ class RunThreads:
         self.reports.finish(inc)
         with self.cv:
             run.verdict, run.probe_failures = None, 0
-        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))
+        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
 
     def _open_wedged_incident(self, run: Run, detail: str) -> dict:
         """An incident of kind ``"wedged"``, in the shape of the guard's incidents (:meth:`reports.EngineIncidents.open_wedged`)."""
@@ -96,7 +96,7 @@ class RunThreads:
         return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
 
 
-class _GateHooks:
+class SupervisorGateHooks:
     """:class:`gates.GateHooks` on a :class:`Supervisor` ``sup`` (called from the supervisor thread)."""
 
     def __init__(self, sup):
@@ -122,7 +122,7 @@ class _GateHooks:
             self.sup.peer_states = states
 
 
-class _MonitorHooks:
+class SupervisorMonitorHooks:
     """:class:`health.MonitorHooks` on a :class:`Supervisor` ``sup`` (called from the monitor thread)."""
 
     def __init__(self, sup):

@@ -11,7 +11,7 @@ import time
 
 from sparkguard.supervisor.gates import StartGates
 from sparkguard.supervisor.restart import restarts
-from sparkguard.supervisor.runthreads import _GateHooks
+from sparkguard.supervisor.runthreads import SupervisorGateHooks
 from sparkguard.units import format_duration
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -43,7 +43,7 @@ class BetweenRuns:
 
     def _gates(self) -> bool:
         """Guard hold, drop caches, quiesce, peers.  False when interrupted (stop/lane/quit)."""
-        r = StartGates(self.ecfg, _GateHooks(self)).run()
+        r = StartGates(self.ecfg, SupervisorGateHooks(self)).run()
         if r is None:
             return False
         with self.cv:
