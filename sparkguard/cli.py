@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import importlib.util
 import sys
 
 from sparkguard import __version__
@@ -79,11 +78,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sparkguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubCommandParser)
     for name in chosen_modules(argv):
-        try:
-            if importlib.util.find_spec(name) is None:
-                continue
-        except ModuleNotFoundError:  # its parent package is absent from this build
-            continue
         importlib.import_module(name).register(sub)
     return parser
 
