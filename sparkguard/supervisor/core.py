@@ -62,7 +62,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
 
     * ``hits`` and each run's ``guard_hit``: the poll loop's hooks (:meth:`on_guard_event`,
       :meth:`take_incident`), the guard's own marks; the supervisor thread only reads them.
-    * a run's ``probe_failures``, ``head_*`` and ``incident`` (``wedged``): that run's monitor
+    * a run's ``ever_ready``, ``probe_failures``, ``head_*`` and ``incident`` (``wedged``): that run's monitor
       thread; its ``members``: the monitor and the supervisor thread's escalation; ``lines``:
       the output pump (:class:`output.LastLines` has its own lock).
     * ``cfg``/``ecfg``, ``control``, ``thread``, ``previous_state``: set before the thread

@@ -45,11 +45,12 @@ class RunThreads:
 
     def _became_ready(self, run: Run) -> None:
         now = time.monotonic()
+        run.ever_ready = True      # the monitor's own: it calls this once per run, and reads it next turn
 
         def ready() -> None:
             if run.exit is not None:
                 return
-            run.ready = run.ever_ready = True
+            run.ready = True
             self.time_to_ready = now - run.t_spawn
             self.ready_count += 1
             self.state, self.detail = "ready", ""
