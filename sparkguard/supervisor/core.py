@@ -64,7 +64,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
       :meth:`take_incident`), the guard's own marks; the supervisor thread only reads them.
     * a run's ``ever_ready``, ``probe_failures``, ``head_*`` and ``incident`` (``wedged``): that run's monitor
       thread; its ``members``: the monitor and the supervisor thread's escalation; ``lines``:
-      the output pump (:class:`output.LastLines` has its own lock).
+      the output pump (:class:`output.LastLines`, a deque: appends and copies are atomic).
     * ``cfg``/``ecfg``, ``control``, ``thread``, ``previous_state``: set before the thread
       starts, and ``cfg``/``ecfg`` again by the supervisor thread on a reload.
     * ``reports``: :class:`reports.EngineIncidents`, safe from any thread.
