@@ -4,7 +4,10 @@ The graph is built with :mod:`ast` from every ``sparkguard/**/*.py`` (nothing is
 edge ``a -> b`` means module ``a`` has an import statement that loads ``b``: ``import x.y.z`` and
 ``from x.y import z`` load ``x``, ``x.y`` and ``x.y.z`` (a package's ``__init__`` runs before its
 modules), wherever the statement stands; an import inside a function is an edge too, because it
-runs as soon as the function does.
+runs as soon as the function does.  A module's own enclosing packages are no edge of it: they are
+initialised before it runs, so a package ``__init__`` that imports its modules (its public API)
+makes no circle with them; a module taking a name from its own package's ``__init__``
+(``from x.y import Name`` inside ``x.y.z``) still is an edge.
 
 Imports inside functions are allowed only where the command line picks a command: the modules in
 :data:`ALLOWED_LAZY` (``cli.py`` imports its commands through :mod:`importlib`, which is no
@@ -31,25 +34,12 @@ ALLOWED_LAZY = [
 #: module or "module:function" -> the part of issue 12 removing its imports inside functions
 PENDING = {
     "sparkguard.daemon": "guard",
-    "sparkguard.signals": "guard",
-    "sparkguard.armed": "guard",
     "sparkguard.supervisor.process": "guard",
     "sparkguard.supervisor.core:_terminate": "guard",
     "sparkguard.supervisor.core:_sweep_previous": "guard",
     "sparkguard.drill": "fakes",
-    "sparkguard.fake_engine": "fakes",
-    "sparkguard.config": "config",
-    "sparkguard.metrics": "config",
     "sparkguard.incidents": "model",
-    "sparkguard.reporter": "model",
-    "sparkguard.linkwatch": "model",
-    "sparkguard.supervisor.reports": "model",
-    "sparkguard.sysinfo": "kernel",
     "sparkguard.status": "kernel",
-    "sparkguard.reload": "kernel",
-    "sparkguard.host.doctor": "kernel",
-    "sparkguard.host.zram": "kernel",
-    "sparkguard.host.procview": "kernel",
     "sparkguard.host.sysctl": "the lead (no part owns it)",
     "sparkguard.host.install": "the lead (no part owns it)",
     "sparkguard.host.configfile": "the lead (no part owns it)",
@@ -93,6 +83,8 @@ def imports(mod: str, named: bool = False) -> list[tuple[str, str | None, int]]:
                     parts = t.split(".")
                     for i in range(len(parts) if named else 1, len(parts) + 1):
                         name = ".".join(parts[:i])
+                        if i < len(parts) and mod.startswith(name + "."):
+                            continue        # an enclosing package of mod, loaded before mod
                         if name in MODULES and name != mod:
                             out.append((name, func, child.lineno))
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func

@@ -12,7 +12,7 @@ import time
 
 from supervisor_helpers import engine_config, fake_cmd, unique, wait_gone
 
-from sparkguard import config
+from sparkguard import config, model
 from sparkguard.supervisor.core import Supervisor
 
 
@@ -37,9 +37,13 @@ def recording(sup: Supervisor, name: str, seen: list[int]) -> None:
     setattr(sup, name, wrapper)
 
 
-def crossed(iid: str) -> tuple[dict, dict]:
-    inc = {"id": iid, "kind": "memory", "started_at": time.time(), "timeline": []}
-    return inc, {"event": "crossed", "t": 0.0, "at": time.time(), "pids": [], "detail": ""}
+def crossed(iid: str) -> tuple[model.Incident, dict]:
+    """A guard incident as the recorder builds it, and its ``crossed`` event's JSON (the hook's argument)."""
+    inc = model.new_incident("memory", time.time(), model.Thresholds(1 << 30, None, 3.0, "available"), {})
+    inc.id = iid
+    ev = model.Event("crossed", 0.0, time.time(), 0, [], "test: crossed")
+    inc.timeline.append(ev)
+    return inc, ev.to_json()
 
 
 def test_hooks_from_other_threads_are_applied_by_the_supervisor_thread(tmp_path):
@@ -90,17 +94,17 @@ def test_poll_loop_hooks_return_at_once_while_the_supervisor_holds_its_lock(tmp_
 
         def poll_loop() -> None:
             t0 = time.monotonic()
-            sup.on_guard_event(inc, ev)
+            sup.on_guard_event(inc.ref(), ev)
             took.append(time.monotonic() - t0)
             t0 = time.monotonic()
-            inc["outcome"], inc["ended_at"], inc["summary"] = "recovered", time.time(), "test"
+            inc.outcome, inc.ended_at, inc.summary = "recovered", time.time(), "test"
             assert sup.take_incident(inc)
             took.append(time.monotonic() - t0)
         caller = threading.Thread(target=poll_loop, name="test-poll")
         caller.start()
         caller.join(5)
         assert len(took) == 2 and max(took) < 0.1, took         # a try for the lock of 5 ms, no more
-        assert inc["engine"]["pid"] == pid                      # the incident was completed at once
+        assert inc.engine["pid"] == pid                      # the incident was completed at once
         assert seen == [] and not sup.incident_open             # nothing applied while the lock is held
         release.set()
         deadline = time.monotonic() + 5

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from sparkguard import peers
+from sparkguard import meminfo, peers
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -63,12 +63,16 @@ class QuiesceGate:
 
 
 def read_mem_available(path: str = "/proc/meminfo") -> int:
-    """MemAvailable in bytes (Documentation/filesystems/proc.rst).  Raises OSError/ValueError."""
+    """MemAvailable in bytes, read by :func:`sparkguard.meminfo.field` (Documentation/filesystems/proc.rst).
+
+    Raises:
+        OSError: the file cannot be read; ValueError: no MemAvailable line, or an unparsable one.
+    """
     with open(path, "rb") as f:
-        for line in f:
-            if line.startswith(b"MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ValueError("no MemAvailable in /proc/meminfo")
+        avail = meminfo.field(f.read(), meminfo.AVAIL_LABEL)
+    if avail is None:
+        raise ValueError("no MemAvailable in /proc/meminfo")
+    return avail
 
 
 def drop_caches() -> str:

@@ -84,15 +84,14 @@ class RunThreads:
     def _wedged_dry_run(self, run: Run) -> None:
         inc = self._open_wedged_incident(run, run.verdict_detail)
         self.reports.event(inc, "would_term", f"dry run: would SIGTERM the wedged engine (pid {run.pid})", [run.pid])
-        inc["outcome"], inc["ended_at"] = "dry_run", time.time()
-        inc["summary"] = f"engine wedged: {run.verdict_detail}; dry run, nothing signalled"
+        self.reports.close_wedged_dry_run(inc, run.verdict_detail)
         self.reports.finish(inc)
         with self.cv:
             run.verdict, run.probe_failures = None, 0
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
 
-    def _open_wedged_incident(self, run: Run, detail: str) -> dict:
-        """An incident of kind ``"wedged"``, in the shape of the guard's incidents (:meth:`reports.EngineIncidents.open_wedged`)."""
+    def _open_wedged_incident(self, run: Run, detail: str):
+        """An incident of kind ``"wedged"`` (a ``model.Incident``, docs/incident.md)."""
         t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
         return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
 
