@@ -1036,8 +1036,8 @@ class Guard:
         """Start supervising ``engine:`` when configured.  Raises OSError (control socket)."""
         if not self.cfg.engine.enabled:
             return
-        from sparkguard import supervisor
-        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self.recorder.count)
+        from sparkguard.supervisor.core import Supervisor
+        self.supervisor = Supervisor(self.cfg, self.reporter, count_incident=self.recorder.count)
         self.recorder.supervisor = self.supervisor
         self.supervisor.start()
         register = getattr(self.metrics, "register_collector", None)
