@@ -23,9 +23,9 @@ EVENTS_MAX = 1024
 #: seconds the link watch and reload threads wait for their event to be applied (it is applied
 #: later all the same, when the supervisor thread is busy longer)
 HOOK_WAIT = 5.0
-#: seconds a control command waits for the supervisor thread to take it; beyond, it is called
-#: off and answered as not taken (below the client's 10 s, so that the client reads why)
-COMMAND_WAIT = 8.0
+#: seconds a control command waits for the supervisor thread to take it; beyond, it stays queued
+#: and is answered as accepted (:meth:`ControlApi.command`)
+COMMAND_WAIT = 1.0
 #: seconds the supervisor thread waits on ``cv`` at most before it looks at its mailbox again
 #: (a wake-up the poll loop could not deliver because the lock was held is seen by then)
 TICK = 0.5
@@ -197,18 +197,38 @@ class ControlApi:
 
     def command(self, op: str, lane: str | None = None) -> dict:
         """Control: ``start``, ``stop``, ``restart``, ``lane`` (with ``lane``), applied by the
-        supervisor thread (:meth:`_command`) within :data:`COMMAND_WAIT` seconds, else called off.
+        supervisor thread (:meth:`_command`).
+
+        A command the supervisor thread does not take within :data:`COMMAND_WAIT` seconds (it is
+        in a step that does not read its mailbox: a sweep of the engine's leftovers, up to
+        ``guard.grace`` + 10 s) stays queued and is answered at once, as accepted: it applies when
+        that step ends, as a command always did.  An unknown command or lane is refused here.
 
         Returns:
-            ``{"ok": bool, "error": str?, "starts": int, "status": dict}``; ``starts`` is the
-            spawn count before the command (wait for ``starts`` > it, then ready).
+            ``{"ok": bool, "error": str?, "note": str?, "starts": int, "status": dict}``; ``starts``
+            is the spawn count before the command (wait for ``starts`` > it, then ready).
         """
-        r = self._call(lambda: self._command(op, lane), COMMAND_WAIT, cancel=True)
+        refused = self._refuse(op, lane)
+        if refused:
+            return {"ok": False, "error": refused}
+        r = self._call(lambda: self._command(op, lane), COMMAND_WAIT)
         if r is not None:
             return r
         with self.cv:
-            return {"ok": False, "error": f"the supervisor did not take the command within {COMMAND_WAIT:g} s "
-                                          f"({self.state}: {self.detail}); try again", "status": self._status()}
+            return {"ok": True, "starts": self.starts, "status": self._status(),
+                    "note": f"queued: the supervisor applies it once {self.state} ends ({self.detail})"}
+
+    def _refuse(self, op: str, lane: str | None) -> str | None:
+        """Why ``op`` (with ``lane``) cannot be applied whatever the state, or None (any thread:
+        reads only the configuration reference)."""
+        ecfg = self.ecfg
+        if op not in ("start", "stop", "restart", "lane"):
+            return f"unknown command {op!r}"
+        if op == "lane" and not ecfg.lanes:
+            return "no engine.lanes configured"
+        if op == "lane" and lane not in ecfg.lanes:
+            return f"no lane {lane!r}; engine.lanes has " + ", ".join(ecfg.lanes)
+        return None
 
     def _command(self, op: str, lane: str | None) -> dict:
         """(Event.) :meth:`command`."""
