@@ -116,3 +116,37 @@ def test_poll_loop_hooks_return_at_once_while_the_supervisor_holds_its_lock(tmp_
     finally:
         sup.stop()
     assert wait_gone([pid], 10) == []
+
+
+def test_a_command_during_a_sweep_is_accepted_at_once_and_applied_when_the_sweep_ends(tmp_path):
+    """The engine's root is SIGKILLed and its EngineCore and workers ignore SIGTERM: the supervisor
+    thread sweeps them for up to guard.grace (4 s).  A ``stop`` sent meanwhile is answered within
+    about a second, as accepted (queued, if the supervisor thread is inside a step that does not
+    read its mailbox), and the engine is stopped, not restarted, once the sweep ends."""
+    import os
+    import signal
+    name = unique()
+    raw = engine_config(tmp_path, name, fake_cmd(name, None, "--mode", "ignore-term"), None)
+    raw["guard"]["grace"] = "4s"
+    sup = Supervisor(config.from_dict(raw, str(tmp_path / "x.yaml")), reporter=None, start_control=False)
+    sup.start()
+    tree: list[int] = []
+    try:
+        r = sup.wait("ready", 0, timeout=30)
+        assert r["ok"], r
+        run = sup.run
+        tree = [run.pid] + [p for p in run.members if p != run.pid]
+        fd = os.pidfd_open(run.pid)
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        os.close(fd)
+        with sup.cv:
+            assert sup.cv.wait_for(lambda: sup.state == "sweeping", 10), sup.status()
+        t0 = time.monotonic()
+        answer = sup.command("stop")
+        took = time.monotonic() - t0
+        assert answer["ok"] and took < 2.0, (took, answer)
+        assert sup.wait("stopped", timeout=30)["ok"]
+        assert sup.status()["want"] == "stop" and sup.starts == 1   # stopped, never restarted
+    finally:
+        sup.stop()
+    assert wait_gone(tree, 15) == []
