@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+from sparkguard import proctree
+from sparkguard.guard import escalation
 from sparkguard.supervisor import health, lanes, output, process, reports
 from sparkguard.supervisor.gates import StartGates, read_mem_available
 from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
@@ -611,30 +613,31 @@ class Supervisor:
             return self.cv.wait_for(lambda: run.exit is not None, timeout=timeout)
 
     def _terminate(self, why: str) -> None:
-        """SIGTERM the root, wait ``guard.grace`` for it to exit, then SIGKILL the whole tree."""
-        from sparkguard import proctree
+        """SIGTERM the root, wait ``guard.grace`` for it to exit, then SIGKILL the whole tree: one
+        escalation (:mod:`sparkguard.guard.escalation`).  When the guard is already stopping the
+        same tree this joins it: no second SIGTERM, the rest of the guard's grace."""
         run = self.run
         run.term_reason = why
         grace = self.cfg.guard.grace
         self._set("stopping", f"{why}: SIGTERM pid {run.pid}, SIGKILL after {grace:g} s")
-        tree = process.signal_tree(run)
-        try:
-            sent = tree.term_root()
-            self._history("sigterm", f"{why}: SIGTERM pid {run.pid}" + ("" if sent else " (already gone)"))
-            inc = run.incident
-            if inc is not None:
-                self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})", [run.pid])
-            if self._await_exit(grace):
-                return
-            killed = tree.kill_all(proctree.Protector(self.cfg.targets.protect))
-            self._history("sigkill", f"{why}: pid {run.pid} still alive {grace:g} s after SIGTERM; "
-                                     f"SIGKILL {len(killed)} processes")
-            if inc is not None:
-                self.reports.event(inc, "sigkill", f"SIGKILL {len(killed)} processes {grace:g} s after SIGTERM",
-                                   killed)
-            self._await_exit(10.0)
-        finally:
-            tree.close()
+        inc = run.incident
+
+        def note(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
+            if event == "joined":
+                self._history("sigterm", f"{why}: pid {run.pid} is already being stopped ({esc.reason}): "
+                                         "no second SIGTERM")
+            elif event == "sigterm":
+                self._history("sigterm", f"{why}: SIGTERM pid {run.pid}" + ("" if esc.sent else " (already gone)"))
+                if inc is not None:
+                    self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})", [run.pid])
+            else:
+                self._history("sigkill", f"{why}: pid {run.pid} still alive {esc.grace:g} s after SIGTERM; "
+                                         f"SIGKILL {len(killed)} processes")
+                if inc is not None:
+                    self.reports.event(inc, "sigkill", f"SIGKILL {len(killed)} processes {esc.grace:g} s after "
+                                       "SIGTERM", killed)
+        escalation.OWNER.stop(process.signal_tree(run), why, grace, self._await_exit,
+                              proctree.Protector(self.cfg.targets.protect), note=note)
 
     def _after_run(self) -> None:
         """The root exited: record it, sweep leftovers, reap, decide about the restart."""
