@@ -332,7 +332,7 @@ class Guard:
         self.psi_fd = None
         self.tree = None
         self.target = None
-        self.incident: dict | None = None
+        self.recorder = None
         self.protector = None
         self.supervisor = None
         self.stopping = False
@@ -344,8 +344,6 @@ class Guard:
         self.last_poll = 0.0
         self.started = time.time()
         self.signals_sent = {"SIGTERM": 0, "SIGKILL": 0}
-        self.incidents: dict[str, int] = {}
-        self.last_incident: float | None = None
         self.reloads = {"ok": 0, "failed": 0}
         self.read_errors = 0
         self.meminfo_path = meminfo_path
@@ -375,20 +373,18 @@ class Guard:
 
     def start(self) -> None:
         """Open everything the loop needs.  Raises OSError when /proc/meminfo is unusable."""
-        from sparkguard import meminfo, notify, proctree, reporter
+        from sparkguard import meminfo, notify, proctree, recorder, reporter
         for w in harden_self():
             log.warning("%s", w)
         self._warm_up()
         from sparkguard import sysinfo
-        from sparkguard.incidents import new_id
-        self._new_id = new_id
-        self.host, self.boot_id = sysinfo.hostname(), sysinfo.boot_id()
         self.reader = meminfo.MeminfoReader(self.meminfo_path)
         self.avail, self.swap_free = self.reader.sample()
         self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
         self.notifier = notify.Notifier()
         self.protector = proctree.Protector(self.cfg.targets.protect)
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
+        self.recorder = recorder.Recorder(self.reader, self.reporter, sysinfo.hostname(), sysinfo.boot_id())
         self._check_incident_dir()
         self.psi_fd = open_psi_trigger()
         if self.psi_fd is None:
@@ -491,8 +487,7 @@ class Guard:
         """From the link-watch thread: a link stayed down past ``link.down_after`` (first call,
         outcome ``link_down``) or came back (second call, same id).  Reported as a ``link`` incident."""
         if inc.get("outcome") == "link_down":
-            self.incidents["link"] = self.incidents.get("link", 0) + 1
-            self.last_incident = time.time()
+            self.recorder.count("link", time.time())
         self.reporter.finish(inc)
         self._link_to_supervisor(inc)
 
@@ -753,41 +748,23 @@ class Guard:
         from sparkguard import policy
         for a in actions:
             if a == policy.CROSSED:
-                self._open_incident(now, value)
+                self.recorder.open(now, value, self.cfg.guard)
             elif a in (policy.TERM, policy.RETRY_TARGET):
                 self._term(now, value, retry=a == policy.RETRY_TARGET)
             elif a == policy.KILL:
                 self._kill(now, value)
             elif a == policy.EXITED:
-                self._event(now, value, "exited", self.tree.root and [self.tree.root] or [],
+                self.recorder.event(now, value, "exited", self.tree.root and [self.tree.root] or [],
                             f"victim tree gone {now - self.policy.t_term:.2f}s after SIGTERM")
             elif a in (policy.RECOVERED, policy.GAVE_UP_WAITING):
                 self._close_incident(now, value, recovered=a == policy.RECOVERED)
             elif a == policy.UNKILLABLE:
                 alive = self.tree.alive() if self.tree is not None else []
-                self._event(now, value, "unkillable", alive,
+                self.recorder.event(now, value, "unkillable", alive,
                             f"{len(alive)} processes still alive {self.policy.thresholds.kill_give_up:g}s after "
                             "the first SIGKILL (uninterruptible sleep in a driver?); giving up on them")
                 self._close_incident(now, value, recovered=False)
         self._tick(now)
-
-    def _open_incident(self, now: float, value: int) -> None:
-        g = self.cfg.guard
-        wall = time.time()
-        self.incident = {
-            "id": self._new_id(wall),
-            "kind": "memory", "drill": False, "host": self.host, "boot_id": self.boot_id,
-            "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
-            "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
-                           "grace_seconds": g.grace, "signal": g.signal},
-            "meminfo": self.reader.raw(), "psi_memory": None, "zram": [], "target": None,
-            "timeline": [], "outcome": None, "summary": "",
-            "_t0": now, "_min": value,
-        }
-        self.incidents["memory"] = self.incidents.get("memory", 0) + 1
-        self.last_incident = wall
-        self._event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
-                    f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
     def _scan_choice(self):
         """One /proc pass: ``(target, procs, ambiguous)``: the target with its tree rows read, or
@@ -836,15 +813,15 @@ class Guard:
         target, tree, armed = self._choose()
         if target is None:
             if not retry:
-                self._fill_incident(None)
-                self._event(now, value, "no_target", [], "nothing matches targets.match"
+                self.recorder.fill(None)
+                self.recorder.event(now, value, "no_target", [], "nothing matches targets.match"
                             + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
             self.policy.no_target(now)
             return
         self.target = target
         self.tree = tree
         if self.policy.dry_run:
-            self._event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
+            self.recorder.event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
             already = self.supervisor.stopping(target.root_pid) if self.supervisor is not None else None
             # the supervisor already SIGTERMed it (wedged, stop, lane): no second SIGTERM (uvicorn
@@ -863,35 +840,18 @@ class Guard:
         if retry:
             self.policy.target_found(now)
         if not self.policy.dry_run:
-            self._event(t_sig, value, "sigterm", [target.root_pid],
+            self.recorder.event(t_sig, value, "sigterm", [target.root_pid],
                         f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                         f"{_fmt_size(target.mem_bytes)} RSS+swap)" +
                         (f" [not sent again: the supervisor is already stopping it ({already})]" if already
                          else "" if sent else " [already gone]"))
-        self._fill_incident(target)
-
-    def _fill_incident(self, target) -> None:
-        """After the signal: details that cost reads (act first, report after)."""
-        from sparkguard import sysinfo
-        inc = self.incident
-        if inc is None:
-            return
-        if isinstance(inc["meminfo"], bytes):
-            inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
-        inc["psi_memory"] = sysinfo.read_psi_memory()
-        inc["zram"] = sysinfo.read_zram()
-        if target is None:
-            from sparkguard import proctree
-            inc["top_consumers"] = proctree.top_consumers(5)
-            return
-        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
-                         "mem_bytes": target.mem_bytes, "tree": target.tree}
+        self.recorder.fill(target)
 
     def _kill(self, now: float, value: int) -> None:
         if self.tree is None:
             return
         if self.policy.dry_run:
-            self._event(now, value, "would_kill", list(self.tree.fds), "dry run: would SIGKILL the tree")
+            self.recorder.event(now, value, "would_kill", list(self.tree.fds), "dry run: would SIGKILL the tree")
             return
         before = set(self.tree.fds)
         pids = self.tree.kill_all(self.protector)
@@ -909,41 +869,15 @@ class Guard:
         why = "below the SIGKILL line" if (self.cfg.guard.kill_below is not None and value < self.cfg.guard.kill_below
                                           and now - self.policy.t_term < self.cfg.guard.grace) else \
             f"still alive {now - self.policy.t_term:.1f}s after SIGTERM (grace {self.cfg.guard.grace:g}s)"
-        self._event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
+        self.recorder.event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
 
     def _close_incident(self, now: float, value: int, recovered: bool, stopped: bool = False) -> None:
-        """End the open incident: last event, outcome, report; release the victim's pidfds whatever
-        happens while reporting.  ``stopped``: the daemon is stopping with the incident still open."""
-        inc = self.incident
+        """End the open incident (:meth:`sparkguard.recorder.Recorder.close`); release the victim's
+        pidfds whatever happens while reporting.  ``stopped``: the daemon is stopping with the incident
+        still open."""
         try:
-            if stopped:
-                event, detail = "daemon_stopped", f"the guard stopped with memory at {_fmt_size(value)}"
-            elif recovered:
-                event, detail = "recovered", f"memory back to {_fmt_size(value)}"
-            else:
-                event, detail = "recovery_timeout", (f"victim gone {self.cfg.guard.recovery_wait:g}s ago but "
-                                                     f"memory still {_fmt_size(value)}")
-            self._event(now, value, event, [], detail + (f", {now - inc['_t0']:.2f}s after the crossing"
-                                                         if inc else ""))
-            if inc is not None:
-                kinds = [e["event"] for e in inc["timeline"]]
-                inc["outcome"] = ("dry_run" if self.policy.dry_run else "killed" if "sigkill" in kinds else
-                                  "terminated" if "sigterm" in kinds else "no_target" if "no_target" in kinds
-                                  else "recovered")
-                if stopped:
-                    inc["outcome"] += "_daemon_stopped"
-                elif not recovered:
-                    inc["outcome"] += "_memory_not_back"
-                inc["ended_at"] = time.time()
-                inc["min_available_bytes"] = inc.pop("_min")
-                inc.pop("_t0", None)
-                if isinstance(inc["meminfo"], bytes):
-                    from sparkguard import sysinfo
-                    inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
-                inc["summary"] = _summary(inc)
-                self._finish_incident(inc)
+            self.recorder.close(now, value, self.cfg.guard, self.policy.dry_run, recovered, stopped)
         finally:
-            self.incident = None
             if self.tree is not None:
                 for fd in list(self._tree_fds):
                     try:
@@ -956,18 +890,6 @@ class Guard:
             self.target = None
             self._killed.clear()
             self.policy.dry_run = self.cfg.guard.dry_run   # a dry_run change deferred by reload()
-
-    def _event(self, now: float, value: int, event: str, pids: list[int], detail: str) -> None:
-        inc = self.incident
-        ev = {"event": event, "t": round(now - inc["_t0"], 4) if inc else 0.0, "at": time.time(),
-              "available_bytes": value, "pids": pids, "detail": detail}
-        if inc is not None:
-            inc["timeline"].append(ev)
-            if value < inc["_min"]:
-                inc["_min"] = value
-            self.reporter.event(inc, ev)
-            if self.supervisor is not None:
-                self.supervisor.on_guard_event(inc, ev)
 
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
@@ -1093,7 +1015,7 @@ class Guard:
 
     def _shutdown(self) -> int:
         self._stop_supervisor()
-        if self.incident is not None:
+        if self.recorder is not None and self.recorder.incident is not None:
             self._close_incident(time.monotonic(), self.value, recovered=self.value >= self.cfg.guard.term_below,
                                  stopped=True)
         if self.linkwatch is not None:
@@ -1115,7 +1037,8 @@ class Guard:
         if not self.cfg.engine.enabled:
             return
         from sparkguard import supervisor
-        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self._count_incident)
+        self.supervisor = supervisor.Supervisor(self.cfg, self.reporter, count_incident=self.recorder.count)
+        self.recorder.supervisor = self.supervisor
         self.supervisor.start()
         register = getattr(self.metrics, "register_collector", None)
         if register is not None:
@@ -1126,16 +1049,6 @@ class Guard:
         if self.supervisor is None:
             return None
         return self.supervisor.target(procs, self.protector, details=False)
-
-    def _finish_incident(self, inc: dict) -> None:
-        """Report a closed incident; with an engine the supervisor adds its state and the restart."""
-        if self.supervisor is None or not self.supervisor.take_incident(inc):
-            self.reporter.finish(inc)
-
-    def _count_incident(self, kind: str, wall: float) -> None:
-        """An incident opened outside the poll loop (the supervisor's ``wedged``)."""
-        self.incidents[kind] = self.incidents.get(kind, 0) + 1
-        self.last_incident = wall
 
     def _reload_supervisor(self, cfg) -> None:
         if self.supervisor is not None and cfg.engine.enabled:
@@ -1160,6 +1073,7 @@ class Guard:
         total = self.reader.mem_total if self.reader else 0
         swap_total = self.reader.swap_total if self.reader else 0
         victim = self.target      # read once: the loop may clear it between two reads
+        rec = self.recorder
         return {
             "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
             "swap_total_bytes": swap_total, "signal": g.signal,
@@ -1167,8 +1081,9 @@ class Guard:
             "signal_bytes": self.avail if g.signal == "available" else self.value,
             "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below, "grace_seconds": g.grace,
             "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
-            "signals_sent": dict(self.signals_sent), "incidents": dict(self.incidents),
-            "last_incident_timestamp": self.last_incident, "poll_count": self.poll_count,
+            "signals_sent": dict(self.signals_sent),
+            "incidents": dict(rec.counts) if rec is not None else {},
+            "last_incident_timestamp": rec.last_incident if rec is not None else None, "poll_count": self.poll_count,
             "poll_seconds_sum": self.poll_sum, "polls_total": self.poll_count + self.fast_polls,
             "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
             "started_timestamp": self.started, "config_path": self.cfg.path,
@@ -1186,27 +1101,3 @@ def _fmt_size(n) -> str:
     from sparkguard.units import format_size
     return format_size(n) if n is not None else "off"
 
-
-def _summary(inc: dict) -> str:
-    """One line: what happened, to whom, memory."""
-    from sparkguard.units import format_size
-    th = inc["thresholds"]
-    t = inc.get("target") or {}
-    who = f"{t.get('title', '?')} (pid {t.get('root_pid')})" if t else "no target"
-    tl = {e["event"]: e for e in inc["timeline"]}
-    parts = [f"{'MemAvailable' if th['signal'] == 'available' else 'MemAvailable+SwapFree'} fell to "
-             f"{format_size(inc.get('min_available_bytes'))} (line {format_size(th['term_below_bytes'])})"]
-    if "sigterm" in tl:
-        parts.append(f"SIGTERM {who}")
-    elif "would_term" in tl:
-        parts.append(f"dry run, would SIGTERM {who}")
-    elif "no_target" in tl:
-        parts.append("nothing to signal")
-    if "sigkill" in tl:
-        parts.append(f"SIGKILL after {tl['sigkill']['t']:.1f}s")
-    if "exited" in tl:
-        parts.append(f"gone after {tl['exited']['t']:.2f}s")
-    end = tl.get("recovered") or tl.get("recovery_timeout")
-    if end:
-        parts.append(f"memory {format_size(end['available_bytes'])} after {end['t']:.2f}s")
-    return "; ".join(parts)

@@ -170,7 +170,7 @@ def _make_guard(cfg, drill: "Drill"):
 
         def start(self) -> None:
             super().start()
-            self.reporter = _DrillReporter(self.reporter, drill)
+            self.reporter = self.recorder.reporter = _DrillReporter(self.reporter, drill)
 
         def request_stop(self) -> None:
             self.stopping = True
