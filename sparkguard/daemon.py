@@ -21,22 +21,14 @@ import sys
 import tempfile
 import time
 
+from sparkguard.guard import harden, logq, settings
+
 log = logging.getLogger("sparkguard")
 
-MCL_CURRENT, MCL_FUTURE, MCL_ONFAULT = 1, 2, 4
-M_ARENA_MAX = -8
-PSI_TRIGGERS = (b"some 100000 1000000\0", b"some 150000 2000000\0")
 STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
-FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
-NICE = -20                  # CPU priority of the guard (setpriority(2)); needs CAP_SYS_NICE; the unit's Nice=
-THREAD_STACK = 512 * 1024   # bytes; threads' stacks are locked by mlockall(MCL_FUTURE)
-MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
-LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
 RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
 PROBE_BYTES = 64 * 1024     # bytes the start-up probe of incidents.dir writes: room for one report of a large tree
-SWITCH_INTERVAL = 0.0005    # seconds (sys.setswitchinterval): the most the loop waits for the interpreter lock
-                            # after each system call while another thread runs Python (bench/threads_load.py)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +59,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.config_opt or args.path
     try:
         cfg = config.load(path, required=path is not None)
-        prepare(cfg)
+        settings.prepare(cfg)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config: {e}", file=sys.stderr)
         return 1
@@ -91,52 +83,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-_log_handler = None     # the DroppingQueueHandler of a running daemon (its ``dropped`` count is in the snapshot)
-
-
-def _setup_logging(level: str) -> None:
-    """Log to stderr through a bounded queue (LOG_QUEUE_MAX records) and a listener thread
-    (logging.handlers.QueueListener): a stalled stderr (journald starved under memory pressure)
-    never blocks the poll loop, and its backlog never grows without bound (later records are dropped
-    and counted, ``sparkguard_log_dropped_total``)."""
-    global _log_handler
-    import logging.handlers
-    import queue
-    fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
-        "%(asctime)s sparkguard[%(process)d] %(levelname)s %(message)s"
-    out = logging.StreamHandler(sys.stderr)
-    out.setFormatter(logging.Formatter(fmt))
-
-    class DroppingQueueHandler(logging.handlers.QueueHandler):
-        """QueueHandler that never waits: a record that finds the queue full is dropped and counted."""
-        dropped = 0
-
-        def enqueue(self, record: logging.LogRecord) -> None:
-            try:
-                self.queue.put_nowait(record)
-            except queue.Full:
-                self.dropped += 1
-
-    q: queue.Queue = queue.Queue(maxsize=LOG_QUEUE_MAX)
-    root = logging.getLogger()
-    _log_handler = DroppingQueueHandler(q)
-    root.handlers[:] = [_log_handler]
-    root.setLevel(getattr(logging, level.upper()))
-    listener = logging.handlers.QueueListener(q, out)
-    listener.start()
-
-    def stop() -> None:
-        try:
-            listener.stop()
-        except queue.Full:      # stderr stalled at exit: what is queued is lost
-            pass
-    import atexit
-    atexit.register(stop)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
-    _setup_logging(args.log_level)
+    logq.setup_logging(args.log_level)
     from sparkguard import config, proctree
     view: dict = {}
     why = proctree.hidepid_blocks_view(view)
@@ -148,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
              f", /proc hidepid={view['hidepid']}" if view["hidepid"] else "")
     try:
         cfg = config.load(args.config)
-        prepare(cfg)
+        settings.prepare(cfg)
     except config.ConfigError as e:
         print(f"sparkguard: invalid config, not starting: {e}", file=sys.stderr)
         return 2
@@ -162,150 +111,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"sparkguard: not starting: {e}", file=sys.stderr)
         return 2
     return guard.loop()
-
-
-def harden_self() -> list[str]:
-    """Keep the guard's own pages in RAM and itself away from the OOM killer.
-
-    mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) (mlockall(2), Linux >= 4.4; needs CAP_IPC_LOCK or
-    RLIMIT_MEMLOCK): every page the guard has touched stays in RAM, without pre-faulting whole
-    libraries and reserved regions (earlyoom locks the same way; it keeps the RSS budget of 30 MiB with
-    prometheus_client loaded).  The caller exercises the decision path once at start-up
-    (:func:`warm_up`) so its pages are touched and locked before they are needed.
-    oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -20 (setpriority(2); needs
-    CAP_SYS_NICE; measured against SCHED_RR in the unit's comment) so a spike of busy threads
-    cannot starve the decision, a single malloc arena and
-    small thread stacks so locked memory stays small.  Returns warnings for what was not
-    permitted; never raises.
-    """
-    import ctypes
-    import threading
-    warnings = []
-    threading.stack_size(THREAD_STACK)
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    libc = ctypes.CDLL(None, use_errno=True)
-    try:
-        libc.mallopt(M_ARENA_MAX, 1)
-    except AttributeError:
-        pass
-    rc = libc.mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)
-    if rc != 0 and ctypes.get_errno() == errno.EINVAL:      # kernel < 4.4: no MCL_ONFAULT
-        rc = libc.mlockall(MCL_CURRENT | MCL_FUTURE)
-    if rc != 0:
-        err = ctypes.get_errno()
-        warnings.append(f"mlockall failed ({os.strerror(err)}): the guard can be paged out under heavy swap "
-                        "and react late; run as root or with LimitMEMLOCK=infinity / CAP_IPC_LOCK")
-    for adj in ("-1000", "-900"):
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write(adj)
-            break
-        except OSError as e:
-            last = e
-    else:
-        warnings.append(f"cannot lower oom_score_adj ({last.strerror}); the kernel OOM killer may pick the guard")
-    try:
-        # The filler is often many busy threads; at nice 0 the guard gets 1/N of a core and its
-        # scan+signal path (a few ms of CPU) stretches to ~100 ms (bench/headtohead.py, tree scenario).
-        # earlyoom's -p does the same (-20).  Idle cost is unchanged: the guard sleeps.
-        # only ever raise the priority: the unit's Nice=-20 must not be undone
-        os.setpriority(os.PRIO_PROCESS, 0, min(NICE, os.getpriority(os.PRIO_PROCESS, 0)))
-    except OSError as e:
-        warnings.append(f"cannot raise the guard's CPU priority to nice {NICE} ({e.strerror}); under a CPU-heavy "
-                        "memory spike it may react late")
-    try:
-        # one pidfd per victim process: systemd's default soft NOFILE (1024) must not cap the tree
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (OSError, ValueError):
-        pass
-    return warnings
-
-
-def open_psi_trigger(path: str = "/proc/pressure/memory") -> int | None:
-    """Open a PSI memory trigger fd that polls POLLPRI on stalls (Documentation/accounting/psi.rst).
-
-    Tries a 1 s window (needs CAP_SYS_RESOURCE below 2 s), then 2 s.  Returns the fd or None.
-    """
-    for trig in PSI_TRIGGERS:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            os.write(fd, trig)
-            return fd
-        except OSError:
-            os.close(fd)
-    return None
-
-
-def loop_settings(cfg) -> tuple[bool, float, int, int, int]:
-    """What the poll loop derives from a config, checked: the one validation that ``check-config``
-    and a reload run beside ``config.load``.
-
-    Returns:
-        ``(use_swap, interval, far, idle_floor, budget)``: the signal includes SwapFree (bool);
-        ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
-        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
-        bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
-        (clock read, watchdog ping, STATUS=, poll metrics) runs at least every FULL_PASS_EVERY (int).
-    Raises:
-        config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
-            that is not a whole number of bytes), naming the file, key and value.
-    """
-    import math
-
-    from sparkguard import config, policy
-    g = cfg.guard
-    path = getattr(cfg, "path", None) or "<config>"
-
-    def bad(key, value, reason):
-        return config.ConfigError(path, f"guard.{key}", value, reason)
-    iv = g.poll_interval
-    if isinstance(iv, bool) or not isinstance(iv, int | float) or not math.isfinite(iv) or iv < MIN_POLL_INTERVAL:
-        raise bad("poll_interval", iv, f"the poll loop needs a finite number of seconds, at least "
-                  f"{MIN_POLL_INTERVAL:g} (its shortest sleep, policy.next_interval)")
-    for key in ("term_below", "kill_below"):
-        v = getattr(g, key)
-        if v is None and key == "kill_below":
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise bad(key, v, "the poll loop needs a whole number of bytes, 0 or more")
-    for key in ("grace", "recovery_wait"):
-        v = getattr(g, key)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise bad(key, v, "the poll loop needs a finite number of seconds, 0 or more")
-    if g.signal not in ("available", "available+swap"):
-        raise bad("signal", g.signal, "expected available or available+swap")
-    far = int(iv * policy.FILL_RATE)
-    return (g.signal == "available+swap", float(iv), far, g.term_below + far,
-            max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
-
-
-def prepare(cfg):
-    """Everything the guard derives from a config, built and checked before any of it is used: the
-    validation ``check-config`` and a reload share (beside ``config.load``).
-
-    Returns:
-        ``(loop settings, policy.Thresholds, proctree.Protector)`` (see :func:`loop_settings`).
-    Raises:
-        config.ConfigError: naming the file, key and value.
-    """
-    from sparkguard import config, proctree
-    settings = loop_settings(cfg)
-    try:
-        thresholds = Guard._thresholds(cfg)
-    except Exception as e:  # noqa: BLE001 - whatever a future Thresholds refuses
-        raise config.ConfigError(cfg.path, "guard", None, f"cannot use: {type(e).__name__}: {e}") from None
-    try:
-        protector = proctree.Protector(cfg.targets.protect)
-    except Exception as e:  # noqa: BLE001 - re.error from a pattern config.load let through
-        raise config.ConfigError(cfg.path, "targets.protect", list(cfg.targets.protect),
-                                 f"cannot compile: {e}") from None
-    return settings, thresholds, protector
 
 
 class Guard:
@@ -324,7 +129,7 @@ class Guard:
         self.cfg = cfg
         self.config_arg = config_arg
         self.force_dry_run = force_dry_run
-        self.policy = policy.Policy(self._thresholds(cfg), cfg.guard.dry_run)
+        self.policy = policy.Policy(settings.make_thresholds(cfg), cfg.guard.dry_run)
         self.reader = None
         self.reporter = None
         self.notifier = None
@@ -362,19 +167,12 @@ class Guard:
         self.linkwatch = None
         self.proc_view: dict | None = None   # what /proc shows this process (proctree.hidepid_blocks_view)
 
-    @staticmethod
-    def _thresholds(cfg):
-        from sparkguard import policy
-        g = cfg.guard
-        return policy.Thresholds(term_below=g.term_below, kill_below=g.kill_below, grace=g.grace,
-                                 recovery_wait=g.recovery_wait)
-
     # ---- start-up -------------------------------------------------------------------
 
     def start(self) -> None:
         """Open everything the loop needs.  Raises OSError when /proc/meminfo is unusable."""
         from sparkguard import meminfo, notify, proctree, recorder, reporter
-        for w in harden_self():
+        for w in harden.harden_self():
             log.warning("%s", w)
         self._warm_up()
         from sparkguard import sysinfo
@@ -386,7 +184,7 @@ class Guard:
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
         self.recorder = recorder.Recorder(self.reader, self.reporter, sysinfo.hostname(), sysinfo.boot_id())
         self._check_incident_dir()
-        self.psi_fd = open_psi_trigger()
+        self.psi_fd = harden.open_psi_trigger()
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
         self._start_metrics()
@@ -659,7 +457,7 @@ class Guard:
 
     def _loop_settings(self) -> tuple[bool, float, int, int, int]:
         """:func:`loop_settings` of the running config; re-read after a reload."""
-        return loop_settings(self.cfg)
+        return settings.loop_settings(self.cfg)
 
     def _act_failed(self, actions: tuple[str, ...], now: float) -> None:
         """An action raised: log it with the traceback and keep guarding.  Without a victim tree
@@ -915,7 +713,7 @@ class Guard:
             cfg = config.load(self.config_arg)
             if self.force_dry_run and not cfg.guard.dry_run:
                 cfg = config.replace(cfg, guard=config.dataclasses.replace(cfg.guard, dry_run=True))
-            result = (cfg, *prepare(cfg)[1:])
+            result = (cfg, *settings.prepare(cfg)[1:])
         except Exception as e:  # noqa: BLE001 - ConfigError, or a parser bug on a strange file
             if not isinstance(e, config.ConfigError):
                 e = config.ConfigError(self.config_arg or config.DEFAULT_PATH, "(file)", None,
@@ -1089,7 +887,7 @@ class Guard:
             "started_timestamp": self.started, "config_path": self.cfg.path,
             "config_reloads": dict(self.reloads),
             "notify_dropped": self.notifier.dropped if self.notifier else 0,
-            "log_dropped": getattr(_log_handler, "dropped", 0),
+            "log_dropped": getattr(logq._log_handler, "dropped", 0),
             "blind": bool(self.notifier and self.notifier.blind),
             "victim": {"pid": victim.root_pid, "title": victim.title} if victim is not None else None,
             "proc_view": self.proc_view,
