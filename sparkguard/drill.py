@@ -163,9 +163,9 @@ class _DrillReporter:
 
 
 def _make_guard(cfg, drill: "Drill"):
-    from sparkguard import daemon
+    from sparkguard.guard.loop import Guard
 
-    class DrillGuard(daemon.Guard):
+    class DrillGuard(Guard):
         """The daemon's Guard with the drill's reporter and a stop button for the controller thread."""
 
         def start(self) -> None:

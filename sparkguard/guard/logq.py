@@ -49,3 +49,8 @@ def setup_logging(level: str) -> None:
             pass
     import atexit
     atexit.register(stop)
+
+
+def dropped() -> int:
+    """Log records dropped so far because the queue was full (0 before :func:`setup_logging`)."""
+    return getattr(_log_handler, "dropped", 0)

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
 
 
-def loop_settings(cfg) -> tuple[bool, float, int, int, int]:
+class LoopSettings(NamedTuple):
+    """The poll loop's figures for one config (:func:`loop_settings`)."""
+
+    use_swap: bool      # the signal includes SwapFree
+    interval: float     # guard.poll_interval, seconds
+    far: int            # bytes of headroom beyond which the full interval is safe at policy.FILL_RATE
+    idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above term_below + far
+    budget: int         # fast polls allowed between two full passes
+
+
+def loop_settings(cfg) -> LoopSettings:
     """What the poll loop derives from a config, checked: the one validation that ``check-config``
     and a reload run beside ``config.load``.
 
     Returns:
-        ``(use_swap, interval, far, idle_floor, budget)``: the signal includes SwapFree (bool);
+        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget)``: the signal includes SwapFree (bool);
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
         at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
         bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
@@ -45,8 +57,8 @@ def loop_settings(cfg) -> tuple[bool, float, int, int, int]:
     if g.signal not in ("available", "available+swap"):
         raise bad("signal", g.signal, "expected available or available+swap")
     far = int(iv * policy.FILL_RATE)
-    return (g.signal == "available+swap", float(iv), far, g.term_below + far,
-            max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
+    return LoopSettings(g.signal == "available+swap", float(iv), far, g.term_below + far,
+                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
 
 
 def prepare(cfg):
