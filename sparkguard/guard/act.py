@@ -12,6 +12,7 @@ import select
 import time
 
 from sparkguard import armed, policy, proctree, signals
+from sparkguard.guard import escalation
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard")
@@ -27,7 +28,8 @@ class Actions:
         poller: the loop's ``select.poll``: the victim's pidfds are registered in it (POLLIN on exit).
     Attributes:
         recorder: ``recorder.Recorder``, set once it exists (after the first arming).
-        target: ``proctree.Target`` of the victim, or None; tree: its ``signals.Tree``, or None.
+        target: ``proctree.Target`` of the victim, or None; esc: its ``escalation.Escalation``
+            (shared with the supervisor when it stops the same tree), or None; tree: ``esc.tree``.
         tree_fds: set[int], the victim's pidfds registered in ``poller``.
         signals_sent: ``{"SIGTERM": n, "SIGKILL": n}`` since the start.
         armed: ``armed.Armed``, the target chosen before the crossing.
@@ -41,6 +43,7 @@ class Actions:
         self.recorder = None
         self.protector = proctree.Protector(cfg.targets.protect)
         self.target = None
+        self.esc = None
         self.tree = None
         self.tree_fds: set[int] = set()
         self._killed: set[int] = set()
@@ -161,15 +164,15 @@ class Actions:
             self.policy.no_target(now)
             return
         self.target = target
-        self.tree = tree
-        if self.policy.dry_run:
+        dry = self.policy.dry_run
+        # one escalation per tree: when the supervisor is already stopping it (wedged, stop, lane)
+        # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
+        self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
+        self.tree = self.esc.tree
+        if dry:
             rec.event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
-            sup = self.engine.supervisor
-            already = sup.stopping(target.root_pid) if sup is not None else None
-            # the supervisor already SIGTERMed it (wedged, stop, lane): no second SIGTERM (uvicorn
-            # force-exits on one); the guard's grace clock and tree SIGKILL still apply
-            sent = False if already else self.tree.term_root()
+            sent = self.esc.sent and not joined
             t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
@@ -180,11 +183,13 @@ class Actions:
             proctree.refresh_details(target)
         if retry:
             self.policy.target_found(now)
-        if not self.policy.dry_run:
+        if joined:
+            self.policy.term_sent_at(self.esc.t_term)
+        if not dry:
             rec.event(t_sig, value, "sigterm", [target.root_pid],
                       f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                       f"{_fmt_size(target.mem_bytes)} RSS+swap)" +
-                      (f" [not sent again: the supervisor is already stopping it ({already})]" if already
+                      (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
                        else "" if sent else " [already gone]"))
         rec.fill(target)
 
@@ -195,7 +200,7 @@ class Actions:
             self.recorder.event(now, value, "would_kill", list(self.tree.fds), "dry run: would SIGKILL the tree")
             return
         before = set(self.tree.fds)
-        pids = self.tree.kill_all(self.protector)
+        pids = escalation.OWNER.kill(self.esc, self.protector)
         t_sig = time.monotonic()
         self._watch(skip=before)
         self.signals_sent["SIGKILL"] += len(pids)
@@ -224,7 +229,8 @@ class Actions:
                     except KeyError:
                         pass
                 self.tree_fds.clear()
-                self.tree.close()
+                escalation.OWNER.release(self.esc)
+            self.esc = None
             self.tree = None
             self.target = None
             self._killed.clear()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import resource
 import sys
+import threading
 
 MCL_CURRENT, MCL_FUTURE, MCL_ONFAULT = 1, 2, 4
 M_ARENA_MAX = -8
@@ -29,8 +32,6 @@ def harden_self() -> list[str]:
     small thread stacks so locked memory stays small.  Returns warnings for what was not
     permitted; never raises.
     """
-    import ctypes
-    import threading
     warnings = []
     threading.stack_size(THREAD_STACK)
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -66,7 +67,6 @@ def harden_self() -> list[str]:
                         "memory spike it may react late")
     try:
         # one pidfd per victim process: systemd's default soft NOFILE (1024) must not cap the tree
-        import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

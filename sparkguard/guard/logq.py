@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import logging.handlers
 import os
+import queue
 import sys
 
 LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
+
+
+class DroppingQueueHandler(logging.handlers.QueueHandler):
+    """QueueHandler that never waits: a record that finds the queue full is dropped and counted."""
+    dropped = 0
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
 
 _log_handler = None     # the DroppingQueueHandler of a running daemon (its ``dropped`` count is in the snapshot)
 
@@ -17,22 +32,10 @@ def setup_logging(level: str) -> None:
     never blocks the poll loop, and its backlog never grows without bound (later records are dropped
     and counted, ``sparkguard_log_dropped_total``)."""
     global _log_handler
-    import logging.handlers
-    import queue
     fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
         "%(asctime)s sparkguard[%(process)d] %(levelname)s %(message)s"
     out = logging.StreamHandler(sys.stderr)
     out.setFormatter(logging.Formatter(fmt))
-
-    class DroppingQueueHandler(logging.handlers.QueueHandler):
-        """QueueHandler that never waits: a record that finds the queue full is dropped and counted."""
-        dropped = 0
-
-        def enqueue(self, record: logging.LogRecord) -> None:
-            try:
-                self.queue.put_nowait(record)
-            except queue.Full:
-                self.dropped += 1
 
     q: queue.Queue = queue.Queue(maxsize=LOG_QUEUE_MAX)
     root = logging.getLogger()
@@ -47,7 +50,6 @@ def setup_logging(level: str) -> None:
             listener.stop()
         except queue.Full:      # stderr stalled at exit: what is queued is lost
             pass
-    import atexit
     atexit.register(stop)
 
 

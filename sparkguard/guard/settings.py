@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
+
+from sparkguard import config, policy, proctree
 
 FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
@@ -32,9 +35,6 @@ def loop_settings(cfg) -> LoopSettings:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.
     """
-    import math
-
-    from sparkguard import config, policy
     g = cfg.guard
     path = getattr(cfg, "path", None) or "<config>"
 
@@ -70,7 +70,6 @@ def prepare(cfg):
     Raises:
         config.ConfigError: naming the file, key and value.
     """
-    from sparkguard import config, proctree
     settings = loop_settings(cfg)
     try:
         thresholds = make_thresholds(cfg)
@@ -86,7 +85,6 @@ def prepare(cfg):
 
 def make_thresholds(cfg):
     """``policy.Thresholds`` (bytes, seconds) from ``cfg.guard``."""
-    from sparkguard import policy
     g = cfg.guard
     return policy.Thresholds(term_below=g.term_below, kill_below=g.kill_below, grace=g.grace,
                              recovery_wait=g.recovery_wait)

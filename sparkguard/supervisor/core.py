@@ -169,13 +169,6 @@ class Supervisor:
         run = self.run
         return None if run is None else process.target(run, procs, protector, details)
 
-    def stopping(self, pid: int) -> str | None:
-        """Why the supervisor is already stopping the run whose root is ``pid`` (``"wedged"``,
-        ``"stop"``, ``"lane"``...), or None.  The guard then does not send a second SIGTERM: it
-        keeps only its own grace clock and the SIGKILL of the tree."""
-        run = self.run
-        return run.term_reason if run is not None and run.pid == pid else None
-
     def on_guard_event(self, incident: dict, event: dict) -> None:
         """The guard recorded ``event`` in ``incident`` (called from the poll loop; never blocks).
 
