@@ -6,6 +6,8 @@ defaults: 135 trials and the 60 s idle run)::
 
     python3 bench/headtohead.py                 # everything, 5 trials
     python3 bench/headtohead.py --trials 3 --only sparkguard --scenarios plain --no-idle
+    git worktree add /tmp/sg-base HEAD~1        # a change side by side with the code before it
+    python3 bench/headtohead.py --only sparkguard --baseline /tmp/sg-base
 
 Each trial starts one guard and one hog (``bench/hog.py``) together in a fresh PID
 namespace with its own /proc (``unshare --pid --fork --mount-proc --kill-child``), so the
@@ -91,6 +93,9 @@ SPAWN_PY = ("import os, sys\nfor _ in range(int(sys.argv[1])):\n"
             "for _ in range(int(sys.argv[2])):\n"
             "    os.posix_spawn('/bin/sh', ['sh', '-c', 'while :; do :; done'], {})\n")
 #: how the sparkguard guard is started (``--sched``): a prefix to its argv
+#: guard name -> the sparkguard source folder it runs ("sparkguard" is this checkout; ``--baseline
+#: DIR`` adds "sparkguard@base", another checkout of the same repository, run side by side)
+SOURCES = {"sparkguard": ROOT}
 SCHED = {"default": [], "nice-20": ["nice", "-n", "-20"], "rr": ["chrt", "-r", "1"],
          "rr-reset": ["chrt", "--reset-on-fork", "-r", "1"]}
 
@@ -152,15 +157,17 @@ def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str =
             f.write(patched)
         os.chmod(exe, 0o755)
         return ["python3", exe, "--monitor", "-c", conf], "Monitoring has started"
-    if name == "sparkguard":
+    if name in SOURCES:
         conf = os.path.join(work, "sparkguard.yaml")
         with open(conf, "w") as f:
             json.dump({"guard": {"term_below": term, "kill_below": kill},
                        "targets": {"match": [tag]}, "metrics": {"listen": "off"},
                        "incidents": {"dir": os.path.join(work, "incidents"), "journal": "off"}}, f)
-        # the daemon's own entry point (cmd_run), without the CLI registry around it
-        return SCHED[sched] + [sys.executable, "-c", "import sys, argparse; from sparkguard import daemon; sys.exit(daemon.cmd_run("
-                "argparse.Namespace(config=sys.argv[1], dry_run=False, log_level='info', meminfo='/proc/meminfo')))", conf], "started:"
+        # `sparkguard run` as the unit runs it, imported from this guard's own source folder
+        # (python -c puts the working directory first on sys.path: the folder goes before it)
+        return SCHED[sched] + [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                               "from sparkguard.cli import main; sys.exit(main(['run', '--config', sys.argv[2]]))",
+                               SOURCES[name], conf], "started:"
     raise ValueError(name)
 
 
@@ -303,7 +310,7 @@ def run_trial(guard: str, scenario: str, tier: str, args, one_thread_rate: float
     tag = "sghog" + uuid.uuid4().hex[:10]
     spin = spinners(getattr(args, "spinners", "0"))
     row = {"guard": guard, "scenario": scenario, "tier": tier, "bystanders": bystanders, "spinners": spin,
-           "sched": sched if guard == "sparkguard" else "default", "error": ""}
+           "sched": sched if guard in SOURCES else "default", "error": ""}
     ns = Namespace(None, None, os.path.join(work, "guard.log"), bystanders, spin) if bystanders or spin else None
     try:
         if ns is not None and not ns.wait_bystanders(120):
@@ -673,6 +680,9 @@ def main() -> int:
     ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
     ap.add_argument("--no-floors", action="store_true",
                     help="idle without the floor loops (bare Python and C: read /proc/meminfo, sleep 200 ms)")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also run the sparkguard of another checkout (e.g. `git worktree add /tmp/base HEAD~1`) "
+                         "as guard sparkguard@base, side by side with this one in every trial and the idle run")
     ap.add_argument("--csv", default="bench/headtohead.csv")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
@@ -680,6 +690,12 @@ def main() -> int:
         print("headtohead: needs root (PID namespaces, earlyoom/nohang signalling)", file=sys.stderr)
         return 2
     guards = [g for g in args.only.split(",") if g]
+    if args.baseline:
+        if not os.path.isfile(os.path.join(args.baseline, "sparkguard", "cli.py")):
+            print(f"headtohead: --baseline {args.baseline}: no sparkguard/cli.py there", file=sys.stderr)
+            return 2
+        SOURCES["sparkguard@base"] = os.path.abspath(args.baseline)
+        guards.append("sparkguard@base")
     stop_on_signals()
     try:
         return bench(args, guards)
@@ -710,7 +726,7 @@ def bench(args, guards: list[str]) -> int:
                 for i in range(args.trials):
                     order = guards[i % len(guards):] + guards[:i % len(guards)]
                     for g, nb, sch in ((g, nb, sch) for g in order for nb in bystanders
-                                       for sch in (scheds if g == "sparkguard" else ["default"])):
+                                       for sch in (scheds if g in SOURCES else ["default"])):
                         settle(a0)
                         r = run_trial(g, sc, tier, args, rate1, nb, sch)
                         r["trial"] = i

@@ -57,10 +57,11 @@ class GuardProc:
         cfg: dict written as the YAML config (an ``incidents.dir`` in a temp dir and
             ``metrics.listen: off`` are added unless given).
         watchdog_usec: sets WATCHDOG_USEC for the child when given.
+        wrap: argv put before the daemon's (e.g. ``unshare -m sh -c ... sh``), exec'ing into it.
     """
 
     def __init__(self, cfg: dict, watchdog_usec: int | None = None, extra_args: tuple = (),
-                 env_extra: dict | None = None):
+                 env_extra: dict | None = None, wrap: tuple = ()):
         self.tmp = tempfile.mkdtemp(prefix="sg-guard-")
         TEMP_DIRS.append(self.tmp)        # removed at the end of the session (conftest)
         cfg = {k: dict(v) for k, v in cfg.items()}
@@ -78,7 +79,7 @@ class GuardProc:
         env.update(env_extra or {})
         self.log_path = os.path.join(self.tmp, "guard.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(sparkguard_cmd("run", "--config", self.config_path, *extra_args),
+        self.proc = subprocess.Popen([*wrap, *sparkguard_cmd("run", "--config", self.config_path, *extra_args)],
                                      env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def write_config(self, cfg: dict) -> None:
