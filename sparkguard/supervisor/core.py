@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from sparkguard import proctree
+from sparkguard import proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import health, lanes, output, process, reports
 from sparkguard.supervisor.gates import StartGates, read_mem_available
@@ -794,14 +794,12 @@ class Supervisor:
 
         Its process group counts only while a recorded member is still alive (then the group
         never emptied, so its id cannot have been reused)."""
-        from sparkguard import sysinfo
         prev = lanes.previous_engine(self.previous_state, sysinfo.boot_id())
         if prev is None:
             return
         pgid, members = prev
         live = process.leftovers(None, members)
         if live:
-            from sparkguard import proctree
             # a member may have left the group (setsid, as Ray does): then the group id could have
             # been reused by a stranger; trust it only while a live member is still in it
             in_group = any((p := proctree.read_proc(pid)) is not None and p.pgrp == pgid for pid in live)
