@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from sparkguard import signals
+from sparkguard import policy, signals
 from sparkguard.guard import escalation
 
 COUNTER = ("import signal, sys, time\n"
@@ -101,21 +101,35 @@ def test_the_grace_runs_from_the_first_sigterm(stubborn):
     joined, was_running = s.request(tree_of(p), "memory", 10.0)
     assert was_running and joined.t_term == 100.0
     assert joined.grace_left(clock.t) == pytest.approx(6.0)
-    assert not joined.kill_due(109.9)
-    assert joined.kill_due(110.0)
+    assert joined.grace_left(110.0) == 0.0
     s.release(joined)
     s.release(esc)
 
 
-def test_kill_below_cuts_the_grace_short_for_the_guard(stubborn):
+def test_the_guard_joining_keeps_the_first_grace_and_kill_below_cuts_it_short(stubborn):
+    """The guard's policy decides its SIGKILL: joined, its grace runs from the supervisor's
+    SIGTERM; below kill_below it does not wait for the grace at all."""
     p = stubborn()
-    s = escalation.Stopper(Clock(0.0))
-    esc, _ = s.request(tree_of(p), "memory", 10.0)
-    assert not esc.kill_due(1.0)
-    assert esc.kill_due(1.0, cut=True)
-    assert s.kill(esc) == [p.pid]
+    clock = Clock(100.0)
+    s = escalation.Stopper(clock)
+    sup, _ = s.request(tree_of(p), "wedged", 10.0)
+    line, kill_below = 10 * 2**30, 5 * 2**30
+    pol = policy.Policy(policy.Thresholds(term_below=line, kill_below=kill_below, grace=10.0))
+    assert pol.step(104.0, line - 1) == (policy.CROSSED, policy.TERM)
+    guard, joined = s.request(tree_of(p), "memory", 10.0)
+    assert joined
+    assert terms(p) == 1
+    pol.term_sent_at(guard.t_term)
+    assert pol.step(109.9, line - 1) == ()
+    assert pol.step(110.0, line - 1) == (policy.KILL,), "the grace of the first SIGTERM, not 114"
+    cut = policy.Policy(policy.Thresholds(term_below=line, kill_below=kill_below, grace=10.0))
+    cut.step(104.0, line - 1)
+    cut.term_sent_at(guard.t_term)
+    assert cut.step(104.2, kill_below - 1) == (policy.KILL,)
+    assert s.kill(guard) == [p.pid]
     assert p.wait(5) == -signal.SIGKILL
-    s.release(esc)
+    s.release(guard)
+    s.release(sup)
 
 
 def test_dry_run_sends_nothing_and_is_never_joined(stubborn):
@@ -143,7 +157,10 @@ def test_a_tree_that_ignores_sigterm_gets_one_sigkill_after_the_grace(stubborn):
     assert killed == [p.pid] and notes == [("sigterm", []), ("sigkill", [p.pid])]
     assert took >= 0.5
     assert terms(p) == 1
-    assert not esc.tree.fds and s.running(p.pid) is None
+    assert not esc.tree.fds
+    again, joined = s.request(tree_of(stubborn()), "stop", 0.5)
+    assert not joined, "a finished escalation is not joined"
+    s.release(again)
 
 
 def test_a_waiting_thread_joins_the_guards_escalation_and_keeps_its_clock(stubborn):

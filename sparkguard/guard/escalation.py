@@ -6,19 +6,20 @@ stop processes through :class:`Stopper`.  A request for a tree that is already b
 and the grace runs from the first SIGTERM.  That is the rule "never two SIGTERMs, one grace
 clock", and it lives here only.
 
-The decisions are plain state on an injected clock (:class:`Escalation`: when the SIGKILL is
-due); the signals go through the tree's pidfds (:class:`sparkguard.signals.Tree`), so a recycled
+The state is plain data on an injected clock (:class:`Escalation`: the first SIGTERM's time,
+the grace left); the signals go through the tree's pidfds (:class:`sparkguard.signals.Tree`), so a recycled
 pid is never hit.  Two ways to drive one:
 
-* the guard's poll loop never waits: it asks :meth:`Escalation.kill_due` (or its own policy, whose
-  grace clock it sets from :attr:`Escalation.t_term` when it joins) and calls :meth:`Stopper.kill`
-  when due; its pidfds wake the loop when members exit;
+* the guard's poll loop never waits: its policy (:mod:`sparkguard.policy`, whose grace clock it
+  sets from :attr:`Escalation.t_term` when it joins, and which cuts the grace short below
+  ``guard.kill_below``) says when the SIGKILL is due, and it calls :meth:`Stopper.kill`; the
+  tree's pidfds wake the loop when members exit;
 * a thread that may wait (the supervisor's) calls :meth:`Stopper.stop`, which waits out the rest of
   the grace through a wait function it is given (the supervisor's bounded condition wait), then
   SIGKILLs the tree and waits again.
 
 Threads: :class:`Stopper`'s lock guards its table of running escalations and each escalation's
-``holders``, ``killing``, ``t_kill`` and ``killed``; it is held only for those O(1) updates, never
+``holders`` and ``killing``; it is held only for those O(1) updates, never
 across a signal, a /proc pass or a wait, so the poll loop never waits behind the supervisor.  The
 SIGTERM is sent by the one request that created the escalation; a SIGKILL pass already running in
 another thread makes :meth:`Stopper.kill` return at once with nothing sent.  A tree is closed by
@@ -51,33 +52,24 @@ class Escalation:
         grace: float seconds from the first SIGTERM to the SIGKILL.
         t_term: float monotonic seconds of the first SIGTERM (the one grace clock).
         sent: bool, the SIGTERM reached a live process (False: the root was already gone).
-        t_kill: float monotonic seconds of the last SIGKILL pass, or None.
-        killed: set[int], every pid SIGKILLed so far.
         dry_run: bool; nothing is sent, :meth:`Stopper.kill` returns the members it would kill.
+        holders: int, requests not yet released (under the :class:`Stopper`'s lock).
+        killing: bool, a SIGKILL pass runs in some thread (under the :class:`Stopper`'s lock).
     """
 
-    __slots__ = ("key", "tree", "reason", "grace", "t_term", "sent", "t_kill", "killed", "dry_run",
-                 "holders", "killing", "term_all")
+    __slots__ = ("key", "tree", "reason", "grace", "t_term", "sent", "dry_run", "holders", "killing")
 
     def __init__(self, key: tuple, tree: signals.Tree, reason: str, grace: float, t_term: float,
-                 dry_run: bool = False, term_all: bool = False):
+                 dry_run: bool = False):
         self.key, self.tree, self.reason, self.grace, self.t_term = key, tree, reason, grace, t_term
         self.sent = False
-        self.t_kill: float | None = None
-        self.killed: set[int] = set()
         self.dry_run = dry_run
-        self.term_all = term_all
         self.holders = 1
         self.killing = False
 
     def grace_left(self, now: float) -> float:
         """Seconds (>= 0) from ``now`` (monotonic) until the grace since the first SIGTERM ends."""
         return max(0.0, self.t_term + self.grace - now)
-
-    def kill_due(self, now: float, cut: bool = False) -> bool:
-        """Whether the SIGKILL is due at ``now`` (monotonic s): the grace since the first SIGTERM is
-        over, or ``cut`` (the guard's memory is below ``kill_below``: the grace is cut short)."""
-        return cut or now - self.t_term >= self.grace
 
 
 def key_of(tree: signals.Tree) -> tuple:
@@ -116,13 +108,13 @@ class Stopper:
         key = key_of(tree)
         now = self.clock()
         if dry_run:
-            return Escalation(key, tree, reason, grace, now, dry_run=True, term_all=term_all), False
+            return Escalation(key, tree, reason, grace, now, dry_run=True), False
         with self._lock:
             esc = self._running.get(key) if key[1] is not None else None
             if esc is not None:
                 esc.holders += 1
             else:
-                esc = Escalation(key, tree, reason, grace, now, term_all=term_all)
+                esc = Escalation(key, tree, reason, grace, now)
                 if key[1] is not None:      # a root with no pidfd (already gone) is no one else's tree
                     self._running[key] = esc
         if esc.tree is not tree:
@@ -149,14 +141,10 @@ class Stopper:
                 return []
             esc.killing = True
         try:
-            pids = esc.tree.kill_all(protector)
+            return esc.tree.kill_all(protector)
         finally:
             with self._lock:
                 esc.killing = False
-                esc.t_kill = self.clock()
-        with self._lock:
-            esc.killed.update(pids)
-        return pids
 
     def release(self, esc: Escalation) -> None:
         """The caller is done with ``esc``; the last holder's release closes the tree's pidfds."""
@@ -170,14 +158,6 @@ class Stopper:
                 del self._running[esc.key]
         if last:
             esc.tree.close()
-
-    def running(self, pid: int) -> Escalation | None:
-        """The escalation whose tree's root is ``pid``, or None."""
-        with self._lock:
-            for esc in self._running.values():
-                if esc.key[0] == pid:
-                    return esc
-        return None
 
     def stop(self, tree: signals.Tree, reason: str, grace: float, wait: Callable[[float], bool] | None = None,
              protector: proctree.Protector | None = None, term_all: bool = False,
