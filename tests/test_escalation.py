@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from sparkguard import policy, signals
+from sparkguard import policy, proctree, signals
 from sparkguard.guard import escalation
 
 COUNTER = ("import signal, sys, time\n"
@@ -199,3 +199,32 @@ def test_a_tree_that_exits_on_sigterm_is_not_killed():
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+def test_the_poll_loop_never_waits_behind_a_kill_pass_in_another_thread(stubborn):
+    """While the supervisor's thread is inside a SIGKILL pass (held here inside its protector
+    check), the guard's kill of the same tree and a request for another tree return at once."""
+    p, other = stubborn(), stubborn()
+    s = escalation.Stopper()
+    inside, go = threading.Event(), threading.Event()
+
+    class Held(proctree.Protector):
+        def protected(self, proc):
+            inside.set()
+            go.wait(10)
+            return False
+    esc, _ = s.request(tree_of(p), "wedged", 0.0)
+    t = threading.Thread(target=s.kill, args=(esc, Held(())))
+    t.start()
+    try:
+        assert inside.wait(5)
+        t0 = time.monotonic()
+        assert s.kill(esc) == [], "a pass already runs: nothing sent, no wait"
+        other_esc, joined = s.request(tree_of(other), "memory", 5.0)
+        assert time.monotonic() - t0 < 0.5 and not joined
+        s.release(other_esc)
+    finally:
+        go.set()
+        t.join(10)
+    assert p.wait(5) == -signal.SIGKILL
+    s.release(esc)
