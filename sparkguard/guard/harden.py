@@ -25,7 +25,8 @@ def harden_self() -> list[str]:
     RLIMIT_MEMLOCK): every page the guard has touched stays in RAM, without pre-faulting whole
     libraries and reserved regions (earlyoom locks the same way; it keeps the RSS budget of 30 MiB with
     prometheus_client loaded).  The caller exercises the decision path once at start-up
-    (:func:`warm_up`) so its pages are touched and locked before they are needed.
+    (:meth:`sparkguard.guard.act.Actions.warm_up`) so its pages are touched and locked before they
+    are needed.
     oom_score_adj -1000 (proc(5); lowering needs CAP_SYS_RESOURCE), nice -20 (setpriority(2); needs
     CAP_SYS_NICE; measured against SCHED_RR in the unit's comment) so a spike of busy threads
     cannot starve the decision, a single malloc arena and
