@@ -18,6 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkguard import __version__, config, metrics
+from sparkguard.metrics import httploop
+from sparkguard.metrics.server import RETRY_FIRST, RETRY_MAX
 
 GiB = 1024**3
 
@@ -214,7 +216,7 @@ def test_snapshot_failure_still_answers_with_kernel_metrics(server, caplog):
     assert promtool(text).returncode == 0
 
 
-def test_extra_collectors_and_register_collector(server):
+def test_extra_collectors_and_a_collector_registered_later(server):
     from prometheus_client.metrics_core import GaugeMetricFamily
 
     class Engine:
@@ -229,7 +231,7 @@ def test_extra_collectors_and_register_collector(server):
 
     srv = server(snapshot_dict, extra_collectors=[Engine()])
     assert samples(scrape(srv.url))[("sparkguard_engine_up", ())] == 1
-    metrics.register_collector(Link())  # most recently started server
+    srv.register_collector(Link())
     text = scrape(srv.url)
     assert samples(text)[("sparkguard_link_up", (("interface", "enp1s0f0np0"),))] == 1
     assert promtool(text).returncode == 0
@@ -462,7 +464,7 @@ def test_a_taken_port_is_an_error_the_guard_runs_and_binds_once_it_is_free():
 
         taken.close()
         t0 = time.monotonic()
-        text = wait_for_scrape(url, g.proc, timeout=metrics.RETRY_MAX / 2)
+        text = wait_for_scrape(url, g.proc, timeout=RETRY_MAX / 2)
         # binds 1, 3, 7, 15 s after start: the port freed a few seconds in is bound within 10 s
         assert time.monotonic() - t0 < 10
         assert samples(text)[("sparkguard_guard_state", (("state", "ok"),))] == 1
@@ -487,7 +489,7 @@ def test_stalled_clients_do_not_hold_up_a_scrape(server):
     srv = server(snapshot_dict)
     port = srv.address[1]
     stalled = [_stalled(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")
-               for i in range(metrics.MAX_CONNECTIONS + 8)]
+               for i in range(httploop.MAX_CONNECTIONS + 8)]
     try:
         t0 = time.monotonic()
         v = samples(scrape(srv.url))
@@ -519,14 +521,14 @@ def test_a_slow_drip_client_is_dropped_at_the_request_deadline(server):
                 closed_after = time.monotonic() - t0
                 break
         assert closed_after is not None, "the server kept a dripping client past the request deadline"
-        assert closed_after < metrics.REQUEST_DEADLINE + 1.0
+        assert closed_after < httploop.REQUEST_DEADLINE + 1.0
     finally:
         s.close()
 
 
 def test_an_oversized_request_head_is_refused(server):
     srv = server(snapshot_dict)
-    s = _stalled(srv.address[1], b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * metrics.MAX_HEAD) + b"\r\n\r\n")
+    s = _stalled(srv.address[1], b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * httploop.MAX_HEAD) + b"\r\n\r\n")
     try:
         s.settimeout(5)
         answer = s.recv(4096)
@@ -568,7 +570,7 @@ def test_a_flood_of_scrapes_is_answered_and_rendered_at_a_bounded_rate(server):
             t.join(10)
     elapsed = time.monotonic() - t_start
     assert len(answered) > len(calls)          # requests share renderings
-    assert len(calls) <= elapsed / metrics.RENDER_GAP + 2
+    assert len(calls) <= elapsed / httploop.RENDER_GAP + 2
 
 
 def _own_listener_fd(port: int) -> int:
@@ -606,7 +608,7 @@ def test_a_server_whose_socket_breaks_binds_again_without_spinning(server):
             try:
                 text = scrape(srv.url)
             except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() - t0 < metrics.RETRY_FIRST + 5
+                assert time.monotonic() - t0 < RETRY_FIRST + 5
                 time.sleep(0.05)
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         wall = time.monotonic() - t0

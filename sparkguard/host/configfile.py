@@ -23,7 +23,7 @@ HEADER = """\
 # durations: 200ms, 10s, 5m.  `sparkguard install` never overwrites this file once edited.
 """
 
-#: comments per dotted key (facts from sparkguard/config.py and FIELD-NOTES)
+#: comments per dotted key (facts from sparkguard/config/ and FIELD-NOTES)
 HELP: dict[str, str] = {
     "guard": "When to act.",
     "guard.poll_interval": "How often MemAvailable is read. Free memory has been seen to fall ~3 GiB/s during prefill.",

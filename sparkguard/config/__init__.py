@@ -1,0 +1,51 @@
+"""Configuration: schema, embedded defaults, loading and validation.
+
+The file is YAML, default path ``/etc/sparkguard/sparkguard.yaml``; when it is absent
+the embedded defaults apply.  Every error names the file, the dotted key and the value
+(:class:`ConfigError`), so that ``sparkguard run`` refuses to start and a SIGHUP reload
+keeps the running configuration.
+
+Sections and keys (see README "Configuration"):
+
+* ``guard``: ``poll_interval``, ``term_below``, ``kill_below``, ``grace``, ``signal``,
+  ``dry_run``, ``recovery_wait``
+* ``targets``: ``match``, ``protect``, ``fallback``
+* ``metrics``: ``listen``
+* ``incidents``: ``dir``, ``journal``
+* ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
+  gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
+* ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
+
+Numbers are read as the decimal the user wrote or refused (:class:`.yamlload.Loader`, sparkguard.units):
+NaN, infinities, ``1e400``, octal ``010``, ``0x10``, ``1_000``, sexagesimal ``1:30`` and dates
+never become another value; each numeric key has bounds (SCHEMA) that keep the poll loop sane.
+The file itself must be a regular file of at most :data:`.yamlload.MAX_FILE_BYTES` (1 MiB).
+
+Modules: ``errors`` (ConfigError), ``parsers`` (value parsers and their bounds), ``engine`` (the
+``engine:`` section and its vLLM facts), ``schema`` (the section dataclasses and SCHEMA),
+``yamlload`` (the bounded file read and the YAML loader), ``load`` (build and cross-checks).
+This package exposes the names callers use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sparkguard.config.engine import (
+    SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout,
+)
+from sparkguard.config.errors import ConfigError
+from sparkguard.config.load import DEFAULT_PATH, from_dict, load
+from sparkguard.config.schema import SCHEMA, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig, TargetsConfig
+
+__all__ = [
+    "Config", "ConfigError", "DEFAULT_PATH", "EngineConfig", "GuardConfig", "IncidentsConfig", "LaneConfig",
+    "LinkConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
+    "load", "replace", "vllm_shutdown_timeout",
+]
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    """Return a copy of ``cfg`` with whole sections replaced (``replace(cfg, guard=g)``)."""
+    return dataclasses.replace(cfg, **sections)

@@ -1,0 +1,246 @@
+"""The ``sparkguard_*`` metric families, built at scrape time from the daemon snapshot, PSI and zram.
+
+Nothing here runs in the poll loop.  :class:`GuardCollector` calls the daemon's
+``snapshot()`` (a cheap dict copy of the guard's state) from the HTTP thread when
+Prometheus scrapes, and reads PSI and zram itself at that moment through
+:mod:`sparkguard.sysinfo`; so the loop pays nothing per poll.
+
+Metric names (docs/metrics.md lists every one): prefix ``sparkguard_``, base units (bytes,
+seconds, ratios 0-1), counters end in ``_total``.  ``promtool check metrics`` passes on
+the output (tests/test_metrics.py runs it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+
+from sparkguard import __version__, sysinfo
+
+log = logging.getLogger("sparkguard.metrics")
+
+#: Guard states, in the order the daemon moves through them (the snapshot's ``state``);
+#: ``no_target``: below the line with nothing to signal (``sparkguard.policy.NO_TARGET``).
+#: All are exported from the first scrape, so ``guard_state{state="no_target"} == 1`` can be alerted on.
+STATES = ("ok", "term_sent", "kill_sent", "recovering", "no_target")
+
+
+P = "sparkguard_"
+
+
+def _gauge(name: str, doc: str, value: Any, labels: dict[str, str] | None = None) -> Metric | None:
+    """One-sample gauge, or None when ``value`` is None (the metric is then absent)."""
+    if value is None:
+        return None
+    if labels:
+        g = GaugeMetricFamily(P + name, doc, labels=list(labels))
+        g.add_metric(list(labels.values()), float(value))
+        return g
+    return GaugeMetricFamily(P + name, doc, value=float(value))
+
+
+class GuardCollector:
+    """Builds every ``sparkguard_*`` metric at scrape time.
+
+    Args:
+        snapshot: ``() -> dict`` returning the daemon snapshot (``Guard.snapshot()``; missing
+            keys or None values leave their metrics out).  Called once per
+            scrape from the HTTP thread; an exception is logged and the guard's metrics are left
+            out of that scrape (PSI, zram and build info still appear) rather than failing it.
+        read_psi: ``() -> dict | None``, default :func:`sparkguard.sysinfo.read_psi_memory`.
+        read_zram: ``() -> list[dict]``, default :func:`sparkguard.sysinfo.read_zram`.
+
+    Sources: /proc/meminfo (MemAvailable, MemTotal, SwapFree, SwapTotal; Documentation/
+    filesystems/proc.rst), /proc/pressure/memory (Documentation/accounting/psi.rst),
+    /sys/block/zram*/mm_stat (Documentation/admin-guide/blockdev/zram.rst).
+    """
+
+    def __init__(self, snapshot: Callable[[], dict],
+                 read_psi: Callable[[], dict | None] = sysinfo.read_psi_memory,
+                 read_zram: Callable[[], list[dict]] = sysinfo.read_zram):
+        self._snapshot = snapshot
+        self._read_psi = read_psi
+        self._read_zram = read_zram
+        self._last_error = ""
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the metric families for one scrape (prometheus_client Collector protocol)."""
+        info = InfoMetricFamily(P + "build", "sparkguard version running (value 1).")
+        info.add_metric([], {"version": __version__})
+        yield info
+        try:
+            snap = self._snapshot() or {}
+        except Exception as e:  # the scrape must still answer; the daemon keeps guarding
+            msg = f"{type(e).__name__}: {e}"
+            if msg != self._last_error:
+                log.warning("metrics: daemon snapshot failed, guard metrics left out: %s", msg)
+                self._last_error = msg
+            snap = {}
+        for m in self._guard(snap):
+            if m is not None:
+                yield m
+        yield from self._psi()
+        yield from self._zram()
+
+    # --- the daemon's own state
+
+    def _guard(self, s: dict) -> Iterable[Metric | None]:
+        mi = "from /proc/meminfo at the daemon's last poll"
+        yield _gauge("memory_available_bytes", f"MemAvailable in bytes, {mi}.", s.get("available_bytes"))
+        yield _gauge("memory_total_bytes", f"MemTotal in bytes, {mi}.", s.get("total_bytes"))
+        yield _gauge("swap_free_bytes", f"SwapFree in bytes (zram included), {mi}.", s.get("swap_free_bytes"))
+        yield _gauge("swap_total_bytes", f"SwapTotal in bytes (zram included), {mi}.", s.get("swap_total_bytes"))
+        yield _gauge("guard_signal_bytes",
+                     "Bytes the guard compares with its lines at the last poll: MemAvailable, or "
+                     "MemAvailable+SwapFree when guard.signal is available+swap.", s.get("signal_bytes"))
+        yield _gauge("term_below_bytes", "SIGTERM line (guard.term_below): the target is sent SIGTERM "
+                     "when the signal falls below this many bytes.", s.get("term_below_bytes"))
+        yield _gauge("kill_below_bytes", "SIGKILL floor (guard.kill_below): below this many bytes the "
+                     "rest of the grace period is skipped. Absent when off.", s.get("kill_below_bytes"))
+        yield _gauge("grace_seconds", "Seconds between SIGTERM and SIGKILL of the whole tree (guard.grace).",
+                     s.get("grace_seconds"))
+        yield _gauge("poll_interval_seconds", "Slowest interval between two polls of /proc/meminfo "
+                     "(guard.poll_interval); the loop polls faster as headroom shrinks.",
+                     s.get("poll_interval_seconds"))
+        state = s.get("state")
+        if state is not None:
+            g = GaugeMetricFamily(P + "guard_state", "Guard state machine: 1 for the current state, 0 for "
+                                  "the others (ok, term_sent, kill_sent, recovering, no_target).", labels=["state"])
+            for st in STATES + (() if state in STATES else (str(state),)):
+                g.add_metric([st], 1.0 if st == state else 0.0)
+            yield g
+        if s.get("dry_run") is not None:
+            yield _gauge("dry_run", "1 when guard.dry_run is on: decisions are made and reported, "
+                         "no signal is sent.", 1 if s["dry_run"] else 0)
+        view = s.get("proc_view") or {}
+        yield _gauge("visible_processes", "Processes the guard saw in /proc when it started.", view.get("processes"))
+        yield _gauge("visible_other_user_processes", "Processes of other users whose /proc/PID/stat the guard "
+                     "could read when it started (hidepid= hides them from a guard without CAP_SYS_PTRACE).",
+                     view.get("other_users_readable"))
+        if s.get("signals_sent") is not None:
+            c = CounterMetricFamily(P + "signals", "Signals sent to targets since the daemon started, "
+                                    "by signal (each process signalled counts once).", labels=["signal"])
+            sent = dict(s["signals_sent"])
+            for sig in ("SIGTERM", "SIGKILL"):
+                sent.setdefault(sig, 0)
+            for sig, n in sorted(sent.items()):
+                c.add_metric([sig], float(n))
+            yield c
+        if s.get("incidents") is not None:
+            c = CounterMetricFamily(P + "incidents", "Incidents (episodes from a crossing until memory is "
+                                    "back and the victim gone) since the daemon started, by kind.",
+                                    labels=["kind"])
+            kinds = dict(s["incidents"])
+            kinds.setdefault("memory", 0)
+            for kind, n in sorted(kinds.items()):
+                c.add_metric([str(kind)], float(n))
+            yield c
+        yield _gauge("last_incident_timestamp_seconds", "Unix time the last incident started. Absent "
+                     "until the first incident.", s.get("last_incident_timestamp"))
+        if s.get("poll_count") is not None and s.get("poll_seconds_sum") is not None:
+            yield SummaryMetricFamily(P + "poll_duration_seconds", "Time spent in the timed polls of the "
+                                      "loop (read /proc/meminfo, decide, act), seconds: every poll near the line "
+                                      "or in an incident, one every 2 s while idle; _count is the number of timed "
+                                      "polls.", count_value=int(s["poll_count"]), sum_value=float(s["poll_seconds_sum"]))
+        if s.get("polls_total") is not None:
+            c = CounterMetricFamily(P + "polls", "Reads of /proc/meminfo by the loop since start (timed and "
+                                    "idle fast-path polls); its rate is the polling rate.")
+            c.add_metric([], float(s["polls_total"]))
+            yield c
+        for key, name, what in (("notify_dropped", "notify_dropped", "sd_notify datagrams (WATCHDOG=1, STATUS=...) "
+                                 "the service manager's socket could not take at once (queue full, no listener), "
+                                 "dropped so the poll loop never waits"),
+                                ("log_dropped", "log_dropped", "log records dropped because the queue to the stderr "
+                                 "writer was full (stderr stalled); the poll loop never waits for its log")):
+            if s.get(key) is not None:
+                c = CounterMetricFamily(P + name, what + ".")
+                c.add_metric([], float(s[key]))
+                yield c
+        yield _gauge("last_poll_timestamp_seconds", "Unix time of the daemon's last poll; a stale value "
+                     "means the loop is stuck.", s.get("last_poll_timestamp"))
+        yield _gauge("start_time_seconds", "Unix time the guard started.", s.get("started_timestamp"))
+        if s.get("config_reloads") is not None:
+            c = CounterMetricFamily(P + "config_reloads", "Configuration reloads (SIGHUP) since start, by "
+                                    "result; a failed reload keeps the running configuration.",
+                                    labels=["result"])
+            r = dict(s["config_reloads"])
+            for res in ("ok", "failed"):
+                c.add_metric([res], float(r.get(res, 0)))
+            yield c
+
+    # --- read at scrape time
+
+    def _psi(self) -> Iterator[Metric]:
+        try:
+            psi = self._read_psi()
+        except Exception as e:  # sysinfo never raises; belt and braces for a custom reader
+            log.warning("metrics: PSI read failed: %s", e)
+            psi = None
+        if not psi:
+            return
+        stalled = CounterMetricFamily(P + "pressure_memory_stalled_seconds", "Total time some / all "
+                                      "non-idle tasks were stalled on memory, seconds "
+                                      "(/proc/pressure/memory total=).", labels=["kind"])
+        for kind in ("some", "full"):
+            vals = psi.get(kind)
+            if not vals:
+                continue
+            g = GaugeMetricFamily(P + f"pressure_memory_{kind}_ratio",
+                                  f"Share of wall time (0-1) {'some' if kind == 'some' else 'all'} non-idle "
+                                  f"tasks were stalled on memory, averaged over the window "
+                                  f"(/proc/pressure/memory '{kind}' avgN / 100).", labels=["window"])
+            for w in ("avg10", "avg60", "avg300"):
+                if w in vals:
+                    g.add_metric([w], vals[w] / 100.0)
+            yield g
+            if "total_us" in vals:
+                stalled.add_metric([kind], vals["total_us"] / 1e6)
+        if stalled.samples:
+            yield stalled
+
+    def _zram(self) -> Iterator[Metric]:
+        try:
+            devs = self._read_zram()
+        except Exception as e:
+            log.warning("metrics: zram read failed: %s", e)
+            devs = []
+        if not devs:
+            return
+        src = "/sys/block/<device>/"
+        fams = [
+            ("disksize_bytes", "disksize_bytes", f"Uncompressed capacity of the zram swap device, bytes ({src}disksize)."),
+            ("orig_data_bytes", "orig_data_bytes", f"Uncompressed bytes stored in the zram device ({src}mm_stat orig_data_size)."),
+            ("compr_data_bytes", "compr_data_bytes", f"Compressed size of the stored data, bytes ({src}mm_stat compr_data_size)."),
+            ("mem_used_bytes", "mem_used_bytes", f"RAM the zram device really uses, allocator overhead included, bytes "
+                                                f"({src}mm_stat mem_used_total); this comes out of MemAvailable."),
+        ]
+        for name, key, doc in fams:
+            g = GaugeMetricFamily(P + "zram_" + name, doc, labels=["device"])
+            for d in devs:
+                if key in d:
+                    g.add_metric([d["device"]], float(d[key]))
+            if g.samples:
+                yield g
+
+
+def build_registry(snapshot: Callable[[], dict], extra_collectors: Iterable[Any] = ()) -> CollectorRegistry:
+    """A fresh :class:`CollectorRegistry` with the guard, process and extra collectors.
+
+    The process collector adds ``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
+    ``process_open_fds``... of this process (read from /proc/self at scrape time).
+    """
+    reg = CollectorRegistry()
+    ProcessCollector(registry=reg)
+    reg.register(GuardCollector(snapshot))
+    for c in extra_collectors:
+        reg.register(c)
+    return reg
