@@ -8,11 +8,11 @@ ports) drops: NCCL waits inside a collective and the engine neither dies nor ser
   asyncio loop), bound to the ``RTMGRP_LINK`` multicast group *before* any request is
   sent on it (pyroute2 0.9: objects belong to the thread that made them).  Every
   ``RTM_NEWLINK``/``RTM_DELLINK`` is applied as it arrives; nothing is polled.
-* a link that goes from up to down and stays down longer than ``down_after`` seconds is
-  an incident of kind ``"link"`` (TEAM.md "Incident record"), handed to ``on_incident``
-  when it is declared and again, completed, when the link is back;
-* every up/down transition is handed to ``on_change(ifname, up)`` so the engine
-  supervisor can mark the engine unhealthy;
+* the messages feed :class:`sparkguard.linkstate.LinkStates`, which decides: a link that goes
+  from up to down and stays down longer than ``down_after`` seconds is an incident of kind
+  ``"link"`` (docs/incident.md), handed to ``on_incident`` when it is declared and again,
+  completed, when the link is back; every up/down transition is handed to
+  ``on_change(ifname, up)`` so the engine supervisor can mark the engine unhealthy;
 * :meth:`LinkWatch.collector` is a prometheus_client collector: ``up``, ``carrier``,
   ``speed`` and the error/drop/carrier-change counters per interface, the counters read
   from netlink (``IFLA_STATS64``, ``IFLA_CARRIER_CHANGES``) at scrape time.
@@ -30,45 +30,20 @@ pyroute2 0.9 docs (AsyncIPRoute, ``netns=``, ``bind(groups=...)``).
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
+
+from sparkguard.linkstate import STAT_KEYS, LinkStates, apply_counters, apply_msg, is_up, new_state, valid_ifname
 
 log = logging.getLogger("sparkguard.linkwatch")
 
 #: rtnetlink multicast group of link events (include/uapi/linux/rtnetlink.h)
 RTMGRP_LINK = 0x1
-IFF_UP = 0x1
-IFF_RUNNING = 0x40
-IFF_LOWER_UP = 0x10000
-#: counter name (metric stem) -> key in IFLA_STATS64
-STAT_KEYS = {
-    "rx_errors": "rx_errors",
-    "tx_errors": "tx_errors",
-    "rx_dropped": "rx_dropped",
-    "tx_dropped": "tx_dropped",
-}
 SIOCETHTOOL = 0x8946
 ETHTOOL_GSET = 0x1
 SYS_CLASS_NET = "/sys/class/net"
-
-
-def valid_ifname(name: Any) -> bool:
-    """True when ``name`` is a possible Linux interface name (1-15 bytes, no ``/``, ``:``
-    or whitespace, not ``.``/``..``).  Source: net/core/dev.c ``dev_valid_name``."""
-    if not isinstance(name, str) or not 0 < len(name.encode()) < 16 or name in (".", ".."):
-        return False
-    return not any(c in name for c in "/: \t\n") and name.isprintable()
-
-
-def _is_up(operstate: str | None, flags: int) -> bool:
-    """Operational state to a boolean: ``UP``, or ``UNKNOWN`` (drivers without operstate
-    support, e.g. ``lo``) with IFF_UP and IFF_LOWER_UP set.  Source: operstates.rst."""
-    if operstate == "UP":
-        return True
-    return operstate == "UNKNOWN" and bool(flags & IFF_UP) and bool(flags & IFF_LOWER_UP)
 
 
 def _sysfs_speed_mbps(ifname: str, root: str = SYS_CLASS_NET) -> int | None:
@@ -104,48 +79,6 @@ def _ethtool_speed_mbps(sock_fd: int, ifname: str) -> int | None:
     return None if v in (0, 0xFFFFFFFF) else v
 
 
-def _incident_id(started_at: float) -> str:
-    from sparkguard.incidents import new_id
-    return new_id(started_at)
-
-
-def _mem_available() -> int:
-    from sparkguard.sysinfo import read_meminfo
-    try:
-        return read_meminfo().get("MemAvailable", 0)
-    except OSError:
-        pass
-    return -1
-
-
-def _new_state(name: str) -> dict:
-    return {"ifname": name, "present": False, "index": None, "operstate": None, "flags": 0,
-            "carrier": False, "up": False, "speed_mbps": None, "down_since": None,
-            "last_change": None, "stats": {}, "carrier_changes": None}
-
-
-def _apply_msg(st: dict, msg: Any, deleted: bool) -> None:
-    """Update one interface state dict from a pyroute2 ifinfmsg (in place)."""
-    if deleted:
-        st.update(present=False, index=None, operstate=None, flags=0, carrier=False)
-        return
-    st["present"] = True
-    st["index"] = msg.get("index")
-    st["flags"] = int(msg.get("flags") or 0)
-    st["operstate"] = msg.get("operstate")
-    carrier = msg.get("carrier")
-    st["carrier"] = bool(carrier) if carrier is not None else bool(st["flags"] & IFF_LOWER_UP)
-    _apply_counters(st, msg)
-
-
-def _apply_counters(st: dict, msg: Any) -> None:
-    stats = msg.get("stats64") or msg.get("stats")
-    if stats is not None:
-        st["stats"] = {k: int(stats.get(v) or 0) for k, v in STAT_KEYS.items()}
-    cc = msg.get("carrier_changes")
-    if cc is not None:
-        st["carrier_changes"] = int(cc)
-
 
 class LinkWatch:
     """Follow the state of network interfaces through rtnetlink events, in one thread.
@@ -159,7 +92,7 @@ class LinkWatch:
             reported (``up=0``, ``on_change(name, False)``) but is no incident: only a
             drop observed while watching is.
         on_incident: ``callable(incident: dict) -> None``, called from the watch thread
-            with a deep copy of the incident record (TEAM.md "Incident record", kind
+            with a deep copy of the incident record (docs/incident.md, kind
             ``"link"``): first when the link has been down for ``down_after``
             (``ended_at`` None, ``outcome`` ``"link_down"``, timeline ``down``,
             ``incident``), then with the same ``id`` when it is up again (``ended_at``
@@ -192,15 +125,9 @@ class LinkWatch:
         self.interfaces = names
         self.down_after = float(down_after)
         self.netns = netns
-        self._on_incident = on_incident
-        self._on_change = on_change
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._state: dict[str, dict] = {n: _new_state(n) for n in names}
-        self._incidents: dict[str, dict] = {}        # ifname -> open incident
-        self._timers: dict[str, Any] = {}            # ifname -> asyncio.TimerHandle
-        self._pending: dict[str, dict] = {}          # ifname -> facts at the drop
-        self._counts = {"events": 0, "incidents": 0, "resyncs": 0}
+        # the decisions; fed by this thread, its timers on this thread's asyncio loop
+        self.states = LinkStates(names, down_after, on_incident, on_change, netns=netns, clock=clock,
+                                 speed=self._speed)
         self._thread: threading.Thread | None = None
         self._loop = None
         self._stop_evt = None
@@ -267,6 +194,7 @@ class LinkWatch:
 
         loop = asyncio.new_event_loop()
         self._loop = loop
+        self.states.schedule = loop.call_later
         try:
             loop.run_until_complete(self._main())
         except BaseException as e:        # noqa: BLE001 - reported through start()
@@ -310,11 +238,7 @@ class LinkWatch:
                     log.warning("link speed unavailable in netns %s: %s", self.netns, e)
             await self._resync(initial=True)
             self._ready.set()
-            for name, st in self._state.items():
-                if not st["present"]:
-                    log.warning("link %s: no such interface%s; reported down", name,
-                                f" in netns {self.netns}" if self.netns else "")
-                self._call_change(name, st["up"])
+            self.states.report_initial(f" in netns {self.netns}" if self.netns else "")
             stop = asyncio.ensure_future(self._stop_evt.wait())
             backoff = 0.1
             while not self._stop_evt.is_set():
@@ -362,9 +286,9 @@ class LinkWatch:
                 ev = msg.get("event")
                 if ev in ("RTM_NEWLINK", "RTM_DELLINK"):
                     name = msg.get("ifname")
-                    if name in self._state:
-                        self._counts["events"] += 1
-                        self._update(name, msg, deleted=(ev == "RTM_DELLINK"))
+                    if name in self.states.state:
+                        self.states.counts["events"] += 1
+                        self.states.update(name, msg, deleted=(ev == "RTM_DELLINK"))
 
     async def _dump(self) -> list:
         return [m async for m in await self._ipr.link("dump")]
@@ -374,53 +298,16 @@ class LinkWatch:
         seen = set()
         for msg in msgs:
             name = msg.get("ifname")
-            if name in self._state:
+            if name in self.states.state:
                 seen.add(name)
-                self._update(name, msg, deleted=False, initial=initial)
-        for name in self._state:
+                self.states.update(name, msg, deleted=False, initial=initial)
+        for name in self.states.state:
             if name not in seen:
-                self._update(name, None, deleted=True, initial=initial)
+                self.states.update(name, None, deleted=True, initial=initial)
         if not initial:
-            self._counts["resyncs"] += 1
+            self.states.counts["resyncs"] += 1
 
     # ---------------------------------------------------------------- state machine (watch thread)
-
-    def _update(self, name: str, msg: Any, deleted: bool, initial: bool = False) -> None:
-        now = self._clock()
-        with self._lock:
-            st = self._state[name]
-            was_up = st["up"]
-            was_present = st["present"]
-            _apply_msg(st, msg, deleted)
-            st["up"] = st["present"] and _is_up(st["operstate"], st["flags"])
-            if st["up"]:
-                st["speed_mbps"] = self._speed(name)
-            else:
-                st["speed_mbps"] = None
-            changed = st["up"] != was_up
-            if initial:
-                st["last_change"] = now
-                st["down_since"] = None if st["up"] else now
-                return
-            if not changed:
-                if was_present != st["present"]:
-                    log.info("link %s %s", name, "appeared" if st["present"] else "disappeared")
-                return
-            st["last_change"] = now
-            detail = self._describe(st)
-        if st["up"]:
-            log.info("link %s up (%s)", name, detail)
-            self._link_up(name, now, detail)
-        else:
-            log.warning("link %s down (%s)", name, detail)
-            self._link_down(name, now, detail)
-        self._call_change(name, st["up"])
-
-    @staticmethod
-    def _describe(st: dict) -> str:
-        if not st["present"]:
-            return "interface gone"
-        return f"operstate {st['operstate']}, carrier {int(st['carrier'])}, admin {'up' if st['flags'] & IFF_UP else 'down'}"
 
     def _speed(self, name: str) -> int | None:
         if self.netns is None:
@@ -429,107 +316,6 @@ class LinkWatch:
             return None
         return _ethtool_speed_mbps(self._speed_sock.fileno(), name)
 
-    def _event(self, event: str, inc_start: float, at: float, detail: str) -> dict:
-        return {"event": event, "t": round(at - inc_start, 3), "at": at,
-                "available_bytes": _mem_available(), "pids": [], "detail": detail}
-
-    def _link_down(self, name: str, now: float, detail: str) -> None:
-        with self._lock:
-            self._state[name]["down_since"] = now
-        from sparkguard import sysinfo
-
-        try:
-            meminfo = sysinfo.read_meminfo()
-        except OSError as e:
-            log.warning("cannot read /proc/meminfo: %s", e)
-            meminfo = {}
-        self._pending[name] = {"at": now, "detail": detail, "meminfo": meminfo}
-        old = self._timers.pop(name, None)
-        if old is not None:
-            old.cancel()
-        self._timers[name] = self._loop.call_later(self.down_after, self._declare, name)
-
-    def _declare(self, name: str) -> None:
-        """``down_after`` elapsed since the drop and the link is still down: incident."""
-        self._timers.pop(name, None)
-        p = self._pending.pop(name, None)
-        with self._lock:
-            st = dict(self._state[name])
-        if p is None or st["up"]:
-            return
-        from sparkguard import sysinfo
-
-        now = self._clock()
-        start = p["at"]
-        down_ev = self._event("down", start, start, f"{name}: {p['detail']}")
-        down_ev["available_bytes"] = p["meminfo"].get("MemAvailable", down_ev["available_bytes"])
-        inc = {
-            "id": _incident_id(start),
-            "kind": "link",
-            "drill": False,
-            "host": sysinfo.hostname(),
-            "boot_id": sysinfo.boot_id(),
-            "started_at": start,
-            "ended_at": None,
-            "dry_run": False,
-            "thresholds": {"down_after_seconds": self.down_after},   # the memory lines do not apply
-            "meminfo": p["meminfo"],
-            "psi_memory": sysinfo.read_psi_memory(),
-            "zram": sysinfo.read_zram(),
-            "target": None,
-            "timeline": [
-                down_ev,
-                self._event("incident", start, now,
-                            f"{name} down for {now - start:.1f} s (link.down_after {self.down_after:g} s)"),
-            ],
-            "outcome": "link_down",
-            "summary": f"TP link {name} down for more than {self.down_after:g} s ({p['detail']})",
-            "link": {"interface": name, "netns": self.netns, "operstate": st["operstate"],
-                     "carrier": st["carrier"], "present": st["present"],
-                     "down_after_seconds": self.down_after},
-        }
-        with self._lock:
-            self._incidents[name] = inc
-            self._counts["incidents"] += 1
-        log.warning("incident %s: %s", inc["id"], inc["summary"])
-        self._call_incident(inc)
-
-    def _link_up(self, name: str, now: float, detail: str) -> None:
-        with self._lock:
-            st = self._state[name]
-            down_since = st["down_since"]
-            st["down_since"] = None
-            inc = self._incidents.pop(name, None)
-        h = self._timers.pop(name, None)
-        if h is not None:
-            h.cancel()
-        pending = self._pending.pop(name, None)
-        if inc is None:
-            if pending is not None and down_since is not None:
-                log.info("link %s was down %.2f s, under link.down_after: no incident", name, now - down_since)
-            return
-        inc["timeline"].append(self._event("up", inc["started_at"], now, f"{name}: {detail}"))
-        inc["ended_at"] = now
-        inc["outcome"] = "recovered"
-        inc["summary"] = f"TP link {name} was down {now - inc['started_at']:.1f} s, now up again"
-        inc["link"].update(operstate=st["operstate"], carrier=st["carrier"], present=st["present"])
-        self._call_incident(inc)
-
-    def _call_incident(self, inc: dict) -> None:
-        try:
-            self._on_incident(copy.deepcopy(inc))
-        except Exception:                 # noqa: BLE001 - act first, report after; never die of it
-            log.exception("on_incident callback failed")
-
-    def _call_change(self, name: str, up: bool) -> None:
-        if self._on_change is None:
-            return
-        try:
-            self._on_change(name, up)
-        except Exception:                 # noqa: BLE001
-            log.exception("on_change callback failed")
-
-    # ---------------------------------------------------------------- readers (any thread)
 
     def refresh_counters(self, timeout: float = 1.0) -> bool:
         """Read the error/drop/carrier-change counters of the watched interfaces now, by a
@@ -544,11 +330,11 @@ class LinkWatch:
 
         async def dump_counters():
             msgs = await self._dump()
-            with self._lock:
+            with self.states.lock:
                 for msg in msgs:
-                    st = self._state.get(msg.get("ifname"))
+                    st = self.states.state.get(msg.get("ifname"))
                     if st is not None:
-                        _apply_counters(st, msg)
+                        apply_counters(st, msg)
 
         try:
             asyncio.run_coroutine_threadsafe(dump_counters(), loop).result(timeout)
@@ -572,22 +358,22 @@ class LinkWatch:
         """
         if refresh:
             self.refresh_counters()
-        with self._lock:
+        with self.states.lock:
             ifs = {}
-            for name, st in self._state.items():
+            for name, st in self.states.state.items():
                 d = {"present": st["present"], "up": st["up"], "carrier": st["carrier"],
                      "operstate": st["operstate"],
                      "speed_bytes_per_second": st["speed_mbps"] * 125_000 if st["speed_mbps"] else None,
                      "down_since": st["down_since"], "last_change": st["last_change"],
                      "carrier_changes": st["carrier_changes"],
-                     "open_incident": self._incidents[name]["id"] if name in self._incidents else None}
+                     "open_incident": self.states.incidents[name].id if name in self.states.incidents else None}
                 d.update(st["stats"])
                 ifs[name] = d
             return {"running": self.running, "netns": self.netns, "down_after_seconds": self.down_after,
-                    **self._counts, "interfaces": ifs}
+                    **self.states.counts, "interfaces": ifs}
 
     def collector(self):
-        """A prometheus_client collector of the link metrics (TEAM.md "Metric names").
+        """A prometheus_client collector of the link metrics (names: docs/metrics.md).
 
         Per interface (label ``interface``): ``sparkguard_link_up`` and
         ``sparkguard_link_carrier`` (gauges 0/1; a missing interface gives 0),
@@ -633,8 +419,8 @@ class _LinkCollector:
         """Yield the metric families, counters read now (bounded to 1 s)."""
         fams = self._families()
         self.watch.refresh_counters(timeout=1.0)
-        with self.watch._lock:
-            states = [dict(st, stats=dict(st["stats"])) for st in self.watch._state.values()]
+        with self.watch.states.lock:
+            states = [dict(st, stats=dict(st["stats"])) for st in self.watch.states.state.values()]
         for st in states:
             lv = [st["ifname"]]
             fams["up"].add_metric(lv, 1.0 if st["up"] else 0.0)
@@ -664,13 +450,13 @@ def read_links(interfaces: Iterable[str], netns: str | None = None) -> dict:
     from pyroute2 import IPRoute
 
     names = list(dict.fromkeys(interfaces))
-    states = {n: _new_state(n) for n in names}
+    states = {n: new_state(n) for n in names}
     kw = {"netns": netns, "flags": 0} if netns is not None else {}
     with IPRoute(**kw) as ipr:
         for msg in ipr.link("dump"):
             st = states.get(msg.get("ifname"))
             if st is not None:
-                _apply_msg(st, msg, deleted=False)
+                apply_msg(st, msg, deleted=False)
     sock = None
     if netns is not None and any(st["present"] for st in states.values()):
         import socket
@@ -680,7 +466,7 @@ def read_links(interfaces: Iterable[str], netns: str | None = None) -> dict:
     out = {}
     try:
         for n, st in states.items():
-            up = st["present"] and _is_up(st["operstate"], st["flags"])
+            up = st["present"] and is_up(st["operstate"], st["flags"])
             speed = None
             if up:
                 speed = _sysfs_speed_mbps(n) if sock is None else _ethtool_speed_mbps(sock.fileno(), n)

@@ -1,9 +1,11 @@
-"""The hot-path reader of /proc/meminfo.
+"""The one parser of /proc/meminfo: the poll loop's hot-path reader and the whole-file parse.
 
 The file is opened once and re-read with ``pread`` at offset 0 into a preallocated
 buffer: the kernel regenerates the text on every read (``meminfo_proc_show``), so no
 reopen is needed.  Only MemAvailable and SwapFree are parsed per poll; the raw text of
 the last read is kept so that an incident can snapshot every field after the fact.
+:func:`parse` / :func:`read` turn the whole text into ``{field: bytes}`` for reports, off the
+poll loop, taking the guard's own fields from the same :func:`field`.
 Source: Documentation/filesystems/proc.rst ("meminfo"); MemAvailable exists since 3.14.
 """
 
@@ -23,8 +25,8 @@ _MEMTOTAL = b"\nMemTotal:"
 _KB = b"kB"
 KB = _KB
 _NL = b"\n"
-#: fields :class:`MeminfoReader` parses, as ``(name, label)``; :func:`sysinfo.parse_meminfo` takes
-#: these from :func:`field` so every reader of them agrees with the guard
+#: fields :class:`MeminfoReader` parses, as ``(name, label)``; :func:`parse` takes these from
+#: :func:`field` so every reader of them agrees with the guard
 GUARD_FIELDS = (("MemTotal", _MEMTOTAL), ("MemAvailable", _AVAIL), ("SwapTotal", _SWAPTOTAL),
                 ("SwapFree", _SWAPFREE))
 
@@ -32,11 +34,14 @@ GUARD_FIELDS = (("MemTotal", _MEMTOTAL), ("MemAvailable", _AVAIL), ("SwapTotal",
 def field(buf: bytes | bytearray, label: bytes, n: int | None = None) -> int | None:
     """The value in bytes of the ``kB`` line whose name is ``label`` (``b"\\nMemAvailable:"``).
 
-    The one parser of the guard's fields.  Only a line that starts with the name matches (the
-    first such line, or the text's first line); the value must be ASCII digits then ``kB``.
+    The one parser of the guard's fields, and of the ``Name: N kB`` lines of the other /proc
+    files written the same way (/proc/PID/status ``VmRSS:``, smaps_rollup ``SwapPss:``).  Only a
+    line that starts with the name matches (the first such line, or the text's first line); the
+    value must be ASCII digits then ``kB``.
 
     Args:
-        buf: /proc/meminfo text; n: its length in ``buf`` (default all of it).
+        buf: /proc/meminfo text (or a file of the same form); n: its length in ``buf`` (default
+            all of it).
     Returns:
         bytes (kB * 1024), or None when the line is absent.
     Raises:
@@ -56,6 +61,52 @@ def field(buf: bytes | bytearray, label: bytes, n: int | None = None) -> int | N
     if len(parts) != 2 or parts[1] != _KB or not parts[0].isdigit():
         raise ValueError(f"unparsable {label[1:].decode()} line: {bytes(buf[i:n if e < 0 else e])!r}")
     return int(parts[0]) * 1024
+
+
+def parse(text: bytes | str) -> dict[str, int]:
+    """Parse /proc/meminfo text into ``{field: bytes}``.
+
+    Fields given in kB are converted to bytes; unit-less fields (HugePages_Total...) are
+    kept as counts.  A name counts only at the start of its line (no leading blank) and the
+    first line of a name wins; malformed lines are skipped, never fatal.  The guard's own
+    fields (:data:`GUARD_FIELDS`: MemTotal, MemAvailable, SwapTotal, SwapFree) come from
+    :func:`field`, the parser the poll loop uses, so a report shows the value the guard acted
+    on; one of them whose line is malformed is left out.
+    Source: Documentation/filesystems/proc.rst, "meminfo".
+    """
+    raw = text if isinstance(text, bytes) else text.encode("ascii", "replace")
+    text = raw.decode("ascii", "replace")
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        if not sep or not key or key != key.strip() or key in out:
+            continue
+        parts = rest.split()
+        if not parts or not parts[0].isdigit():
+            continue
+        n = int(parts[0])
+        out[key] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
+    for name, label in GUARD_FIELDS:
+        try:
+            v = field(raw, label)
+        except ValueError:
+            v = None
+        if v is None:
+            out.pop(name, None)
+        else:
+            out[name] = v
+    return out
+
+
+def read(path: str = "/proc/meminfo") -> dict[str, int]:
+    """The file at ``path`` (/proc/meminfo, or a copy of one) as :func:`parse` gives it
+    (``{field: bytes}``).
+
+    Raises:
+        OSError: the file cannot be read (the caller decides what that means).
+    """
+    with open(path, "rb") as f:
+        return parse(f.read())
 
 
 class MeminfoError(RuntimeError):

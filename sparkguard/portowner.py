@@ -15,6 +15,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from sparkguard import proctree
+
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 LISTEN = "0A"
 MAX_TABLE = 4 << 20      # bytes read of each table (a few thousand sockets)
@@ -82,7 +84,7 @@ def find_holder(port: int, proc: str = "/proc", tables: tuple[str, ...] = TABLES
     deadline = time.monotonic() + DEADLINE
     budget = MAX_LINKS
     try:
-        pids = [d for d in os.listdir(proc) if d.isdigit()]
+        pids = proctree.pids(proc)
     except OSError:
         return first
     for pid in pids:
@@ -107,7 +109,7 @@ def find_holder(port: int, proc: str = "/proc", tables: tuple[str, ...] = TABLES
                     comm = f.read(64).decode("utf-8", "replace").strip()
             except OSError:
                 comm = "?"
-            return Holder(links[target], int(pid), comm)
+            return Holder(links[target], pid, comm)
     return first
 
 
@@ -127,11 +129,3 @@ def _holder_in(fds, links: dict[str, int], budget: int, deadline: float) -> tupl
         if target in links:
             return budget, target
     return budget, None
-
-
-def pids(proc: str = "/proc") -> list[int]:
-    """Every pid in ``proc`` (unreadable: none)."""
-    try:
-        return [int(d) for d in os.listdir(proc) if d.isdigit()]
-    except OSError:
-        return []

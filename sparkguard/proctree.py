@@ -28,6 +28,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from sparkguard import meminfo
+
 PF_KTHREAD = 0x00200000
 
 
@@ -95,7 +97,7 @@ READ_LIMIT = 64 * 1024      # bytes read of one /proc file (status with a long G
 CMDLINE_LIMIT = 16 * 1024   # bytes of argv read: any user can pass ARG_MAX (2 MiB) of it, read and escaped on every scan
 
 
-def _read(path: str, limit: int = READ_LIMIT) -> bytes | None:
+def read_limited(path: str, limit: int = READ_LIMIT) -> bytes | None:
     """At most ``limit`` bytes of ``path`` (bytes), or None when it cannot be opened or read.
 
     Everything under /proc/PID is written by the process's owner (argv, comm): a whole-file
@@ -119,53 +121,80 @@ def _read(path: str, limit: int = READ_LIMIT) -> bytes | None:
         os.close(fd)
 
 
-def read_proc(pid: int) -> Proc | None:
-    """Read one process's stat and cmdline; None if it is gone or unreadable."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
+def read_proc(pid: int, root: str = "/proc") -> Proc | None:
+    """Read one process's stat (:func:`stat_fields`) and cmdline under ``root`` (a /proc, or a
+    copy of one); None if it is gone or unreadable."""
+    st = stat_fields(f"{root}/{pid}/stat")
+    if st is None:
         return None
-    lp, rp = stat.find(b"("), stat.rfind(b")")
-    comm = escape(stat[lp + 1:rp].decode("utf-8", "replace"))
-    f = stat[rp + 2:].split()
+    comm = escape(st[0].decode("utf-8", "replace"))
+    f = st[1]
     try:
         ppid, pgrp, flags, start = int(f[1]), int(f[2]), int(f[6]), int(f[19])
     except (IndexError, ValueError):
         return None
     kthread = bool(flags & PF_KTHREAD)
-    cmd = b"" if kthread else (_read(f"/proc/{pid}/cmdline", CMDLINE_LIMIT) or b"")
+    cmd = b"" if kthread else (read_limited(f"{root}/{pid}/cmdline", CMDLINE_LIMIT) or b"")
     if not cmd and not kthread:
-        task = live_task(pid)
-        cmd = (_read(f"{task}/cmdline", CMDLINE_LIMIT) or b"") if task else b""
+        task = live_task(pid, root)
+        cmd = (read_limited(f"{task}/cmdline", CMDLINE_LIMIT) or b"") if task else b""
     cmdline = escape(cmd.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"))
     return Proc(pid, ppid, pgrp, comm, cmdline, start, kthread)
 
 
-def live_task(pid: int) -> str | None:
-    """``/proc/PID/task/TID`` of a live thread other than the main one, or None.
+def live_task(pid: int, root: str = "/proc") -> str | None:
+    """``ROOT/PID/task/TID`` of a live thread other than the main one, or None.
 
     For a zombie leader (main thread exited, others running): the leader's own cmdline and
     status show no memory, a live thread's show the process's (the mm is shared by all
     threads, proc(5)).  A plain zombie has no other thread: None."""
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        tids = os.listdir(f"{root}/{pid}/task")
     except OSError:
         return None
     for tid in tids:
         if tid != str(pid):
-            stat = _read(f"/proc/{pid}/task/{tid}/stat")
-            if stat and stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X"):
-                return f"/proc/{pid}/task/{tid}"
+            st = stat_fields(f"{root}/{pid}/task/{tid}/stat")
+            if st is not None and (st[1][0][:1] if st[1] else b"") not in (b"Z", b"X"):
+                return f"{root}/{pid}/task/{tid}"
     return None
 
 
-def scan() -> dict[int, Proc]:
-    """One pass over /proc.  Returns ``{pid: Proc}`` of every visible process."""
+def stat_fields(path: str) -> tuple[bytes, list[bytes]] | None:
+    """A /proc/PID/stat (or task/TID/stat) file as ``(comm, fields)``: comm is what lies between
+    the first ``(`` and the last ``)`` (so a name holding spaces, parentheses or a newline is
+    read whole), ``fields[k]`` is proc(5) field ``k + 3`` (``fields[0]`` the state letter,
+    ``fields[1]`` ppid, ``fields[19]`` starttime).  None when unreadable or without ``(...)``."""
+    stat = read_limited(path)
+    if not stat:
+        return None
+    lp, rp = stat.find(b"("), stat.rfind(b")")
+    if lp < 0 or rp < lp:
+        return None
+    return stat[lp + 1:rp], stat[rp + 2:].split()
+
+
+def pids(root: str = "/proc") -> list[int]:
+    """The pid of every process listed in ``root`` (a /proc, or a copy of one): the one walk of
+    /proc that every reader of processes shares.
+
+    Raises:
+        OSError: ``root`` cannot be listed.
+    """
+    return [int(name) for name in os.listdir(root) if name.isdigit()]
+
+
+def scan(root: str = "/proc") -> dict[int, Proc]:
+    """One pass over ``root``.  Returns ``{pid: Proc}`` of every visible process.
+
+    Raises:
+        OSError: ``root`` cannot be listed.
+    """
     out: dict[int, Proc] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            p = read_proc(int(name))
-            if p is not None:
-                out[p.pid] = p
+    for pid in pids(root):
+        p = read_proc(pid, root)
+        if p is not None:
+            out[p.pid] = p
     return out
 
 
@@ -208,7 +237,7 @@ def descendants(roots: list[int], kids: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def _status_mem(pid: int, shmem_swap: bool = True) -> tuple[int, int]:
+def _status_mem(pid: int, shmem_swap: bool = True, root: str = "/proc") -> tuple[int, int]:
     """(resident, swapped) bytes of one process; (0, 0) if unreadable or gone.
 
     Resident is VmRSS of /proc/PID/status (of a live thread for a zombie leader).  Swapped is
@@ -219,33 +248,37 @@ def _status_mem(pid: int, shmem_swap: bool = True) -> tuple[int, int]:
     where the kernel lacks SwapPss, VmSwap where smaps_rollup cannot be read (Linux < 4.14,
     or ``shmem_swap=False``: reading it walks every mapping, too dear for a whole-/proc pass).
     """
-    base = f"/proc/{pid}"
-    text = _read(f"{base}/status") or b""
+    base = f"{root}/{pid}"
+    text = read_limited(f"{base}/status") or b""
     if b"\nVmRSS:" not in text and text:
-        task = live_task(pid)
+        task = live_task(pid, root)
         if task is None:
             return 0, 0
         base = task
-        text = _read(f"{base}/status") or b""
-    rss = swap = 0
-    for line in text.splitlines():
-        if line.startswith(b"VmRSS:"):
-            rss = int(line.split()[1]) * 1024
-        elif line.startswith(b"VmSwap:"):
-            swap = int(line.split()[1]) * 1024
+        text = read_limited(f"{base}/status") or b""
+    rss, swap = _kb_field(text, b"\nVmRSS:") or 0, _kb_field(text, b"\nVmSwap:") or 0
     if shmem_swap and rss:
-        rollup = _read(f"{base}/smaps_rollup")
+        rollup = read_limited(f"{base}/smaps_rollup")
         if rollup:
-            fields = {}
-            for line in rollup.splitlines():
-                if line.startswith((b"Swap:", b"SwapPss:")):
-                    fields[line.split(b":")[0]] = int(line.split()[1]) * 1024
-            swap = fields.get(b"SwapPss", fields.get(b"Swap", swap))
+            for label in (b"\nSwapPss:", b"\nSwap:"):
+                v = _kb_field(rollup, label)
+                if v is not None:
+                    swap = v
+                    break
     return rss, swap
 
 
+def _kb_field(text: bytes, label: bytes) -> int | None:
+    """Bytes of the ``Name: N kB`` line ``label`` of a /proc status or smaps_rollup text, by
+    :func:`sparkguard.meminfo.field`; None when absent or malformed."""
+    try:
+        return meminfo.field(text, label)
+    except ValueError:
+        return None
+
+
 def _int_file(path: str, default: int = 0) -> int:
-    raw = _read(path)
+    raw = read_limited(path)
     try:
         return int(raw) if raw is not None else default
     except ValueError:
@@ -447,7 +480,7 @@ def hidepid_blocks_view(view: dict | None = None) -> str | None:
         str, the reason (naming the hidepid value and the uid), or None.
     """
     opts = ""
-    for line in (_read("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
+    for line in (read_limited("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
         parts = line.split()
         if len(parts) > 4 and parts[4] == "/proc":
             opts = parts[-1]        # the super options, where proc keeps hidepid= and gid=
@@ -456,12 +489,10 @@ def hidepid_blocks_view(view: dict | None = None) -> str | None:
     me = os.geteuid()
     seen = other = readable = 0
     try:
-        names = os.listdir("/proc")
+        names = pids()
     except OSError:
         names = []
     for name in names:
-        if not name.isdigit():
-            continue
         try:
             uid = os.stat(f"/proc/{name}").st_uid
         except OSError:
@@ -469,7 +500,7 @@ def hidepid_blocks_view(view: dict | None = None) -> str | None:
         seen += 1
         if uid != me:
             other += 1
-            if _read(f"/proc/{name}/stat") is not None:
+            if read_limited(f"/proc/{name}/stat") is not None:
                 readable += 1
     if view is not None:
         view.update(hidepid=hide, processes=seen, other_users=other, other_users_readable=readable)
@@ -478,7 +509,7 @@ def hidepid_blocks_view(view: dict | None = None) -> str | None:
     gid = o.get("gid")
     if gid and gid.isdigit() and (int(gid) == os.getegid() or int(gid) in os.getgroups()):
         return None
-    status = (_read("/proc/self/status") or b"").decode(errors="replace")
+    status = (read_limited("/proc/self/status") or b"").decode(errors="replace")
     cap_eff = next((int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith("CapEff:")), 0)
     if cap_eff >> 19 & 1:           # CAP_SYS_PTRACE, linux/capability.h
         return None

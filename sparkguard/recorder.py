@@ -8,6 +8,11 @@ the signal crosses the SIGTERM line, :meth:`Recorder.event` for each thing that 
 (``Supervisor.on_guard_event``); the closed incident goes to the supervisor
 (``Supervisor.take_incident``) when an engine is supervised, else to ``Reporter.finish``.
 It also keeps the incident counters the daemon's snapshot shows (``counts``, ``last_incident``).
+
+Ownership: the open :class:`sparkguard.model.Incident` is the poll-loop thread's alone; others see
+copies (the reporter and the supervisor's event hook get :meth:`~sparkguard.model.Incident.ref`
+and the event's JSON).  :meth:`Recorder.close` drops its reference, then hands the record over:
+to ``Supervisor.take_incident`` (which owns it from then on) or, as JSON, to ``Reporter.finish``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import time
 
 from sparkguard import proctree, sysinfo
-from sparkguard.incidents import new_id
+from sparkguard.model import Event, Incident, Target, Thresholds, TreeRow, new_incident
 from sparkguard.units import format_size
 
 
@@ -28,7 +33,7 @@ class Recorder:
         host: host name; boot_id: ``/proc/sys/kernel/random/boot_id`` (:mod:`sparkguard.sysinfo`).
 
     Attributes:
-        incident: the open incident (dict), or None.
+        incident: the open :class:`sparkguard.model.Incident`, or None.
         supervisor: the ``Supervisor`` when ``engine:`` is configured, else None.
         counts: incidents per kind since the start (``{"memory": n, "link": n, "wedged": n}``).
         last_incident: unix time, seconds, the last incident started, or None.
@@ -38,26 +43,20 @@ class Recorder:
         self.reader = reader
         self.reporter = reporter
         self.host, self.boot_id = host, boot_id
-        self._new_id = new_id
         self.supervisor = None
-        self.incident: dict | None = None
+        self.incident: Incident | None = None
         self.counts: dict[str, int] = {}
         self.last_incident: float | None = None
+        self._t0 = 0.0          # monotonic s of the crossing: events' ``t`` count from it
+        self._min = 0           # lowest signal seen in the open incident, bytes
 
     def open(self, now: float, value: int, g) -> None:
         """The signal crossed the SIGTERM line.  ``now``: monotonic s; ``value``: the signal, bytes;
         ``g``: ``config.GuardConfig``."""
         wall = time.time()
-        self.incident = {
-            "id": self._new_id(wall),
-            "kind": "memory", "drill": False, "host": self.host, "boot_id": self.boot_id,
-            "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
-            "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
-                           "grace_seconds": g.grace, "signal": g.signal},
-            "meminfo": self.reader.raw(), "psi_memory": None, "zram": [], "target": None,
-            "timeline": [], "outcome": None, "summary": "",
-            "_t0": now, "_min": value,
-        }
+        self.incident = new_incident("memory", wall, Thresholds.of(g), self.reader.raw(), host=self.host,
+                                     boot_id=self.boot_id, dry_run=g.dry_run)
+        self._t0, self._min = now, value
         self.counts["memory"] = self.counts.get("memory", 0) + 1
         self.last_incident = wall
         self.event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
@@ -68,15 +67,13 @@ class Recorder:
         inc = self.incident
         if inc is None:
             return
-        if isinstance(inc["meminfo"], bytes):
-            inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
-        inc["psi_memory"] = sysinfo.read_psi_memory()
-        inc["zram"] = sysinfo.read_zram()
+        inc.parse_meminfo()
+        inc.psi_memory = sysinfo.read_psi_memory()
+        inc.zram = sysinfo.read_zram()
         if target is None:
-            inc["top_consumers"] = proctree.top_consumers(5)
+            inc.top_consumers = [TreeRow.of(r) for r in proctree.top_consumers(5)]
             return
-        inc["target"] = {"root_pid": target.root_pid, "title": target.title, "pattern": target.pattern,
-                         "mem_bytes": target.mem_bytes, "tree": target.tree}
+        inc.target = Target.of(target)
 
     def close(self, now: float, value: int, g, dry_run: bool, recovered: bool, stopped: bool = False) -> None:
         """End the open incident: last event, outcome, report.  ``g``: ``config.GuardConfig``;
@@ -90,44 +87,47 @@ class Recorder:
             else:
                 event, detail = "recovery_timeout", (f"victim gone {g.recovery_wait:g}s ago but "
                                                      f"memory still {_fmt_size(value)}")
-            self.event(now, value, event, [], detail + (f", {now - inc['_t0']:.2f}s after the crossing"
+            self.event(now, value, event, [], detail + (f", {now - self._t0:.2f}s after the crossing"
                                                         if inc else ""))
             if inc is not None:
-                kinds = [e["event"] for e in inc["timeline"]]
-                inc["outcome"] = ("dry_run" if dry_run else "killed" if "sigkill" in kinds else
-                                  "terminated" if "sigterm" in kinds else "no_target" if "no_target" in kinds
-                                  else "recovered")
+                kinds = inc.events()
+                outcome = ("dry_run" if dry_run else "killed" if "sigkill" in kinds else
+                           "terminated" if "sigterm" in kinds else "no_target" if "no_target" in kinds
+                           else "recovered")
                 if stopped:
-                    inc["outcome"] += "_daemon_stopped"
+                    outcome += "_daemon_stopped"
                 elif not recovered:
-                    inc["outcome"] += "_memory_not_back"
-                inc["ended_at"] = time.time()
-                inc["min_available_bytes"] = inc.pop("_min")
-                inc.pop("_t0", None)
-                if isinstance(inc["meminfo"], bytes):
-                    inc["meminfo"] = sysinfo.parse_meminfo(inc["meminfo"])
-                inc["summary"] = _summary(inc)
-                self._finish(inc)
+                    outcome += "_memory_not_back"
+                inc.outcome = outcome
+                inc.ended_at = time.time()
+                inc.min_available_bytes = self._min
+                inc.parse_meminfo()
+                inc.summary = _summary(inc)
+                self.incident = None
+                self._hand_over(inc)
         finally:
             self.incident = None
 
     def event(self, now: float, value: int, event: str, pids: list[int], detail: str) -> None:
         """One timeline event of the open incident (none open: nothing).  ``now``: monotonic s."""
         inc = self.incident
-        ev = {"event": event, "t": round(now - inc["_t0"], 4) if inc else 0.0, "at": time.time(),
-              "available_bytes": value, "pids": pids, "detail": detail}
-        if inc is not None:
-            inc["timeline"].append(ev)
-            if value < inc["_min"]:
-                inc["_min"] = value
-            self.reporter.event(inc, ev)
-            if self.supervisor is not None:
-                self.supervisor.on_guard_event(inc, ev)
+        if inc is None:
+            return
+        ev = Event(event, round(now - self._t0, 4), time.time(), value, pids, detail)
+        inc.timeline.append(ev)
+        if value < self._min:
+            self._min = value
+        ref, ev_json = inc.ref(), ev.to_json()
+        self.reporter.event(ref, ev_json)
+        if self.supervisor is not None:
+            self.supervisor.on_guard_event(ref, ev_json)
 
-    def _finish(self, inc: dict) -> None:
-        """Report a closed incident; with an engine the supervisor adds its state and the restart."""
+    def _hand_over(self, inc: Incident) -> None:
+        """Report a closed incident.  With an engine the supervisor takes it
+        (``Supervisor.take_incident``: adds the engine part, reports it, and again after the
+        restart); from here on the supervisor owns it and the recorder never touches it again."""
         if self.supervisor is None or not self.supervisor.take_incident(inc):
-            self.reporter.finish(inc)
+            self.reporter.finish(inc.to_json())
 
     def count(self, kind: str, wall: float) -> None:
         """An incident opened outside the poll loop (the supervisor's ``wedged``, a link's)."""
@@ -139,14 +139,14 @@ def _fmt_size(n) -> str:
     return format_size(n) if n is not None else "off"
 
 
-def _summary(inc: dict) -> str:
+def _summary(inc: Incident) -> str:
     """One line: what happened, to whom, memory."""
-    th = inc["thresholds"]
-    t = inc.get("target") or {}
-    who = f"{t.get('title', '?')} (pid {t.get('root_pid')})" if t else "no target"
-    tl = {e["event"]: e for e in inc["timeline"]}
-    parts = [f"{'MemAvailable' if th['signal'] == 'available' else 'MemAvailable+SwapFree'} fell to "
-             f"{format_size(inc.get('min_available_bytes'))} (line {format_size(th['term_below_bytes'])})"]
+    th = inc.thresholds
+    t = inc.target
+    who = f"{t.title} (pid {t.root_pid})" if t is not None else "no target"
+    tl = {e.event: e for e in inc.timeline}
+    parts = [f"{'MemAvailable' if th.signal == 'available' else 'MemAvailable+SwapFree'} fell to "
+             f"{format_size(inc.min_available_bytes)} (line {format_size(th.term_below_bytes)})"]
     if "sigterm" in tl:
         parts.append(f"SIGTERM {who}")
     elif "would_term" in tl:
@@ -154,10 +154,10 @@ def _summary(inc: dict) -> str:
     elif "no_target" in tl:
         parts.append("nothing to signal")
     if "sigkill" in tl:
-        parts.append(f"SIGKILL after {tl['sigkill']['t']:.1f}s")
+        parts.append(f"SIGKILL after {tl['sigkill'].t:.1f}s")
     if "exited" in tl:
-        parts.append(f"gone after {tl['exited']['t']:.2f}s")
+        parts.append(f"gone after {tl['exited'].t:.2f}s")
     end = tl.get("recovered") or tl.get("recovery_timeout")
     if end:
-        parts.append(f"memory {format_size(end['available_bytes'])} after {end['t']:.2f}s")
+        parts.append(f"memory {format_size(end.available_bytes)} after {end.t:.2f}s")
     return "; ".join(parts)

@@ -3,7 +3,7 @@
 The daemon answers in a small JSON file, ``reload`` in its runtime directory
 (``$RUNTIME_DIRECTORY``, set by systemd's ``RuntimeDirectory=``; ``/run/sparkguard`` without
 it), replaced atomically (write a temporary file, ``rename(2)``) at start-up and after each
-reload.  Fields: ``pid`` (int), ``generation`` (int, reloads handled since start),
+reload (:func:`write_result`).  Fields: ``pid`` (int), ``generation`` (int, reloads handled since start),
 ``started_usec`` (CLOCK_MONOTONIC microseconds when the daemon began that reload, the value it
 also sends as ``MONOTONIC_USEC=``), ``ok`` (bool, None before the first reload), ``error``
 (str, the refusal: ``file: key: value: reason``), ``config_path`` (str), ``starttime`` (int, the
@@ -32,6 +32,9 @@ import signal
 import sys
 import time
 
+from sparkguard import proctree
+from sparkguard.host.files import atomic_write
+
 RESULT_NAME = "reload"
 DEFAULT_DIR = "/run/sparkguard"
 DEFAULT_TIMEOUT = 30.0
@@ -44,10 +47,10 @@ _IN_CLOEXEC = 0o2000000
 
 def starttime(pid: int | str = "self") -> int | None:
     """Field 22 of /proc/PID/stat (start time after boot, clock ticks; proc(5)), or None."""
+    st = proctree.stat_fields(f"/proc/{pid}/stat")
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(st[1][19]) if st is not None else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -60,21 +63,14 @@ def result_dir(environ: dict | None = None) -> str:
 
 
 def write_result(directory: str, record: dict) -> None:
-    """Replace ``DIR/reload`` with ``record`` (JSON) atomically; no fsync (tmpfs, and the poll loop
-    calls this: it must not wait for a disk).
+    """Replace ``DIR/reload`` with ``record`` (compact JSON, mode 0644) by
+    :func:`sparkguard.host.files.atomic_write`.  The directory is systemd's RuntimeDirectory
+    under /run, a tmpfs, where the writer's fsyncs return at once.
 
     Raises:
-        OSError: the directory is missing or not writable.
+        OSError: the directory is not writable.
     """
-    path = os.path.join(directory, RESULT_NAME)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    data = json.dumps(record, separators=(",", ":")).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(os.path.join(directory, RESULT_NAME), json.dumps(record, separators=(",", ":")), 0o644)
 
 
 def read_result(directory: str) -> dict | None:

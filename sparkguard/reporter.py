@@ -5,7 +5,7 @@ Act first, report after: the poll loop calls :meth:`Reporter.event` and
 daemon thread (256 KiB stack) does the slow parts: it logs a one-line summary (logger
 ``sparkguard.reporter``, so a person running ``sparkguard run`` in a terminal sees it),
 sends the journal entry over the native protocol (:mod:`sparkguard.journal`) and writes
-the incident file (:class:`sparkguard.incidents.IncidentStore`).  Nothing here blocks or
+the incident file (:class:`sparkguard.incidents.store.IncidentStore`).  Nothing here blocks or
 raises to the caller; a failing journal or disk is logged once per failure streak
 (later failures of the same kind at WARNING/DEBUG) and survived.
 
@@ -37,14 +37,14 @@ import sys
 import threading
 from typing import Any
 
-from sparkguard import incidents, journal
+from sparkguard import journal, model
+from sparkguard.incidents.store import IncidentStore
 
 log = logging.getLogger("sparkguard.reporter")
 
 JOURNAL_MODES = ("auto", "on", "off")
 _STOP = object()
 _STACK = 256 * 1024
-_EVENT_KEYS = {"event", "t", "at", "available_bytes", "pids", "detail"}
 #: characters of one string field written at most (a journal field, a value in the JSON report);
 #: a process's cmdline is read whole into the report, and can be hundreds of KiB
 MAX_FIELD = 512 * 1024
@@ -111,7 +111,7 @@ class Reporter:
                  journal_socket: str = "/run/systemd/journal/socket", queue_size: int = 1024):
         if journal not in JOURNAL_MODES:
             raise ValueError(f"journal mode {journal!r}: expected one of auto, on, off")
-        self.store = incidents.IncidentStore(incidents_dir)
+        self.store = IncidentStore(incidents_dir)
         self.journal_mode = journal
         self.journal_socket = journal_socket
         self.stats = {k: 0 for k in ("events", "reports", "journal_sent", "journal_memfd", "journal_failed",
@@ -140,17 +140,19 @@ class Reporter:
         """Queue one journal entry (and log line) for ``event`` of ``incident``.
 
         Args:
-            incident: the open incident record (TEAM.md "Incident record"), or None for
-                events outside an incident (``config_reload_failed``).  Only id, kind,
-                flags and target are read, now; the record may change afterwards.
-            event: ``{event, t, at, available_bytes, pids, detail, ...}``; copied now.
+            incident: the open incident's :meth:`sparkguard.model.Incident.ref` (or its whole
+                JSON record), or None for events outside an incident (``config_reload_failed``).
+                Only id, kind, flags and target are read, now.
+            event: ``{event, t, at, available_bytes, pids, detail, ...}``
+                (:meth:`sparkguard.model.Event.to_json`); copied now.
         """
         try:
             inc = incident if isinstance(incident, dict) else {}
             tgt = inc.get("target") if isinstance(inc.get("target"), dict) else {}
             snap = {
-                "incident": inc.get("id"), "kind": inc.get("kind"), "dry_run": inc.get("dry_run"),
-                "drill": inc.get("drill"), "target_pid": tgt.get("root_pid"), "target_title": tgt.get("title"),
+                "ref": {"id": inc.get("id"), "kind": inc.get("kind"), "dry_run": inc.get("dry_run"),
+                        "drill": inc.get("drill"),
+                        "target": {"root_pid": tgt.get("root_pid"), "title": tgt.get("title")}},
                 "ev": {k: (list(v) if isinstance(v, list | tuple) else v) for k, v in event.items()},
             }
             self._put(("event", snap))
@@ -161,11 +163,11 @@ class Reporter:
         """Queue the full report: the JSON file, the journal report entry, a log line.
 
         Args:
-            incident: the closed incident record; deep-copied now (so the caller may reuse
-                or drop it), keys starting with ``_`` (loop-private state) are left out.
+            incident: the record (:meth:`sparkguard.model.Incident.to_json`); deep-copied now,
+                so the caller may go on changing its own.
         """
         try:
-            rec = copy.deepcopy({k: v for k, v in incident.items() if not str(k).startswith("_")})
+            rec = copy.deepcopy(incident)
             self._put(("finish", rec))
         except Exception:  # noqa: BLE001
             self.stats["errors"] += 1
@@ -216,45 +218,14 @@ class Reporter:
                 self._dropped_logged = self.stats["dropped"]
 
     def _do_event(self, s: dict) -> None:
-        from sparkguard.units import format_size
         s = bounded(s)
-        ev = s["ev"]
-        name = str(ev.get("event") or "event")
-        prio = journal.priority(name)
-        avail = ev.get("available_bytes")
-        detail = str(ev.get("detail") or "")
-        iid = s.get("incident")
-        ctx = [f"available {format_size(avail)}"] if isinstance(avail, int | float) else []
-        if iid:
-            ctx.append(f"incident {iid}")
-        msg = f"{name}: {detail}" if detail else name
-        if ctx:
-            msg += " (" + "; ".join(ctx) + ")"
-        msg = msg.replace("\n", " ")
+        prio, msg, fields = model.event_entry(s["ref"], s["ev"])
         self.stats["events"] += 1
-        fields: dict[str, Any] = {
-            "MESSAGE": msg, "MESSAGE_ID": journal.message_id(name), "PRIORITY": prio,
-            "SPARKGUARD_INCIDENT": iid, "SPARKGUARD_EVENT": name, "SPARKGUARD_KIND": s.get("kind"),
-            "SPARKGUARD_PIDS": journal.flatten_pids(ev.get("pids")),
-            "SPARKGUARD_AVAILABLE_BYTES": avail, "SPARKGUARD_T_SECONDS": ev.get("t"),
-            "SPARKGUARD_DETAIL": detail or None,
-            "SPARKGUARD_DRY_RUN": s.get("dry_run"), "SPARKGUARD_DRILL": s.get("drill"),
-            "SPARKGUARD_TARGET_PID": s.get("target_pid"), "SPARKGUARD_TARGET_TITLE": s.get("target_title"),
-        }
-        for k, v in ev.items():  # extra facts from later event kinds (engine, link...)
-            name_k = "SPARKGUARD_" + str(k).upper()
-            if k not in _EVENT_KEYS and name_k not in fields and journal.valid_field_name(name_k) \
-                    and isinstance(v, str | int | float | bool):
-                fields[name_k] = v
         sent = self._journal(fields)
         self._log(prio, sent, "%s", msg)
 
     def _do_finish(self, rec: dict) -> None:
-        import json
         self.stats["reports"] += 1
-        if isinstance(rec.get("meminfo"), bytes | bytearray):
-            from sparkguard import sysinfo
-            rec["meminfo"] = sysinfo.parse_meminfo(rec["meminfo"])
         rec = bounded(rec)
         iid = rec.get("id")
         path = self.store.save(rec, log_errors=False)
@@ -265,33 +236,7 @@ class Reporter:
                 self._disk_failing = False
         else:
             self.stats["files_failed"] += 1
-
-        th = rec.get("thresholds") if isinstance(rec.get("thresholds"), dict) else {}
-        tgt = rec.get("target") if isinstance(rec.get("target"), dict) else {}
-        outcome = rec.get("outcome")
-        prio = journal.report_priority(outcome)
-        summ = incidents.summary(rec).replace("\n", " ")
-        msg = f"incident {iid}: {outcome}: {summ}"
-        tree_pids = [e.get("pid") for e in tgt.get("tree") or [] if isinstance(e, dict)
-                     and isinstance(e.get("pid"), int)]
-        fields: dict[str, Any] = {
-            "MESSAGE": msg, "MESSAGE_ID": journal.MESSAGE_IDS["report"], "PRIORITY": prio,
-            "SPARKGUARD_INCIDENT": iid, "SPARKGUARD_EVENT": "report", "SPARKGUARD_KIND": rec.get("kind"),
-            "SPARKGUARD_OUTCOME": outcome, "SPARKGUARD_DRY_RUN": rec.get("dry_run"),
-            "SPARKGUARD_DRILL": rec.get("drill"),
-            "SPARKGUARD_TARGET_PID": tgt.get("root_pid"), "SPARKGUARD_TARGET_TITLE": tgt.get("title"),
-            "SPARKGUARD_TARGET_MEM_BYTES": tgt.get("mem_bytes"),
-            "SPARKGUARD_PIDS": journal.flatten_pids(tree_pids) or None,
-            "SPARKGUARD_TERM_BELOW_BYTES": th.get("term_below_bytes"),
-            "SPARKGUARD_KILL_BELOW_BYTES": th.get("kill_below_bytes"),
-            "SPARKGUARD_GRACE_SECONDS": th.get("grace_seconds"), "SPARKGUARD_SIGNAL": th.get("signal"),
-            "SPARKGUARD_AVAILABLE_BYTES": incidents.available_at_crossing(rec),
-            "SPARKGUARD_MIN_AVAILABLE_BYTES": incidents.min_available(rec),
-            "SPARKGUARD_DURATION_SECONDS": incidents.duration(rec),
-            "SPARKGUARD_STARTED_AT": rec.get("started_at"), "SPARKGUARD_ENDED_AT": rec.get("ended_at"),
-            "SPARKGUARD_FILE": path,
-            "SPARKGUARD_REPORT": json.dumps(rec, separators=(",", ":"), default=str),
-        }
+        prio, msg, fields = model.report_entry(rec, path)
         sent = self._journal(fields)
         if path is None:
             level = logging.WARNING if self._disk_failing else logging.ERROR

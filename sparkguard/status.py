@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from sparkguard import meminfo
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``sparkguard status [--config PATH] [--url URL] [--json]``."""
@@ -58,26 +60,28 @@ def port_holder(url: str) -> dict | None:
     "text": str, "is_guard": bool | None, "guards": [pid, ...]}``: ``is_guard`` whether that
     process is a ``sparkguard run`` (None when the process was not found), ``guards`` the
     guards running on this host.  Never raises.  Sources: :mod:`sparkguard.portowner`,
-    ``sparkguard.host.doctor.is_guard``.
+    :func:`sparkguard.host.procview.is_guard`.
     """
     from urllib.parse import urlsplit
 
-    from sparkguard import portowner
-    from sparkguard.host.doctor import is_guard
+    from sparkguard import portowner, proctree
+    from sparkguard.host import procview
     try:
         port = urlsplit(url).port
     except ValueError:
         return None
     h = portowner.find_holder(port) if port else None
     guards = []
-    for pid in portowner.pids():
+    try:
+        pids = proctree.pids()
+    except OSError:
+        pids = []
+    for pid in pids:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode("utf-8", "replace") for a in f.read(4096).split(b"\0") if a]
+            if procview.is_guard(procview.argv(pid)):
+                guards.append(pid)
         except OSError:
             continue
-        if is_guard(argv):
-            guards.append(pid)
     if h is None:
         return {"pid": None, "comm": "", "uid": None, "text": "", "is_guard": None, "guards": guards,
                 "listening": False}
@@ -206,7 +210,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
 
     g = cfg.guard
     try:
-        mi = sysinfo.read_meminfo()
+        mi = meminfo.read()
     except OSError as e:
         mi = {}
         mem_error = f"cannot read /proc/meminfo: {e.strerror}"

@@ -2,13 +2,16 @@
 
 All functions return plain dicts/lists (JSON-ready) and never raise on a missing or
 unreadable file: they return None / empty instead, because the guard must survive an
-odd /proc (hidepid, containers, old kernels).
+odd /proc (hidepid, containers, old kernels).  Each takes the path it reads (or the folder
+of /sys/block), so tests run them on fixture files (tests/fixtures/).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+
+from sparkguard import meminfo
 
 SYS_ZRAM = "/sys/block"
 
@@ -22,48 +25,13 @@ def _read(path: str) -> str | None:
 
 
 def parse_meminfo(text: bytes | str) -> dict[str, int]:
-    """Parse /proc/meminfo text into ``{field: bytes}``.
-
-    Fields given in kB are converted to bytes; unit-less fields (HugePages_Total...) are
-    kept as counts.  A name counts only at the start of its line (no leading blank) and the
-    first line of a name wins; malformed lines are skipped, never fatal.  The guard's own
-    fields (MemTotal, MemAvailable, SwapTotal, SwapFree) come from :func:`sparkguard.meminfo.field`,
-    the parser the poll loop uses, so a report shows the value the guard acted on.
-    Source: Documentation/filesystems/proc.rst, "meminfo".
-    """
-    from sparkguard import meminfo
-    raw = text if isinstance(text, bytes) else text.encode("ascii", "replace")
-    text = raw.decode("ascii", "replace")
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, sep, rest = line.partition(":")
-        if not sep or not key or key != key.strip() or key in out:
-            continue
-        parts = rest.split()
-        if not parts or not parts[0].isdigit():
-            continue
-        n = int(parts[0])
-        out[key] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
-    for name, label in meminfo.GUARD_FIELDS:
-        try:
-            v = meminfo.field(raw, label)
-        except ValueError:
-            v = None
-        if v is None:
-            out.pop(name, None)
-        else:
-            out[name] = v
-    return out
+    """/proc/meminfo text as ``{field: bytes}``: :func:`sparkguard.meminfo.parse`."""
+    return meminfo.parse(text)
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """/proc/meminfo now, as :func:`parse_meminfo` gives it (``{field: bytes}``).
-
-    Raises:
-        OSError: the file cannot be read (the caller decides what that means).
-    """
-    with open(path, "rb") as f:
-        return parse_meminfo(f.read())
+    """/proc/meminfo now as ``{field: bytes}``: :func:`sparkguard.meminfo.read`.  Raises OSError."""
+    return meminfo.read(path)
 
 
 def read_psi_memory(path: str = "/proc/pressure/memory") -> dict | None:
@@ -95,27 +63,43 @@ ZRAM_MM_STAT = ("orig_data_bytes", "compr_data_bytes", "mem_used_bytes", "mem_li
                 "mem_used_max_bytes", "same_pages", "pages_compacted", "huge_pages", "huge_pages_since")
 
 
-def read_zram() -> list[dict]:
+def comp_algorithms(text: str) -> tuple[list[str], str | None]:
+    """The algorithms of a zram ``comp_algorithm`` file (``"lzo [lz4] zstd"``) and the selected
+    one, which the kernel writes in brackets (None when none is).
+    Source: Documentation/admin-guide/blockdev/zram.rst."""
+    names, selected = [], None
+    for w in text.split():
+        if w.startswith("["):
+            w = w.strip("[]")
+            selected = w
+        names.append(w)
+    return names, selected
+
+
+def read_zram(sys_block: str = SYS_ZRAM) -> list[dict]:
     """zram devices with a non-zero disksize, each ``{"device", "disksize_bytes", "comp_algorithm", <mm_stat fields>}``.
 
     mm_stat columns (bytes unless named pages): orig_data_size, compr_data_size,
     mem_used_total (the RAM zram really uses), mem_limit, mem_used_max, same_pages,
     pages_compacted, huge_pages, huge_pages_since.  Source: Documentation/admin-guide/blockdev/zram.rst.
+
+    Args:
+        sys_block: the folder holding ``zramN/`` (``/sys/block``).
     """
     out = []
     try:
-        names = sorted(n for n in os.listdir(SYS_ZRAM) if n.startswith("zram"))
+        names = sorted(n for n in os.listdir(sys_block) if n.startswith("zram"))
     except OSError:
         return out
     for name in names:
-        base = f"{SYS_ZRAM}/{name}"
-        disksize = _read(f"{base}/disksize")
-        if not disksize or int(disksize.strip() or 0) == 0:
+        base = f"{sys_block}/{name}"
+        disksize = (_read(f"{base}/disksize") or "").strip()
+        if not disksize.isdigit() or int(disksize) == 0:
             continue
         dev: dict = {"device": name, "disksize_bytes": int(disksize)}
         algo = _read(f"{base}/comp_algorithm") or ""
-        sel = [w.strip("[]") for w in algo.split() if w.startswith("[")]
-        dev["comp_algorithm"] = sel[0] if sel else algo.strip()
+        selected = comp_algorithms(algo)[1]
+        dev["comp_algorithm"] = selected if selected is not None else algo.strip()
         mm = (_read(f"{base}/mm_stat") or "").split()
         for k, v in zip(ZRAM_MM_STAT, mm):
             try:
@@ -141,9 +125,9 @@ def read_swaps(path: str = "/proc/swaps") -> list[dict]:
     return out
 
 
-def boot_id() -> str:
+def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
     """The kernel's boot id (/proc/sys/kernel/random/boot_id, dashes removed), or ``""``."""
-    return (_read("/proc/sys/kernel/random/boot_id") or "").strip().replace("-", "")
+    return (_read(path) or "").strip().replace("-", "")
 
 
 def hostname() -> str:

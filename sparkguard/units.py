@@ -113,10 +113,20 @@ def parse_duration(value: object) -> float:
     return _finite(float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()])
 
 
-def format_size(nbytes: int | float | None) -> str:
-    """Format bytes for people: ``format_size(805306368) == "0.75 GiB"``; None gives ``"-"``."""
+def format_size(nbytes: int | float | None, exact: bool = False) -> str:
+    """Format bytes for people: ``format_size(805306368) == "0.75 GiB"``; None gives ``"-"``.
+
+    With ``exact`` (for files that :func:`parse_size` reads back), the largest of GiB, MiB, KiB
+    that divides an int ``nbytes`` evenly, without a space (``"6GiB"``), else the plain number
+    of bytes (``"1000"``).
+    """
     if nbytes is None:
         return "-"
+    if exact:
+        for unit, mult in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+            if nbytes % mult == 0:
+                return f"{nbytes // mult}{unit}"
+        return str(nbytes)
     n = float(nbytes)
     sign = "-" if n < 0 else ""
     n = abs(n)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fakes import fake_vllm  # the full fake vLLM (tests/fakes/): every test starts it through this name
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -154,12 +156,11 @@ def engine_factory():
     waited for until its whole tree exists; every one is killed (whole tree, by pidfd) afterwards."""
     import uuid
 
-    from sparkguard import fake_engine
     started = []
 
     def start(*opts: str, **kw):
         model = f"sgmodel-{uuid.uuid4().hex[:10]}"
-        fe = fake_engine.start(model, *opts, **kw)
+        fe = fake_vllm.start(model, *opts, **kw)
         fe.model = model
         started.append(fe)
         fe.pids(timeout=60)

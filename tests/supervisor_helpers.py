@@ -1,5 +1,5 @@
 """Helpers for the engine-supervisor tests: a real ``sparkguard run`` with an ``engine:`` section
-supervising the real fake vLLM (sparkguard.fake_engine), with output read line by line.
+supervising the real fake vLLM (tests/fakes/fake_vllm.py), with output read line by line.
 
 Everything a test starts is cleaned up: the daemon gets SIGTERM (which stops its engine), and
 every engine process seen in the daemon's forwarded output ("fake-vllm: ready pids=...") is
@@ -19,8 +19,8 @@ import uuid
 
 import yaml
 
-from conftest import sg_env, sparkguard_cmd, terminate
-from sparkguard import control, fake_engine, proctree
+from conftest import fake_vllm, sg_env, sparkguard_cmd, terminate
+from sparkguard import control, proctree
 from sparkguard.supervisor.process import proc_state as _state
 
 READY_RE = re.compile(r"fake-vllm: ready pids=([0-9,]+)")
@@ -43,7 +43,7 @@ def fake_cmd(model: str, port: int | None, *opts: str) -> list[str]:
     base = ["--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB", "--tp", "2"]
     if port is not None:
         base += ["--port", str(port)]
-    return fake_engine.command(model, *base, *opts)
+    return fake_vllm.command(model, *base, *opts)
 
 
 def engine_config(tmp_path, model: str, command: list[str], port: int | None, **engine) -> dict:

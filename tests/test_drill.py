@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import mem_available, run_sparkguard, sg_env, sparkguard_cmd
+from conftest import fake_vllm, mem_available, run_sparkguard, sg_env, sparkguard_cmd
 
 GiB = 1 << 30
 
@@ -74,10 +74,9 @@ def _procs_with(word: str) -> list[int]:
 
 def test_drill_passes_reports_and_leaves_real_engines_alone(tmp_path, root_only):
     """The default targets.match matches any `vllm serve`: a bystander engine must survive the drill."""
-    from sparkguard import fake_engine
     _need_headroom()
     cfg = _config(tmp_path)
-    bystander = fake_engine.start("sg-bystander-" + os.urandom(3).hex(), "--hold", "16MiB")
+    bystander = fake_vllm.start("sg-bystander-" + os.urandom(3).hex(), "--hold", "16MiB")
     try:
         by_pids = bystander.pids(timeout=30)
         # --past 0.5GiB: memory that other work (or the kernel) gives back during the fill must not
@@ -196,7 +195,8 @@ def test_drill_refuses_near_the_configured_line(tmp_path, root_only):
 
 
 def test_plan_places_lines_and_keeps_kill_distance():
-    from sparkguard import config, drill
+    from sparkguard import config
+    from sparkguard.drill import planning as drill
     cfg = config.from_dict({"guard": {"term_below": "1GiB", "kill_below": "0.5GiB"}}, "x.yaml", mem_total=64 * GiB)
     p = drill.plan(cfg, 20 * GiB, GiB, GiB // 2)
     assert p["term_below"] == 19 * GiB
@@ -222,7 +222,7 @@ def _report(**kw) -> dict:
 
 
 def test_headline_and_report_lines_say_what_was_measured():
-    from sparkguard import drill
+    from sparkguard.drill import report as drill
     assert drill.headline(_report()) == ("SIGTERM 12.3 ms after the crossing (ignored), SIGKILL 5.0 s after SIGTERM "
                                          "(the 5 s grace was over), tree gone, memory back above the line")
     # a SIGKILL line reached before the grace is over is named as the reason

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from sparkguard import fake_engine
+from conftest import fake_vllm
 from sparkguard.units import parse_size
 
 MiB = 1024 * 1024
@@ -29,11 +29,11 @@ MiB = 1024 * 1024
 @pytest.fixture
 def fakes():
     """Start fakes through ``fakes(*opts)``; all are SIGKILLed and reaped at the end, whatever happened."""
-    started: list[fake_engine.FakeEngine] = []
+    started: list[fake_vllm.FakeEngine] = []
 
-    def _start(*opts: str, model: str | None = None, **kw) -> fake_engine.FakeEngine:
+    def _start(*opts: str, model: str | None = None, **kw) -> fake_vllm.FakeEngine:
         model = model or f"fake-model-{uuid.uuid4().hex[:10]}"
-        fe = fake_engine.start(model, *opts, **kw)
+        fe = fake_vllm.start(model, *opts, **kw)
         fe.model = model
         started.append(fe)
         return fe
@@ -122,7 +122,7 @@ def complete(url: str, model: str, timeout: float = 5.0) -> tuple[int, dict]:
 # the process tree as /proc shows it
 
 def test_command_reads_like_vllm_serve():
-    argv = fake_engine.command("some/model", "--tp", "4")
+    argv = fake_vllm.command("some/model", "--tp", "4")
     assert argv[0] == sys.executable
     assert os.path.basename(argv[1]) == "vllm" and os.path.isfile(argv[1])
     assert argv[2:] == ["serve", "some/model", "--tp", "4"]
@@ -134,7 +134,7 @@ def test_tree_titles_comm_cmdline_ppid_pgid(fakes):
     assert top == fe.proc.pid
     # the top is not renamed: its cmdline is the launch argv, intact
     assert cmdline(top) == fe.argv
-    assert cmdline(top)[1:4] == [fake_engine.script_path(), "serve", fe.model]
+    assert cmdline(top)[1:4] == [fake_vllm.script_path(), "serve", fe.model]
     # the children are renamed with setproctitle: cmdline is the title alone, comm cut to 15 bytes
     assert cmdline(core) == ["VLLM::EngineCore"] and comm(core) == "VLLM::EngineCor"
     assert cmdline(w0) == ["VLLM::Worker_TP0"] and comm(w0) == "VLLM::Worker_TP"
@@ -303,11 +303,11 @@ def test_fill_max_and_on_signal(fakes):
 def test_bad_option_is_a_clear_error():
     import subprocess
 
-    r = subprocess.run(fake_engine.command("m", "--fill-rate", "fast", "--fill-size", "1GiB"),
+    r = subprocess.run(fake_vllm.command("m", "--fill-rate", "fast", "--fill-size", "1GiB"),
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert "--fill-rate" in r.stderr and "'fast'" in r.stderr
-    r = subprocess.run(fake_engine.command("m", "--fill-rate", "1GiB/s"), capture_output=True, text=True, timeout=30)
+    r = subprocess.run(fake_vllm.command("m", "--fill-rate", "1GiB/s"), capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--fill-rate needs --fill-size" in r.stderr
 
 

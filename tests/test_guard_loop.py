@@ -187,23 +187,23 @@ def test_a_blind_guard_stops_watchdog_pings_says_so_and_resumes(tmp_path):
 # ---- 6: MemAvailable only at the start of its line -----------------------------------------------
 
 def test_reader_and_report_parser_anchor_memavailable_at_line_start(tmp_path):
-    from sparkguard import meminfo, sysinfo
+    from sparkguard import meminfo
     mi = tmp_path / "meminfo"
     mi.write_bytes(meminfo_text(50 * 1024 * 1024, first="XMemAvailable:      1024 kB\n"))
     r = meminfo.MeminfoReader(str(mi))
     try:
         assert r.sample() == (50 * GiB, 0)
         assert r.mem_total == 64 * GiB
-        assert sysinfo.parse_meminfo(r.raw())["MemAvailable"] == 50 * GiB
-        assert "XMemAvailable" in sysinfo.parse_meminfo(r.raw())
+        assert meminfo.parse(r.raw())["MemAvailable"] == 50 * GiB
+        assert "XMemAvailable" in meminfo.parse(r.raw())
         # a field on the first line, and a value that is not "<digits> kB"
         rewrite(mi, b"MemAvailable:   2048 kB\nMemTotal:  67108864 kB\n SwapFree: 1 kB\n")
         assert r.sample() == (2 * 1024 * KiB, 0)
-        assert "SwapFree" not in sysinfo.parse_meminfo(r.raw())
+        assert "SwapFree" not in meminfo.parse(r.raw())
         rewrite(mi, meminfo_text(1).replace(b"MemAvailable:   1 kB", b"MemAvailable:  -5 kB"))
         with pytest.raises(meminfo.MeminfoError, match="unparsable MemAvailable"):
             r.sample()
-        assert "MemAvailable" not in sysinfo.parse_meminfo(mi.read_bytes())
+        assert "MemAvailable" not in meminfo.parse(mi.read_bytes())
     finally:
         r.close()
 

@@ -38,7 +38,7 @@ def zram_devices() -> set[str]:
     return {n for n in os.listdir("/sys/block") if re.fullmatch(r"zram\d+", n)}
 
 
-#: where install-zram records the devices it made (sparkguard/host/zram.py RECORD)
+#: where install-zram records the devices it made (sparkguard/host/zramdev.py RECORD)
 RECORD = Path("/run/sparkguard-zram/devices")
 
 
@@ -55,12 +55,12 @@ def made_by(stdout: str) -> str | None:
 def no_sparkguard_swap_on_host() -> None:
     """Skip unless install-zram without --device would hot_add a new device: it reuses a device
     labelled ``sparkguard`` (another session's) when one exists."""
-    from sparkguard.host import zram
+    from sparkguard.host import zramdev
 
     if not os.path.exists(HOT_ADD):
         pytest.skip("no /sys/class/zram-control")
-    if zram.ours():
-        pytest.skip(f"a sparkguard zram swap exists on this host ({zram.ours()}): install-zram would reuse it")
+    if zramdev.ours():
+        pytest.skip(f"a sparkguard zram swap exists on this host ({zramdev.ours()}): install-zram would reuse it")
 
 
 def sysfs(name: str, attr: str) -> str:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_sparkguard
-from sparkguard.incidents import AmbiguousId, IncidentStore, render
+from sparkguard.incidents.render import render
+from sparkguard.incidents.store import IncidentStore
 from test_journal import JournalStandIn, run_with_journald
 from test_reporter import G, make_incident
 
@@ -63,7 +64,8 @@ def test_save_is_atomic_with_modes_and_leaves_no_temp_files(tmp_path):
     assert os.listdir(d) == [inc["id"] + ".json"]
 
 
-def test_list_newest_first_get_by_prefix(tmp_path, caplog):
+def test_list_newest_first_load_by_id(tmp_path, caplog):
+    """Prefixes are the CLI's (test_cli_lists_newest_first_and_shows_one)."""
     store = IncidentStore(str(tmp_path))
     now = time.time()
     for iid, age in (("20250101T000000Z-aaaaaa", 300), ("20250102T000000Z-bbbbbb", 100),
@@ -75,14 +77,11 @@ def test_list_newest_first_get_by_prefix(tmp_path, caplog):
         ids = [r["id"] for r in store.list()]
     assert ids == ["20250102T000000Z-bbbbbb", "20250102T000000Z-bccccc", "20250101T000000Z-aaaaaa"]
     assert any("20250103T000000Z-broken" in r.getMessage() for r in caplog.records)
-    assert store.get("20250101T000000Z-aaaaaa")["id"] == "20250101T000000Z-aaaaaa"
-    assert store.get("20250101")["id"] == "20250101T000000Z-aaaaaa"
-    assert store.get("20250102T000000Z-bc")["id"] == "20250102T000000Z-bccccc"
-    with pytest.raises(AmbiguousId) as e:
-        store.get("20250102")
-    assert e.value.matches == ["20250102T000000Z-bbbbbb", "20250102T000000Z-bccccc"]
-    assert store.get("2099") is None
-    assert store.get("../etc/passwd") is None
+    assert store.load("20250101T000000Z-aaaaaa")["id"] == "20250101T000000Z-aaaaaa"
+    assert store.load("20250102T000000Z-bccccc")["id"] == "20250102T000000Z-bccccc"
+    assert store.load("20250103T000000Z-broken") is None
+    assert store.load("2099") is None
+    assert store.load("../etc/passwd") is None
     assert IncidentStore(str(tmp_path / "missing")).list() == []
 
 
@@ -94,14 +93,14 @@ def test_path_under_a_file_is_logged_and_survived(tmp_path, caplog):
         assert store.save(make_incident()) is None
     assert "Not a directory" in store.last_error
     assert any("not saved" in r.getMessage() for r in caplog.records)
-    assert store.list() == [] and store.get("2025") is None
+    assert store.list() == [] and store.load("20250101T000000Z-000001") is None
     assert store.save({"id": "../../etc/evil"}) is None and "invalid" in store.last_error
 
 
 FULL_DISK = r"""
 import json, os, subprocess, sys
 sys.path.insert(0, sys.argv[3])
-from sparkguard.incidents import IncidentStore
+from sparkguard.incidents.store import IncidentStore
 from sparkguard.reporter import Reporter
 from test_reporter import make_incident
 mnt, sock = sys.argv[1], sys.argv[2]
@@ -113,7 +112,7 @@ big = make_incident("20250101T000000Z-000002", tree_pad=100_000)
 res["big"] = store.save(big)
 res["big_err"] = store.last_error
 res["left"] = sorted(os.listdir(d))
-res["small_back"] = store.get("20250101T000000Z-000001")["id"]
+res["small_back"] = store.load("20250101T000000Z-000001")["id"]
 r = Reporter(d, journal="on", journal_socket=sock)
 r.finish(big)
 r.close()
@@ -205,12 +204,12 @@ def test_cli_lists_newest_first_and_shows_one(tmp_path):
 
     p = run_sparkguard("incidents", "--dir", str(tmp_path), "--no-journal", "20250102")
     assert p.returncode == 0, p.stderr
-    assert p.stdout == render(IncidentStore(str(tmp_path)).get(ids[1]))
+    assert p.stdout == render(IncidentStore(str(tmp_path)).load(ids[1]))
 
     p = run_sparkguard("incidents", "--dir", str(tmp_path), "--no-journal", "--json")
     assert [r["id"] for r in json.loads(p.stdout)] == list(reversed(ids))
     p = run_sparkguard("incidents", "--dir", str(tmp_path), "--no-journal", "--json", ids[0])
-    assert json.loads(p.stdout) == IncidentStore(str(tmp_path)).get(ids[0])
+    assert json.loads(p.stdout) == IncidentStore(str(tmp_path)).load(ids[0])
 
     p = run_sparkguard("incidents", "--dir", str(tmp_path), "--no-journal", "--limit", "1")
     assert [line.split()[0] for line in p.stdout.splitlines()[1:2]] == [ids[2]]
@@ -243,7 +242,7 @@ JOURNAL_CLI = r"""
 import json, os, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 from sparkguard import journal
-from sparkguard.incidents import IncidentStore
+from sparkguard.incidents.store import IncidentStore
 from sparkguard.reporter import Reporter
 from test_reporter import make_incident
 base = sys.argv[2]

@@ -253,7 +253,7 @@ def test_deleted_and_recreated_interface(ns):
 def test_incident_reaches_the_reporter_store_and_the_incidents_command(ns, tmp_path):
     """on_incident wired to the real Reporter (as the daemon does): the JSON file ends complete."""
     from conftest import run_sparkguard
-    from sparkguard.incidents import IncidentStore
+    from sparkguard.incidents.store import IncidentStore
     from sparkguard.reporter import Reporter
 
     rep = Reporter(str(tmp_path), journal="off")

@@ -4,8 +4,9 @@ import os
 
 import pytest
 
+from conftest import fake_vllm
 from guardrun import unique
-from sparkguard import config, fake_engine, proctree
+from sparkguard import config, proctree
 
 
 def cfg(*patterns, protect=()):
@@ -80,7 +81,7 @@ def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engine_factory
                      f"m = subprocess.Popen([sys.executable, '-c', {middle!r}], stdout=subprocess.PIPE, text=True)\n"
                      "ed = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
                      "print(m.stdout.readline().strip(), ed.pid, flush=True); time.sleep(120)\n")
-    env = dict(os.environ, SG_ENGINE=json.dumps(fake_engine.command(model)))
+    env = dict(os.environ, SG_ENGINE=json.dumps(fake_vllm.command(model)))
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code, f"vllm serve {model}"],
                                 stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -130,11 +131,11 @@ def test_a_zombie_leader_is_found_signalled_and_its_memory_counted():
         # the leader shows as a zombie (state Z) once its thread is gone
         fd = os.pidfd_open(p.pid)
         deadline = time.monotonic() + 10
-        while proctree._read(f"/proc/{p.pid}/stat").split(b") ")[1][:1] != b"Z":
+        while proctree.read_limited(f"/proc/{p.pid}/stat").split(b") ")[1][:1] != b"Z":
             assert time.monotonic() < deadline, "the main thread did not exit"
             select.select([p.stdout], [], [], 0.02)      # nothing signals a thread's exit to others
-        assert proctree._read(f"/proc/{p.pid}/cmdline") == b""
-        assert b"VmRSS" not in proctree._read(f"/proc/{p.pid}/status")
+        assert proctree.read_limited(f"/proc/{p.pid}/cmdline") == b""
+        assert b"VmRSS" not in proctree.read_limited(f"/proc/{p.pid}/status")
         ts = proctree.find_targets(cfg(tag))
         assert [t.root_pid for t in ts] == [p.pid]
         assert ts[0].tree[0]["cmdline"].endswith(tag)

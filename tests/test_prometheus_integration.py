@@ -33,7 +33,7 @@ import uuid
 import pytest
 import yaml
 
-from conftest import ROOT, mem_available, mem_total
+from conftest import ROOT, fake_vllm, mem_available, mem_total
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 RULES = ROOT / "sparkguard" / "data" / "prometheus" / "sparkguard-rules.yml"
@@ -199,11 +199,10 @@ def test_dashboard_expressions_and_rules_load_in_prometheus():
 
 @needs_prometheus
 def test_prometheus_scrapes_guard_and_incident_alert_fires(tmp_path):
-    missing = _missing("sparkguard.daemon", "sparkguard.metrics", "sparkguard.fake_engine")
+    missing = _missing("sparkguard.daemon", "sparkguard.metrics")
     if missing:
         pytest.skip(f"not on this branch yet: {', '.join(missing)}")
     from guardrun import GuardProc
-    from sparkguard import fake_engine
 
     model = f"sgprom-{uuid.uuid4().hex[:10]}"
     hold_worker, hold_core, hold_api = 640 * MiB, 128 * MiB, 64 * MiB      # ~1.5 GiB in the tree
@@ -219,8 +218,8 @@ def test_prometheus_scrapes_guard_and_incident_alert_fires(tmp_path):
     prom = fe = None
     try:
         guard.wait_ready(30)
-        fe = fake_engine.start(model, "--tp", "2", "--hold", str(hold_worker), "--hold-core", str(hold_core),
-                               "--hold-api", str(hold_api))
+        fe = fake_vllm.start(model, "--tp", "2", "--hold", str(hold_worker), "--hold-core", str(hold_core),
+                             "--hold-api", str(hold_api))
         fe.pids(60)                                           # the tree is up, holding its memory
         prom = Prometheus([f"127.0.0.1:{mport}"], rule_files=(RULES,))
         job = f'job="{prom.job}"'

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import mem_available, run_sparkguard
 from sparkguard import metrics
-from sparkguard.units import format_size
+from sparkguard.units import format_size, parse_size
 from test_metrics import snapshot_dict, zram_device  # noqa: F401  (fixture; uses conftest.own_zram)
 
 GiB = 1024**3
@@ -227,3 +227,11 @@ def test_status_without_an_engine_section(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith(f"Engine   (control socket {sock})\n  not supervised (no engine: section in the "
                              "configuration)\n"), r.stdout
+
+
+def test_one_size_formatter_for_people_and_for_files():
+    assert format_size(805306368) == "0.75 GiB" and format_size(None) == "-"
+    assert format_size(3 * 1024**2) == "3 MiB" and format_size(512) == "512 B"
+    for n in (6 * 1024**3, 768 * 1024**2, 4096 * 3, 1000, 0):
+        assert parse_size(format_size(n, exact=True)) == n
+    assert format_size(6 * 1024**3, exact=True) == "6GiB" and format_size(1000, exact=True) == "1000"

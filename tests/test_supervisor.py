@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import mem_available, run_sparkguard, sg_env, sparkguard_cmd
+from conftest import fake_vllm, mem_available, run_sparkguard, sg_env, sparkguard_cmd
 from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, restarted, unique,
                                 wait_gone)
 
@@ -395,10 +395,9 @@ def test_editing_engine_lane_and_sighup_switches_lanes_and_survives_a_daemon_res
 
 
 def test_headless_rank_restarted_when_its_head_goes_away(tmp_path):
-    from sparkguard import fake_engine
     head_model, model, hport = unique("sghead"), unique(), free_port()
-    head = fake_engine.start(head_model, "--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB",
-                             "--tp", "1", "--port", str(hport))
+    head = fake_vllm.start(head_model, "--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB",
+                           "--tp", "1", "--port", str(hport))
     d = None
     try:
         head.wait_serving(30)
@@ -493,7 +492,8 @@ def _runs_as_nobody() -> str | None:
     if not os.access(SYSTEM_PYTHON, os.X_OK) or not shutil.which("setpriv"):
         return f"needs {SYSTEM_PYTHON} and setpriv"
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c",
-                        "import setproctitle, sys; sys.path.insert(0, sys.argv[1]); import sparkguard.fake_engine",
+                        "import setproctitle, sys; sys.path[:0] = sys.argv[1:]; import fake_vllm",
+                        os.path.dirname(fake_vllm.__file__),
                         str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
                        capture_output=True, text=True, timeout=30, cwd="/")
     return None if r.returncode == 0 else f"nobody cannot run the fake engine on {SYSTEM_PYTHON}: {r.stderr[-300:]}"

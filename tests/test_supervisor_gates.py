@@ -19,7 +19,7 @@ import yaml
 
 from conftest import mem_available, run_sparkguard
 from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, restarted, unique
-from sparkguard import peers, sysinfo
+from sparkguard import meminfo, peers
 
 pytestmark = pytest.mark.usefixtures("root_only")
 GiB = 1024**3
@@ -152,7 +152,7 @@ def test_peers_gate_waits_for_a_second_sparkguard(tmp_path):
 
 def mem_total() -> int:
     with open("/proc/meminfo", "rb") as f:
-        return sysinfo.parse_meminfo(f.read())["MemTotal"]
+        return meminfo.parse(f.read())["MemTotal"]
 
 
 @pytest.mark.parametrize("gate", ["quiesce", "peers"])

@@ -24,14 +24,14 @@ import yaml
 
 from conftest import run_sparkguard
 from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, restarted, unique, wait_gone
-from sparkguard import sysinfo
+from sparkguard import meminfo, model
 
 pytestmark = pytest.mark.usefixtures("root_only")
 
 
 def mem_total() -> int:
     with open("/proc/meminfo", "rb") as f:
-        return sysinfo.parse_meminfo(f.read())["MemTotal"]
+        return meminfo.parse(f.read())["MemTotal"]
 
 
 class ReportLog(logging.Handler):
@@ -60,22 +60,18 @@ class ReportLog(logging.Handler):
             return m
 
 
-def guard_incident(iid: str) -> dict:
-    """An incident record as the daemon's poll loop builds it (TEAM.md "Incident record")."""
-    now = time.time()
-    return {"id": iid, "kind": "memory", "drill": False, "host": sysinfo.hostname(), "boot_id": sysinfo.boot_id(),
-            "started_at": now, "ended_at": None, "dry_run": False,
-            "thresholds": {"term_below_bytes": 1 << 30, "kill_below_bytes": None, "grace_seconds": 3.0,
-                           "signal": "available"},
-            "meminfo": {}, "psi_memory": None, "zram": [], "target": None, "timeline": [], "outcome": None,
-            "summary": ""}
+def guard_incident(iid: str) -> model.Incident:
+    """An incident as the guard's recorder builds it (:func:`sparkguard.model.new_incident`)."""
+    inc = model.new_incident("memory", time.time(), model.Thresholds(1 << 30, None, 3.0, "available"), {})
+    inc.id = iid
+    return inc
 
 
-def guard_event(inc: dict, event: str, pids: list[int]) -> dict:
-    ev = {"event": event, "t": round(time.time() - inc["started_at"], 4), "at": time.time(),
-          "available_bytes": 0, "pids": pids, "detail": f"test: {event}"}
-    inc["timeline"].append(ev)
-    return ev
+def guard_event(inc: model.Incident, event: str, pids: list[int]) -> dict:
+    """Append an event as the recorder does; returns its JSON (what the supervisor's hook gets)."""
+    ev = model.Event(event, round(time.time() - inc.started_at, 4), time.time(), 0, pids, f"test: {event}")
+    inc.timeline.append(ev)
+    return ev.to_json()
 
 
 def test_report_describes_the_run_the_guard_hit_while_its_tree_is_still_being_swept(tmp_path):
@@ -116,21 +112,21 @@ def test_report_describes_the_run_the_guard_hit_while_its_tree_is_still_being_sw
 
         iid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
         inc = guard_incident(iid)
-        sup.on_guard_event(inc, guard_event(inc, "crossed", []))
+        sup.on_guard_event(inc.ref(), guard_event(inc, "crossed", []))
         fd = os.pidfd_open(victim)
         signal.pidfd_send_signal(fd, signal.SIGKILL)       # the guard's escalation, root first
         os.close(fd)
-        sup.on_guard_event(inc, guard_event(inc, "sigkill", [victim]))
+        sup.on_guard_event(inc.ref(), guard_event(inc, "sigkill", [victim]))
         assert wait_gone([victim], 10) == []
         with sup.cv:     # the supervisor is sweeping the orphans (they ignore SIGTERM: grace 3 s)
             assert sup.cv.wait_for(lambda: sup.state == "sweeping" and sup.run is victim_run, 10), sup.status()
         t_close = time.monotonic()
         guard_event(inc, "recovered", [])
-        inc["outcome"], inc["ended_at"], inc["summary"] = "killed", time.time(), "test: memory back"
+        inc.outcome, inc.ended_at, inc.summary = "killed", time.time(), "test: memory back"
         assert sup.take_incident(inc)
         assert sup.run is victim_run and sup.status()["last_exit"]["pid"] == first, "the sweep ended before the close"
 
-        eng = inc["engine"]
+        eng = inc.engine
         assert eng["pid"] == victim and eng["command"] == victim_run.argv
         assert eng["exit"]["pid"] == victim and eng["exit"]["signal"] == "SIGKILL", eng["exit"]
         assert eng["exit"]["reason"] == "guard"
@@ -228,7 +224,7 @@ def test_guard_incident_is_reported_when_it_closes_not_when_the_engine_restarts(
 
 
 def test_the_report_engine_section_reads_well():
-    from sparkguard.incidents import render
+    from sparkguard.incidents.render import render
     now = time.time()
     text = render({"id": "20250101T000000Z-abcdef", "started_at": now - 20, "ended_at": now, "engine": {
         "state": "sweeping", "detail": "pid 28114 exited; sweeping what is left of its tree", "lane": "calm",

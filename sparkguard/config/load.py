@@ -10,7 +10,7 @@ from sparkguard.config.engine import EngineConfig, shutdown_values
 from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.schema import SCHEMA, Config
 from sparkguard.config.yamlload import parse, read_bounded
-from sparkguard.sysinfo import read_meminfo
+from sparkguard import meminfo
 from sparkguard.units import parse_duration
 
 
@@ -19,7 +19,7 @@ DEFAULT_PATH = "/etc/sparkguard/sparkguard.yaml"
 
 def _mem_total() -> int | None:
     try:
-        return read_meminfo().get("MemTotal")
+        return meminfo.read().get("MemTotal")
     except OSError:
         return None
 

@@ -2,7 +2,8 @@
 
 * ``sparkguard install`` / ``uninstall`` (:mod:`sparkguard.host.install`): units, sysctl
   file, zram boot configuration and the default config file, under ``/`` or ``--root``.
-* ``sparkguard install-zram`` (:mod:`sparkguard.host.zram`): a zram swap now and at boot.
+* ``sparkguard install-zram`` (:mod:`sparkguard.host.zram` now, :mod:`~sparkguard.host.zramboot` at boot,
+  :mod:`~sparkguard.host.zramdev` reading devices): a zram swap now and at boot.
 * ``sparkguard tune`` (:mod:`sparkguard.host.sysctl`): the memory sysctls, now and at boot.
 * ``sparkguard doctor`` (:mod:`sparkguard.host.doctor`): checks the host against what the
   guard needs.

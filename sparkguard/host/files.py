@@ -2,8 +2,8 @@
 
 Every host command prints one line per thing it touched (``created``, ``updated``,
 ``removed``, ``unchanged``, ``kept``...), or what it would do under ``--dry-run``, so a
-second run visibly changes nothing.  Files are written atomically (temporary file, then
-``rename``), so a crash never leaves half a unit file behind.
+second run visibly changes nothing.  Files are written atomically (:func:`atomic_write`: the
+one writer of the product's files), so a crash never leaves half a unit file behind.
 """
 
 from __future__ import annotations
@@ -117,21 +117,36 @@ def sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def atomic_write(path: str, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to ``path`` atomically, creating parent folders (mode 0755).
+def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically and durably, creating parent folders (mode 0755).
 
+    A temporary file with a name unique to this call (``tempfile.mkstemp``, so two threads or
+    processes writing the same path never share one) is written in the same folder, given
+    ``mode`` (exactly: ``fchmod``, not filtered by the umask), fsynced, renamed over ``path``
+    (atomic within one file system, rename(2)), and the folder is fsynced so that the new name
+    itself survives a crash (fsync(2)).  A reader sees the old file or the new one, never a
+    part; on failure the temporary file is removed.  On tmpfs (/run) both fsyncs return at once.
+
+    Args:
+        path: the file to replace.
+        data: str (written as UTF-8) or bytes.
+        mode: permission bits of the new file.
     Raises:
         OSError: the folder or file cannot be written.
     """
+    raw = data.encode("utf-8") if isinstance(data, str) else data
     d = os.path.dirname(path) or "."
     os.makedirs(d, mode=0o755, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".sparkguard-", dir=d)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -139,6 +154,11 @@ def atomic_write(path: str, text: str, mode: int = 0o644) -> None:
         except OSError:
             pass
         raise
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def set_keys(text: str, values: dict[str, object]) -> str:

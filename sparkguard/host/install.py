@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 from sparkguard import __version__
-from sparkguard.host import configfile, sysctl, zram
+from sparkguard.host import configfile, sysctl, zram, zramboot
 from sparkguard.host.files import (Changes, HostError, Manifest, MANIFEST_PATH, edited_reason, in_root,
                                    install_file, read_text, remove_empty_dirs, remove_file, shipped)
 from sparkguard.host.systemctl import query, systemctl, systemd_running
@@ -188,7 +188,7 @@ def install(args) -> int:
     manifest = Manifest(root)
     force = args.force
     zram_options = (args.zram_size, args.zram_priority, args.zram_algorithm)
-    current = None if args.no_zram else zram.persisted_settings(root, manifest)
+    current = None if args.no_zram else zramboot.persisted_settings(root, manifest)
     base = current or zram.ZramSettings()
     settings = zram.ZramSettings(*(opt if opt is not None else dflt for opt, dflt in
                                    zip(zram_options, (base.size, base.priority, base.algorithm))))
@@ -203,11 +203,11 @@ def install(args) -> int:
                  force=force)
     if args.no_zram:
         ch.note("skipped", "zram boot configuration", "--no-zram")
-    elif (zram.generator_installed(root) and zram.configured(root) == zram.GENERATOR_CONF and current is None
-          and not force):
-        ch.note("kept", zram.GENERATOR_CONF, "our [zram0] section no longer parses (edited?); --force replaces it")
+    elif (zramboot.generator_installed(root) and zramboot.configured(root) == zramboot.GENERATOR_CONF
+          and current is None and not force):
+        ch.note("kept", zramboot.GENERATOR_CONF, "our [zram0] section no longer parses (edited?); --force replaces it")
     else:
-        zram.persist(ch, root, settings, manifest, force=force)
+        zramboot.persist(ch, root, settings, manifest, force=force)
 
     default = configfile.render()
     verb = install_file(ch, root, CONFIG_PATH, default, manifest, kept_detail=(
@@ -256,8 +256,8 @@ def _is_ours(root: str, path: str, text: str, manifest: Manifest) -> bool:
             return text == configfile.render()
         except RuntimeError:
             return False
-    if path == zram.CONF_PATH:
-        return zram.conf_is_ours(root, manifest)
+    if path == zramboot.CONF_PATH:
+        return zramboot.conf_is_ours(root, manifest)
     if path == ENGINE_DROPIN:
         return text == shipped(ENGINE_DROPIN_RES)
     return False
@@ -304,7 +304,7 @@ def uninstall(args) -> int:
         systemctl(ch, "disable", "--now", "sparkguard.service", check=False)
         systemctl(ch, "stop", "sparkguard-setup.service", check=False)
 
-    known = [*(f"{UNIT_DIR}/{u}" for u in UNITS), ENGINE_DROPIN, sysctl.SYSCTL_FILE, zram.CONF_PATH,
+    known = [*(f"{UNIT_DIR}/{u}" for u in UNITS), ENGINE_DROPIN, sysctl.SYSCTL_FILE, zramboot.CONF_PATH,
              CONFIG_PATH, CONFIG_DIST]
     # extras (prometheus rules, dashboards) recorded by install come after what we know by name
     for path in known + sorted(p for p in manifest.files if p not in known):
@@ -312,7 +312,7 @@ def uninstall(args) -> int:
             _remove_ours(ch, root, path, manifest, args.purge, kept_detail="edited by you; --purge removes it")
         else:
             _remove_ours(ch, root, path, manifest, args.purge)
-    zram.unpersist_generator(ch, root)
+    zramboot.unpersist_generator(ch, root)
     remove_empty_dirs(ch, root, DROPIN_DIR)
     dropins = in_root(root, DROPIN_DIR)
     if os.path.isdir(dropins):

@@ -6,7 +6,8 @@ Sources: proc(5) (/proc/PID/stat field 19 ``nice``, /proc/PID/oom_score_adj, /pr
 ``Uid:``/``Gid:``/``Groups:``/``CapEff:``, /proc/PID/mountinfo, /proc/PID/environ), sched(7),
 and for who may see a process under hidepid: fs/proc/base.c ``has_pid_permissions`` (the
 reader's group is /proc's ``gid=``, or ``ptrace_may_access(PTRACE_MODE_READ)``: same uids, or
-CAP_SYS_PTRACE).  Every reader raises OSError when the process is gone or unreadable.
+CAP_SYS_PTRACE).  Every reader takes ``root`` (default ``/proc``; tests give a folder of fixture
+files laid out the same way) and raises OSError when the process is gone or unreadable.
 """
 
 from __future__ import annotations
@@ -14,23 +15,78 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from sparkguard import proctree
+from sparkguard.host import virt
+
 CAP_SYS_PTRACE = 19  # linux/capability.h
 
 #: sched(7) policy numbers to names
 POLICIES = {0: "SCHED_OTHER", 1: "SCHED_FIFO", 2: "SCHED_RR", 3: "SCHED_BATCH", 5: "SCHED_IDLE", 6: "SCHED_DEADLINE"}
 
 
-def oom_score_adj(pid: int) -> int:
+def oom_score_adj(pid: int, root: str = "/proc") -> int:
     """/proc/PID/oom_score_adj (-1000: never chosen by the kernel OOM killer .. 1000)."""
-    with open(f"/proc/{pid}/oom_score_adj") as f:
+    with open(f"{root}/{pid}/oom_score_adj") as f:
         return int(f.read().strip())
 
 
-def nice(pid: int) -> int:
-    """The nice value (-20..19) of ``pid``'s main thread: field 19 of /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        rest = f.read().rsplit(b")", 1)[1].split()
-    return int(rest[16])  # rest[0] is field 3 (state)
+def _stat(pid: int, root: str) -> list[bytes]:
+    """The fields of /proc/PID/stat after comm (:func:`sparkguard.proctree.stat_fields`).
+    Raises OSError when gone or unreadable."""
+    st = proctree.stat_fields(f"{root}/{pid}/stat")
+    if st is None:
+        raise FileNotFoundError(2, "No such process", f"{root}/{pid}/stat")
+    return st[1]
+
+
+def nice(pid: int, root: str = "/proc") -> int:
+    """The nice value (-20..19) of ``pid``'s main thread: field 19 of /proc/PID/stat.
+    Raises OSError, or ValueError/IndexError on a malformed stat."""
+    return int(_stat(pid, root)[16])
+
+
+def ppid(pid: int, root: str = "/proc") -> int:
+    """The parent's pid: field 4 of /proc/PID/stat.  Raises OSError, or ValueError/IndexError
+    on a malformed stat."""
+    return int(_stat(pid, root)[1])
+
+
+def argv(pid: int, root: str = "/proc") -> list[str]:
+    """The arguments of ``pid`` (/proc/PID/cmdline split at NULs, UTF-8 with replacement), at
+    most :data:`sparkguard.proctree.CMDLINE_LIMIT` bytes of them; [] for a kernel thread or a
+    zombie.
+
+    Raises:
+        OSError: gone or unreadable.
+    """
+    raw = proctree.read_limited(f"{root}/{pid}/cmdline", proctree.CMDLINE_LIMIT)
+    if raw is None:
+        raise FileNotFoundError(2, "No such process", f"{root}/{pid}/cmdline")
+    return [a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
+
+
+def is_guard(args: list[str]) -> bool:
+    """True for the argv of ``sparkguard run ...`` or ``<python> -m sparkguard run ...`` (not a
+    shell wrapping one)."""
+    if not args:
+        return False
+    exe = os.path.basename(args[0])
+    if exe == "sparkguard":
+        return len(args) > 1 and args[1] == "run"
+    if exe.startswith("python"):
+        return any(args[i:i + 3] == ["-m", "sparkguard", "run"] for i in range(1, len(args) - 2))
+    return False
+
+
+def status(pid: int | str, root: str = "/proc") -> dict[str, str]:
+    """/proc/PID/status as ``{name: value}`` (the text after ``Name:``, blanks stripped); ``pid``
+    may be ``"self"``.
+
+    Raises:
+        OSError: gone or unreadable.
+    """
+    with open(f"{root}/{pid}/status") as f:
+        return {k: v.strip() for k, _, v in (line.rstrip("\n").partition(":") for line in f)}
 
 
 def policy(pid: int) -> str:
@@ -53,14 +109,13 @@ class Creds:
         return bool(self.cap_eff >> cap & 1)
 
 
-def creds(pid: int) -> Creds:
-    """The credentials of ``pid`` from /proc/PID/status.
+def creds(pid: int | str, root: str = "/proc") -> Creds:
+    """The credentials of ``pid`` (or ``"self"``) from /proc/PID/status.
 
     Raises:
-        OSError: gone or unreadable; ValueError: a field missing or malformed.
+        OSError: gone or unreadable; KeyError/ValueError: a field missing or malformed.
     """
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.rstrip("\n").partition(":")[::2] for line in f)
+    fields = status(pid, root)
     uid = int(fields["Uid"].split()[1])
     gids = {int(fields["Gid"].split()[1]), *(int(g) for g in fields.get("Groups", "").split())}
     return Creds(uid, frozenset(gids), int(fields["CapEff"].strip(), 16))
@@ -69,8 +124,6 @@ def creds(pid: int) -> Creds:
 def proc_options(pid: int) -> dict[str, str]:
     """The options of the /proc that ``pid`` sees (its mount namespace, its root), such as
     ``{"hidepid": "invisible", "gid": "27"}``; {} when it sees no proc file system at /proc."""
-    from sparkguard.host import virt
-
     m = virt.mount_of("/proc", virt.mounts(pid))
     if m is None or m.fstype != "proc":
         return {}
@@ -92,10 +145,10 @@ def hides_others(options: dict[str, str], who: Creds) -> str | None:
             + (f" and group {gid}" if gid else "") + ": processes of other users are invisible to it")
 
 
-def environ(pid: int) -> dict[str, str] | None:
+def environ(pid: int, root: str = "/proc") -> dict[str, str] | None:
     """The environment ``pid`` was started with, or None when its memory was taken over by a
     process title (setproctitle: no ``KEY=value`` left in /proc/PID/environ)."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
+    with open(f"{root}/{pid}/environ", "rb") as f:
         raw = f.read().split(b"\0")
     pairs = [kv.decode("utf-8", "replace").partition("=") for kv in raw if b"=" in kv]
     if not pairs:
@@ -103,9 +156,9 @@ def environ(pid: int) -> dict[str, str] | None:
     return {k: v for k, _, v in pairs}
 
 
-def cgroup_path(pid: int) -> str | None:
+def cgroup_path(pid: int, root: str = "/proc") -> str | None:
     """``pid``'s cgroup v2 path (the ``0::`` line of /proc/PID/cgroup), or None on a v1-only host."""
-    with open(f"/proc/{pid}/cgroup") as f:
+    with open(f"{root}/{pid}/cgroup") as f:
         for line in f:
             if line.startswith("0::"):
                 return line[3:].strip()

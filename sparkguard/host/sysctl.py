@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from sparkguard import meminfo
 from sparkguard.host.files import (Changes, HostError, Manifest, in_root, install_file, parse_keys, read_text,
                                    set_keys, shipped)
 from sparkguard.units import format_size
@@ -93,10 +94,8 @@ class Refusal:
 
 def mem_total() -> int:
     """MemTotal in bytes (0 if unreadable)."""
-    from sparkguard.sysinfo import read_meminfo
-
     try:
-        return read_meminfo().get("MemTotal", 0)
+        return meminfo.read().get("MemTotal", 0)
     except OSError:
         return 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from sparkguard import __version__
-from sparkguard.host import sysctl, zram
+from sparkguard.host import sysctl, zram, zramboot, zramdev
 from sparkguard.host.files import Changes, HostError, Manifest, remove_empty_dirs
 from sparkguard.host.systemctl import systemctl, systemd_running
 from sparkguard.units import parse_size
@@ -73,17 +73,17 @@ def install_zram(args) -> int:
     """Handler of ``sparkguard install-zram``; returns the exit status."""
     root = os.path.abspath(args.root)
     ch = Changes(args.dry_run)
-    device = zram.device_name(args.device) if args.device else None
+    device = zramdev.device_name(args.device) if args.device else None
     # the generator owns zram0 on a systemd machine: let it set the device up
     generator_live = (root == "/" and systemd_running() and device is None and not args.boot
-                      and zram.generator_installed("/"))
+                      and zramboot.generator_installed("/"))
 
     if not args.no_now and not generator_live:
-        zram.check_writable()
+        zramdev.check_writable()
     manifest = Manifest(root)
     if args.remove:
         if not args.boot:
-            zram.unpersist(ch, root, manifest)
+            zramboot.unpersist(ch, root, manifest)
             if not ch.dry_run:
                 manifest.save(__version__)
             remove_empty_dirs(ch, root, "/etc/sparkguard", "/var/lib/sparkguard")
@@ -96,9 +96,9 @@ def install_zram(args) -> int:
         return 0
 
     if args.boot:
-        settings = zram.read_conf(root)
+        settings = zramboot.read_conf(root)
         if settings is None:
-            ch.info(f"{zram.CONF_PATH} is absent (zram not configured, or owned by systemd-zram-generator): "
+            ch.info(f"{zramboot.CONF_PATH} is absent (zram not configured, or owned by systemd-zram-generator): "
                     "nothing to do")
             return 0
     else:
@@ -107,20 +107,20 @@ def install_zram(args) -> int:
     zram.validate(settings)
     if not args.no_now:
         if generator_live:
-            zram.persist(ch, root, settings, manifest)
+            zramboot.persist(ch, root, settings, manifest)
             systemctl(ch, "daemon-reload")
             systemctl(ch, "restart", "systemd-zram-setup@zram0.service")
             systemctl(ch, "start", "dev-zram0.swap")
         else:
             name = zram.apply_now(ch, settings, device, boot=args.boot)
             if not ch.dry_run:
-                st = zram.state(name)
+                st = zramdev.state(name)
                 if not st["swap"]:
                     raise HostError(f"/dev/{name} was set up but does not show in /proc/swaps")
         zram.check_priority(ch, settings.priority)
     # with the generator live, "now" above already wrote its config; --no-now still must
     if not (args.boot or args.no_persist) and not (generator_live and not args.no_now):
-        zram.persist(ch, root, settings, manifest)
+        zramboot.persist(ch, root, settings, manifest)
     if not (args.boot or ch.dry_run):
         manifest.save(__version__)
     ch.summary()

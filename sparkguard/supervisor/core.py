@@ -219,9 +219,10 @@ class Supervisor:
             self._history("link", f"TP link back ({detail})")
         self._poke()
 
-    def take_incident(self, incident: dict) -> bool:
-        """The guard closed ``incident``: add the engine's state and report it (``reporter.finish``)
-        at once.
+    def take_incident(self, incident) -> bool:
+        """The guard closed ``incident`` (a ``model.Incident``) and hands it over: from this call
+        on the supervisor owns it (the guard keeps no reference).  Adds the engine's state and
+        reports it (``reporter.finish``) at once.
 
         When the guard signalled the supervised engine in this incident, the engine part describes
         that run (its exit, its last output lines, even while the supervisor is still sweeping its
@@ -231,14 +232,14 @@ class Supervisor:
 
         Returns True (the supervisor took over finishing it).  Never blocks.
         """
-        hit_run = self.hits.pop(incident.get("id"), None)
+        hit_run = self.hits.pop(incident.id, None)
         run = hit_run or (self.run if self.run is not None else self.last_run)
         exit_ = self._exit_of(run) if run is not None else None
-        incident["engine"] = self._engine_info(run, exit_)
+        incident.engine = self._engine_info(run, exit_)
         restarting = (hit_run is not None and exit_ is not None and self.want == "run" and not self.quit
                       and restarts(self.ecfg.restart, True))
         if restarting:
-            incident["summary"] = (incident.get("summary") or "") + reports.PENDING
+            incident.summary += reports.PENDING
         self.reports.finish(incident)
         if restarting:
             self.reports.track(incident)
@@ -675,12 +676,7 @@ class Supervisor:
         inc = run.incident
         if inc is not None:
             self.reports.event(inc, "exited", f"engine pid {run.pid}: {rec['detail']}", [run.pid])
-            kinds = [ev["event"] for ev in inc["timeline"]]
-            inc["outcome"] = "killed" if "sigkill" in kinds else "terminated"
-            inc["ended_at"] = time.time()
-            inc["engine"] = self._engine_info(run, rec)
-            inc["summary"] = (f"engine wedged: {run.verdict_detail}; {inc['outcome']}"
-                              + (reports.PENDING if restarting else ""))
+            self.reports.close_wedged(inc, self._engine_info(run, rec), run.verdict_detail, restarting)
             if restarting:     # reported now, and again once the restart happened (else once, below)
                 self.reports.finish(inc)
             self.reports.track(inc)
@@ -766,15 +762,14 @@ class Supervisor:
     def _wedged_dry_run(self, run: Run) -> None:
         inc = self._open_wedged_incident(run, run.verdict_detail)
         self.reports.event(inc, "would_term", f"dry run: would SIGTERM the wedged engine (pid {run.pid})", [run.pid])
-        inc["outcome"], inc["ended_at"] = "dry_run", time.time()
-        inc["summary"] = f"engine wedged: {run.verdict_detail}; dry run, nothing signalled"
+        self.reports.close_wedged_dry_run(inc, run.verdict_detail)
         self.reports.finish(inc)
         with self.cv:
             run.verdict, run.probe_failures = None, 0
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, _MonitorHooks(self))
 
-    def _open_wedged_incident(self, run: Run, detail: str) -> dict:
-        """An incident of kind ``"wedged"`` in the daemon's incident shape (TEAM.md)."""
+    def _open_wedged_incident(self, run: Run, detail: str):
+        """An incident of kind ``"wedged"`` (a ``model.Incident``, docs/incident.md)."""
         from sparkguard import proctree
         t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
         return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from sparkguard import meminfo
+
 log = logging.getLogger("sparkguard.supervisor")
 
 MEM_SAMPLE = 0.25        # seconds between MemAvailable samples in the quiesce gate
@@ -60,12 +62,16 @@ class QuiesceGate:
 
 
 def read_mem_available(path: str = "/proc/meminfo") -> int:
-    """MemAvailable in bytes (Documentation/filesystems/proc.rst).  Raises OSError/ValueError."""
+    """MemAvailable in bytes, read by :func:`sparkguard.meminfo.field` (Documentation/filesystems/proc.rst).
+
+    Raises:
+        OSError: the file cannot be read; ValueError: no MemAvailable line, or an unparsable one.
+    """
     with open(path, "rb") as f:
-        for line in f:
-            if line.startswith(b"MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ValueError("no MemAvailable in /proc/meminfo")
+        avail = meminfo.field(f.read(), meminfo.AVAIL_LABEL)
+    if avail is None:
+        raise ValueError("no MemAvailable in /proc/meminfo")
+    return avail
 
 
 def drop_caches() -> str:

@@ -1,7 +1,7 @@
 """The engine's part of incident reports.
 
-Every guard action on the engine and every restart is part of the incident report (TEAM.md
-"Incident record"): an incident is reported as soon as it closes, never held back for the engine's
+Every guard action on the engine and every restart is part of the incident report
+(docs/incident.md): an incident is reported as soon as it closes, never held back for the engine's
 restart (memory may never come back, the daemon may die); one that hit the engine is then
 reported again, same id, with the ``restart`` event (or ``no_restart`` and why) appended: the
 incident store overwrites the file by id, the journal gets the updated report.  The supervisor
@@ -16,6 +16,10 @@ import logging
 import time
 from typing import Callable
 
+from sparkguard import meminfo, sysinfo
+from sparkguard.model import Event, Incident, Target, Thresholds, new_incident
+from sparkguard.supervisor.gates import read_mem_available
+
 log = logging.getLogger("sparkguard.supervisor")
 
 #: summary suffix of an incident reported before the restart it causes (replaced when it is resolved)
@@ -26,8 +30,8 @@ class EngineIncidents:
     """Reported incidents waiting for the engine's restart, and the supervisor's own incidents.
 
     Args:
-        reporter: object with ``event(incident, event)`` / ``finish(incident)`` (TEAM.md
-            "Reporter"), or None (nothing reported).
+        reporter: ``sparkguard.reporter.Reporter`` (``event(ref, event)`` / ``finish(record)``),
+            or None (nothing reported).
         count_incident: ``(kind: str, wall: float) -> None`` called when an incident of the
             supervisor's own opens, so the daemon's incident counters include it; or None.
     """
@@ -35,42 +39,40 @@ class EngineIncidents:
     def __init__(self, reporter=None, count_incident: Callable[[str, float], None] | None = None):
         self.reporter = reporter
         self.count_incident = count_incident
-        self.pending: collections.deque[dict] = collections.deque()
+        self.pending: collections.deque[Incident] = collections.deque()
 
-    def finish(self, incident: dict) -> None:
+    def finish(self, incident: Incident) -> None:
         """Hand a closed incident to the reporter (JSON file, journal)."""
         if self.reporter is not None:
             try:
-                self.reporter.finish(incident)
+                self.reporter.finish(incident.to_json())
             except Exception as e:  # noqa: BLE001 - reporting must never break supervision
-                log.error("reporting incident %s failed: %s", incident.get("id"), e)
+                log.error("reporting incident %s failed: %s", incident.id, e)
 
-    def event(self, incident: dict, event: str, detail: str, pids: list[int] | None = None) -> dict:
+    def event(self, incident: Incident, event: str, detail: str, pids: list[int] | None = None) -> Event:
         """Append an event (with MemAvailable now) to the incident's timeline and report it."""
-        from sparkguard.supervisor.gates import read_mem_available
         now = time.time()
         try:
             avail = read_mem_available()
         except (OSError, ValueError):
             avail = 0
-        ev = {"event": event, "t": round(now - incident["started_at"], 4), "at": now, "available_bytes": avail,
-              "pids": list(pids or []), "detail": detail}
-        incident["timeline"].append(ev)
+        ev = Event(event, round(now - incident.started_at, 4), now, avail, list(pids or []), detail)
+        incident.timeline.append(ev)
         if self.reporter is not None:
             try:
-                self.reporter.event(incident, ev)
+                self.reporter.event(incident.ref(), ev.to_json())
             except Exception as e:  # noqa: BLE001
-                log.error("reporting an event of incident %s failed: %s", incident.get("id"), e)
+                log.error("reporting an event of incident %s failed: %s", incident.id, e)
         return ev
 
-    def track(self, incident: dict) -> None:
+    def track(self, incident: Incident) -> None:
         """Report ``incident`` again at the next :meth:`flush` (the restart it caused, or why none)."""
         self.pending.append(incident)
 
     def flush(self, now: dict, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
         """Report every tracked incident again: with a ``restart`` event (``restart_detail``,
         ``pids``: the new engine) when the engine was restarted, else a ``no_restart`` event
-        saying ``why``.  ``incident["engine"]`` keeps what it said at the close (that run's pid,
+        saying ``why``.  ``incident.engine`` keeps what it said at the close (that run's pid,
         exit, last lines) and gains ``restarted`` (bool), ``after`` (``now``: the supervisor's
         ``state``, ``pid``, ``lane`` at this point) and the updated ``restarts`` counters.
 
@@ -81,52 +83,44 @@ class EngineIncidents:
         while self.pending:
             pend.append(self.pending.popleft())
         for inc in pend:
-            eng = inc.setdefault("engine", {})
-            inc["summary"] = (inc.get("summary") or "").removesuffix(PENDING)
+            if inc.engine is None:
+                inc.engine = {}
+            eng = inc.engine
+            inc.summary = inc.summary.removesuffix(PENDING)
             if restart_detail is not None:
                 self.event(inc, "restart", restart_detail, pids)
                 eng["restarted"] = True
-                inc["summary"] += "; engine restarted"
+                inc.summary += "; engine restarted"
             else:
                 self.event(inc, "no_restart", why)
                 eng["restarted"] = False
-                inc["summary"] += f"; engine not restarted ({why})"
+                inc.summary += f"; engine not restarted ({why})"
             eng["after"] = {k: now.get(k) for k in ("state", "pid", "lane")}
             if now.get("restarts") is not None:
                 eng["restarts"] = dict(now["restarts"])
             self.finish(inc)
 
-    def open_wedged(self, cfg, target, detail: str, engine: dict, pid: int) -> dict:
-        """An incident of kind ``"wedged"`` in the daemon's incident shape (TEAM.md), its first
-        event ``wedged`` already reported.
+    def open_wedged(self, cfg, target, detail: str, engine: dict, pid: int) -> Incident:
+        """An incident of kind ``"wedged"`` (docs/incident.md), its first event ``wedged`` already
+        reported.
 
         Args:
             cfg: ``config.Config`` (thresholds recorded).
-            target: ``proctree.Target`` of the engine, or None.
+            target: ``proctree.Target`` of the engine (its rows read), or None.
             detail: why it is wedged (the probe failures).
             engine: the supervisor's engine info (state, lane, pid, last lines).
             pid: the engine's root pid.
         """
-        from sparkguard import incidents, sysinfo
         g = cfg.guard
         wall = time.time()
         try:
-            mi = sysinfo.read_meminfo()
+            mi = meminfo.read()
         except OSError:
             mi = {}
-        inc = {
-            "id": incidents.new_id(wall),
-            "kind": "wedged", "drill": False, "host": sysinfo.hostname(), "boot_id": sysinfo.boot_id(),
-            "started_at": wall, "ended_at": None, "dry_run": g.dry_run,
-            "thresholds": {"term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below,
-                           "grace_seconds": g.grace, "signal": g.signal},
-            "meminfo": mi, "psi_memory": sysinfo.read_psi_memory(), "zram": sysinfo.read_zram(),
-            "target": None if target is None else {"root_pid": target.root_pid, "title": target.title,
-                                                   "pattern": target.pattern, "mem_bytes": target.mem_bytes,
-                                                   "tree": target.tree},
-            "timeline": [], "outcome": None, "summary": f"engine wedged: {detail}",
-            "engine": engine,
-        }
+        inc = new_incident("wedged", wall, Thresholds.of(g), mi, dry_run=g.dry_run,
+                           psi_memory=sysinfo.read_psi_memory(), zram=sysinfo.read_zram(),
+                           target=None if target is None else Target.of(target),
+                           summary=f"engine wedged: {detail}", engine=engine)
         if self.count_incident is not None:
             try:
                 self.count_incident("wedged", wall)
@@ -134,3 +128,17 @@ class EngineIncidents:
                 pass
         self.event(inc, "wedged", detail, [pid])
         return inc
+
+    def close_wedged(self, inc: Incident, engine: dict, detail: str, restarting: bool) -> None:
+        """The wedged engine's run ended: outcome (``killed`` when the timeline has a SIGKILL,
+        else ``terminated``), end time, the engine part ``engine``, the summary (``detail``: why
+        it was wedged; :data:`PENDING` appended while ``restarting``)."""
+        inc.outcome = "killed" if "sigkill" in inc.events() else "terminated"
+        inc.ended_at = time.time()
+        inc.engine = engine
+        inc.summary = f"engine wedged: {detail}; {inc.outcome}" + (PENDING if restarting else "")
+
+    def close_wedged_dry_run(self, inc: Incident, detail: str) -> None:
+        """A dry run's wedged incident: nothing was signalled (``detail``: why it was wedged)."""
+        inc.outcome, inc.ended_at = "dry_run", time.time()
+        inc.summary = f"engine wedged: {detail}; dry run, nothing signalled"

@@ -1,4 +1,4 @@
-"""A fake vLLM for tests and ``sparkguard drill``: real processes that look and die like vLLM's.
+"""The tests' fake vLLM: real processes that look, serve and die like vLLM's.
 
 What sparkguard can observe of a vLLM engine is imitated with real processes, real memory and a
 real HTTP port; nothing is mocked.  Facts imitated (FIELD-NOTES "vLLM, the main engine guarded",
@@ -7,7 +7,7 @@ read from vLLM 0.33: ``vllm/entrypoints/cli/serve.py``, ``vllm/v1/engine/core.py
 
 Process tree (all in the launcher's process group; nothing calls setsid, nothing sets PDEATHSIG)::
 
-    python3 .../sparkguard/fakes/vllm serve MODEL ...   (cmdline intact, not renamed: the API server)
+    python3 .../tests/fakes/vllm serve MODEL ...        (cmdline intact, not renamed: the API server)
       `- VLLM::EngineCore                               (setproctitle: cmdline is the title alone,
            |- VLLM::Worker_TP0                           /proc/PID/comm cut to 15 bytes:
            `- VLLM::Worker_TP1 ... TP<N-1>               "VLLM::EngineCor", "VLLM::Worker_TP")
@@ -46,7 +46,7 @@ engine is known dead), ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/ch
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``),
 ``GET /ping``, ``GET /version``.
 
-Memory fill for drills: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
+Memory fill: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
 bytes at ``--fill-rate`` bytes/s (``max`` = as fast as it can), then holds them.  The fill starts
 ``--fill-delay`` seconds after the tree is ready, or, with ``--fill-on-signal``, when TP0 receives
 SIGUSR1 (``FakeEngine.start_fill``).
@@ -64,51 +64,45 @@ to stdout.  Machine-readable lines, unprefixed:
 ``--ready-file PATH`` also gets the ready line (written atomically).
 
 Python API: ``command(model, *opts)`` (argv) and ``start(model, *opts, **popen_kw) -> FakeEngine``.
+
+Built on the parts of ``sparkguard drill``'s own small tree (``sparkguard/drill/hog.py``: memory
+and the fill; ``plumbing.py``: log lines, signals, fork, pidfds; ``tree.py``: the running-tree
+handle); what only tests need (HTTP, crash, wedge, headless, load time, shutdown timeout, ready
+file) lives here, outside the product.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from sparkguard.drill.hog import Fill, Memory, rate_arg, size_arg
+from sparkguard.drill.plumbing import BLOCKED, Log, Signals, exited, fork, reap, send, settitle, sleep_until, wait_fds
+from sparkguard.drill.tree import READY_PREFIX, Tree, parse_ready
 from sparkguard.units import parse_duration, parse_size
 
 #: the vLLM version whose behaviour this fake imitates (FIELD-NOTES)
 VLLM_VERSION = "0.33.0"
 MODES = ("clean", "orphans", "ignore-term", "crash", "wedge")
-READY_PREFIX = "fake-vllm: ready "
 SERVING_PREFIX = "fake-vllm: serving "
-FILL_PREFIX = "fake-vllm: fill "
-_PAGE = mmap.PAGESIZE
-_BLOCK = 1 << 20
 _SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
 def script_path() -> str:
-    """Absolute path of the ``vllm`` launcher script shipped in ``sparkguard/fakes/``.
-
-    Raises:
-        FileNotFoundError: the package was installed without its ``fakes/vllm`` data file.
-    """
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakes", "vllm")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"fake vllm launcher missing: {path} (package data not installed?)")
-    return path
+    """Absolute path of the ``vllm`` launcher script beside this module (``tests/fakes/vllm``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm")
 
 
 def command(model: str, *opts: str) -> list[str]:
-    """argv that starts a fake vLLM: ``[sys.executable, <pkg>/fakes/vllm, "serve", model, *opts]``.
+    """argv that starts a fake vLLM: ``[sys.executable, tests/fakes/vllm, "serve", model, *opts]``.
 
     The top process's /proc/PID/cmdline is then exactly this list, like real vLLM's
     ``/usr/bin/python3 /usr/local/bin/vllm serve MODEL ...``.  ``opts`` are strings (``"--tp", "4"``);
@@ -120,34 +114,11 @@ def command(model: str, *opts: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # options
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _rate(text: str) -> float | None:
-    """``max`` -> None (unlimited); ``1GiB/s``, ``512MiB``, ``1000000`` -> bytes per second."""
-    t = text.strip()
-    if t.lower() == "max":
-        return None
-    if t.lower().endswith("/s"):
-        t = t[:-2]
-    try:
-        rate = parse_size(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rate like 1GiB/s, 512MiB or max, got {text!r}") from None
-    if rate <= 0:
-        raise argparse.ArgumentTypeError(f"rate must be positive, got {text!r}")
-    return float(rate)
 
 
 def _modes(text: str) -> list[str]:
@@ -163,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Sizes take units (``64MiB``), durations too (``500ms``); see ``sparkguard.units``.
     """
-    p = argparse.ArgumentParser(prog="vllm serve", description="sparkguard's fake vLLM (see sparkguard.fake_engine)")
+    p = argparse.ArgumentParser(prog="vllm serve", description="sparkguard's fake vLLM (see tests/fakes/fake_vllm.py)")
     p.add_argument("model")
     p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=2,
                    help="workers VLLM::Worker_TP0..N-1 under EngineCore (default 2)")
@@ -174,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds each process takes to exit after SIGTERM (CUDA teardown; default 0.2)")
     p.add_argument("--shutdown-timeout", type=_duration, default=None,
                    help=f"seconds the engine gets to exit after SIGTERM before SIGKILL (default: ${_SHUTDOWN_ENV} or 0)")
-    p.add_argument("--hold", type=_size, default=parse_size("64MiB"), help="memory each worker holds (default 64MiB)")
-    p.add_argument("--hold-core", type=_size, default=parse_size("32MiB"), help="memory EngineCore holds (default 32MiB)")
-    p.add_argument("--hold-api", type=_size, default=parse_size("16MiB"), help="memory the top holds (default 16MiB)")
-    p.add_argument("--fill-rate", type=_rate, default=None, help="bytes/s worker TP0 fills at (1GiB/s, 512MiB, max)")
-    p.add_argument("--fill-size", type=_size, default=None, help="bytes worker TP0 fills (then holds)")
+    p.add_argument("--hold", type=size_arg, default=parse_size("64MiB"), help="memory each worker holds (default 64MiB)")
+    p.add_argument("--hold-core", type=size_arg, default=parse_size("32MiB"), help="memory EngineCore holds (default 32MiB)")
+    p.add_argument("--hold-api", type=size_arg, default=parse_size("16MiB"), help="memory the top holds (default 16MiB)")
+    p.add_argument("--fill-rate", type=rate_arg, default=None, help="bytes/s worker TP0 fills at (1GiB/s, 512MiB, max)")
+    p.add_argument("--fill-size", type=size_arg, default=None, help="bytes worker TP0 fills (then holds)")
     p.add_argument("--fill-delay", type=_duration, default=0.0, help="seconds after ready before the fill starts")
     p.add_argument("--fill-on-signal", action="store_true", help="start the fill when TP0 receives SIGUSR1")
     p.add_argument("--host", default="127.0.0.1")
@@ -238,160 +209,16 @@ def _parse(argv: list[str]) -> _Cfg:
 
 
 # --------------------------------------------------------------------------------------------
-# per-process plumbing: logging, signals, memory
-
-class _Log:
-    """vLLM-style log lines, one write(2) per line to stdout (atomic on a pipe below PIPE_BUF)."""
-
-    def __init__(self, prefix: str = ""):
-        self.prefix = prefix
-
-    def raw(self, line: str) -> None:
-        data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
-        try:
-            os.write(1, data)
-        except OSError:
-            pass  # reader gone: an orphan keeps running without its log, as vLLM's would
-
-    def __call__(self, level: str, where: str, msg: str) -> None:
-        self.raw(f"{self.prefix}{level} {time.strftime('%m-%d %H:%M:%S')} [{where}] {msg}")
-
-
-class _Signals:
-    """Self-pipe for signals: handlers only wake ``rfd``; the owning loop decides what to do."""
-
-    CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-    def __init__(self, ignore_term: bool, catch_usr1: bool = False):
-        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_IGN if ignore_term else _noop)
-        signal.signal(signal.SIGUSR1, _noop if catch_usr1 else signal.SIG_DFL)
-
-    def read(self) -> list[int]:
-        """Signal numbers received since the last read (non-blocking)."""
-        try:
-            return list(os.read(self.rfd, 512))
-        except BlockingIOError:
-            return []
-
-    def fds(self) -> list[int]:
-        return [self.rfd, self.wfd]
-
-
-def _noop(signum, frame) -> None:  # the wakeup fd carries the signal number
-    return None
-
-
-class _Memory:
-    """Anonymous private mappings filled with random bytes: resident, and incompressible for zram/KSM."""
-
-    def __init__(self) -> None:
-        self.maps: list[mmap.mmap] = []
-        self.nbytes = 0
-        self._block = os.urandom(_BLOCK)
-
-    def add(self, nbytes: int) -> None:
-        """Allocate and touch ``nbytes`` (rounded up to a page).  Raises OSError (ENOMEM) like malloc would."""
-        nbytes = -(-int(nbytes) // _PAGE) * _PAGE
-        if nbytes <= 0:
-            return
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        off = 0
-        while off < nbytes:
-            n = min(_BLOCK, nbytes - off)
-            m[off:off + n] = self._block[:n]
-            off += n
-        self.maps.append(m)
-        self.nbytes += nbytes
-
-
-def _settitle(title: str) -> None:
-    """Rename this process as vLLM does (setproctitle: cmdline = title, comm = title[:15])."""
-    import setproctitle  # imported only in the children: the top must keep its cmdline
-
-    setproctitle.setproctitle(title)
-
-
-def _wait_fds(fds: list[int], timeout: float | None) -> list[int]:
-    if timeout is not None:
-        timeout = max(0.0, timeout)
-    try:
-        return select.select(fds, [], [], timeout)[0]
-    except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for safety
-        return []
-
-
-def _exited(pidfd: int) -> bool:
-    return bool(_wait_fds([pidfd], 0))
-
-
-def _signal(pidfd: int | None, sig: int) -> None:
-    if pidfd is None:
-        return
-    try:
-        signal.pidfd_send_signal(pidfd, sig)
-    except (ProcessLookupError, OSError):
-        pass
-
-
-def _reap(pid: int, block: bool) -> int | None:
-    """waitpid a child; returns its exit status (negative signal like Popen) or None if still running."""
-    try:
-        got, status = os.waitpid(pid, 0 if block else os.WNOHANG)
-    except ChildProcessError:
-        return None
-    if got == 0:
-        return None
-    return os.waitstatus_to_exitcode(status)
-
-
-_BLOCKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
-
-
-def _fork(child_main, close_fds: list[int]) -> int:
-    """fork with the caught signals blocked, so none reaches the child before it installs its own.
-
-    The child closes ``close_fds`` (the parent's wakeup pipe, sockets, pidfds), runs
-    ``child_main()`` (which unblocks the signals once its handlers are in place) and always
-    leaves with os._exit, never through the parent's stack.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            signal.set_wakeup_fd(-1)
-            for fd in close_fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            code = child_main()
-        except BaseException as e:  # noqa: BLE001 - a child must never return into the parent's code
-            try:
-                _Log(f"(pid={os.getpid()}) ").raw(f"ERROR fake-vllm child failed: {e!r}")
-            finally:
-                os._exit(70)
-        os._exit(code if isinstance(code, int) else 0)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return pid
-
-
-# --------------------------------------------------------------------------------------------
 # worker
 
 def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | None) -> int:
     """VLLM::Worker_TP<rank>: hold memory, report ready, fill if asked, exit after exit-delay on TERM."""
     a = cfg.args
-    _settitle(f"VLLM::Worker_TP{rank}")
-    log = _Log(f"(Worker_TP{rank} pid={os.getpid()}) ")
-    sigs = _Signals(cfg.ignore_term, catch_usr1=fills)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
-    mem = _Memory()
+    settitle(f"VLLM::Worker_TP{rank}")
+    log = Log(f"(Worker_TP{rank} pid={os.getpid()}) ")
+    sigs = Signals(cfg.ignore_term, catch_usr1=fills)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED)
+    mem = Memory()
     mem.add(a.hold)
     log("INFO", "gpu_model_runner.py:1", f"Model loading took {mem.nbytes / 2**30:.4f} GiB")
     try:
@@ -403,7 +230,7 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
     fill_at = None
     if fills and not a.fill_on_signal:
         fill_at = time.monotonic() + a.fill_delay
-    fill = _Fill(mem, a.fill_rate, a.fill_size, log) if fills else None
+    fill = Fill(mem, a.fill_rate, a.fill_size, log, where="fake_engine.py:1") if fills else None
     crash_at = None
     watch = [sigs.rfd] + ([cmd_r] if cmd_r is not None else [])
     while True:
@@ -415,12 +242,12 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
             timeouts.append(fill_at - now)
         if crash_at is not None:
             timeouts.append(crash_at - now)
-        ready = _wait_fds(watch, min(timeouts) if timeouts else None)
+        ready = wait_fds(watch, min(timeouts) if timeouts else None)
         now = time.monotonic()
         for s in sigs.read():
             if s in (signal.SIGTERM, signal.SIGINT) and not cfg.ignore_term:
                 log("INFO", "multiproc_executor.py:1", "Worker received SIGTERM, shutting down (CUDA teardown)")
-                _sleep_until(now + a.exit_delay)
+                sleep_until(now + a.exit_delay)
                 return 0
             if s == signal.SIGUSR1 and fill is not None and not fill.started:
                 fill_at = now
@@ -439,63 +266,6 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
                 fill_at = None
             if fill.active:
                 fill.step(now)
-
-
-class _Fill:
-    """Allocate ``size`` bytes at ``rate`` bytes/s (None = as fast as possible), then hold them."""
-
-    MAX_STEP = 64 << 20
-
-    def __init__(self, mem: _Memory, rate: float | None, size: int, log: _Log):
-        self.mem, self.rate, self.size, self.log = mem, rate, int(size), log
-        self.done = 0
-        self.started = False
-        self.active = False
-        self.t0 = 0.0
-        self.last_report = 0.0
-        self.min_step = _BLOCK if rate is None else max(_PAGE, min(self.MAX_STEP, int(rate * 0.005) // _PAGE * _PAGE))
-
-    def begin(self, now: float) -> None:
-        self.started = self.active = True
-        self.t0 = self.last_report = now
-        self.log("INFO", "fake_engine.py:1", f"filling {self.size} bytes at "
-                 f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}")
-
-    def next_due(self, now: float) -> float:
-        """Seconds until the next step is due (0 when behind or unlimited)."""
-        if self.rate is None:
-            return 0.0
-        return self.t0 + min(self.size, self.done + self.min_step) / self.rate - now
-
-    def step(self, now: float) -> None:
-        if self.rate is None:
-            target = self.size
-        else:
-            target = min(self.size, int(self.rate * (now - self.t0)))
-        n = min(self.MAX_STEP, target - self.done)
-        if n > 0 and (n >= self.min_step or target == self.size):
-            try:
-                self.mem.add(n)
-            except OSError as e:
-                self.log("ERROR", "fake_engine.py:1", f"fill allocation failed: {e}; holding {self.done} bytes")
-                self.active = False
-                return
-            self.done += n
-        finished = self.done >= self.size
-        if finished or now - self.last_report >= 1.0:
-            self.last_report = now
-            self.log.raw(f"{FILL_PREFIX}pid={os.getpid()} bytes={self.done} target={self.size}" + (" done" if finished else ""))
-        if finished:
-            self.active = False
-
-
-def _sleep_until(deadline: float) -> None:
-    """Sleep to a monotonic deadline; signals meanwhile only wake the (unread) pipe."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(left)
 
 
 def _read_cmd(cmd_r: int, cfg: _Cfg, now: float, crash_at: float | None) -> tuple[float | None, bool]:
@@ -523,18 +293,18 @@ def _read_cmd(cmd_r: int, cfg: _Cfg, now: float, crash_at: float | None) -> tupl
 def _core_main(cfg: _Cfg, ready_w: int, cmd_r: int) -> int:
     """VLLM::EngineCore: fork the workers, hold memory, watch the workers, shut them down on TERM."""
     a = cfg.args
-    _settitle("VLLM::EngineCore")
-    log = _Log(f"(EngineCore pid={os.getpid()}) ")
+    settitle("VLLM::EngineCore")
+    log = Log(f"(EngineCore pid={os.getpid()}) ")
     log("INFO", "core.py:1", f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model={a.model!r}, "
         f"tensor_parallel_size={a.tp}")
     workers: dict[int, tuple[int, int]] = {}  # pid -> (rank, pidfd)
     for rank in range(a.tp):
-        pid = _fork(lambda r=rank: _worker_main(cfg, r, r == 0 and a.fill_size is not None, ready_w, None),
+        pid = fork(lambda r=rank: _worker_main(cfg, r, r == 0 and a.fill_size is not None, ready_w, None),
                     [cmd_r] + [fd for _, fd in workers.values()])
         workers[pid] = (rank, os.pidfd_open(pid))
-    sigs = _Signals(cfg.ignore_term)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
-    mem = _Memory()
+    sigs = Signals(cfg.ignore_term)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED)
+    mem = Memory()
     mem.add(a.hold_core)
     try:
         os.write(ready_w, f"C {os.getpid()}\n".encode())
@@ -548,14 +318,14 @@ def _core_main(cfg: _Cfg, ready_w: int, cmd_r: int) -> int:
     while True:
         now = time.monotonic()
         fds = [sigs.rfd] + [fd for _, fd in workers.values()] + ([cmd_r] if cmd_r is not None else [])
-        ready = _wait_fds(fds, None if crash_at is None else crash_at - now)
+        ready = wait_fds(fds, None if crash_at is None else crash_at - now)
         now = time.monotonic()
         for s in sigs.read():
             if s in (signal.SIGTERM, signal.SIGINT) and stopping_since is None and not cfg.ignore_term:
                 stopping_since = now
                 log("INFO", "core.py:1", "EngineCore received SIGTERM, shutting down workers")
                 for _, fd in workers.values():
-                    _signal(fd, signal.SIGTERM)
+                    send(fd, signal.SIGTERM)
         if cmd_r is not None and cmd_r in ready:
             crash_at, eof = _read_cmd(cmd_r, cfg, now, crash_at)
             if eof:
@@ -563,7 +333,7 @@ def _core_main(cfg: _Cfg, ready_w: int, cmd_r: int) -> int:
                 cmd_r = None
         for pid, (rank, fd) in list(workers.items()):
             if fd in ready:
-                code = _reap(pid, block=True)
+                code = reap(pid, block=True)
                 os.close(fd)
                 del workers[pid]
                 if stopping_since is None:
@@ -574,16 +344,16 @@ def _core_main(cfg: _Cfg, ready_w: int, cmd_r: int) -> int:
             log("ERROR", "core.py:1", "EngineCore encountered a fatal error (fake crash mode).")
             return _core_abort(workers, 1)
         if stopping_since is not None and not workers:
-            _sleep_until(stopping_since + a.exit_delay)
+            sleep_until(stopping_since + a.exit_delay)
             return 0
 
 
 def _core_abort(workers: dict[int, tuple[int, int]], code: int) -> int:
     """Kill the remaining workers (SIGKILL, as vLLM's executor shutdown does), reap them, return ``code``."""
     for _, fd in workers.values():
-        _signal(fd, signal.SIGKILL)
+        send(fd, signal.SIGKILL)
     for pid in workers:
-        _reap(pid, block=True)
+        reap(pid, block=True)
     return code
 
 
@@ -593,7 +363,7 @@ def _core_abort(workers: dict[int, tuple[int, int]], code: int) -> int:
 class _State:
     """What the HTTP threads read; written by the top's main loop."""
 
-    def __init__(self, cfg: _Cfg, log: _Log):
+    def __init__(self, cfg: _Cfg, log: Log):
         self.cfg = cfg
         self.log = log
         self.model = cfg.args.model
@@ -753,14 +523,14 @@ def _write_ready_file(path: str, line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fakes/vllm`` script: ``serve MODEL [options]``; returns the exit status.
+    """Entry point of the ``tests/fakes/vllm`` script: ``serve MODEL [options]``; returns the exit status.
 
     Exit status: 0 after a SIGTERM/SIGINT shutdown; 1 when the engine died (crash mode, a child
     killed) or the tree failed to come up; 2 on bad options (argparse).
     """
     cfg = _parse(sys.argv[1:] if argv is None else argv)
     a = cfg.args
-    log = _Log("")
+    log = Log("")
     where = "api_server.py:1"
     log("INFO", where, f"vLLM API server version {VLLM_VERSION} (sparkguard fake)")
     log("INFO", where, f"non-default args: model={a.model!r}, tp={a.tp}, modes={sorted(cfg.modes)}, "
@@ -776,19 +546,19 @@ def main(argv: list[str] | None = None) -> int:
     elif a.port is not None:
         log("WARNING", where, "--headless: no API server, --port ignored")
 
-    sigs = _Signals(cfg.ignore_term)
+    sigs = Signals(cfg.ignore_term)
     ready_r, ready_w = os.pipe()
     cmd_r, cmd_w = os.pipe()
     parent_only = [ready_r, cmd_w] + sigs.fds() + ([server.fileno()] if server else [])
     if a.headless:
-        child = _fork(lambda: _worker_main(cfg, a.node_rank, a.fill_size is not None, ready_w, cmd_r),
+        child = fork(lambda: _worker_main(cfg, a.node_rank, a.fill_size is not None, ready_w, cmd_r),
                       parent_only)
     else:
-        child = _fork(lambda: _core_main(cfg, ready_w, cmd_r), parent_only)
+        child = fork(lambda: _core_main(cfg, ready_w, cmd_r), parent_only)
     os.close(ready_w)
     os.close(cmd_r)
     child_fd = os.pidfd_open(child)
-    mem = _Memory()
+    mem = Memory()
     mem.add(a.hold_api)
 
     top = _Top(cfg, log, state, server, sigs, child, child_fd, cmd_w)
@@ -817,7 +587,7 @@ class _Top:
         buf = b""
         deadline = time.monotonic() + a.ready_timeout
         while (not a.headless and core_pid is None) or set(workers) != want_workers:
-            ready = _wait_fds([ready_r, self.sigs.rfd, self.child_fd], deadline - time.monotonic())
+            ready = wait_fds([ready_r, self.sigs.rfd, self.child_fd], deadline - time.monotonic())
             if self.sigs.rfd in ready and self._term_requested():
                 t_term = time.monotonic()
                 break
@@ -868,14 +638,14 @@ class _Top:
             if linger_until is not None:
                 timeout = linger_until - now
             fds = [self.sigs.rfd] + ([self.child_fd] if linger_until is None else [])
-            ready = _wait_fds(fds, timeout)
+            ready = wait_fds(fds, timeout)
             now = time.monotonic()
             if self.sigs.rfd in ready and self._term_requested():
                 if linger_until is not None:
                     return self._finish(now, 1)
                 return self._shutdown(now)
             if self.child_fd in ready and linger_until is None:
-                code = _reap(self.child, block=True)
+                code = reap(self.child, block=True)
                 self.state.dead = True
                 self.log("ERROR", "core_client.py:1",
                          f"Engine core proc {'VLLM::Worker' if a.headless else 'EngineCore'} died unexpectedly "
@@ -922,109 +692,46 @@ class _Top:
         self._stop_http()
         T = self.cfg.shutdown_timeout
         self.log("INFO", "core_client.py:1", f"Shutting down engine (timeout {T} s)")
-        _signal(self.child_fd, signal.SIGTERM)
+        send(self.child_fd, signal.SIGTERM)
         if T > 0:
-            _wait_fds([self.child_fd], t_term + T - time.monotonic())
-        if not _exited(self.child_fd):
+            wait_fds([self.child_fd], t_term + T - time.monotonic())
+        if not exited(self.child_fd):
             self.log("WARNING", "utils.py:1", "Engine did not exit in time: killing its process tree")
         self._kill_all()
-        _reap(self.child, block=True)
+        reap(self.child, block=True)
         return self._finish(t_term, 0)
 
     def _kill_all(self) -> None:
         for fd in [self.child_fd, *self.worker_fds.values()]:
-            if not _exited(fd):
-                _signal(fd, signal.SIGKILL)
+            if not exited(fd):
+                send(fd, signal.SIGKILL)
 
     def _abort(self, code: int) -> int:
         self._kill_all()
-        _reap(self.child, block=True)
+        reap(self.child, block=True)
         return code
 
     def _finish(self, t_term: float, code: int) -> int:
         self._stop_http()
-        _sleep_until(t_term + self.a.exit_delay)
+        sleep_until(t_term + self.a.exit_delay)
         self.log.raw("INFO:     Application shutdown complete.")
         return code
 
 
 # --------------------------------------------------------------------------------------------
-# test / drill helper
+# test helper
 
-class FakeEngine:
-    """A running fake vLLM started by ``start()``: its Popen, its output, its tree's pids.
+class FakeEngine(Tree):
+    """A running fake vLLM started by ``start()``: the drill's :class:`~sparkguard.drill.tree.Tree`
+    handle (Popen, output lines, pids pinned by pidfds, ``stop()``) plus what only this fake has.
 
-    Attributes:
-        proc: subprocess.Popen of the top process (stdout+stderr are a pipe drained by a thread).
-        argv: list[str], the command line.
-        lines: list[str], every output line so far (without newline).
-        headless: bool.
+    Attributes (beyond Tree's ``proc``, ``argv``, ``lines``):
+        headless: bool, started with ``--headless`` (the ready line is then ``pids=<top>,<w_k>``).
     """
 
     def __init__(self, argv: list[str], on_line=None, **popen_kw):
-        self.argv = argv
         self.headless = "--headless" in argv
-        self.lines: list[str] = []
-        self._on_line = on_line
-        self._cond = threading.Condition()
-        self._ready_line: str | None = None
-        self._pidfds: dict[int, int] = {}
-        self._own_session = popen_kw.setdefault("start_new_session", True)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, **popen_kw)
-        self._pidfds[self.proc.pid] = os.pidfd_open(self.proc.pid)
-        self._reader = threading.Thread(target=self._read, name=f"fake-vllm-{self.proc.pid}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self._cond:
-                if line.startswith(READY_PREFIX) and self._ready_line is None:
-                    for pid in _parse_ready(line)["pids"]:
-                        if pid not in self._pidfds:
-                            try:
-                                self._pidfds[pid] = os.pidfd_open(pid)
-                            except OSError:
-                                pass
-                    self._ready_line = line
-                self.lines.append(line)
-                self._cond.notify_all()
-            if self._on_line:
-                try:
-                    self._on_line(line)
-                except Exception:  # noqa: BLE001 - a callback must not stop the draining
-                    pass
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_line(self, substring: str, timeout: float = 30.0, start: int = 0) -> str:
-        """Wait for an output line containing ``substring`` (searching from index ``start``).
-
-        Raises:
-            TimeoutError: not seen within ``timeout`` seconds, or the output ended first.
-        """
-        deadline = time.monotonic() + timeout
-        i = start
-        with self._cond:
-            while True:
-                while i < len(self.lines):
-                    if substring in self.lines[i]:
-                        return self.lines[i]
-                    i += 1
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._reader.is_alive():
-                    tail = "\n".join(self.lines[-20:])
-                    raise TimeoutError(f"fake vllm: no line with {substring!r} within {timeout} s; output tail:\n{tail}")
-                self._cond.wait(left)
-
-    def pids(self, timeout: float = 30.0) -> list[int]:
-        """Wait for the ready line; return ``[top, core, w0, w1, ...]`` (headless: ``[top, w_k]``).
-
-        Raises:
-            TimeoutError: the tree was not up within ``timeout`` seconds (or the fake exited).
-        """
-        return _parse_ready(self.wait_line(READY_PREFIX, timeout))["pids"]
+        super().__init__(argv, on_line=on_line, **popen_kw)
 
     @property
     def top_pid(self) -> int:
@@ -1044,7 +751,7 @@ class FakeEngine:
     def port(self) -> int | None:
         """The HTTP port (useful with ``--port 0``); waits for readiness.  None without --port."""
         self.pids()
-        return _parse_ready(self._ready_line).get("port")
+        return parse_ready(self._ready_line).get("port")
 
     @property
     def url(self) -> str:
@@ -1063,80 +770,6 @@ class FakeEngine:
         """All output so far, newline-joined."""
         with self._cond:
             return "\n".join(self.lines)
-
-    def start_fill(self) -> None:
-        """Send SIGUSR1 to the filling worker (for ``--fill-on-signal``); waits for readiness.
-
-        Raises:
-            ValueError: started without ``--fill-size`` (SIGUSR1 would kill that worker).
-        """
-        if "--fill-size" not in self.argv:
-            raise ValueError("start_fill(): this fake was started without --fill-size")
-        pid = self.worker_pids[0]
-        _signal(self._pidfds.get(pid), signal.SIGUSR1)
-
-    def exited(self, pid: int) -> bool:
-        """True once process ``pid`` of this tree has exited (pidfd readable; zombie counts as exited)."""
-        fd = self._pidfds.get(pid)
-        if fd is None:
-            raise KeyError(f"pid {pid} is not part of this fake engine")
-        return _exited(fd)
-
-    def wait_gone(self, pids: list[int], timeout: float) -> bool:
-        """Wait until every pid in ``pids`` (of this tree) has exited; False on timeout."""
-        fds = [self._pidfds[p] for p in pids]
-        deadline = time.monotonic() + timeout
-        while True:
-            left = [fd for fd in fds if not _exited(fd)]
-            if not left:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            _wait_fds(left[:1], remaining)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGKILL the whole tree this started (every recorded pid, by pidfd, plus its process group
-        while the top is unreaped and in its own session), reap the top, close the pidfds.  Idempotent."""
-        for fd in list(self._pidfds.values()):
-            _signal(fd, signal.SIGKILL)
-        if self._own_session and self.proc.returncode is None:
-            try:  # the top is unreaped, so its pid (= our pgid) cannot have been reused
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        self.wait_gone(list(self._pidfds), timeout)
-        self._reader.join(timeout)
-        for fd in self._pidfds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._pidfds = {}
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-    def __enter__(self) -> "FakeEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _parse_ready(line: str) -> dict:
-    """``fake-vllm: ready pids=1,2,3 port=80`` -> ``{"pids": [1, 2, 3], "port": 80}``."""
-    out: dict = {}
-    for word in line[len(READY_PREFIX):].split():
-        key, _, val = word.partition("=")
-        if key == "pids":
-            out["pids"] = [int(p) for p in val.split(",") if p]
-        elif key == "port":
-            out["port"] = int(val)
-    return out
 
 
 def start(model: str, *opts: str, on_line=None, **popen_kw) -> FakeEngine:
