@@ -1,30 +1,38 @@
-"""The ``sparkguard`` command line.
+"""The ``sparkguard`` command line: the command table, and the import of the chosen command's module.
 
-Each sub-command lives in its own module which exposes ``register(subparsers)``; that
-function adds its parser(s) and sets ``func=handler`` where ``handler(args) -> int`` is
-the exit status.  Modules must keep their top-level imports light (argparse, stdlib):
-``sparkguard run`` imports all of them and the daemon's RSS is budgeted.
+Each sub-command lives in a module which exposes ``register(subparsers)``; that function adds
+its parser(s) and sets ``func=handler`` where ``handler(args) -> int`` is the exit status.
+Only the module of the command given on the command line is imported (``sparkguard status``
+does not load the daemon); the top-level help and an unknown command import them all, to list
+every command.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
-import importlib.util
 import sys
 
 from sparkguard import __version__
 
+#: command -> the module that registers it, in help order (a module may register several)
+COMMANDS = {
+    "run": "sparkguard.daemon",
+    "check-config": "sparkguard.daemon",
+    "reload": "sparkguard.reload",
+    "status": "sparkguard.status",
+    "incidents": "sparkguard.incidents",
+    "install": "sparkguard.host.cli",
+    "uninstall": "sparkguard.host.cli",
+    "install-zram": "sparkguard.host.cli",
+    "tune": "sparkguard.host.cli",
+    "doctor": "sparkguard.host.cli",
+    "engine": "sparkguard.control",      # engine status|start|stop|restart|lane
+    "drill": "sparkguard.drill",
+}
 #: modules that provide sub-commands, in help order
-COMMAND_MODULES = [
-    "sparkguard.daemon",        # run, check-config
-    "sparkguard.reload",        # reload
-    "sparkguard.status",        # status
-    "sparkguard.incidents",     # incidents
-    "sparkguard.host.cli",      # install, uninstall, install-zram, tune, doctor
-    "sparkguard.control",       # engine status|start|stop|restart|lane
-    "sparkguard.drill",         # drill
-]
+COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 
 class SubCommandParser(argparse.ArgumentParser):
@@ -38,8 +46,6 @@ class SubCommandParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         if extras:
-            import difflib
-
             known = [o for a in self._actions for o in a.option_strings]
             hints = []
             for x in extras:
@@ -50,27 +56,37 @@ class SubCommandParser(argparse.ArgumentParser):
         return ns, extras
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every available sub-command registered."""
+def chosen_modules(argv: list[str] | None) -> list[str]:
+    """The command modules to import for ``argv`` (the arguments after ``sparkguard``).
+
+    Returns:
+        the one module of the command when ``argv`` starts with a known command, else (no
+        argv, an option such as ``--help`` first, an unknown command) every command module.
+    """
+    if argv and argv[0] in COMMANDS:
+        return [COMMANDS[argv[0]]]
+    return COMMAND_MODULES
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with the sub-commands :func:`chosen_modules` names for
+    ``argv`` registered (None: every one)."""
     parser = argparse.ArgumentParser(
         prog="sparkguard",
         description="Memory-safety daemon for unified-memory GPU inference boxes (DGX Spark).",
     )
     parser.add_argument("--version", action="version", version=f"sparkguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubCommandParser)
-    for name in COMMAND_MODULES:
-        try:
-            if importlib.util.find_spec(name) is None:
-                continue
-        except ModuleNotFoundError:  # its parent package is absent from this build
-            continue
+    for name in chosen_modules(argv):
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sparkguard`` script; returns the exit status."""
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

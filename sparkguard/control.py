@@ -13,10 +13,9 @@ Protocol: the client sends one JSON object on one line and reads one JSON line b
     {"op": "wait", "until": "ready"|"stopped"|"starts", "after": N, "timeout": S, "lane": NAME?}
                                               -> {"ok": bool, "error"?: str, "status": {...}}
 
-``status`` is :meth:`sparkguard.supervisor.Supervisor.status`; :func:`sparkguard.supervisor.describe`
-renders it.  ``engine_status()`` is the client call ``sparkguard status`` can use.
-
-Top-level imports stay light (stdlib only): the CLI registry imports this module for every command.
+``status`` is :meth:`sparkguard.supervisor.core.Supervisor.status`;
+:func:`sparkguard.supervisor.render.describe` renders it.  ``engine_status()`` is the client call
+``sparkguard status`` can use.
 """
 
 from __future__ import annotations
@@ -31,7 +30,11 @@ import stat
 import struct
 import sys
 import threading
+import time
 from typing import Callable
+
+from sparkguard import config
+from sparkguard.supervisor.render import describe
 
 log = logging.getLogger("sparkguard.control")
 
@@ -108,7 +111,6 @@ class ControlServer:
         log.info("engine control on %s (mode 0600)", self.path)
 
     def _accept(self) -> None:
-        import time
         while not self._stopping:
             try:
                 conn, _ = self.sock.accept()
@@ -142,7 +144,6 @@ class ControlServer:
             self._slots.release()
 
     def _serve_one(self, conn: socket.socket) -> None:
-        import time
         with conn:
             try:
                 uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -267,7 +268,7 @@ def request(path: str, req: dict, timeout: float = 10.0) -> dict:
 def engine_status(path: str | None = None, timeout: float = 3.0) -> dict | None:
     """The running daemon's engine state (``Supervisor.status()``), or None when it cannot be
     asked (not running, no engine, not root).  For ``sparkguard status``; never raises.
-    Render with :func:`sparkguard.supervisor.describe`."""
+    Render with :func:`sparkguard.supervisor.render.describe`."""
     return ask_status(path, timeout)[0]
 
 
@@ -291,7 +292,6 @@ def socket_path(arg: str | None, config_path: str | None) -> str:
     if os.environ.get(ENV_SOCKET):
         return os.environ[ENV_SOCKET]
     try:
-        from sparkguard import config
         cfg = config.load(config_path, required=config_path is not None)
         return cfg.engine.control_socket
     except Exception:  # noqa: BLE001 - a broken config must not hide the socket; the daemon validates it
@@ -375,7 +375,6 @@ def handler(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(resp, indent=2, default=str))
     else:
-        from sparkguard import supervisor
         if not resp.get("ok"):
             print(f"sparkguard engine {op}: {resp.get('error')}", file=sys.stderr)
         elif op != "status" and args.no_wait:
@@ -383,5 +382,5 @@ def handler(args: argparse.Namespace) -> int:
             print(f"sparkguard engine: {resp.get('note') or REQUESTED[op].format(lane=getattr(args, 'name', ''))}"
                   + ("" if resp.get("note") else "; not waiting (see 'sparkguard engine status')"))
         if resp.get("status"):
-            print("\n".join(supervisor.describe(resp["status"])))
+            print("\n".join(describe(resp["status"])))
     return 0 if resp.get("ok") else EXIT_ERROR

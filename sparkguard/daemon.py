@@ -1,16 +1,22 @@
 """``sparkguard run`` and ``sparkguard check-config``: the command-line glue of the guard daemon.
 
 The daemon itself is :class:`sparkguard.guard.loop.Guard` (the poll loop and its state); what a
-config must satisfy beyond ``config.load`` is :func:`sparkguard.guard.settings.prepare`.  Every
-command module is imported to build the parser (:mod:`sparkguard.cli`), so the guard's modules
-are imported only once a command here is chosen.
+config must satisfy beyond ``config.load`` is :func:`sparkguard.guard.settings.prepare`.
+:mod:`sparkguard.cli` imports this module only when ``run`` or ``check-config`` is chosen.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+
+from sparkguard import config, proctree
+from sparkguard.guard import logq, settings
+from sparkguard.guard.loop import Guard
+from sparkguard.supervisor.render import config_line
+from sparkguard.units import format_duration, format_size
 
 log = logging.getLogger("sparkguard")
 
@@ -38,10 +44,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config; exit 0 if valid, 1 with the error (file, key, value) otherwise."""
-    from sparkguard import config
-    from sparkguard.guard import settings
-    from sparkguard.supervisor.render import config_line
-    from sparkguard.units import format_duration, format_size
     path = args.config_opt or args.path
     try:
         cfg = config.load(path, required=path is not None)
@@ -70,11 +72,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
-    import dataclasses
-
-    from sparkguard import config, proctree
-    from sparkguard.guard import logq, settings
-    from sparkguard.guard.loop import Guard
     logq.setup_logging(args.log_level)
     view: dict = {}
     why = proctree.hidepid_blocks_view(view)

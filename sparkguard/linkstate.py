@@ -250,6 +250,13 @@ class LinkStates:
         except Exception:                 # noqa: BLE001 - act first, report after; never die of it
             log.exception("on_incident callback failed")
 
+    def cancel_timers(self) -> None:
+        """Cancel every pending down_after timer (the watch is stopping: no incident is declared
+        after it)."""
+        for h in self._timers.values():
+            h.cancel()
+        self._timers.clear()
+
     def report_initial(self, where: str = "") -> None:
         """After the first dump: log the missing interfaces (``where``: e.g. " in netns X") and
         hand each interface's state to ``on_change``."""

@@ -270,9 +270,7 @@ class LinkWatch:
                 except Exception as e:     # noqa: BLE001
                     log.warning("link state re-read failed: %s", e)
         finally:
-            for h in self._timers.values():
-                h.cancel()
-            self._timers.clear()
+            self.states.cancel_timers()
             try:
                 self._ipr.close()
             except Exception:             # noqa: BLE001

@@ -12,13 +12,17 @@ The metric's lines are parsed with prometheus_client's own text parser
 serves (a real sparkguard, through a proxy) is read the way Prometheus would read it.  Each
 read is bounded: one deadline for the whole request, :data:`MAX_ANSWER` bytes of answer
 (:mod:`sparkguard.httpget`).
-Source of the metric name: TEAM.md "Metric names" / ``sparkguard.metrics``.
+Source of the metric name: :mod:`sparkguard.metrics`, the exporter every node runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkguard import httpget
 
 METRIC = "sparkguard_memory_available_bytes"
 
@@ -65,7 +69,6 @@ def parse_available(text: str) -> int:
     Raises:
         PeerError: the text does not parse or holds no such sample.
     """
-    from prometheus_client.parser import text_string_to_metric_families
     lines = []
     for head in (f"# HELP {METRIC} ", f"# TYPE {METRIC} ", METRIC + " "):
         if text.startswith(head):
@@ -101,7 +104,6 @@ def read_available(url: str, timeout: float = 3.0) -> int:
         PeerError: unreachable, too slow, an answer over :data:`MAX_ANSWER` bytes, HTTP status
             other than 200, or no usable metric.
     """
-    from sparkguard import httpget
     try:
         status, body = httpget.request(metrics_url(url), timeout, MAX_ANSWER)
     except OSError as e:

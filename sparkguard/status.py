@@ -425,7 +425,7 @@ def render_engine(e: dict) -> list[str]:
     there is none."""
     L = [f"Engine   (control socket {e['socket']})"]
     if e["status"] is not None:
-        from sparkguard.supervisor import describe
+        from sparkguard.supervisor.render import describe
         L += ["  " + ln for ln in describe(e["status"])]
     elif not e["configured"]:
         L.append("  not supervised (no engine: section in the configuration)")

@@ -453,10 +453,11 @@ def test_engine_left_by_a_killed_daemon_is_swept_before_the_new_start(tmp_path):
 def test_link_down_marks_the_engine_unhealthy_and_its_return_restarts_it(tmp_path):
     """link.mark_unhealthy: the daemon hands the link watch's incidents to Supervisor.link_event
     (netlink itself is tested in test_linkwatch); here the supervisor runs in-process on a real engine."""
-    from sparkguard import config, supervisor
+    from sparkguard import config
+    from sparkguard.supervisor.core import Supervisor
     model, port = unique(), free_port()
     cfg = config.from_dict(engine_config(tmp_path, model, fake_cmd(model, port), port), str(tmp_path / "x.yaml"))
-    sup = supervisor.Supervisor(cfg, reporter=None, start_control=False)
+    sup = Supervisor(cfg, reporter=None, start_control=False)
     sup.start()
     try:
         r = sup.wait("ready", 0, timeout=30)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_sparkguard
-from sparkguard import config, supervisor
+from sparkguard import config
+from sparkguard.supervisor import gates, output, render, restart
 
 GiB = 1024**3
 MiB = 1024**2
@@ -14,7 +15,7 @@ MiB = 1024**2
 # ---- quiesce gate and backoff, driven by a fake clock
 
 def test_quiesce_gate_needs_the_floor_for_the_whole_stable_period():
-    g = supervisor.QuiesceGate(start_above=10 * GiB, stable_for=3.0, band=256 * MiB)
+    g = gates.QuiesceGate(start_above=10 * GiB, stable_for=3.0, band=256 * MiB)
     assert not g.feed(0.0, 9 * GiB)
     assert not g.feed(1.0, 11 * GiB)
     assert not g.feed(3.9, 11 * GiB)
@@ -25,7 +26,7 @@ def test_quiesce_gate_needs_the_floor_for_the_whole_stable_period():
 
 
 def test_quiesce_gate_waits_while_memory_is_still_coming_back():
-    g = supervisor.QuiesceGate(start_above=10 * GiB, stable_for=2.0, band=256 * MiB)
+    g = gates.QuiesceGate(start_above=10 * GiB, stable_for=2.0, band=256 * MiB)
     t, v = 0.0, 10 * GiB
     opened = None
     # stranded memory comes back at 1 GiB/s for 5 s, then stays
@@ -40,11 +41,11 @@ def test_quiesce_gate_waits_while_memory_is_still_coming_back():
 
 
 def test_quiesce_gate_zero_stable_for_opens_at_once():
-    assert supervisor.QuiesceGate(1, 0.0, 0).feed(0.0, 2)
+    assert gates.QuiesceGate(1, 0.0, 0).feed(0.0, 2)
 
 
 def test_backoff_doubles_caps_and_resets_after_a_stable_run():
-    b = supervisor.Backoff(initial=1.0, maximum=10.0, stable_after=60.0)
+    b = restart.Backoff(initial=1.0, maximum=10.0, stable_after=60.0)
     assert [b.next(uptime=2.0) for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
     assert b.next(uptime=61.0) == 1.0       # the last run was stable: start over
     assert b.next(uptime=1.0) == 2.0
@@ -53,22 +54,22 @@ def test_backoff_doubles_caps_and_resets_after_a_stable_run():
 
 
 def test_identifier_is_the_program_name():
-    assert supervisor.identifier_for(["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"]) == "vllm"
-    assert supervisor.identifier_for(["vllm", "serve", "m"]) == "vllm"
-    assert supervisor.identifier_for(["python3", "-m", "sglang.launch_server"]) == "sglang"
-    assert supervisor.identifier_for(["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"]) == "tritonserver"
+    assert output.identifier_for(["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"]) == "vllm"
+    assert output.identifier_for(["vllm", "serve", "m"]) == "vllm"
+    assert output.identifier_for(["python3", "-m", "sglang.launch_server"]) == "sglang"
+    assert output.identifier_for(["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"]) == "tritonserver"
 
 
 def test_log_priority_from_the_level_prefix():
-    assert supervisor._level_priority("INFO 05-14 10:22:33 [api_server.py:1] up", 4) == 6
-    assert supervisor._level_priority("(EngineCore pid=7) ERROR 05-14 boom", 6) == 3
-    assert supervisor._level_priority("WARNING: something", 6) == 4
-    assert supervisor._level_priority("plain text", 4) == 4
+    assert output._level_priority("INFO 05-14 10:22:33 [api_server.py:1] up", 4) == 6
+    assert output._level_priority("(EngineCore pid=7) ERROR 05-14 boom", 6) == 3
+    assert output._level_priority("WARNING: something", 6) == 4
+    assert output._level_priority("plain text", 4) == 4
 
 
 def test_describe_reads_like_a_status_screen():
     detail = "restarting in 4.0 s (3 restarts in a row); last run: exit code 1 after 100 ms"
-    lines = supervisor.describe({"state": "backoff", "detail": detail, "pid": None, "lane": "1m",
+    lines = render.describe({"state": "backoff", "detail": detail, "pid": None, "lane": "1m",
                                  "lanes": ["200k", "1m"], "command": ["vllm", "serve", "m"], "starts": 4,
                                  "restarts": {"exit": 3, "guard": 0}, "restart_policy": "always",
                                  "backoff": 4.0, "consecutive_failures": 3, "last_exit": None})
@@ -76,18 +77,18 @@ def test_describe_reads_like_a_status_screen():
     assert "  lanes: 200k, *1m" in lines
     assert any("restarts: exit 3" in ln for ln in lines)
     assert any("crash loop: 3 restarts in a row" in ln for ln in lines)
-    assert supervisor.describe(None)[0].startswith("engine: not supervised")
+    assert render.describe(None)[0].startswith("engine: not supervised")
 
 
 def test_describe_says_the_pid_and_lane_once():
     ready = {"state": "ready", "detail": "", "pid": 27228, "lane": "calm", "uptime": 11.7, "starts": 1,
              "restarts": {}, "restart_policy": "always"}
-    assert supervisor.describe(ready)[0] == "engine: ready (pid 27228, lane calm, up 11.7 s)"
+    assert render.describe(ready)[0] == "engine: ready (pid 27228, lane calm, up 11.7 s)"
     # a detail that only repeats what the parentheses say (an older daemon's) is left out
-    assert supervisor.describe({**ready, "detail": "pid 27228, lane calm"})[0] == \
+    assert render.describe({**ready, "detail": "pid 27228, lane calm"})[0] == \
         "engine: ready (pid 27228, lane calm, up 11.7 s)"
     starting = {**ready, "state": "starting", "detail": "waiting for http://127.0.0.1:8000/health to answer 200"}
-    assert supervisor.describe(starting)[0] == ("engine: starting (pid 27228, lane calm, up 11.7 s): "
+    assert render.describe(starting)[0] == ("engine: starting (pid 27228, lane calm, up 11.7 s): "
                                                 "waiting for http://127.0.0.1:8000/health to answer 200")
 
 

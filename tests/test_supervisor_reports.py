@@ -79,7 +79,8 @@ def test_report_describes_the_run_the_guard_hit_while_its_tree_is_still_being_sw
     left behind, so the supervisor spends guard.grace sweeping them before it records the exit.
     The guard closes its incident meanwhile: the report must carry that run's own exit, last output
     lines and pid, not those of the run before it; and it is written at once."""
-    from sparkguard import config, reporter, supervisor
+    from sparkguard import config, reporter
+    from sparkguard.supervisor.core import Supervisor
     model, port = unique(), free_port()
     raw = engine_config(tmp_path, model, fake_cmd(model, port, "--mode", "ignore-term"), port)
     raw["guard"]["grace"] = "3s"
@@ -90,7 +91,7 @@ def test_report_describes_the_run_the_guard_hit_while_its_tree_is_still_being_sw
     level = rlog.level
     rlog.setLevel(logging.INFO)
     rlog.addHandler(logs)
-    sup = supervisor.Supervisor(cfg, reporter=rep, start_control=False)
+    sup = Supervisor(cfg, reporter=rep, start_control=False)
     sup.start()
     seen: list[int] = []
     try:

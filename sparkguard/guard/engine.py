@@ -1,6 +1,6 @@
 """The guard's side of the engine supervisor: start it, ask for its tree, pass on reloads and links, stop it.
 
-The supervisor (:mod:`sparkguard.supervisor`) runs in threads of its own; every call here comes
+The supervisor (:mod:`sparkguard.supervisor.core`) runs in threads of its own; every call here comes
 from the poll loop (or the link-watch thread for :meth:`Engine.link`) and returns without waiting,
 except :meth:`Engine.stop` at shutdown.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from sparkguard import supervisor
+from sparkguard.supervisor.core import Supervisor
 
 log = logging.getLogger("sparkguard")
 
@@ -18,7 +18,7 @@ class Engine:
     """The supervised engine as the guard sees it; without an ``engine:`` section every call is a no-op.
 
     Attributes:
-        supervisor: the running ``supervisor.Supervisor``, or None.
+        supervisor: the running :class:`Supervisor`, or None.
     """
 
     def __init__(self):
@@ -30,7 +30,7 @@ class Engine:
         registered) or None.  Raises OSError (control socket)."""
         if not cfg.engine.enabled:
             return
-        self.supervisor = supervisor.Supervisor(cfg, reporter, count_incident=count_incident)
+        self.supervisor = Supervisor(cfg, reporter, count_incident=count_incident)
         self.supervisor.start()
         register = getattr(metrics, "register_collector", None)
         if register is not None:

@@ -1,7 +1,7 @@
 """Engine supervision: start the inference engine, know it is healthy, restart it once memory is back.
 
 With an ``engine:`` section (:class:`sparkguard.config.EngineConfig`) the daemon starts the
-engine as its own child and keeps it running (issue #5).  Everything here runs in the
+engine as its own child and keeps it running.  Everything here runs in the
 supervisor's own threads; the guard's poll loop only calls the cheap, non-blocking hooks
 (:meth:`Supervisor.target`, :meth:`Supervisor.on_guard_event`, :meth:`Supervisor.take_incident`).
 
@@ -39,11 +39,18 @@ Restart reasons (metric label ``reason``): ``exit`` (the engine exited by itself
 ``manual`` (``sparkguard engine restart``), ``link`` (reserved for the link watch).
 
 Threads: one supervisor thread, and per run an exit watcher (pidfd), an output pump and a
-monitor (health/probe/head).  The daemon sets ``threading.stack_size`` (512 KiB) before.
+monitor (health/probe/head).  The daemon sets ``threading.stack_size`` (512 KiB) before.  The
+supervisor thread owns the state: the other threads post events that it applies (:mod:`.core`
+says who writes what).
 
 Modules, one concern each:
 
-* :mod:`.core`: :class:`Supervisor`, the orchestration thread, control and guard hooks;
+* :mod:`.core`: :class:`core.Supervisor`, the supervisor thread (start, supervise, stop,
+  restart) and the guard's hooks;
+* :mod:`.api`: the mailbox, and the hooks of the reload, link watch and control threads;
+* :mod:`.state`: the status dict, the history, incident engine parts, the state file;
+* :mod:`.runthreads`: the exit watcher, output pump and monitor of a run, the gate hooks;
+* :mod:`.schedule`: between two runs: the backoff wait, the start gates, the restart decision;
 * :mod:`.process`: spawn, exit watch, the run's tree, the sweep of leftovers;
 * :mod:`.output`: output forwarding to the journal, the last-lines ring;
 * :mod:`.health`: readiness, liveness probe, head watch;
@@ -54,18 +61,6 @@ Modules, one concern each:
 * :mod:`.collector`, :mod:`.render`: metrics and the human status lines;
 * :mod:`.run`: the state of one spawned engine.
 
-Every module imports only the standard library at its top (the CLI imports this package for
-``describe``).
+This package file imports nothing, so that importing one of its modules (the CLI's
+``engine`` command needs only :mod:`.render`) loads only that module and what it imports.
 """
-
-from sparkguard.supervisor.collector import EngineCollector
-from sparkguard.supervisor.core import HISTORY, STATES, Supervisor
-from sparkguard.supervisor.gates import MEM_SAMPLE, PEER_EVERY, QuiesceGate, drop_caches, read_mem_available
-from sparkguard.supervisor.health import MEMBERS_EVERY
-from sparkguard.supervisor.output import MAX_LINE, LogSink, _level_priority, identifier_for
-from sparkguard.supervisor.render import describe
-from sparkguard.supervisor.restart import REASONS, Backoff
-
-__all__ = ["Supervisor", "EngineCollector", "LogSink", "QuiesceGate", "Backoff", "describe", "identifier_for",
-           "read_mem_available", "drop_caches", "REASONS", "STATES", "HISTORY", "MEM_SAMPLE", "PEER_EVERY",
-           "MEMBERS_EVERY", "MAX_LINE", "_level_priority"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
 
 class EngineCollector:
-    """prometheus_client collector of the engine metrics (TEAM.md "Metric names", issue #5).
+    """prometheus_client collector of the engine metrics (exported beside :mod:`sparkguard.metrics`' own).
 
     ``sparkguard_engine_up``, ``_ready`` (0/1), ``sparkguard_engine_restarts_total{reason}``,
     ``sparkguard_engine_lane_info{lane}``, ``sparkguard_engine_time_to_ready_seconds`` (last start;
@@ -20,7 +22,6 @@ class EngineCollector:
 
     def collect(self):
         """Yield the metric families (prometheus_client Collector protocol)."""
-        from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
         s = self.sup.status()
         P = "sparkguard_engine_"
         yield GaugeMetricFamily(P + "up", "1 while the supervised engine's process runs.", value=float(s["up"]))

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from sparkguard import meminfo
+from sparkguard import meminfo, peers
+from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -141,11 +142,8 @@ class StartGates:
     """
 
     def __init__(self, ecfg, hooks: GateHooks, clock: Callable[[], float] = time.monotonic,
-                 read_mem: Callable[[], int] = read_mem_available, check_peers=None,
+                 read_mem: Callable[[], int] = read_mem_available, check_peers=peers.check,
                  drop: Callable[[], str] = drop_caches):
-        if check_peers is None:
-            from sparkguard import peers
-            check_peers = peers.check
         self.e, self.hooks, self.clock = ecfg, hooks, clock
         self.read_mem, self.check_peers, self.drop = read_mem, check_peers, drop
 
@@ -193,7 +191,6 @@ class StartGates:
     def _quiesce(self, deadline: float):
         """Returns ``("", "")`` open, ``("quiesce", detail)`` timed out, ``(None, ...)`` interrupted,
         ``(_AGAIN, ...)`` a guard hold came back."""
-        from sparkguard.units import format_size
         e, h = self.e, self.hooks
         gate = QuiesceGate(e.start_above, e.stable_for, e.stable_band)
         announced = False
@@ -221,7 +218,6 @@ class StartGates:
 
     def _peers(self, deadline: float):
         """Returns ``("", "")`` all ok, ``("peers", detail)`` timed out, ``(None, "")`` interrupted."""
-        from sparkguard.units import format_size
         e, h = self.e, self.hooks
         announced = False
         while True:

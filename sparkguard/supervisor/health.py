@@ -18,6 +18,9 @@ import json
 import logging
 import time
 from typing import Callable, Protocol
+from urllib.parse import urlsplit
+
+from sparkguard import httpget
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -34,14 +37,12 @@ def http(url: str, timeout: float, body: dict | None = None) -> tuple[int, bytes
     whole request and :data:`MAX_ANSWER` bytes of answer (:func:`sparkguard.httpget.request`).
     Raises OSError when nobody answers, too slowly, too much, or not in HTTP.  Environment
     proxies are ignored: health checks are local or on the TP fabric."""
-    from sparkguard import httpget
     data = None if body is None else json.dumps(body).encode()
     return httpget.request(url, timeout, MAX_ANSWER, data, {"Content-Type": "application/json"} if data else None)
 
 
 def base_url(url: str) -> str:
     """``scheme://host:port`` of a URL."""
-    from urllib.parse import urlsplit
     u = urlsplit(url)
     return f"{u.scheme}://{u.netloc}"
 

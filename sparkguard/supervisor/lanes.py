@@ -14,6 +14,10 @@ import logging
 import os
 import time
 
+from sparkguard import config as cm
+from sparkguard import sysinfo
+from sparkguard.supervisor.process import ENV_DROP, passwd
+
 log = logging.getLogger("sparkguard.supervisor")
 
 
@@ -53,7 +57,6 @@ def initial_lane(ecfg, state: dict) -> str | None:
 def write_state(ecfg, lane: str | None, run) -> None:
     """Persist ``lane`` and ``run``'s identity (None: no engine runs) to ``engine.state_file``
     (atomic: temp file, fsync, rename).  A write error is logged, never raised."""
-    from sparkguard import sysinfo
     st = {"version": 1, "lane": lane, "config_lane": config_lane(ecfg),
           "boot_id": sysinfo.boot_id(), "updated_at": time.time()}
     if run is not None:
@@ -99,8 +102,6 @@ def command(cfg, lane: str | None) -> tuple[list[str], dict[str, str]]:
     Raises:
         KeyError: ``engine.user`` does not exist.
     """
-    from sparkguard import config as cm
-    from sparkguard.supervisor.process import ENV_DROP, passwd
     e = cfg.engine
     ln = e.lanes.get(lane) if lane else None
     argv = list(e.command) + (list(ln.args) if ln else [])

@@ -8,11 +8,16 @@ from its level prefix, and the last ``engine.log_lines`` lines are kept for inci
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
+import selectors
+import socket
 import sys
 import time
 from typing import Callable
+
+from sparkguard import journal
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -59,7 +64,7 @@ class LogSink:
         mode: ``"auto"`` (journal if its socket answers, else stderr), ``"journal"``, ``"stderr"``.
         socket_path: journald's native socket.
         identifier: SYSLOG_IDENTIFIER of the entries.
-    Uses :mod:`sparkguard.journal` (``encode``/``send``) when present; otherwise stderr.
+    Uses :mod:`sparkguard.journal` (``encode``/``send``) for the journal.
     """
 
     def __init__(self, mode: str, socket_path: str, identifier: str):
@@ -69,18 +74,13 @@ class LogSink:
         self.sock = None
         self._warned = False
         if mode != "stderr":
-            try:
-                from sparkguard import journal  # the report branch's native-protocol sender
-            except ImportError:
-                journal = None
-            if journal is not None and (mode == "journal" or journal.available(socket_path)):
-                import socket
+            if mode == "journal" or journal.available(socket_path):
                 self.journal = journal
                 self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
                 self.sock.settimeout(2.0)
             elif mode == "journal":
-                log.warning("engine.log is journal but %s", "sparkguard.journal is missing" if journal is None
-                            else f"nothing listens on {socket_path}; engine output goes to stderr")
+                log.warning("engine.log is journal but nothing listens on %s; engine output goes to stderr",
+                            socket_path)
 
     def write(self, line: str, stream: str, pid: int | None, lane: str | None) -> None:
         """Send one line; never raises (falls back to stderr)."""
@@ -98,7 +98,6 @@ class LogSink:
                 try:
                     self.sock.sendto(payload, self.socket_path)
                 except OSError as e:
-                    import errno
                     if e.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
                         raise
                     self.journal.send(fields, self.socket_path)
@@ -154,7 +153,6 @@ def pump(stdout, stderr, on_line: Callable[[str, bytes], None],
     dropped.  An engine printing as fast as it can so costs the daemon reads and a newline
     count per 64 KiB, not a journal entry per line.
     """
-    import selectors
     rate = MAX_LINES_PER_SECOND if max_rate is None else max_rate
     sel = selectors.DefaultSelector()
     bufs = {}

@@ -5,6 +5,9 @@ from __future__ import annotations
 import shlex
 import time
 
+from sparkguard.supervisor.lanes import config_lane
+from sparkguard.units import format_duration
+
 
 def describe(state: dict | None) -> list[str]:
     """Lines for ``sparkguard status`` / ``sparkguard engine status`` from :meth:`Supervisor.status`
@@ -15,7 +18,6 @@ def describe(state: dict | None) -> list[str]:
     Returns:
         list[str], the first line a summary.
     """
-    from sparkguard.units import format_duration
     if not state:
         return ["engine: not supervised (no engine: section, or the daemon is not running)"]
     s = state
@@ -69,8 +71,6 @@ def config_line(ecfg) -> str:
         e.g. ``"vllm serve m (lane 200k of 200k, 1m); health http://127.0.0.1:8000/health; restart always,
         backoff 1.0 s to 5.0 min"``.
     """
-    from sparkguard.supervisor.lanes import config_lane
-    from sparkguard.units import format_duration
     lane = config_lane(ecfg)
     return (shlex.join(ecfg.command)[:200]
             + (f" (lane {lane} of {', '.join(ecfg.lanes)})" if lane else "")

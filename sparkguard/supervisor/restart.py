@@ -6,6 +6,8 @@ with plain numbers.  Policy values are those of ``engine.restart`` (``sparkguard
 
 from __future__ import annotations
 
+from sparkguard.units import format_duration
+
 #: every restart reason (metric label values, all exported from the first scrape)
 REASONS = ("exit", "guard", "wedged", "lane", "head", "not_ready", "manual", "link")
 #: reasons of a restart someone asked for: immediate, no backoff, not a failure
@@ -89,7 +91,6 @@ def describe_exit(code: int | None, signame: str | None, uptime: float, term_rea
         ``"killed by SIGKILL after 3.1 s (lane: switching lanes)"``, ``"exit code 0 after 2.0 s (stop)"``,
         ``"exit code 1 after 100 ms"``.
     """
-    from sparkguard.units import format_duration
     how = (f"exit code {code}" if code is not None else f"killed by {signame}" if signame
            else "exit status unknown")
     out = f"{how} after {format_duration(uptime)}"

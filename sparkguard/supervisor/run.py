@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+
+from sparkguard.supervisor.output import LastLines
+from sparkguard.supervisor.restart import classify_exit, describe_exit
 
 
 class Run:
@@ -18,7 +22,6 @@ class Run:
     """
 
     def __init__(self, proc, lane: str | None, argv: list[str], reason: str | None, log_lines: int = 200):
-        from sparkguard.supervisor.output import LastLines
         self.proc = proc
         self.pid: int = proc.pid
         self.pgid: int = proc.pid            # start_new_session: pid == pgid == sid
@@ -29,7 +32,6 @@ class Run:
         self.wall_spawn = time.time()
         self.ready = False
         self.ever_ready = False
-        self.t_ready: float | None = None
         self.exit: tuple[int | None, int | None] | None = None   # (code, signal)
         self.t_exit: float | None = None
         self.verdict: str | None = None     # monitor's: wedged | head | not_ready
@@ -69,7 +71,6 @@ class Run:
             exit, t_exit = self.exit, self.t_exit
         if exit is None:
             return None
-        from sparkguard.supervisor.restart import classify_exit, describe_exit
         code, sig = exit
         uptime = (t_exit or time.monotonic()) - self.t_spawn
         reason, _ = classify_exit(code, self.term_reason, self.guard_hit)
@@ -89,7 +90,6 @@ def _signame(sig: int | None) -> str | None:
     """``9`` -> ``"SIGKILL"``; None or 0 -> None."""
     if not sig:
         return None
-    import signal
     try:
         return signal.Signals(sig).name
     except ValueError:

@@ -1,0 +1,66 @@
+"""The Supervisor between two runs: the backoff wait, the start gates, the restart decision.
+
+:class:`BetweenRuns` is a part of :class:`sparkguard.supervisor.core.Supervisor` (its base
+class); it runs on the supervisor thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sparkguard.supervisor.gates import StartGates
+from sparkguard.supervisor.restart import restarts
+from sparkguard.supervisor.runthreads import SupervisorGateHooks
+from sparkguard.units import format_duration
+
+log = logging.getLogger("sparkguard.supervisor")
+
+
+class BetweenRuns:
+    """Backoff, gates and restart scheduling of a :class:`Supervisor`."""
+
+    def _backoff(self) -> bool:
+        if self.delay <= 0:
+            return True
+        deadline = time.monotonic() + self.delay
+        with self.cv:
+            self.next_start_at = deadline
+            le = self.last_exit or {}
+            self.state = "backoff"
+            n = self.backoff.failures
+            self.detail = (f"restarting in {format_duration(self.delay)}"
+                           + (f" ({n} restarts in a row)" if n > 1 else "")
+                           + f"; last run: {le.get('detail', 'exited')}")
+            self.cv.notify_all()
+        interrupted = self._wait(self.delay)
+        with self.cv:
+            self.next_start_at = None
+            if interrupted:
+                return False
+            self.delay = 0.0
+        return True
+
+    def _gates(self) -> bool:
+        """Guard hold, drop caches, quiesce, peers.  False when interrupted (stop/lane/quit)."""
+        r = StartGates(self.ecfg, SupervisorGateHooks(self)).run()
+        if r is None:
+            return False
+        with self.cv:
+            self.quiesce_wait, self.quiesce_timed_out = r.waited, bool(r.timed_out)
+            self.gate_timeout = {"gate": r.timed_out, "detail": r.detail} if r.timed_out else None
+        return True
+
+    def _schedule_restart(self, reason: str, failure: bool, uptime: float) -> None:
+        """Decide (under ``cv``) whether and when to restart after an exit for ``reason``."""
+        policy = self.ecfg.restart
+        if not restarts(policy, failure):
+            self.want = "stop"
+            self.state = "exited" if not failure else "failed"
+            self.detail = f"not restarted (engine.restart: {policy}): {self.last_exit and self.last_exit['detail']}"
+            self._history("no_restart", self.detail)
+            return
+        self.delay = self.backoff.next(uptime)
+        self.next_reason = reason
+        if self.backoff.failures > 2:
+            log.warning("engine: crash loop? %d restarts in a row; next in %g s", self.backoff.failures, self.delay)
