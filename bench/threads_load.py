@@ -114,8 +114,8 @@ def scrape_ok(port: int) -> bool:
 
 def guard_argv(conf: str, switch: float | None) -> list[str]:
     """The daemon's entry point (``cmd_run``), with ``sys.setswitchinterval`` forced when given."""
-    code = ("import sys, argparse\nfrom sparkguard import daemon\n"
-            + (f"daemon.SWITCH_INTERVAL = {switch!r}\nsys.setswitchinterval({switch!r})\n" if switch else "")
+    code = ("import sys, argparse\nfrom sparkguard import daemon\nfrom sparkguard.guard import harden\n"
+            + (f"harden.SWITCH_INTERVAL = {switch!r}\nsys.setswitchinterval({switch!r})\n" if switch else "")
             + "sys.exit(daemon.cmd_run(argparse.Namespace(config=sys.argv[1], dry_run=False, log_level='info')))")
     return [sys.executable, "-c", code, conf]
 

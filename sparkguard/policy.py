@@ -150,6 +150,12 @@ class Policy:
         """The caller found and SIGTERMed a target after RETRY_TARGET: start the grace period."""
         self.state, self.t_term = TERM_SENT, now
 
+    def term_sent_at(self, t: float) -> None:
+        """The victim's SIGTERM went out at ``t`` (monotonic s), before this policy's TERM: the
+        caller joined a running escalation of the same tree (:mod:`sparkguard.guard.escalation`),
+        so the grace runs from that first SIGTERM."""
+        self.t_term = min(self.t_term, t)
+
     def watch_line(self) -> int | None:
         """The memory line (bytes) whose crossing would change the decision now, so the caller
         polls faster near it: ``term_below`` when idle, ``kill_below`` (if set) during the grace

@@ -55,6 +55,10 @@ class Tree:
     Members are kept even after they are reparented (vLLM's EngineCore and workers
     survive the API server's SIGKILL), so escalation reaches orphans.
 
+    Shared by the threads of one escalation (:mod:`sparkguard.guard.escalation`): a SIGKILL
+    pass in one may add members while another asks :meth:`alive`, so readers iterate over a
+    copy of ``fds`` (``list()`` of a dict of ints runs without releasing the interpreter lock).
+
     Args:
         pids: list[int], the tree's members (root first by convention).
         starttimes: dict pid -> starttime ticks from the scan; a pid whose starttime
@@ -93,13 +97,14 @@ class Tree:
 
     def alive(self) -> list[int]:
         """Members that have not exited yet (pidfd not readable; poll(2), no FD_SETSIZE limit)."""
-        if not self.fds:
+        members = list(self.fds.items())
+        if not members:
             return []
         p = select.poll()
-        for fd in self.fds.values():
+        for _, fd in members:
             p.register(fd, select.POLLIN)
         done = {fd for fd, _ in p.poll(0)}
-        return [pid for pid, fd in self.fds.items() if fd not in done]
+        return [pid for pid, fd in members if fd not in done]
 
     def gone(self) -> bool:
         """True when every member has exited."""
@@ -167,7 +172,7 @@ class Tree:
 
     def close(self) -> None:
         """Close every pidfd."""
-        for fd in self.fds.values():
+        for fd in list(self.fds.values()):
             try:
                 os.close(fd)
             except OSError:

@@ -33,10 +33,6 @@ ALLOWED_LAZY = [
 
 #: module or "module:function" -> the part of issue 12 removing its imports inside functions
 PENDING = {
-    "sparkguard.daemon": "guard",
-    "sparkguard.supervisor.process": "guard",
-    "sparkguard.supervisor.core:_terminate": "guard",
-    "sparkguard.supervisor.core:_sweep_previous": "guard",
     "sparkguard.drill": "fakes",
     "sparkguard.incidents": "model",
     "sparkguard.status": "kernel",

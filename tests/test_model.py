@@ -117,8 +117,9 @@ def test_the_journal_views_carry_the_documented_message_ids():
 
 
 def test_the_snapshot_doc_lists_exactly_the_keys_the_guard_returns():
-    from sparkguard import config, daemon
+    from sparkguard import config
+    from sparkguard.guard.loop import Guard
     doc = (ROOT / "docs" / "snapshot.md").read_text()
     keys = re.findall(r"^\| `([a-z_]+)` \|", doc, re.M)
-    snap = daemon.Guard(config.from_dict({}, "/etc/sparkguard/sparkguard.yaml")).snapshot()
+    snap = Guard(config.from_dict({}, "/etc/sparkguard/sparkguard.yaml")).snapshot()
     assert keys == list(snap)

@@ -140,3 +140,13 @@ def test_a_victim_that_cannot_die_is_given_up_and_the_next_crossing_chooses_agai
     assert p.step(31.0, LINE - 1) == (P.UNKILLABLE,)
     assert p.state == P.OK
     assert p.step(31.2, LINE - 1) == (P.CROSSED, P.TERM)
+
+
+def test_a_joined_escalation_keeps_the_first_sigterms_grace():
+    # the guard joined the supervisor's escalation: its SIGTERM went out 4 s before the crossing
+    p = mk(grace=10.0)
+    assert p.step(100.0, LINE - 1) == (P.CROSSED, P.TERM)
+    p.term_sent_at(96.0)
+    assert p.step(105.9, LINE - 100) == ()
+    assert p.step(106.0, LINE - 100) == (P.KILL,)
+    assert p.state == P.KILL_SENT

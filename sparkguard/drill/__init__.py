@@ -3,7 +3,7 @@
 It starts a synthetic engine tree (:mod:`sparkguard.drill.hog`, shaped and titled like vLLM's:
 ``vllm serve sparkguard-drill-<hex>`` -> ``VLLM::EngineCore`` -> ``VLLM::Worker_TP0/1``)
 whose worker TP0 fills memory at a chosen rate, and runs the guard's own poll loop
-(:class:`sparkguard.daemon.Guard`, in this process) with the running configuration,
+(:class:`sparkguard.guard.loop.Guard`, in this process) with the running configuration,
 changed in three places only:
 
 * ``guard.term_below`` becomes a temporary line ``--margin`` (default 1 GiB) under the

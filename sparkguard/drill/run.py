@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 
-from sparkguard import config, daemon, meminfo, proctree
+from sparkguard import config, meminfo, proctree
 from sparkguard.incidents.store import IncidentStore, valid_id
 from sparkguard.drill import hog
 from sparkguard.drill.planning import TERM_LATENCY_LIMIT, signal_name
 from sparkguard.drill.report import headline, progress_bar
+from sparkguard.guard.loop import Guard
 from sparkguard.units import format_size
 
 
@@ -48,7 +49,7 @@ class _DrillReporter:
 
 
 def _make_guard(cfg, drill: "Drill"):
-    class DrillGuard(daemon.Guard):
+    class DrillGuard(Guard):
         """The daemon's Guard with the drill's reporter and a stop button for the controller thread."""
 
         def start(self) -> None:

@@ -29,6 +29,7 @@ import time
 from typing import Callable
 
 from sparkguard import control, proctree, sysinfo
+from sparkguard.guard import escalation
 from sparkguard.supervisor import health, lanes, output, process, reports
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
@@ -150,13 +151,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         """
         run = self.run
         return None if run is None else process.target(run, procs, protector, details)
-
-    def stopping(self, pid: int) -> str | None:
-        """Why the supervisor is already stopping the run whose root is ``pid`` (``"wedged"``,
-        ``"stop"``, ``"lane"``...), or None.  The guard then does not send a second SIGTERM: it
-        keeps only its own grace clock and the SIGKILL of the tree."""
-        run = self.run
-        return run.term_reason if run is not None and run.pid == pid else None
 
     def on_guard_event(self, incident: dict, event: dict) -> None:
         """The guard recorded ``event`` in ``incident`` (called from the poll loop; never blocks).
@@ -361,30 +355,31 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         return self._wait_for(lambda: run.exit is not None, timeout)
 
     def _terminate(self, why: str) -> None:
-        """SIGTERM the root, wait ``guard.grace`` for it to exit, then SIGKILL the whole tree."""
-        from sparkguard import proctree
+        """SIGTERM the root, wait ``guard.grace`` for it to exit, then SIGKILL the whole tree: one
+        escalation (:mod:`sparkguard.guard.escalation`).  When the guard is already stopping the
+        same tree this joins it: no second SIGTERM, the rest of the guard's grace."""
         run = self.run
         run.term_reason = why
         grace = self.cfg.guard.grace
         self._set("stopping", f"{why}: SIGTERM pid {run.pid}, SIGKILL after {grace:g} s")
-        tree = process.signal_tree(run)
-        try:
-            sent = tree.term_root()
-            self._history("sigterm", f"{why}: SIGTERM pid {run.pid}" + ("" if sent else " (already gone)"))
-            inc = run.incident
-            if inc is not None:
-                self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})", [run.pid])
-            if self._await_exit(grace):
-                return
-            killed = tree.kill_all(proctree.Protector(self.cfg.targets.protect))
-            self._history("sigkill", f"{why}: pid {run.pid} still alive {grace:g} s after SIGTERM; "
-                                     f"SIGKILL {len(killed)} processes")
-            if inc is not None:
-                self.reports.event(inc, "sigkill", f"SIGKILL {len(killed)} processes {grace:g} s after SIGTERM",
-                                   killed)
-            self._await_exit(10.0)
-        finally:
-            tree.close()
+        inc = run.incident
+
+        def note(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
+            if event == "joined":
+                self._history("sigterm", f"{why}: pid {run.pid} is already being stopped ({esc.reason}): "
+                                         "no second SIGTERM")
+            elif event == "sigterm":
+                self._history("sigterm", f"{why}: SIGTERM pid {run.pid}" + ("" if esc.sent else " (already gone)"))
+                if inc is not None:
+                    self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})", [run.pid])
+            else:
+                self._history("sigkill", f"{why}: pid {run.pid} still alive {esc.grace:g} s after SIGTERM; "
+                                         f"SIGKILL {len(killed)} processes")
+                if inc is not None:
+                    self.reports.event(inc, "sigkill", f"SIGKILL {len(killed)} processes {esc.grace:g} s after "
+                                       "SIGTERM", killed)
+        escalation.OWNER.stop(process.signal_tree(run), why, grace, self._await_exit,
+                              proctree.Protector(self.cfg.targets.protect), note=note)
 
     def _after_run(self) -> None:
         """The root exited: record it, sweep leftovers, reap, decide about the restart."""
@@ -452,14 +447,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
 
         Its process group counts only while a recorded member is still alive (then the group
         never emptied, so its id cannot have been reused)."""
-        from sparkguard import sysinfo
         prev = lanes.previous_engine(self.previous_state, sysinfo.boot_id())
         if prev is None:
             return
         pgid, members = prev
         live = process.leftovers(None, members)
         if live:
-            from sparkguard import proctree
             # a member may have left the group (setsid, as Ray does): then the group id could have
             # been reused by a stranger; trust it only while a live member is still in it
             in_group = any((p := proctree.read_proc(pid)) is not None and p.pgrp == pgid for pid in live)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import select
-import signal
-import time
+import subprocess
 from typing import Callable
+
+from sparkguard import proctree, signals
+from sparkguard.guard import escalation
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -27,7 +30,6 @@ WRAPPER = ("/bin/sh", "-c", 'echo 0 > /proc/self/oom_score_adj 2>/dev/null; exec
 
 def passwd(user: str):
     """The ``pwd.struct_passwd`` of ``engine.user`` (a name or a numeric uid).  Raises KeyError."""
-    import pwd
     return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
 
 
@@ -41,7 +43,6 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | Non
     Raises:
         OSError: the command (or ``cwd``) cannot be executed.  KeyError: no such user.
     """
-    import subprocess
     kw = {}
     if user is not None:
         pw = passwd(user)
@@ -115,7 +116,6 @@ def target(run, procs: dict, protector, details: bool = True):
     root, descendants and reparented members hung under the root; None when the root is gone
     (exited, a zombie, or its pid reused).  ``details=False``: no tree rows / memory yet
     (``proctree.add_details`` after the signal)."""
-    from sparkguard import proctree
     root = procs.get(run.pid)
     if root is None or (run.starttime and root.starttime != run.starttime) or proc_state(run.pid) in ("Z", None):
         return None
@@ -130,7 +130,6 @@ def target(run, procs: dict, protector, details: bool = True):
 def signal_tree(run):
     """pidfd ``signals.Tree`` of the run (root first, then live members and process-group
     members); every process found is recorded in ``run.members``."""
-    from sparkguard import proctree, signals
     procs = proctree.scan()
     kids = proctree.children_map(procs)
     pids = [pid for pid in proctree.descendants([run.pid], kids) if pid in procs]
@@ -145,7 +144,6 @@ def signal_tree(run):
 def refresh_members(run) -> bool:
     """Record every process of the run's tree and process group in ``run.members`` (pid ->
     start time), so that the sweep finds reparented ones.  Returns True when it changed."""
-    from sparkguard import proctree
     procs = proctree.scan()
     kids = proctree.children_map(procs)
     found = [procs[pid] for pid in proctree.descendants([run.pid], kids) if pid in procs]
@@ -163,7 +161,6 @@ def leftovers(pgid: int | None, members: dict[int, int], exclude: int | None = N
     """Live (non-zombie) processes in process group ``pgid`` (when ``group_ok``) or recorded in
     ``members`` with the same starttime; never sparkguard itself, pid 1 or a kernel thread.
     Returns {pid: starttime}."""
-    from sparkguard import proctree
     procs = proctree.scan()
     me = os.getpid()
     out = {}
@@ -179,7 +176,8 @@ def leftovers(pgid: int | None, members: dict[int, int], exclude: int | None = N
 def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note: Callable[[str, str], None],
           exclude: int | None = None, group_ok: bool = True) -> list[int]:
     """SIGTERM every :func:`leftovers` process, wait ``grace`` seconds for all, SIGKILL (and
-    process_mrelease) the rest, wait up to 10 s more.
+    process_mrelease) the rest, wait up to 10 s more: one escalation of
+    :mod:`sparkguard.guard.escalation` on the leftovers (blocks the calling thread).
 
     Args:
         protect: ``targets.protect`` patterns (never SIGKILLed).
@@ -187,7 +185,6 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
     Returns:
         list[int], the pids found (empty: nothing was left).
     """
-    from sparkguard import proctree, signals
     left = leftovers(pgid, members, exclude, group_ok)
     if not left:
         return []
@@ -198,27 +195,10 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
         titles.append(f"{pid} {p.cmdline[:40] if p else '?'}")
     note("sweep", f"{len(pids)} leftover processes of the engine: " + ", ".join(titles))
     tree = signals.Tree(pids, left)
-    try:
-        for pid in list(tree.fds):
-            tree.send(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        poller = select.poll()
-        for fd in tree.fds.values():
-            poller.register(fd, select.POLLIN)
-        while tree.alive() and time.monotonic() < deadline:
-            poller.poll(max(1.0, (deadline - time.monotonic()) * 1000.0))
-            for fd in list(tree.fds.values()):
-                if select.select([fd], [], [], 0)[0]:
-                    try:
-                        poller.unregister(fd)
-                    except KeyError:
-                        pass
-        if tree.alive():
-            killed = tree.kill_all(proctree.Protector(protect))
+
+    def noted(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
+        if event == "sigkill":
             note("sweep", f"SIGKILL {len(killed)} leftovers still alive after {grace:g} s")
-            deadline = time.monotonic() + 10
-            while tree.alive() and time.monotonic() < deadline:
-                poller.poll(100)
-    finally:
-        tree.close()
+    escalation.OWNER.stop(tree, "sweep", grace, protector=proctree.Protector(protect), term_all=True,
+                          note=noted)
     return pids

@@ -1,0 +1,241 @@
+"""The guard's actions: choose the victim, SIGTERM it, SIGKILL its tree, record each step.
+
+The poll loop hands :meth:`Actions.act` the actions :meth:`sparkguard.policy.Policy.step`
+returned; this module carries them out, signal first and report after (the recorder's reads
+come once the signal is out).  Everything here runs on the poll-loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import time
+
+from sparkguard import armed, policy, proctree, signals
+from sparkguard.guard import escalation
+from sparkguard.units import format_size
+
+log = logging.getLogger("sparkguard")
+
+
+class Actions:
+    """The victim of the open incident and what was sent to it.
+
+    Args:
+        cfg: ``config.Config`` in force (the loop replaces ``cfg`` and ``protector`` on a reload).
+        pol: the loop's ``policy.Policy``.
+        engine: :class:`sparkguard.guard.engine.Engine` (the supervised engine is the first target).
+        poller: the loop's ``select.poll``: the victim's pidfds are registered in it (POLLIN on exit).
+    Attributes:
+        recorder: ``recorder.Recorder``, set once it exists (after the first arming).
+        target: ``proctree.Target`` of the victim, or None; esc: its ``escalation.Escalation``
+            (shared with the supervisor when it stops the same tree), or None; tree: ``esc.tree``.
+        tree_fds: set[int], the victim's pidfds registered in ``poller``.
+        signals_sent: ``{"SIGTERM": n, "SIGKILL": n}`` since the start.
+        armed: ``armed.Armed``, the target chosen before the crossing.
+    """
+
+    def __init__(self, cfg, pol: policy.Policy, engine, poller):
+        self.cfg = cfg
+        self.policy = pol
+        self.engine = engine
+        self.poller = poller
+        self.recorder = None
+        self.protector = proctree.Protector(cfg.targets.protect)
+        self.target = None
+        self.esc = None
+        self.tree = None
+        self.tree_fds: set[int] = set()
+        self._killed: set[int] = set()
+        self.signals_sent = {"SIGTERM": 0, "SIGKILL": 0}
+        self.armed = armed.Armed(self.scan_choice, policy.FILL_RATE)
+        self._armed_for = cfg.targets
+
+    def warm_up(self) -> None:
+        """Arm the first target (one /proc pass, touching, hence locking, the search's and the
+        pidfd code's pages) and log it."""
+        self.armed.refresh()
+        t = self.armed.target
+        if t is not None:
+            log.info("targets now: %s (pid %d, %d processes), armed", t.title, t.root_pid, len(t.pids))
+        else:
+            log.info("no process matches targets.match right now")
+
+    def arm(self, now: float, headroom: int, far: int) -> None:
+        """The full pass's hook in the OK state: keep the armed target fresh (:mod:`sparkguard.armed`);
+        a reload that replaced ``targets`` drops the armed choice first.  ``far``: bytes of headroom
+        (poll interval x ``policy.FILL_RATE``) below which the loop polls faster; below it the armed
+        tree's own changes are followed at ``armed.SMALL_DUTY``."""
+        if self.cfg.targets is not self._armed_for:
+            self._armed_for = self.cfg.targets
+            self.armed.disarm()
+        self.armed.tick(now, headroom, far)
+
+    def victim_gone(self) -> bool:
+        """True once every member of the victim's tree has exited (never in a dry run)."""
+        if self.tree is None or self.policy.dry_run:
+            return False
+        return self.tree.gone()
+
+    def act(self, actions: tuple[str, ...], now: float, value: int) -> None:
+        """Carry out ``actions`` (``policy`` constants, in order) at ``now`` (monotonic s) with the
+        signal at ``value`` bytes."""
+        rec = self.recorder
+        for a in actions:
+            if a == policy.CROSSED:
+                rec.open(now, value, self.cfg.guard)
+            elif a in (policy.TERM, policy.RETRY_TARGET):
+                self._term(now, value, retry=a == policy.RETRY_TARGET)
+            elif a == policy.KILL:
+                self._kill(now, value)
+            elif a == policy.EXITED:
+                rec.event(now, value, "exited", self.tree.root and [self.tree.root] or [],
+                          f"victim tree gone {now - self.policy.t_term:.2f}s after SIGTERM")
+            elif a in (policy.RECOVERED, policy.GAVE_UP_WAITING):
+                self.close_incident(now, value, recovered=a == policy.RECOVERED)
+            elif a == policy.UNKILLABLE:
+                alive = self.tree.alive() if self.tree is not None else []
+                rec.event(now, value, "unkillable", alive,
+                          f"{len(alive)} processes still alive {self.policy.thresholds.kill_give_up:g}s after "
+                          "the first SIGKILL (uninterruptible sleep in a driver?); giving up on them")
+                self.close_incident(now, value, recovered=False)
+
+    def failed(self, actions: tuple[str, ...], now: float) -> None:
+        """An action raised: log it with the traceback and keep guarding.  Without a victim tree
+        the policy waits in NO_TARGET, which searches for a target again every second."""
+        log.exception("acting on %s failed; the guard keeps running", ",".join(actions))
+        if self.tree is None and self.policy.state in (policy.TERM_SENT, policy.KILL_SENT):
+            self.policy.no_target(now)
+
+    def scan_choice(self):
+        """One /proc pass: ``(target, procs, ambiguous)``: the target with its tree rows read, or
+        None when nothing matches; the whole scan; and whether the choice could change without a
+        process being created (:func:`sparkguard.proctree.ambiguous`: ranked by memory among
+        several trees of one pattern, or the oom_score fallback).  The supervised engine comes
+        first, then ``targets.match``."""
+        procs = proctree.scan()
+        target = self.engine.target(procs, self.protector)
+        ambiguous = False
+        if target is None:
+            targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
+            if not targets:
+                return None, procs, False
+            target = targets[0]
+            ambiguous = proctree.ambiguous(targets)
+        # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
+        # are gone within milliseconds; one tree's reads cost about a millisecond
+        proctree.add_details(target, procs)
+        return target, procs, ambiguous
+
+    def _choose(self):
+        """``(target, tree, armed)``: the armed target when its root is alive, the choice was not
+        ambiguous (:meth:`sparkguard.armed.Armed.take`) and the supervised engine (the first
+        target) has not changed since it was armed, with no /proc pass; else the
+        choice of one scan (its tree's pidfds opened now).  ``(None, None, False)`` when nothing matches."""
+        if self.cfg.targets is not self._armed_for:
+            self.armed.disarm()     # a reload changed targets since the last full pass in the OK state
+        got = self.armed.take()
+        if got is not None:
+            target, tree, _ = got
+            engine_pid = self.engine.root_pid()
+            if engine_pid is None or engine_pid == target.root_pid:
+                return target, tree, True
+            tree.close()
+        target = self.scan_choice()[0]
+        if target is None:
+            return None, None, False
+        return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid), False
+
+    def _watch(self, skip: set[int] = frozenset()) -> None:
+        """Register the victim's pidfds in the loop's poll set, but those of the pids in ``skip``."""
+        for pid, fd in list(self.tree.fds.items()):
+            if pid not in skip:
+                self.poller.register(fd, select.POLLIN)
+                self.tree_fds.add(fd)
+
+    def _term(self, now: float, value: int, retry: bool = False) -> None:
+        rec = self.recorder
+        target, tree, armed = self._choose()
+        if target is None:
+            if not retry:
+                rec.fill(None)
+                rec.event(now, value, "no_target", [], "nothing matches targets.match"
+                          + (" and fallback is off" if self.cfg.targets.fallback == "off" else ""))
+            self.policy.no_target(now)
+            return
+        self.target = target
+        dry = self.policy.dry_run
+        # one escalation per tree: when the supervisor is already stopping it (wedged, stop, lane)
+        # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
+        self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
+        self.tree = self.esc.tree
+        if dry:
+            rec.event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
+        else:
+            sent = self.esc.sent and not joined
+            t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
+            if sent:
+                self.signals_sent["SIGTERM"] += 1
+            self._watch()
+        if armed:
+            # act first, report after: the armed rows (read when it was armed) are re-read now;
+            # members already gone keep their armed figures
+            proctree.refresh_details(target)
+        if retry:
+            self.policy.target_found(now)
+        if joined:
+            self.policy.term_sent_at(self.esc.t_term)
+        if not dry:
+            rec.event(t_sig, value, "sigterm", [target.root_pid],
+                      f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
+                      f"{_fmt_size(target.mem_bytes)} RSS+swap)" +
+                      (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
+                       else "" if sent else " [already gone]"))
+        rec.fill(target)
+
+    def _kill(self, now: float, value: int) -> None:
+        if self.tree is None:
+            return
+        if self.policy.dry_run:
+            self.recorder.event(now, value, "would_kill", list(self.tree.fds), "dry run: would SIGKILL the tree")
+            return
+        before = set(self.tree.fds)
+        pids = escalation.OWNER.kill(self.esc, self.protector)
+        t_sig = time.monotonic()
+        self._watch(skip=before)
+        self.signals_sent["SIGKILL"] += len(pids)
+        new = [pid for pid in pids if pid not in self._killed]
+        self._killed.update(pids)
+        if not new:          # a repeated sweep of the same lingering processes: counted, not re-reported
+            return
+        pids = new
+        g = self.cfg.guard
+        why = "below the SIGKILL line" if (g.kill_below is not None and value < g.kill_below
+                                          and now - self.policy.t_term < g.grace) else \
+            f"still alive {now - self.policy.t_term:.1f}s after SIGTERM (grace {g.grace:g}s)"
+        self.recorder.event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
+
+    def close_incident(self, now: float, value: int, recovered: bool, stopped: bool = False) -> None:
+        """End the open incident (:meth:`sparkguard.recorder.Recorder.close`); release the victim's
+        pidfds whatever happens while reporting.  ``stopped``: the daemon is stopping with the incident
+        still open."""
+        try:
+            self.recorder.close(now, value, self.cfg.guard, self.policy.dry_run, recovered, stopped)
+        finally:
+            if self.tree is not None:
+                for fd in list(self.tree_fds):
+                    try:
+                        self.poller.unregister(fd)
+                    except KeyError:
+                        pass
+                self.tree_fds.clear()
+                escalation.OWNER.release(self.esc)
+            self.esc = None
+            self.tree = None
+            self.target = None
+            self._killed.clear()
+            self.policy.dry_run = self.cfg.guard.dry_run   # a dry_run change deferred by a reload
+
+
+def _fmt_size(n) -> str:
+    return format_size(n) if n is not None else "off"

@@ -1,0 +1,65 @@
+"""The guard's side of the engine supervisor: start it, ask for its tree, pass on reloads and links, stop it.
+
+The supervisor (:mod:`sparkguard.supervisor.core`) runs in threads of its own; every call here comes
+from the poll loop (or the link-watch thread for :meth:`Engine.link`) and returns without waiting,
+except :meth:`Engine.stop` at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sparkguard.supervisor.core import Supervisor
+
+log = logging.getLogger("sparkguard")
+
+
+class Engine:
+    """The supervised engine as the guard sees it; without an ``engine:`` section every call is a no-op.
+
+    Attributes:
+        supervisor: the running :class:`Supervisor`, or None.
+    """
+
+    def __init__(self):
+        self.supervisor = None
+
+    def start(self, cfg, reporter, count_incident, metrics) -> None:
+        """Start supervising ``engine:`` when configured.  ``count_incident``: ``(kind, wall)``
+        called for the supervisor's own incidents; ``metrics``: the endpoint (its collector is
+        registered) or None.  Raises OSError (control socket)."""
+        if not cfg.engine.enabled:
+            return
+        self.supervisor = Supervisor(cfg, reporter, count_incident=count_incident)
+        self.supervisor.start()
+        register = getattr(metrics, "register_collector", None)
+        if register is not None:
+            register(self.supervisor.collector())
+
+    def target(self, procs, protector):
+        """The supervised engine's tree (the guard's first target, no tree rows yet), or None."""
+        if self.supervisor is None:
+            return None
+        return self.supervisor.target(procs, protector, details=False)
+
+    def root_pid(self) -> int | None:
+        """The pid of the run the supervisor has now (running or not yet swept), or None."""
+        run = getattr(self.supervisor, "run", None) if self.supervisor is not None else None
+        return run.pid if run is not None else None
+
+    def reload(self, cfg) -> None:
+        """A new config is in force for the guard; the supervisor takes its ``engine:`` part."""
+        if self.supervisor is not None and cfg.engine.enabled:
+            self.supervisor.reload(cfg)
+        elif cfg.engine.enabled != (self.supervisor is not None):
+            log.warning("engine: section added or removed: takes effect after a restart")
+
+    def link(self, inc: dict, mark_unhealthy: bool) -> None:
+        """``link.mark_unhealthy``: a link incident marks the engine unhealthy; its end restarts it."""
+        if self.supervisor is not None and mark_unhealthy:
+            self.supervisor.link_event(inc.get("outcome") == "link_down", str(inc.get("summary") or ""))
+
+    def stop(self) -> None:
+        """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits."""
+        if self.supervisor is not None:
+            self.supervisor.stop()

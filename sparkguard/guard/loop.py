@@ -1,0 +1,471 @@
+"""The guard's poll loop: read /proc/meminfo, decide, act, record, sleep; and the state it keeps.
+
+:meth:`Guard.loop` samples memory (:mod:`sparkguard.meminfo`), feeds the pure decision core
+(:mod:`sparkguard.policy`), has :class:`sparkguard.guard.act.Actions` carry out its actions
+(the victim chosen by :mod:`sparkguard.proctree` or armed beforehand, signals through pidfds),
+whose steps :mod:`sparkguard.recorder` turns into the incident, and sleeps in ``poll(2)`` on: a
+self-pipe for signals (SIGHUP reload, SIGTERM/SIGINT stop), an optional PSI trigger on
+/proc/pressure/memory (POLLPRI wakes the loop as soon as the kernel sees memory stalls), and the
+victim's pidfds (POLLIN when a member exits).  Act first, report after.
+
+Threads: the loop's thread owns everything here.  The metrics thread calls :meth:`Guard.snapshot`
+(plain reads); the reload thread sets ``Reloader.loaded`` and wakes the loop; the link-watch thread
+calls :meth:`Guard._on_link_incident`; a signal handler adds to ``_flags``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+
+from sparkguard import meminfo, notify, policy, recorder, reporter, sysinfo
+from sparkguard.guard import harden, logq, reconfig, settings, startup
+from sparkguard.guard.act import Actions
+from sparkguard.guard.engine import Engine
+from sparkguard.units import format_size
+
+log = logging.getLogger("sparkguard")
+
+STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
+BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
+RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
+
+
+class Guard:
+    """The daemon: its state and the poll loop.
+
+    Args:
+        cfg: ``config.Config``.
+        config_arg: the ``--config`` path given (re-read on SIGHUP), or None for the default.
+        force_dry_run: ``--dry-run`` was given: stays in force across reloads.
+        meminfo_path: the file the loop reads (``/proc/meminfo``; tests give a file they write).
+    """
+
+    def __init__(self, cfg, config_arg: str | None = None, force_dry_run: bool = False,
+                 meminfo_path: str = "/proc/meminfo"):
+        self.config_arg = config_arg
+        self.force_dry_run = force_dry_run
+        self.meminfo_path = meminfo_path
+        self.policy = policy.Policy(settings.make_thresholds(cfg), cfg.guard.dry_run)
+        self.engine = Engine()
+        self._poller = select.poll()
+        self.actions = Actions(cfg, self.policy, self.engine, self._poller)
+        self._idle_poll = select.poll().poll    # nothing registered: the idle fast path waits for time only
+        self.reader = self.reporter = self.recorder = self.notifier = self.metrics = self.linkwatch = None
+        self.reloader = None
+        self.psi_fd = None
+        self.stopping = False
+        self._flags: set[int] = set()
+        self.avail = self.swap_free = self.value = 0
+        self.poll_count = 0         # timed (full) passes; poll_sum is their total seconds
+        self.fast_polls = 0         # polls on the idle fast path (untimed)
+        self.poll_sum = 0.0
+        self.last_poll = 0.0
+        self.started = time.time()
+        self.reloads = {"ok": 0, "failed": 0}
+        self.read_errors = 0
+        self._fail_since: float | None = None   # monotonic s of the first failed read of this streak
+        self._fail_wall = 0.0
+        self._fail_error = ""
+        self._next_status = 0.0
+        self.proc_view: dict | None = None   # what /proc shows this process (proctree.hidepid_blocks_view)
+
+    @property
+    def cfg(self):
+        """The ``config.Config`` in force (a reload replaces it)."""
+        return self.actions.cfg
+
+    # ---- start-up -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open everything the loop needs.  Raises OSError when /proc/meminfo is unusable."""
+        for w in harden.harden_self():
+            log.warning("%s", w)
+        self.actions.warm_up()
+        self.reader = meminfo.MeminfoReader(self.meminfo_path)
+        self.avail, self.swap_free = self.reader.sample()
+        self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
+        self.notifier = notify.Notifier()
+        self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
+        self.recorder = self.actions.recorder = recorder.Recorder(self.reader, self.reporter, sysinfo.hostname(),
+                                                                  sysinfo.boot_id())
+        startup.check_incident_dir(self.cfg, self.reporter)
+        self.psi_fd = harden.open_psi_trigger()
+        if self.psi_fd is None:
+            log.info("PSI memory trigger unavailable; polling only")
+        self.metrics = startup.start_metrics(self.cfg, self.snapshot)
+        self.linkwatch = startup.start_linkwatch(self.cfg, self._on_link_incident, self.metrics)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self.reloader = reconfig.Reloader(self.config_arg, self.force_dry_run, self.notifier.reloading,
+                                          self._reload_read)
+        self.reloader.start_result(self.cfg.path)
+        g = self.cfg.guard
+        log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
+                 _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
+                 " [DRY RUN]" if g.dry_run else "")
+        self.engine.start(self.cfg, self.reporter, self.recorder.count, self.metrics)
+        self.recorder.supervisor = self.engine.supervisor
+
+    def _on_link_incident(self, inc: dict) -> None:
+        """From the link-watch thread: a link stayed down past ``link.down_after`` (first call,
+        outcome ``link_down``) or came back (second call, same id).  Reported as a ``link`` incident."""
+        if inc.get("outcome") == "link_down":
+            self.recorder.count("link", time.time())
+        self.reporter.finish(inc)
+        self.engine.link(inc, self.cfg.link.mark_unhealthy)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._flags.add(signum)
+
+    def _reload_read(self) -> None:
+        """From the reload thread: its result is in ``reloader.loaded``; end the idle fast path and
+        wake the loop (non-blocking: a full pipe already holds a wake-up)."""
+        self._flags.add(RELOAD_READ)
+        try:
+            os.write(self._wake_w, b"r")
+        except OSError:
+            pass
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def loop(self) -> int:
+        """Poll until stopped.  Returns the exit status (0).
+
+        Two paths.  The full pass (:meth:`_pass`) samples, decides, acts, pings the watchdog and
+        refreshes STATUS=, then sleeps in poll() on the signal pipe, the PSI trigger and the
+        victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
+        FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
+        two seconds of polls (:meth:`_fast_budget`) take the idle fast path instead
+        (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one parse of MemAvailable, one compare,
+        and a sleep on an empty poll set.  After 200 ms of sleep every line runs cold, and each
+        registered fd costs the kernel a poll-table set-up and tear-down per wake.  Signals are
+        seen on the fast path through the flag the handler sets, within one poll interval.  The
+        PSI trigger is not watched there: it could wake the loop before the next poll only for
+        memory falling faster than FILL_RATE, and its own stall threshold (100-150 ms within a
+        1-2 s window, harden.PSI_TRIGGERS) spends most of the 200 ms interval first; it is
+        watched again from the first full pass.  The fast path checks MemAvailable alone, which
+        is never above MemAvailable+SwapFree, so it is safe for either ``guard.signal``; anything
+        else (a read or parse error, less headroom, a signal) ends it and the next poll is a
+        full pass.
+        """
+        self._poller.register(self._wake_r, select.POLLIN)
+        if self.psi_fd is not None:
+            self._poller.register(self.psi_fd, select.POLLPRI)
+        s = settings.loop_settings(self.cfg)
+        fast = 0
+        self._tick(time.monotonic(), first=True)
+        while not self.stopping:
+            if fast:
+                self._idle(fast, s)                 # read, compare, sleep: nothing to decide
+            try:
+                timeout = self._pass(s)             # read, decide, act, record, ping
+                fast = self._fast_budget(timeout, s)
+            except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+                log.exception("poll loop error; the guard keeps running")
+                timeout, fast = s.interval, 0
+            try:
+                events = self._poller.poll(timeout * 1000.0)    # sleep: signals, PSI, the victim's exits
+                if events and self._on_events(events):
+                    fast = 0
+                    s = settings.loop_settings(self.cfg)        # checked by the reload: cannot fail here
+            except Exception:  # noqa: BLE001 - nothing after a wake-up (a reload) may end the loop
+                log.exception("poll loop error after a wake-up; the guard keeps running")
+                fast = 0
+                self._idle_poll(s.interval * 1000.0)            # a fault that repeats must not spin the CPU
+        return self._shutdown()
+
+    def _idle(self, left: int, s: settings.LoopSettings) -> None:
+        """The idle fast path: up to ``left`` polls of MemAvailable alone, each followed by a sleep
+        of ``s.interval``; returns at the first read that is not far above the line
+        (``s.idle_floor``), fails, or finds a signal flagged.  Kept to these few lines: five times
+        a second, forever.
+
+        MemAvailable is read at the label and value offset :mod:`sparkguard.meminfo` gives
+        (``AVAIL_LABEL``, ``AVAIL_VALUE_AT``, ``KB``) with two finds and an ``int()``, not with
+        :func:`meminfo.field`: after a 200 ms sleep every line runs cold, and field()'s stricter
+        checks cost about twice as much per wake-up (45-60 us against 24-31 us, measured in the
+        guard process on the 2-core dev VM).  Its answer only ever ends the fast path: a value it
+        does not parse, or finds at the text's first line, is below the floor here, and the full
+        pass then reads with :meth:`meminfo.MeminfoReader.sample`, which reports the error."""
+        fd, view, buf = self.reader.inline_parts()
+        preadv, find, monotonic, sleep = os.preadv, buf.find, time.monotonic, self._idle_poll
+        label, at, kb = meminfo.AVAIL_LABEL, meminfo.AVAIL_VALUE_AT, meminfo.KB
+        floor, ms, flags = s.idle_floor, s.interval * 1000.0, self._flags
+        try:
+            while left:
+                try:
+                    n = preadv(fd, view, 0)
+                    i = find(label, 0, n)       # "\nMemAvailable:": only at a line's start
+                    avail = int(buf[i + at:find(kb, i, n)]) << 10 if i >= 0 else -1
+                except (OSError, ValueError):   # the full pass reports it
+                    return
+                if avail < floor or flags or self.stopping:
+                    return
+                left -= 1
+                self.fast_polls += 1
+                self.avail = avail
+                self.last_poll = monotonic()
+                sleep(ms)
+        except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+            log.exception("poll loop error on the idle path; the guard keeps running")
+
+    def _fast_budget(self, timeout: float, s: settings.LoopSettings) -> int:
+        """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
+        the guard is idle far above the line (state OK, MemAvailable at least ``s.idle_floor``, no
+        signal flagged, reads succeeding); else ``s.budget``, fewer when the watchdog ping falls
+        due sooner (a full pass must send it on time)."""
+        if timeout < s.interval or self.policy.state is not policy.OK or self.avail < s.idle_floor or self._flags \
+                or self._fail_since is not None:
+            return 0
+        n = self.notifier
+        if n.watchdog_interval is not None:
+            until = int((n.next_ping - time.monotonic()) / s.interval) - 1
+            if until < s.budget:
+                return until if until > 0 else 0
+        return s.budget
+
+    def _pass(self, s: settings.LoopSettings) -> float:
+        """One full poll: sample, decide, act, record, ping.  Returns the seconds to sleep."""
+        pol = self.policy
+        t0 = time.monotonic()
+        try:
+            avail, swap_free = self.reader.sample()
+        except (OSError, RuntimeError) as e:     # RuntimeError: meminfo.MeminfoError
+            self._read_error(e, t0)
+            timeout = s.interval
+        else:
+            if self._fail_since is not None:
+                self._read_back(t0)
+            value = avail + swap_free if s.use_swap else avail
+            self.avail, self.swap_free, self.value = avail, swap_free, value
+            headroom = value - pol.thresholds.term_below
+            if pol.state is policy.OK and headroom >= 0:
+                timeout = s.interval if headroom >= s.far else policy.next_interval(headroom, s.interval)
+                self.actions.arm(t0, headroom, s.far)
+            else:
+                acts = pol.step(t0, value, self.actions.victim_gone())
+                if acts:
+                    try:
+                        self.actions.act(acts, t0, value)
+                        self._tick(t0)
+                    except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
+                        self.actions.failed(acts, t0)
+                line = pol.watch_line()
+                timeout = s.interval if line is None else policy.next_interval(value - line, s.interval)
+                dl = pol.deadline(time.monotonic())
+                if dl is not None and dl < timeout:
+                    timeout = dl
+            t1 = time.monotonic()
+            self.poll_count += 1
+            self.poll_sum += t1 - t0
+            self.last_poll = t1
+        notifier = self.notifier
+        if notifier.watchdog_interval is not None:
+            notifier.watchdog(t0)
+            # never sleep past the next ping (poll_interval may exceed WATCHDOG_USEC/2)
+            timeout = min(timeout, max(0.0, notifier.next_ping - t0))
+        if t0 >= self._next_status:
+            self._tick(t0)
+        return timeout
+
+    def _on_events(self, events: list[tuple[int, int]]) -> bool:
+        """Handle what poll() returned: the signal pipe, exited pidfds, a failed PSI trigger.
+        Returns True when the loop settings may have changed (a signal was handled)."""
+        changed = False
+        for fd, ev in events:
+            if fd == self._wake_r:
+                try:
+                    self._drain_wakeup()
+                except Exception:  # noqa: BLE001
+                    log.exception("handling a signal failed; the guard keeps running")
+                changed = True
+            elif fd in self.actions.tree_fds:
+                self._poller.unregister(fd)
+                self.actions.tree_fds.discard(fd)
+            elif fd == self.psi_fd and ev & (select.POLLERR | select.POLLNVAL):
+                log.warning("PSI trigger failed; polling only")
+                self._poller.unregister(fd)
+                os.close(fd)
+                self.psi_fd = None
+        return changed
+
+    def _read_error(self, e: Exception, now: float) -> None:
+        """A failed read of meminfo at ``now`` (monotonic s).  After BLIND_AFTER seconds of failures in
+        a row the guard is blind: WATCHDOG=1 stops (systemd's WatchdogSec restarts the daemon),
+        STATUS= says so, and one error is logged."""
+        self.read_errors += 1
+        self._fail_error = str(e) or type(e).__name__
+        if self._fail_since is None:
+            self._fail_since, self._fail_wall = now, time.time()
+        n = self.notifier
+        if not n.blind and now - self._fail_since >= BLIND_AFTER:
+            n.blind = True
+            log.error("BLIND: cannot read %s for %.1fs (%d failed reads): %s; watchdog pings stop so the "
+                      "service manager restarts the guard", self.reader.path, now - self._fail_since,
+                      self.read_errors, self._fail_error)
+            self._tick(now)
+        elif self.read_errors == 1 or self.read_errors % 300 == 0:
+            log.error("reading %s failed (%d times so far): %s; still polling", self.reader.path,
+                      self.read_errors, self._fail_error)
+
+    def _read_back(self, now: float) -> None:
+        """The first good read after failures: end the streak; a blind guard pings again."""
+        since, self._fail_since = self._fail_since, None
+        if self.notifier.blind:
+            self.notifier.blind = False
+            log.warning("reading %s again after %.1fs blind; watchdog pings resume", self.reader.path, now - since)
+            self._tick(now)
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        flags, self._flags = self._flags, set()
+        if self.reloader.loaded is not None:
+            self.finish_reload()
+        if signal.SIGHUP in flags:
+            self.reloader.begin()
+        if flags & {signal.SIGTERM, signal.SIGINT}:
+            self.stopping = True
+            self.notifier.stopping()
+            log.info("stopping (signal)")
+
+    def _tick(self, now: float, first: bool = False) -> None:
+        """Refresh STATUS= (and send READY=1 after the first sample)."""
+        self._next_status = now + STATUS_EVERY
+        status = self.status_line()
+        if first:
+            self.notifier.ready(status)
+        else:
+            self.notifier.status(status)
+
+    # ---- reload / stop / snapshot -----------------------------------------------------------
+
+    def finish_reload(self) -> bool:
+        """From the loop: put a config read by ``reloader.begin()`` in force, or keep the running one
+        when it was refused.  Returns success; False when no read had finished.
+
+        The new config passed the same checks as ``check-config`` (``config.load`` and
+        :func:`settings.prepare`, which builds everything derived from it) before any of it is put
+        in force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
+        ``sparkguard reload`` returns once it is in force or refused."""
+        loaded = self.reloader.take()
+        if loaded is None:
+            return False
+        started, result = loaded
+        if isinstance(result, Exception):
+            e = result
+            self.reloads["failed"] += 1
+            log.error("reload failed, keeping the running config: %s", e)
+            self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
+                                       "available_bytes": self.value, "pids": [],
+                                       "detail": f"reload failed, running config kept: {e}"})
+            self.notifier.ready()
+            self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
+            self._next_status = time.monotonic() + 30
+            self.reloader.record(started, False, str(e), self.cfg.path)
+            return False
+        cfg, thresholds, protector = result
+        for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
+                         ("link", "interfaces"), ("link", "down_after")):
+            new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)
+            if new != old:
+                log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
+        self.actions.cfg = cfg
+        self.policy.thresholds = thresholds
+        if self.policy.state == "ok":
+            self.policy.dry_run = cfg.guard.dry_run
+        elif self.policy.dry_run != cfg.guard.dry_run:
+            # switching mid-incident would SIGKILL a tree that never got SIGTERM (or leave a real
+            # SIGTERM without its escalation): the new dry_run applies when this incident ends
+            log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
+        self.actions.protector = protector
+        error = ""
+        try:
+            self.engine.reload(cfg)
+        except Exception as e:  # noqa: BLE001 - the guard's part is in force; say what was not
+            log.exception("reload: the engine supervisor did not take the new config")
+            error = f"guard settings applied, engine supervisor refused them: {type(e).__name__}: {e}"
+        self.reloads["ok" if not error else "failed"] += 1
+        log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
+                 cfg.guard.grace)
+        self.notifier.ready()
+        self._tick(time.monotonic())
+        self.reloader.record(started, not error, error, self.cfg.path)
+        return not error
+
+    def _shutdown(self) -> int:
+        self.engine.stop()
+        if self.recorder is not None and self.recorder.incident is not None:
+            self.actions.close_incident(time.monotonic(), self.value,
+                                        recovered=self.value >= self.cfg.guard.term_below, stopped=True)
+        if self.linkwatch is not None:
+            self.linkwatch.stop()
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.metrics is not None:
+            try:
+                self.metrics.stop()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        log.info("stopped")
+        return 0
+
+    def status_line(self) -> str:
+        """One line for STATUS=: available, line, state; or why the guard is blind."""
+        if self.notifier is not None and self.notifier.blind:
+            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self._fail_wall))
+            return f"BLIND: cannot read {self.reader.path} since {since}: {self._fail_error}"
+        g = self.cfg.guard
+        what = "MemAvailable" if g.signal == "available" else "MemAvailable+SwapFree"
+        line = f"{what} {_fmt_size(self.value)}, SIGTERM line {_fmt_size(g.term_below)}"
+        if g.kill_below is not None:
+            line += f", SIGKILL line {_fmt_size(g.kill_below)}"
+        state = self.policy.state
+        target = self.actions.target
+        if target is not None and state != "ok":
+            state += f" (pid {target.root_pid})"
+        problem = self.metrics.problem() if self.metrics is not None else None
+        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "") + (f"; {problem}" if problem else "")
+
+    def snapshot(self) -> dict:
+        """Current state for metrics/status (see TEAM interface); cheap, any thread."""
+        g = self.cfg.guard
+        mono_now = time.monotonic()
+        total = self.reader.mem_total if self.reader else 0
+        swap_total = self.reader.swap_total if self.reader else 0
+        victim = self.actions.target      # read once: the loop may clear it between two reads
+        rec = self.recorder
+        return {
+            "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
+            "swap_total_bytes": swap_total, "signal": g.signal,
+            # the idle fast path refreshes avail only: with signal "available" it is the value
+            "signal_bytes": self.avail if g.signal == "available" else self.value,
+            "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below, "grace_seconds": g.grace,
+            "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
+            "signals_sent": dict(self.actions.signals_sent),
+            "incidents": dict(rec.counts) if rec is not None else {},
+            "last_incident_timestamp": rec.last_incident if rec is not None else None, "poll_count": self.poll_count,
+            "poll_seconds_sum": self.poll_sum, "polls_total": self.poll_count + self.fast_polls,
+            "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
+            "started_timestamp": self.started, "config_path": self.cfg.path,
+            "config_reloads": dict(self.reloads),
+            "notify_dropped": self.notifier.dropped if self.notifier else 0,
+            "log_dropped": logq.dropped(),
+            "blind": bool(self.notifier and self.notifier.blind),
+            "victim": {"pid": victim.root_pid, "title": victim.title} if victim is not None else None,
+            "proc_view": self.proc_view,
+            "metrics": self.metrics.state() if self.metrics is not None else None,
+        }
+
+
+def _fmt_size(n) -> str:
+    return format_size(n) if n is not None else "off"
