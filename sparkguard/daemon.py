@@ -12,7 +12,8 @@ import dataclasses
 import logging
 import sys
 
-from sparkguard import config, proctree
+from sparkguard import config
+from sparkguard.host import procview
 from sparkguard.guard import logq, settings
 from sparkguard.guard.loop import Guard
 from sparkguard.supervisor.render import config_line
@@ -74,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     logq.setup_logging(args.log_level)
     view: dict = {}
-    why = proctree.hidepid_blocks_view(view)
+    why = procview.hidepid_blocks_view(view)
     if why:
         print(f"sparkguard: not starting: {why}", file=sys.stderr)
         return 2

@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
 
-from sparkguard import meminfo
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkguard import config, control, linkwatch, meminfo, portowner, proctree, sysinfo
+from sparkguard.host import procview
+from sparkguard.supervisor.render import describe
+from sparkguard.units import format_duration as fd
+from sparkguard.units import format_size as fs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,10 +72,6 @@ def port_holder(url: str) -> dict | None:
     guards running on this host.  Never raises.  Sources: :mod:`sparkguard.portowner`,
     :func:`sparkguard.host.procview.is_guard`.
     """
-    from urllib.parse import urlsplit
-
-    from sparkguard import portowner, proctree
-    from sparkguard.host import procview
     try:
         port = urlsplit(url).port
     except ValueError:
@@ -101,11 +107,6 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
         (absent metrics give None).  Never raises.
     Source: the metric names of sparkguard.metrics (README "Metrics").
     """
-    import urllib.error
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict = {"url": url, "running": False}
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -186,10 +187,6 @@ def read_engine(cfg, socket: str | None = None, timeout: float = 3.0) -> dict:
         "error": str | None}``; ``status`` is ``Supervisor.status()`` (render it with
         ``sparkguard.supervisor.describe``), ``error`` why the daemon could not be asked.  Never raises.
     """
-    import os
-
-    from sparkguard import control
-
     path = socket or os.environ.get(control.ENV_SOCKET) or cfg.engine.control_socket
     st, err = control.ask_status(path, timeout)
     return {"socket": path, "configured": cfg.engine.enabled, "running": st is not None, "status": st,
@@ -206,8 +203,6 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     Reads /proc/meminfo, /proc/swaps, /sys/block/zram*, /proc/pressure/memory, scans /proc
     for targets (``proctree.find_targets``), scrapes ``url`` and asks the control socket.
     """
-    from sparkguard import sysinfo
-
     g = cfg.guard
     try:
         mi = meminfo.read()
@@ -238,8 +233,6 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     targets: list[dict] = []
     targets_error = None
     try:
-        from sparkguard import proctree
-
         for t in proctree.find_targets(cfg.targets):
             targets.append({"root_pid": t.root_pid, "title": t.title, "pattern": t.pattern,
                             "pids": list(t.pids), "mem_bytes": t.mem_bytes})
@@ -261,7 +254,6 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     links, links_error = {}, None
     if cfg.link.interfaces:
         try:
-            from sparkguard import linkwatch
             links = linkwatch.read_links(cfg.link.interfaces)
         except OSError as e:
             links_error = f"cannot read links over netlink: {e}"
@@ -276,9 +268,6 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
 
 def render(st: dict) -> str:
     """The human screen for a :func:`gather` dict."""
-    from sparkguard.units import format_duration as fd
-    from sparkguard.units import format_size as fs
-
     m, th, d = st["memory"], st["thresholds"], st["daemon"]
     now = st["timestamp"]
     L: list[str] = [f"sparkguard status   (config: {st['config_path']})", ""]
@@ -425,7 +414,6 @@ def render_engine(e: dict) -> list[str]:
     there is none."""
     L = [f"Engine   (control socket {e['socket']})"]
     if e["status"] is not None:
-        from sparkguard.supervisor.render import describe
         L += ["  " + ln for ln in describe(e["status"])]
     elif not e["configured"]:
         L.append("  not supervised (no engine: section in the configuration)")
@@ -438,8 +426,6 @@ def render_engine(e: dict) -> list[str]:
 
 def handler(args: argparse.Namespace) -> int:
     """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid."""
-    from sparkguard import config
-
     try:
         cfg = config.load(args.config)
     except config.ConfigError as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 
-from sparkguard import meminfo
 
 SYS_ZRAM = "/sys/block"
 
@@ -22,16 +21,6 @@ def _read(path: str) -> str | None:
             return f.read()
     except OSError:
         return None
-
-
-def parse_meminfo(text: bytes | str) -> dict[str, int]:
-    """/proc/meminfo text as ``{field: bytes}``: :func:`sparkguard.meminfo.parse`."""
-    return meminfo.parse(text)
-
-
-def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """/proc/meminfo now as ``{field: bytes}``: :func:`sparkguard.meminfo.read`.  Raises OSError."""
-    return meminfo.read(path)
 
 
 def read_psi_memory(path: str = "/proc/pressure/memory") -> dict | None:

@@ -9,11 +9,11 @@ initialised before it runs, so a package ``__init__`` that imports its modules (
 makes no circle with them; a module taking a name from its own package's ``__init__``
 (``from x.y import Name`` inside ``x.y.z``) still is an edge.
 
-Imports inside functions are allowed only where the command line picks a command: the modules in
-:data:`ALLOWED_LAZY` (``cli.py`` imports its commands through :mod:`importlib`, which is no
-import statement, so it needs no entry today).  :data:`PENDING` names the modules (or
-``module:function``) that other parts of issue 12 are reshaping; their tests are expected to fail
-(xfail) until those changes are merged, and the entries go then.
+Imports inside functions are allowed only where the command line picks a command: the modules
+and ``module:function`` entries in :data:`ALLOWED_LAZY` (``cli.py`` imports its commands through
+:mod:`importlib`, which is no import statement, so it needs no entry).  Only sparkguard's own
+modules are checked: :mod:`sparkguard.linkwatch` loads pyroute2 and asyncio (about 19 MiB) only
+when a ``link:`` section is configured.
 """
 
 from __future__ import annotations
@@ -29,17 +29,10 @@ from conftest import ROOT, sg_env
 #: module or "module:function" whose imports inside functions are CLI command selection
 ALLOWED_LAZY = [
     "sparkguard.host.cli",      # install, uninstall, install-zram, tune, doctor: each handler imports its module
+    "sparkguard.drill:cmd_drill",   # the drill's run (the whole guard) loads once the command runs, not in
+                                    # the drill's own tree processes, which import sparkguard.drill.hog
+    "sparkguard.incidents:_cmd",    # the configuration (and YAML) only when --dir is not given
 ]
-
-#: module or "module:function" -> the part of issue 12 removing its imports inside functions
-PENDING = {
-    "sparkguard.drill": "fakes",
-    "sparkguard.incidents": "model",
-    "sparkguard.status": "kernel",
-    "sparkguard.host.sysctl": "the lead (no part owns it)",
-    "sparkguard.host.install": "the lead (no part owns it)",
-    "sparkguard.host.configfile": "the lead (no part owns it)",
-}
 
 PKG = ROOT / "sparkguard"
 
@@ -125,10 +118,6 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _pending(key: str) -> str | None:
-    return PENDING.get(key) or PENDING.get(key.split(":")[0])
-
-
 def test_the_graph_sees_a_circle():
     """The circle finder on a small graph: a -> b -> c -> a is one circle, d -> a is none."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -138,10 +127,7 @@ def test_the_graph_sees_a_circle():
 def test_no_import_circle():
     graph = {m: {t for t, _, _ in imports(m)} for m in MODULES}
     found = circles(graph)
-    mine = [c for c in found if not all(_pending(m) for m in c)]
-    assert mine == [], f"import circles: {mine}"
-    if found:
-        pytest.xfail(f"circles among modules other parts of issue 12 reshape: {found}")
+    assert found == [], f"import circles: {found}"
 
 
 @pytest.mark.parametrize("mod", sorted(MODULES))
@@ -150,10 +136,7 @@ def test_imports_at_module_top(mod):
     circle check; only the command line's choice of a command may import late."""
     lazy = [(t, f, line) for t, f, line in imports(mod, named=True)
             if f is not None and mod not in ALLOWED_LAZY and f"{mod}:{f}" not in ALLOWED_LAZY]
-    late = [x for x in lazy if not _pending(f"{mod}:{x[1]}")]
-    assert late == [], f"{mod}: imports inside functions (module, function, line): {late}"
-    if lazy:
-        pytest.xfail(f"{_pending(mod + ':' + lazy[0][1])} removes these: {lazy}")
+    assert lazy == [], f"{mod}: imports inside functions (module, function, line): {lazy}"
 
 
 def test_every_command_is_in_the_command_table():

@@ -188,7 +188,7 @@ class Actions:
         if not dry:
             rec.event(t_sig, value, "sigterm", [target.root_pid],
                       f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
-                      f"{_fmt_size(target.mem_bytes)} RSS+swap)" +
+                      f"{format_size(target.mem_bytes)} RSS+swap)" +
                       (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
                        else "" if sent else " [already gone]"))
         rec.fill(target)
@@ -235,7 +235,3 @@ class Actions:
             self.target = None
             self._killed.clear()
             self.policy.dry_run = self.cfg.guard.dry_run   # a dry_run change deferred by a reload
-
-
-def _fmt_size(n) -> str:
-    return format_size(n) if n is not None else "off"

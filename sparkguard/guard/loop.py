@@ -71,7 +71,7 @@ class Guard:
         self._fail_wall = 0.0
         self._fail_error = ""
         self._next_status = 0.0
-        self.proc_view: dict | None = None   # what /proc shows this process (proctree.hidepid_blocks_view)
+        self.proc_view: dict | None = None   # what /proc shows this process (procview.hidepid_blocks_view)
 
     @property
     def cfg(self):

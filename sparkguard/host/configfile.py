@@ -10,9 +10,12 @@ whole text with :func:`sparkguard.config.from_dict` before returning it.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any, Callable
 
-from sparkguard import __version__
+import yaml
+
+from sparkguard import __version__, config
 
 #: first line of the file we write; the rest says how to change it
 HEADER = """\
@@ -113,8 +116,6 @@ def _candidates(value: Any) -> list[Any]:
 
 
 def _render_value(dotted: str, default: Any, parser: Callable[[Any], Any]) -> Any:
-    import yaml
-
     for cand in _candidates(default):
         try:
             if parser(yaml.safe_load(yaml.safe_dump(cand))) == default:
@@ -125,8 +126,6 @@ def _render_value(dotted: str, default: Any, parser: Callable[[Any], Any]) -> An
 
 
 def _comment(text: str, indent: str) -> list[str]:
-    import textwrap
-
     return [f"{indent}# {ln}" for ln in textwrap.wrap(text, 92 - len(indent))]
 
 
@@ -139,10 +138,6 @@ def render() -> str:
         RuntimeError: a default cannot be rendered so that it parses back to itself
             (a schema change this module does not understand).
     """
-    import yaml
-
-    from sparkguard import config
-
     lines = [HEADER.format(version=__version__).rstrip("\n")]
     defaults = config.Config()
     for section, (cls, parsers) in config.SCHEMA.items():

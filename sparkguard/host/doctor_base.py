@@ -77,7 +77,7 @@ def worse(a: str, b: str) -> str:
 def engine_roots(ctx: Context) -> list[tuple[int, str]]:
     """Root processes of the engines ``targets.match`` selects: ``[(pid, cmdline)]``.
 
-    The cmdline is argv joined with spaces, as the guard matches it (sparkguard/config.py).
+    The cmdline is argv joined with spaces, as the guard matches it (sparkguard/proctree.py).
     """
     pats = [re.compile(p) for p in ctx.config.targets.match]
     procs = [(pid, ppid, " ".join(argv)) for pid, ppid, argv in ctx.processes()]

@@ -168,11 +168,11 @@ def _check_unit(ctx: Context, pids: list[int]) -> Check:
 
 
 #: the highest oom_score_adj a guard should run at: harden_self writes -1000 and falls back to
-#: -900 (sparkguard/daemon.py); the unit sets OOMScoreAdjust=-1000
+#: -900 (sparkguard/guard/harden.py); the unit sets OOMScoreAdjust=-1000
 GUARD_OOM_ADJ_MAX = -900
 
 
-#: the highest nice a guard should run at: harden_self lowers it to -10 (daemon.NICE), the unit to -20
+#: the highest nice a guard should run at: harden_self lowers it to guard.harden.NICE (-20), as the unit's Nice=-20 does
 GUARD_NICE_MAX = -10
 
 

@@ -31,6 +31,9 @@ import shutil
 import subprocess
 import sys
 
+import yaml
+
+import sparkguard
 from sparkguard import __version__
 from sparkguard.host import configfile, sysctl, zram, zramboot
 from sparkguard.host.files import (Changes, HostError, Manifest, MANIFEST_PATH, edited_reason, in_root,
@@ -57,8 +60,6 @@ EXTRAS = {
 
 def package_parent() -> str:
     """The folder that holds this ``sparkguard`` package (site-packages or a checkout)."""
-    import sparkguard
-
     return os.path.dirname(os.path.dirname(os.path.realpath(sparkguard.__file__)))
 
 
@@ -133,8 +134,6 @@ def engine_configured(root: str) -> tuple[bool, str]:
     rendered defaults have it, is guard-only).  Read as plain YAML, so that it works whether or
     not this build's :mod:`sparkguard.config` knows the section.  Returns (answer, why).
     """
-    import yaml
-
     path = in_root(root, CONFIG_PATH)
     text = read_text(path)
     if text is None:

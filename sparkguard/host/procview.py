@@ -163,3 +163,60 @@ def cgroup_path(pid: int, root: str = "/proc") -> str | None:
             if line.startswith("0::"):
                 return line[3:].strip()
     return None
+
+
+def hidepid_blocks_view(view: dict | None = None) -> str | None:
+    """Why this process cannot see other users' processes, or None if it can.
+
+    /proc mounted with ``hidepid=noaccess|invisible|ptraceable`` (or 1, 2, 4; proc(5)) shows another
+    user's /proc/PID only to a process in the mount's ``gid=`` group or one that
+    ``ptrace_may_access()`` lets read it (fs/proc/base.c ``has_pid_permissions``), which for another
+    user's process needs CAP_SYS_PTRACE.  Decided from those rules for this process (its groups, and
+    CapEff of /proc/self/status), the same in every mode: root or not, PID 1 of a PID namespace or
+    not.  Then checked against what it sees: a process of another uid whose /proc/PID/stat it can
+    read proves the view whatever the rules say.
+
+    Args:
+        view: if given, filled with what this process sees now: ``hidepid`` (str or None),
+            ``processes`` (PIDs listed in /proc), ``other_users`` (of those, owned by another uid),
+            ``other_users_readable`` (of those, with a readable stat).
+    Returns:
+        str, the reason (naming the hidepid value and the uid), or None.
+    """
+    opts = ""
+    for line in (proctree.read_limited("/proc/self/mountinfo") or b"").decode(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) > 4 and parts[4] == "/proc":
+            opts = parts[-1]        # the super options, where proc keeps hidepid= and gid=
+    o = dict(x.split("=", 1) if "=" in x else (x, "") for x in opts.split(","))
+    hide = None if o.get("hidepid") in (None, "0", "off") else o["hidepid"]
+    me = os.geteuid()
+    seen = other = readable = 0
+    try:
+        names = proctree.pids()
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            uid = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue                # gone
+        seen += 1
+        if uid != me:
+            other += 1
+            if proctree.read_limited(f"/proc/{name}/stat") is not None:
+                readable += 1
+    if view is not None:
+        view.update(hidepid=hide, processes=seen, other_users=other, other_users_readable=readable)
+    if hide is None or readable:
+        return None
+    gid = o.get("gid")
+    if gid and gid.isdigit() and (int(gid) == os.getegid() or int(gid) in os.getgroups()):
+        return None
+    status = (proctree.read_limited("/proc/self/status") or b"").decode(errors="replace")
+    cap_eff = next((int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith("CapEff:")), 0)
+    if cap_eff >> 19 & 1:           # CAP_SYS_PTRACE, linux/capability.h
+        return None
+    return (f"/proc is mounted with hidepid={hide} and this process (uid {me}, without CAP_SYS_PTRACE"
+            + (f", not in group {gid}" if gid else "") + ") cannot see other users' processes; run sparkguard "
+            "as root with CAP_SYS_PTRACE (the unit does) or add its group to /proc's gid= option")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sparkguard import meminfo
+from sparkguard import meminfo, sysinfo
+from sparkguard.host import virt
 from sparkguard.host.files import (Changes, HostError, Manifest, in_root, install_file, parse_keys, read_text,
                                    set_keys, shipped)
 from sparkguard.units import format_size
@@ -74,8 +75,6 @@ def check_writable() -> None:
         HostError: /proc/sys is on a read-only mount (a container's, or one made read-only);
             names the mount and the container when one is detected.
     """
-    from sparkguard.host import virt
-
     cause = virt.read_only_cause(proc_path("vm.swappiness"))
     if cause:
         raise HostError(f"{cause}: the vm sysctls belong to the kernel, which only the host can change; "
@@ -116,9 +115,7 @@ def fast_swap() -> str | None:
 
     Sources: /proc/swaps, /sys/module/zswap/parameters/enabled.
     """
-    from sparkguard.sysinfo import read_swaps
-
-    for s in read_swaps():
+    for s in sysinfo.read_swaps():
         if os.path.basename(s["filename"]).startswith("zram"):
             return f"zram {s['filename']} at priority {s['priority']}"
     try:

@@ -16,6 +16,7 @@ import time
 
 from sparkguard import config as cm
 from sparkguard import sysinfo
+from sparkguard.host.files import atomic_write
 from sparkguard.supervisor.process import ENV_DROP, passwd
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -56,7 +57,7 @@ def initial_lane(ecfg, state: dict) -> str | None:
 
 def write_state(ecfg, lane: str | None, run) -> None:
     """Persist ``lane`` and ``run``'s identity (None: no engine runs) to ``engine.state_file``
-    (atomic: temp file, fsync, rename).  A write error is logged, never raised."""
+    (:func:`sparkguard.host.files.atomic_write`).  A write error is logged, never raised."""
     st = {"version": 1, "lane": lane, "config_lane": config_lane(ecfg),
           "boot_id": sysinfo.boot_id(), "updated_at": time.time()}
     if run is not None:
@@ -64,14 +65,7 @@ def write_state(ecfg, lane: str | None, run) -> None:
                         "members": {str(k): v for k, v in dict(run.members).items()}}
     path = ecfg.state_file
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(st, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(st))
     except OSError as ex:
         log.warning("cannot write engine state file %s: %s (the lane will not survive a restart)", path, ex)
 

@@ -58,13 +58,8 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | Non
 
 def proc_state(pid: int) -> str | None:
     """The state letter of /proc/PID/stat (proc(5) field 3), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            s = f.read()
-    except OSError:
-        return None
-    r = s.rfind(b")")
-    return s[r + 2:r + 3].decode() if r > 0 else None
+    st = proctree.stat_fields(f"/proc/{pid}/stat")
+    return st[1][0].decode() if st and st[1] else None
 
 
 def wait_exit(pid: int) -> tuple[int | None, int | None]:
