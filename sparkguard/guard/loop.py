@@ -437,7 +437,7 @@ class Guard:
         return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "") + (f"; {problem}" if problem else "")
 
     def snapshot(self) -> dict:
-        """Current state for metrics/status (see TEAM interface); cheap, any thread."""
+        """Current state for metrics/status (its keys: docs/snapshot.md); cheap, any thread."""
         g = self.cfg.guard
         mono_now = time.monotonic()
         total = self.reader.mem_total if self.reader else 0
