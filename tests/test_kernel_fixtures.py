@@ -87,3 +87,21 @@ if __name__ == "__main__":
     for name in sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()):
         (FIXTURES / name / "expected.json").write_text(json.dumps(observe(FIXTURES / name), indent=1) + "\n")
         print("wrote", FIXTURES / name / "expected.json", file=sys.stderr)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if (FIXTURES / c / "proc" / "meminfo").exists()])
+def test_the_fast_path_parser_gives_the_full_parsers_value_or_gives_up(case):
+    """meminfo.quick_available (the idle fast path) on each fixture meminfo gives what the full
+    parser (meminfo.field) reads, or gives up (-1 or ValueError, which end the fast path and send
+    the guard to the full pass): never another value, so a hostile file cannot keep the guard idle."""
+    from sparkguard import meminfo
+    text = (FIXTURES / case / "proc" / "meminfo").read_bytes()
+    try:
+        want = meminfo.field(text, meminfo.AVAIL_LABEL)
+    except ValueError:
+        want = None
+    try:
+        got = meminfo.quick_available(text, len(text))
+    except ValueError:
+        got = None
+    assert got in (None, -1) or got == want, (got, want)

@@ -186,23 +186,17 @@ class Guard:
         (``s.idle_floor``), fails, or finds a signal flagged.  Kept to these few lines: five times
         a second, forever.
 
-        MemAvailable is read at the label and value offset :mod:`sparkguard.meminfo` gives
-        (``AVAIL_LABEL``, ``AVAIL_VALUE_AT``, ``KB``) with two finds and an ``int()``, not with
-        :func:`meminfo.field`: after a 200 ms sleep every line runs cold, and field()'s stricter
-        checks cost about twice as much per wake-up (45-60 us against 24-31 us, measured in the
-        guard process on the 2-core dev VM).  Its answer only ever ends the fast path: a value it
-        does not parse, or finds at the text's first line, is below the floor here, and the full
-        pass then reads with :meth:`meminfo.MeminfoReader.sample`, which reports the error."""
+        MemAvailable is read by :func:`sparkguard.meminfo.quick_available`; its answer only ever
+        ends the fast path: a value it does not parse, or does not find, is below the floor here,
+        and the full pass then reads with :meth:`meminfo.MeminfoReader.sample`, which reports the
+        error."""
         fd, view, buf = self.reader.inline_parts()
-        preadv, find, monotonic, sleep = os.preadv, buf.find, time.monotonic, self._idle_poll
-        label, at, kb = meminfo.AVAIL_LABEL, meminfo.AVAIL_VALUE_AT, meminfo.KB
+        preadv, quick, monotonic, sleep = os.preadv, meminfo.quick_available, time.monotonic, self._idle_poll
         floor, ms, flags = s.idle_floor, s.interval * 1000.0, self._flags
         try:
             while left:
                 try:
-                    n = preadv(fd, view, 0)
-                    i = find(label, 0, n)       # "\nMemAvailable:": only at a line's start
-                    avail = int(buf[i + at:find(kb, i, n)]) << 10 if i >= 0 else -1
+                    avail = quick(buf, preadv(fd, view, 0))
                 except (OSError, ValueError):   # the full pass reports it
                     return
                 if avail < floor or flags or self.stopping:
