@@ -59,7 +59,7 @@ from sparkguard import signals
 log = logging.getLogger("sparkguard.armed")
 
 IDLE_CHECK = 10.0    # seconds between churn/exit checks far from the line
-MIN_GAP = 2.0        # seconds: the most often an idle guard rescans (its full pass comes every 2 s)
+MIN_GAP = 2.0        # seconds: the most often the guard rescans near the line (far from it: every IDLE_CHECK)
 MAX_AGE = 60.0       # seconds: rescan at least this often, churn or not
 IDLE_DUTY = 50       # idle: scans take at most 1/50 of the time (2 % of a core)
 SMALL_DUTY = 4       # little headroom: at most 1/4 of the time

@@ -100,8 +100,9 @@ def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
         g.wait_ready()
         g.wait_log("metrics on")
         a, t0 = scrape(), time.monotonic()
-        # a rate needs an interval: 4 s of polling, observed through the guard's own STATUS= beats
-        end = t0 + 4.0
+        # a rate needs an interval, and one full pass (every 10 s while idle) must fall in it:
+        # 12 s of polling, waited out on the guard's own notify socket
+        end = t0 + 12.0
         while time.monotonic() < end:
             g.notify.recv(max(0.01, end - time.monotonic()))
         b, t1 = scrape(), time.monotonic()

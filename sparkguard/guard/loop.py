@@ -16,6 +16,7 @@ calls :meth:`Guard._on_link_incident`; a signal handler adds to ``_flags``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import signal
@@ -29,7 +30,7 @@ from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard")
 
-STATUS_EVERY = 2.0          # seconds between STATUS= refreshes when nothing changes
+STATUS_EVERY = 10.0         # seconds between STATUS= refreshes when nothing changes (settings.FULL_PASS_EVERY)
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
 
@@ -141,9 +142,9 @@ class Guard:
         refreshes STATUS=, then sleeps in poll() on the signal pipe, the PSI trigger and the
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
-        two seconds of polls (:meth:`_fast_budget`) take the idle fast path instead
+        ten seconds of polls (:meth:`_fast_budget`) take the idle fast path instead
         (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one parse of MemAvailable, one compare,
-        and a sleep on an empty poll set.  After 200 ms of sleep every line runs cold, and each
+        the watchdog ping when it falls due, and a sleep on an empty poll set.  After 200 ms of sleep every line runs cold, and each
         registered fd costs the kernel a poll-table set-up and tear-down per wake.  Signals are
         seen on the fast path through the flag the handler sets, within one poll interval.  The
         PSI trigger is not watched there: it could wake the loop before the next poll only for
@@ -193,6 +194,8 @@ class Guard:
         fd, view, buf = self.reader.inline_parts()
         preadv, quick, monotonic, sleep = os.preadv, meminfo.quick_available, time.monotonic, self._idle_poll
         floor, ms, flags = s.idle_floor, s.interval * 1000.0, self._flags
+        notifier = self.notifier
+        ping_at = notifier.next_ping if notifier.watchdog_interval is not None else math.inf
         try:
             while left:
                 try:
@@ -204,7 +207,10 @@ class Guard:
                 left -= 1
                 self.fast_polls += 1
                 self.avail = avail
-                self.last_poll = monotonic()
+                self.last_poll = now = monotonic()
+                if now >= ping_at:              # WATCHDOG=1 from the loop itself, on time
+                    notifier.watchdog(now)
+                    ping_at = notifier.next_ping
                 sleep(ms)
         except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
             log.exception("poll loop error on the idle path; the guard keeps running")
@@ -212,16 +218,11 @@ class Guard:
     def _fast_budget(self, timeout: float, s: settings.LoopSettings) -> int:
         """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
         the guard is idle far above the line (state OK, MemAvailable at least ``s.idle_floor``, no
-        signal flagged, reads succeeding); else ``s.budget``, fewer when the watchdog ping falls
-        due sooner (a full pass must send it on time)."""
+        signal flagged, reads succeeding); else ``s.budget`` (the fast path sends the watchdog
+        pings that fall due meanwhile)."""
         if timeout < s.interval or self.policy.state is not policy.OK or self.avail < s.idle_floor or self._flags \
                 or self._fail_since is not None:
             return 0
-        n = self.notifier
-        if n.watchdog_interval is not None:
-            until = int((n.next_ping - time.monotonic()) / s.interval) - 1
-            if until < s.budget:
-                return until if until > 0 else 0
         return s.budget
 
     def _pass(self, s: settings.LoopSettings) -> float:
@@ -234,10 +235,10 @@ class Guard:
             self._read_error(e, t0)
             timeout = s.interval
         else:
-            if self._fail_since is not None:
-                self._read_back(t0)
             value = avail + swap_free if s.use_swap else avail
             self.avail, self.swap_free, self.value = avail, swap_free, value
+            if self._fail_since is not None:
+                self._read_back(t0)             # its STATUS= shows this sample
             headroom = value - pol.thresholds.term_below
             if pol.state is policy.OK and headroom >= 0:
                 timeout = s.interval if headroom >= s.far else policy.next_interval(headroom, s.interval)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from sparkguard import config, policy, proctree
 
-FULL_PASS_EVERY = 2.0       # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
+FULL_PASS_EVERY = 10.0      # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
 
 
@@ -30,7 +30,7 @@ def loop_settings(cfg) -> LoopSettings:
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
         at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
         bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
-        (clock read, watchdog ping, STATUS=, poll metrics) runs at least every FULL_PASS_EVERY (int).
+        (policy, STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.

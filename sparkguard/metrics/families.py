@@ -149,7 +149,7 @@ class GuardCollector:
         if s.get("poll_count") is not None and s.get("poll_seconds_sum") is not None:
             yield SummaryMetricFamily(P + "poll_duration_seconds", "Time spent in the timed polls of the "
                                       "loop (read /proc/meminfo, decide, act), seconds: every poll near the line "
-                                      "or in an incident, one every 2 s while idle; _count is the number of timed "
+                                      "or in an incident, one every 10 s while idle; _count is the number of timed "
                                       "polls.", count_value=int(s["poll_count"]), sum_value=float(s["poll_seconds_sum"]))
         if s.get("polls_total") is not None:
             c = CounterMetricFamily(P + "polls", "Reads of /proc/meminfo by the loop since start (timed and "
