@@ -291,14 +291,16 @@ def test_status(case: Path, engine_factory, tmp_path):
     g = GuardProc(cfg)
     try:
         g.wait_ready()
-        g.notify.wait_for(lambda m: "STATUS" in m, timeout=10)
+        g.wait_log("metrics on")
         r = run_sparkguard("status", "--config", g.config_path, *spec.get("args", []))
     finally:
         g.stop()
     assert r.returncode == spec.get("rc", 0), r.stderr
     sub = Subst(model=fe.model, tmp=g.tmp, python=sys.executable, host=socket.gethostname())
-    # columns padded to a number's width: any padding next to a number reads as two spaces
+    # columns padded to a number's width: any padding next to a number reads as two spaces; a
+    # duration's unit follows its value (uptime, the last poll's age)
     screen = re.sub(r"(?<=\S) {2,}(?=#)|(?<=#) {2,}", "  ", sub.text(_screen(r.stdout)))
+    screen = re.sub(r"# (us|ms|s|min|h)\b", "# <duration>", screen)
     compare(case / "expected" / "stdout.txt", screen)
 
 

@@ -34,6 +34,7 @@ log = logging.getLogger("sparkguard")
 STATUS_EVERY = 10.0         # seconds between STATUS= refreshes when nothing changes (settings.FULL_PASS_EVERY)
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
+STATUS_CHANGED = -2         # pseudo-signal in Guard._flags: another thread changed what STATUS= says
 
 
 class Guard:
@@ -102,6 +103,8 @@ class Guard:
         self.linkwatch = startup.start_linkwatch(self.cfg, self._on_link_incident, self.metrics)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        if self.metrics is not None:      # a change before this is in the first STATUS= (loop())
+            self.metrics.on_change = self._status_changed
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         self.reloader = reconfig.Reloader(self.config_arg, self.force_dry_run, self.notifier.reloading,
@@ -132,8 +135,17 @@ class Guard:
 
     def _reload_read(self) -> None:
         """From the reload thread: its result is in ``reloader.loaded``; end the idle fast path and
-        wake the loop (non-blocking: a full pipe already holds a wake-up)."""
-        self._flags.add(RELOAD_READ)
+        wake the loop."""
+        self._wake(RELOAD_READ)
+
+    def _status_changed(self) -> None:
+        """From the metrics thread: what STATUS= shows changed (the endpoint bound, or failed anew)."""
+        self._wake(STATUS_CHANGED)
+
+    def _wake(self, flag: int) -> None:
+        """Flag ``flag`` (ends the idle fast path) and wake the loop; non-blocking: a full pipe
+        already holds a wake-up."""
+        self._flags.add(flag)
         try:
             os.write(self._wake_w, b"r")
         except OSError:
@@ -338,6 +350,8 @@ class Guard:
             self.stopping = True
             self.notifier.stopping()
             log.info("stopping (signal)")
+        elif STATUS_CHANGED in flags:
+            self._tick(time.monotonic())
 
     def _tick(self, now: float, first: bool = False) -> None:
         """Refresh STATUS= (and send READY=1 after the first sample)."""

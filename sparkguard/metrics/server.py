@@ -96,6 +96,9 @@ class MetricsServer:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        #: ``() -> None`` called from the endpoint's thread when :meth:`problem` changes (bound, or a
+        #: new reason it is not); must not block (the guard flags its loop to send STATUS= again)
+        self.on_change: Callable[[], None] | None = None
 
     def _set_address(self, addr: tuple[str, int]) -> None:
         host, port = addr[:2]
@@ -156,6 +159,7 @@ class MetricsServer:
             self._next_attempt = None
         if failed:
             log.warning("metrics on %s: serving after %d failed attempts", self.url, failed)
+            self._changed()
         else:
             log.info("metrics on %s", self.url)
 
@@ -173,8 +177,17 @@ class MetricsServer:
         if not same:
             log.error("%s (metrics.listen); the guard keeps guarding without it and binds again every "
                       "%g-%g s", self.problem(), RETRY_FIRST, RETRY_MAX)
+            self._changed()
         else:
             log.debug("%s; next attempt in %g s", self.problem(), delay)
+
+    def _changed(self) -> None:
+        hook = self.on_change
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the endpoint must outlive its listener
+                log.exception("metrics state hook failed")
 
     def start(self, retry: bool) -> "MetricsServer":
         """Bind now and start the thread.  ``retry``: a failed bind is logged and tried again
