@@ -213,7 +213,8 @@ class Guard:
         preadv, quick, monotonic, sleep = os.preadv, meminfo.quick_available, time.monotonic, self._idle_poll
         floor, ms, flags = s.idle_floor, s.interval * 1000.0, self._flags
         notifier = self.notifier
-        ping_at = notifier.next_ping if notifier.watchdog_interval is not None else math.inf
+        # a ping due before the next wake-up is sent at this one, on the ping schedule
+        ping_at = notifier.next_ping - s.interval if notifier.watchdog_interval is not None else math.inf
         try:
             while left:
                 try:
@@ -226,9 +227,9 @@ class Guard:
                 self.fast_polls += 1
                 self.avail = avail
                 self.last_poll = now = monotonic()
-                if now >= ping_at:              # WATCHDOG=1 from the loop itself, on time
-                    notifier.watchdog(now)
-                    ping_at = notifier.next_ping
+                if now >= ping_at:              # WATCHDOG=1 from the loop itself, never late
+                    notifier.watchdog(max(now, notifier.next_ping))
+                    ping_at = notifier.next_ping - s.interval
                 sleep(ms)
         except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
             log.exception("poll loop error on the idle path; the guard keeps running")
