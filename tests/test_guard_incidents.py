@@ -36,7 +36,8 @@ def wait_incident(g: GuardProc, pred=lambda i: True, timeout: float = 30.0) -> d
                 return inc
         # the store is written by the reporter thread; its notify STATUS changes with each event
         g.notify.recv(0.2)
-    raise AssertionError(f"no finished incident within {timeout}s; log:\n{g.log()[-3000:]}")
+    raise AssertionError(f"no finished incident within {timeout}s (MemAvailable now "
+                         f"{mem_available() / GiB:.2f} GiB); log:\n{g.log()[-3000:]}")
 
 
 def events(inc: dict) -> list[str]:
