@@ -42,7 +42,8 @@ and sparkguard started under each scheduling in turn: ``nice -n -20`` (the unit'
 ``chrt -r 1`` (SCHED_RR priority 1, threads and children inherit it), ``chrt --reset-on-fork -r 1``
 (CPUSchedulingResetOnFork=yes: threads start at SCHED_OTHER nice 0).
 
-Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away, and
+Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away (with
+--idle-copies N, N processes of each, compared by their medians), and
 beside them the floor: the plainest loop at sparkguard's default cadence (read /proc/meminfo,
 sleep 200 ms) in Python and, where ``cc`` exists, in C.  Per process: CPU seconds of all
 threads from /proc/PID/task/*/schedstat (nanoseconds; utime+stime's 10 ms ticks are too
@@ -549,29 +550,39 @@ def sparkguard_poll_cost(n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def idle(seconds: float, guards, floors: bool = True) -> list[dict]:
-    """The guards (and the floor loops) side by side for ``seconds``, the line 8 GiB away.
+def idle(seconds: float, guards, floors: bool = True, copies: int = 1) -> list[dict]:
+    """The guards (and the floor loops) side by side for ``seconds``, the line 8 GiB away;
+    ``copies`` processes of each (named ``guard#i`` when more than one).
 
     Returns one row per process: CPU seconds (all threads), % of one core, scheduler runs
-    (wake-ups) per second and CPU microseconds per wake-up, VmRSS at the end."""
+    (wake-ups) per second and CPU microseconds per wake-up, VmRSS at the end.
+
+    Copies matter: on the GPU machine two processes running the very same floor loop in one run
+    have differed by up to 1.4x in CPU per wake-up (where each lands, what shares its core), as
+    much as a guard differs from the floor; :func:`idle_medians` compares medians of copies."""
     work = tempfile.mkdtemp(prefix="sg-h2h-idle-")
     term = max(GiB, mem_available() - 8 * GiB)
     nss = {}
     rows = []
     try:
-        for g in guards:
-            d = os.path.join(work, g)
-            os.mkdir(d)
-            argv, ready = guard_cmd(g, term, term - GiB, "sgidle" + uuid.uuid4().hex[:8], d)
-            nss[g] = (Namespace(argv, None, os.path.join(d, "log")), ready)
+        def named(g: str, i: int) -> str:
+            return g if copies == 1 else f"{g}#{i}"
+
+        for i in range(copies):
+            for g in guards:
+                d = os.path.join(work, named(g, i))
+                os.mkdir(d)
+                argv, ready = guard_cmd(g, term, term - GiB, "sgidle" + uuid.uuid4().hex[:8], d)
+                nss[named(g, i)] = (Namespace(argv, None, os.path.join(d, "log")), ready)
         for name, argv in (floor_cmds(work) if floors else {}).items():
-            nss[name] = (Namespace(argv, None, os.path.join(work, name + ".log")), "ready")
+            for i in range(copies):
+                nss[named(name, i)] = (Namespace(argv, None, os.path.join(work, named(name, i) + ".log")), "ready")
         pids = {}
         for g, (ns, ready) in nss.items():
             if not ns.wait_log(ready, 20):
                 print(f"   {g} did not start for the idle run")
                 continue
-            pids[g] = guard_pid(ns, g)
+            pids[g] = guard_pid(ns, g.split("#")[0])
         print(f"idle: {', '.join(pids) or 'no guard'} side by side for {seconds:g} s", flush=True)
         time.sleep(2)
         c0 = {g: proc_cpu(p) for g, p in pids.items() if p}
@@ -594,6 +605,18 @@ def idle(seconds: float, guards, floors: bool = True) -> list[dict]:
             ns.close()
         subprocess.run(["rm", "-rf", work])
     return rows
+
+
+def idle_medians(rows: list[dict]) -> list[tuple[str, int, float, float, float, float | None]]:
+    """Per guard (copies merged): ``(guard, copies, median, min, max, ratio)`` of CPU us per
+    wake-up, the ratio being the median's to floor_python's median (None without a floor)."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("us_per_wakeup") is not None:
+            by.setdefault(r["guard"].split("#")[0], []).append(r["us_per_wakeup"])
+    floor = statistics.median(by["floor_python"]) if by.get("floor_python") else None
+    return [(g, len(v), statistics.median(v), min(v), max(v),
+             statistics.median(v) / floor if floor else None) for g, v in by.items()]
 
 
 # ---------------------------------------------------------------- summary
@@ -676,6 +699,8 @@ def main() -> int:
     ap.add_argument("--headroom", type=float, default=1.25, help="GiB between MemAvailable now and the line")
     ap.add_argument("--trial-timeout", type=float, default=25.0, help="seconds before the bench ends a hog itself")
     ap.add_argument("--idle-seconds", type=float, default=60.0)
+    ap.add_argument("--idle-copies", type=int, default=1, metavar="N",
+                    help="N processes of each guard and floor in the idle run, compared by their medians")
     ap.add_argument("--no-idle", action="store_true")
     ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
     ap.add_argument("--no-floors", action="store_true",
@@ -740,7 +765,8 @@ def bench(args, guards: list[str]) -> int:
     except Stopped as e:
         stopped = e
         print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
-    idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards, not args.no_floors)
+    idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards, not args.no_floors,
+                                                                  max(1, args.idle_copies))
     fields = ["guard", "scenario", "tier", "bystanders", "spinners", "sched", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
               "terms", "line_bytes", "error"]
@@ -759,6 +785,11 @@ def bench(args, guards: list[str]) -> int:
         for r in idle_rows:
             print(f"| {r['guard']} | {r['idle_cpu_s']} | {r['idle_cpu_pct_core']} | {r['wakeups_per_s']} "
                   f"| {r['us_per_wakeup']} | {r['rss_mib']} |")
+        print()
+        print("| guard | copies | CPU us per wake-up, median (min-max) | median / floor_python's |")
+        print("|---|---|---|---|")
+        for g, n, med, lo, hi, ratio in idle_medians(idle_rows):
+            print(f"| {g} | {n} | {med:.1f} ({lo:.1f}-{hi:.1f}) | {'n/a' if ratio is None else f'{ratio:.2f}'} |")
         with open(os.path.splitext(args.csv)[0] + "-idle.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(idle_rows[0]))
             w.writeheader()
