@@ -43,7 +43,8 @@ to ``backoff_max`` 300 s, ``stable_for`` 5 s, ``ready_timeout`` 1200 s, ``quiesc
 other work on a shared machine moves MemAvailable by more than the default 256 MiB within
 ``stable_for`` and so stretches the quiesce gate (seen here: 27 s instead of 5 s).
 
-Output: one line per trial on stderr; a markdown table (per node count and fault: median and
+Output: on stderr "n=N FAULT trial K: cluster TAG serving MODEL; fault now" before each fault
+and one line per trial with its result; a markdown table (per node count and fault: median and
 min-max outage over the trials, how many recovered, failed requests) on stdout and in
 ``OUT.md``; every trial in ``OUT.csv`` (``--out``, default bench/results/cluster); with ``--logs
 DIR`` each node's sparkguard output per trial.
@@ -251,6 +252,7 @@ def trial(n: int, fault: str, k: int, args, work: Path) -> dict:
             client = Client(c.hub, f"http://{c.nodes[0].addr}:8000/v1/completions", model).start()
             try:
                 wait_serving(daemons, client, SETUP_TIMEOUT)
+                print(f"n={n} {fault} trial {k}: cluster {c.tag} serving {model}; fault now", file=sys.stderr, flush=True)
                 before = [d.status() for d in daemons]
                 t0, t1 = apply_fault(fault, c, daemons, args.link_drop)
                 row.update(measure(client, t0, t1, args.timeout, args.quiet, args.settle))

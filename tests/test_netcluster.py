@@ -20,21 +20,21 @@ from supervisor_helpers import unique, wait_gone  # noqa: E402
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
 
 
-def first_line(proc: subprocess.Popen, timeout: float) -> str:
-    """The first stdout line of ``proc`` (a reader thread), AssertionError after ``timeout`` s."""
+def first_line_of(stream, timeout: float) -> str:
+    """The next line of text ``stream`` (read by a thread), AssertionError after ``timeout`` s."""
     q: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: q.put(proc.stdout.readline()), daemon=True).start()
+    threading.Thread(target=lambda: q.put(stream.readline()), daemon=True).start()
     try:
         return q.get(timeout=timeout)
     except queue.Empty:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s") from None
+        raise AssertionError(f"no line within {timeout} s") from None
 
 
 def http_server(node, port: int = 8080) -> subprocess.Popen:
     """``python -m http.server`` bound to the node's address, once it listens."""
     p = node.spawn([sys.executable, "-u", "-m", "http.server", "--bind", node.addr, str(port)],
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert "Serving HTTP on" in first_line(p, 20)
+    assert "Serving HTTP on" in first_line_of(p.stdout, 20)
     return p
 
 
@@ -161,3 +161,34 @@ def test_a_sparkguard_per_node_runs_its_rank_and_serves_metrics_on_its_address(t
         pids = list(head.engine_pids) + list(rank1.engine_pids)
     assert wait_gone(pids, 10) == []
     assert_gone(c)
+
+
+def test_the_cluster_bench_stopped_by_sigint_leaves_no_namespace_or_process(tmp_path):
+    import re
+    import signal
+    from conftest import ROOT, sg_env
+    from test_bench_cleanup import _alive, _descendants
+    p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", "2", "--trials", "1",
+                          "--faults", "link-drop", "--link-drop", "60", "--out", str(tmp_path / "cluster")],
+                         env=sg_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        m, seen = None, []
+        while m is None:                    # the bench's own lines, up to the one before the fault
+            seen.append(first_line_of(p.stderr, 60))
+            assert seen[-1], "".join(seen)
+            m = re.search(r"cluster (\w+) serving", seen[-1])
+        tag = m.group(1)
+        assert {f"sgcl-{tag}-0", f"sgcl-{tag}-1"} <= set(os.listdir(netcluster.NETNS_DIR))
+        procs = _descendants(p.pid)
+        assert len(procs) >= 6              # two sparkguards, the head's tree, the headless rank
+        p.send_signal(signal.SIGINT)        # during the 60 s link drop
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == 130, err
+    assert "stopped by SIGINT" in err
+    assert not [n for n in os.listdir(netcluster.NETNS_DIR) if tag in n]
+    assert not [pid for pid, st in procs.items() if _alive(pid, st)]
+    assert (tmp_path / "cluster.csv").exists() is False     # no trial finished: nothing to write
