@@ -72,6 +72,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from headtohead import Stopped  # noqa: E402 - SIGINT/SIGTERM/SIGHUP as a KeyboardInterrupt with .signum
 
 FAULTS = ("kill-worker", "kill-head", "restart-head", "restart-headless", "link-drop")
 PERIOD = 0.1            # seconds between the client's requests
@@ -302,16 +305,8 @@ def table(rows: list[dict], timeout: float) -> str:
     return "\n".join(out)
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP arrived: unwind through every ``finally`` (clusters closed)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def stop_on_signals() -> None:
-    """SIGINT/SIGTERM/SIGHUP raise :class:`Stopped` once; later ones are ignored so the cleanup
+    """SIGINT/SIGTERM/SIGHUP raise :class:`Stopped` (headtohead's) once; later ones are ignored so the cleanup
     that follows is not cut short.  A forked child (pyroute2 forks helpers to enter namespaces
     and stops them with SIGTERM) inherits the handler: there it only ends that child."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -60,6 +60,7 @@ NODE_IF = "eth0"                   # the node's end of its veth, inside its name
 HUB_HOST = 254                     # the hub's bridge address: 10.X.Y.254
 METRICS_PORT = 8799                # sparkguard's default metrics port, free in every node's namespace
 SMALL_FAKE = ("--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB")
+MASTER_PORT = 29501                # vLLM's default (vllm/config/parallel.py ParallelConfig.master_port)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -439,7 +440,7 @@ def value(metrics: dict[tuple, float], name: str, **labels: str) -> float | None
 # --------------------------------------------------------------------------------------------
 # configs for one TP engine spanning the nodes
 
-def tp_argv(model: str, cluster: Cluster, rank: int, *, tp: int | None = None, master_port: int = 29500,
+def tp_argv(model: str, cluster: Cluster, rank: int, *, tp: int | None = None, master_port: int = MASTER_PORT,
             port: int = 8000, load_time: float = 2.0, fake_opts: tuple[str, ...] = SMALL_FAKE) -> list[str]:
     """argv of the fake vLLM for ``rank`` of a TP engine over every node of ``cluster``.
 
