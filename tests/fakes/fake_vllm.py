@@ -92,6 +92,11 @@ from sparkguard.units import parse_duration, parse_size
 #: the vLLM version whose behaviour this fake imitates (FIELD-NOTES)
 VLLM_VERSION = "0.33.0"
 MODES = ("clean", "orphans", "ignore-term", "crash", "wedge")
+#: vllm/config/parallel.py ParallelConfig.master_port
+DEFAULT_MASTER_PORT = 29501
+#: PyTorch's default NCCL process-group timeout (vllm/config/parallel.py distributed_timeout_seconds: None)
+DEFAULT_TIMEOUT_S = 600.0
+HEAD_LOSS = ("exit", "hang")
 SERVING_PREFIX = "fake-vllm: serving "
 _SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
@@ -138,8 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=2,
                    help="workers VLLM::Worker_TP0..N-1 under EngineCore (default 2)")
-    p.add_argument("--headless", action="store_true", help="no API server, no EngineCore: one worker of rank --node-rank")
+    p.add_argument("--headless", action="store_true",
+                   help="no API server, no EngineCore: one worker of rank --node-rank (with --nnodes: this node's ranks)")
     p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the engine spans (default 1); see fake_cluster.py")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                   help=f"rendezvous port on the head (default {DEFAULT_MASTER_PORT}, vLLM's)")
+    p.add_argument("--distributed-timeout-seconds", type=_duration, default=DEFAULT_TIMEOUT_S,
+                   help=f"rendezvous and collective timeout (default {DEFAULT_TIMEOUT_S:g} s, PyTorch's)")
+    p.add_argument("--fake-on-head-loss", choices=HEAD_LOSS, default="exit",
+                   help="what a headless node does when its head is gone: exit 0 (default) or hang")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (/v1/models; default 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="lane flag; compared across nodes")
     p.add_argument("--mode", type=_modes, default=["clean"], help=f"comma-separated, from: {', '.join(MODES)}")
     p.add_argument("--exit-delay", type=_duration, default=0.2,
                    help="seconds each process takes to exit after SIGTERM (CUDA teardown; default 0.2)")
@@ -163,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", default=None, help="also write the ready line to this file")
     p.add_argument("--ready-timeout", type=_duration, default=120.0, help="seconds to wait for the tree to come up")
     return p
+
+
+def _cluster():
+    """The multi-node part (fake_cluster.py beside this file), imported only with --nnodes > 1."""
+    if __package__:
+        from . import fake_cluster
+    else:
+        import fake_cluster
+    return fake_cluster
+
+
+def _local_ranks(a: argparse.Namespace) -> list[int]:
+    """Global TP ranks of this node's workers: all of them on one node; see fake_cluster.local_ranks."""
+    if a.nnodes > 1:
+        return _cluster().local_ranks(a)
+    return [a.node_rank] if a.headless else list(range(a.tp))
 
 
 @dataclass
@@ -196,6 +228,10 @@ def _parse(argv: list[str]) -> _Cfg:
         parser.error(f"--tp must be at least 1, got {args.tp}")
     if args.node_rank < 0:
         parser.error(f"--node-rank must not be negative, got {args.node_rank}")
+    if args.nnodes < 1:
+        parser.error(f"--nnodes must be at least 1, got {args.nnodes}")
+    if args.nnodes > 1:
+        _cluster().check_args(parser, args)
     if args.fill_rate is not None and args.fill_size is None:
         parser.error("--fill-rate needs --fill-size")
     timeout = args.shutdown_timeout
@@ -217,6 +253,12 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
     settitle(f"VLLM::Worker_TP{rank}")
     log = Log(f"(Worker_TP{rank} pid={os.getpid()}) ")
     sigs = Signals(cfg.ignore_term, catch_usr1=fills)
+    if a.nnodes > 1:  # before the unblock: the link's thread keeps the signals blocked
+        try:
+            _cluster().start_link(a, rank, ready_w, log)
+        except OSError as e:
+            log("ERROR", "parallel_state.py:1", f"could not listen on {a.master_addr}:{a.master_port}: {e}")
+            return 1
     signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED)
     mem = Memory()
     mem.add(a.hold)
@@ -225,7 +267,8 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
         os.write(ready_w, f"W {rank} {os.getpid()}\n".encode())
     except OSError:
         pass
-    os.close(ready_w)
+    if a.nnodes == 1:
+        os.close(ready_w)  # with --nnodes the link reports the group on it
 
     fill_at = None
     if fills and not a.fill_on_signal:
@@ -298,8 +341,9 @@ def _core_main(cfg: _Cfg, ready_w: int, cmd_r: int) -> int:
     log("INFO", "core.py:1", f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model={a.model!r}, "
         f"tensor_parallel_size={a.tp}")
     workers: dict[int, tuple[int, int]] = {}  # pid -> (rank, pidfd)
-    for rank in range(a.tp):
-        pid = fork(lambda r=rank: _worker_main(cfg, r, r == 0 and a.fill_size is not None, ready_w, None),
+    ranks = _local_ranks(a)
+    for rank in ranks:
+        pid = fork(lambda r=rank: _worker_main(cfg, r, r == ranks[0] and a.fill_size is not None, ready_w, None),
                     [cmd_r] + [fd for _, fd in workers.values()])
         workers[pid] = (rank, os.pidfd_open(pid))
     sigs = Signals(cfg.ignore_term)
@@ -372,11 +416,14 @@ class _State:
         self.serving_since: float | None = None
         self.dead = False
         self.stopping = False
+        self.peer_lost = False  # --nnodes: a rank of the group is gone (NCCL would hang)
         self.running = 0
         self.success = 0
         self.forever = threading.Event()  # never set: what wedged requests wait on
 
     def wedged(self) -> bool:
+        if self.peer_lost:
+            return True
         w = self.cfg.args.wedge_after
         return (w is not None and self.serving_since is not None
                 and time.monotonic() >= self.serving_since + w)
@@ -419,7 +466,8 @@ def _make_server(cfg: _Cfg, state: _State):
             elif path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{
                     "id": state.served, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                    "root": state.model, "parent": None, "max_model_len": 4096}]})
+                    "root": state.model, "parent": None,
+                    "max_model_len": cfg.args.max_model_len or 4096}]})
             elif path == "/metrics":
                 self._send(200, _metrics_text(state).encode(), "text/plain; version=0.0.4; charset=utf-8")
             else:
@@ -535,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     log("INFO", where, f"vLLM API server version {VLLM_VERSION} (sparkguard fake)")
     log("INFO", where, f"non-default args: model={a.model!r}, tp={a.tp}, modes={sorted(cfg.modes)}, "
         f"headless={a.headless}, shutdown_timeout={cfg.shutdown_timeout}" + (f", ignored={cfg.extra}" if cfg.extra else ""))
+    if a.nnodes > 1:
+        log("INFO", where, f"multi-node: nnodes={a.nnodes}, node_rank={a.node_rank}, "
+            f"master={a.master_addr}:{a.master_port}, distributed_timeout_seconds={a.distributed_timeout_seconds:g}")
+        if a.headless:
+            return _cluster().headless_main(cfg)
     state = _State(cfg, log)
     server = None
     if a.port is not None and not a.headless:
@@ -573,6 +626,8 @@ class _Top:
         self.sigs, self.child, self.child_fd, self.cmd_w = sigs, child, child_fd, cmd_w
         self.worker_fds: dict[int, int] = {}
         self.where = "api_server.py:1"
+        self.cluster = cfg.args.nnodes > 1
+        self.formed = False
 
     def _term_requested(self) -> bool:
         return any(s in (signal.SIGTERM, signal.SIGINT) for s in self.sigs.read()) and not self.cfg.ignore_term
@@ -581,9 +636,10 @@ class _Top:
         a = self.a
         t_term = None
         # 1. bring-up: wait for EngineCore and every worker to report (titled, memory held)
-        want_workers = {a.node_rank} if a.headless else set(range(a.tp))
+        want_workers = set(_local_ranks(a))
         core_pid = None
         workers: dict[int, int] = {}
+        early: list[list[str]] = []  # --nnodes: the group's reports read during bring-up
         buf = b""
         deadline = time.monotonic() + a.ready_timeout
         while (not a.headless and core_pid is None) or set(workers) != want_workers:
@@ -606,6 +662,8 @@ class _Top:
                             self.worker_fds[pid] = os.pidfd_open(pid)
                         except OSError:
                             pass
+                    else:
+                        early.append(parts)
                 if not data:
                     self.log("ERROR", self.where, "engine processes exited during start-up")
                     return self._abort(1)
@@ -615,7 +673,9 @@ class _Top:
             if time.monotonic() >= deadline:
                 self.log("ERROR", self.where, f"engine did not come up within {a.ready_timeout} s")
                 return self._abort(1)
-        os.close(ready_r)
+        if not self.cluster:
+            os.close(ready_r)
+            ready_r = None
         if t_term is not None:
             return self._shutdown(t_term)
         pids = [os.getpid()] + ([] if a.headless else [core_pid]) + [workers[r] for r in sorted(workers)]
@@ -626,20 +686,31 @@ class _Top:
             _write_ready_file(a.ready_file, line)
         self.log.raw(line)
 
-        # 2. loading, then serving
-        load_done = time.monotonic() + a.load_time
+        # 2. (--nnodes: the group forms,) loading, then serving
+        load_done = None if self.cluster else time.monotonic() + a.load_time
+        for parts in early:
+            load_done = self._group_report(parts, load_done)
         serving = False
         linger_until = None
         while True:
             now = time.monotonic()
             timeout = None
-            if not serving:
+            if not serving and load_done is not None:
                 timeout = load_done - now
             if linger_until is not None:
                 timeout = linger_until - now
-            fds = [self.sigs.rfd] + ([self.child_fd] if linger_until is None else [])
+            fds = [self.sigs.rfd] + ([self.child_fd] if linger_until is None else []) + ([ready_r] if ready_r else [])
             ready = wait_fds(fds, timeout)
             now = time.monotonic()
+            if ready_r is not None and ready_r in ready:
+                data = os.read(ready_r, 4096)
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    load_done = self._group_report(line.decode().split(), load_done)
+                if not data:
+                    os.close(ready_r)
+                    ready_r = None
             if self.sigs.rfd in ready and self._term_requested():
                 if linger_until is not None:
                     return self._finish(now, 1)
@@ -654,9 +725,22 @@ class _Top:
                 continue
             if linger_until is not None and now >= linger_until:
                 return self._finish(now, 1)
-            if not serving and now >= load_done:
+            if not serving and load_done is not None and now >= load_done:
                 serving = True
                 self._start_serving()
+
+    def _group_report(self, parts: list[str], load_done: float | None) -> float | None:
+        """Handle a worker's ``G`` (group formed: loading starts) or ``L rank node`` (a rank lost:
+        completions hang) report; returns the new load deadline (monotonic s, None until formed)."""
+        if parts and parts[0] == "G" and not self.formed:
+            self.formed = True
+            c = _cluster()
+            self.log.raw(f"{c.FORMED_PREFIX}nnodes={self.a.nnodes} master={self.a.master_addr}:{self.a.master_port} "
+                         f"node-rank={self.a.node_rank}")
+            return time.monotonic() + self.a.load_time
+        if parts and parts[0] == "L":
+            self.state.peer_lost = True
+        return load_done
 
     def _start_serving(self) -> None:
         if self.server:
