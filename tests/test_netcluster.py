@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -144,6 +145,9 @@ def test_a_sparkguard_per_node_runs_its_rank_and_serves_metrics_on_its_address(t
             d.wait_ready()
         st = head.status()
         assert st["state"] == "ready"
+        # the ranks met at the head's rendezvous over the bridge (tests/fakes/fake_cluster.py)
+        for d in (head, rank1):
+            d.wait_line(rf"fake-vllm: group formed nnodes=2 master={re.escape(c.nodes[0].addr)}:")
         # the head's engine serves on the head's address, seen from the hub
         status, _ = c.hub.http_post(f"http://{c.nodes[0].addr}:8000/v1/completions",
                                     {"model": model, "prompt": "x", "max_tokens": 1}, timeout=5)
@@ -164,7 +168,6 @@ def test_a_sparkguard_per_node_runs_its_rank_and_serves_metrics_on_its_address(t
 
 
 def test_the_cluster_bench_stopped_by_sigint_leaves_no_namespace_or_process(tmp_path):
-    import re
     import signal
     from conftest import ROOT, sg_env
     from test_bench_cleanup import _alive, _descendants
