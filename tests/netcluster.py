@@ -409,17 +409,10 @@ class SparkguardNode(Daemon):
         return parse_metrics(body.decode())
 
     def wait_metrics(self, timeout: float = 30.0, via: Namespace | None = None) -> dict[tuple, float]:
-        """Until the metrics endpoint answers (the daemon logs nothing per scrape; the endpoint is
-        bound before the engine starts): polled every 0.1 s, AssertionError after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self.scrape(via, timeout=2.0)
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{self.metrics_url} not served within {timeout} s: {e}\n"
-                                         + self.output()) from None
-            time.sleep(0.1)  # no event tells another namespace that a port listens
+        """Once the daemon logged "metrics on URL" (it logs that when the endpoint is bound),
+        one :meth:`scrape`; AssertionError when the line does not come within ``timeout``."""
+        self.wait_line(r"metrics on http://", timeout)
+        return self.scrape(via)
 
     def cleanup(self) -> None:
         """Stop the daemon (SIGTERM, 30 s, SIGKILL), then SIGKILL (pidfd) every engine process it

@@ -153,7 +153,7 @@ def test_a_sparkguard_per_node_runs_its_rank_and_serves_metrics_on_its_address(t
                                     {"model": model, "prompt": "x", "max_tokens": 1}, timeout=5)
         assert status == 200
         # rank 1's sparkguard serves metrics on its own address, read from the head's namespace
-        m = rank1.scrape(via=c.nodes[0])
+        m = rank1.wait_metrics(via=c.nodes[0])
         assert value(m, "sparkguard_memory_available_bytes") > 64 * 2**20
         assert head.scrape()                                  # and the head's, from the hub
         # each engine runs in its node's namespace, started by that node's sparkguard
