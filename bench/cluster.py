@@ -156,28 +156,15 @@ def wait_serving(daemons, client: Client, timeout: float) -> None:
         client.wait(min(deadline, now + 0.5))
 
 
-def engine_pid(d, title: str | None) -> tuple[int, int]:
-    """(pid, starttime) of node ``d``'s engine process titled ``title...`` (None: its top)."""
-    from sparkguard import proctree
-    if title is None:
-        pid = d.status()["pid"]
-        p = proctree.read_proc(pid)
-        return pid, p.starttime
-    for pid in d.alive_engine_pids():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if f.read().startswith(title.encode()):
-                return pid, proctree.read_proc(pid).starttime
-    raise RuntimeError(f"no {title} process among {d.alive_engine_pids()}:\n{d.output()[-3000:]}")
-
-
 def apply_fault(fault: str, cluster, daemons, link_drop: float) -> tuple[float, float]:
     """Apply ``fault``; returns (its start, its end) in monotonic seconds."""
-    from supervisor_helpers import kill_pids
     head, last = daemons[0], daemons[-1]
     if fault in ("kill-worker", "kill-head"):
-        pid, st = engine_pid(last, "VLLM::Worker") if fault == "kill-worker" else engine_pid(head, None)
         t = time.monotonic()
-        kill_pids({pid: st})
+        if fault == "kill-worker":
+            last.kill_engine("VLLM::Worker")
+        else:
+            head.kill_engine(None)
         return t, t
     if fault in ("restart-head", "restart-headless"):
         d = head if fault == "restart-head" else last

@@ -414,6 +414,32 @@ class SparkguardNode(Daemon):
         self.wait_line(r"metrics on http://", timeout)
         return self.scrape(via)
 
+    def engine_process(self, title: str | None = None) -> tuple[int, int]:
+        """``(pid, starttime)`` of this node's running engine process whose cmdline starts with
+        ``title`` (e.g. ``"VLLM::Worker_TP1"``, ``"VLLM::EngineCore"``), or of the engine's top
+        (the ``vllm serve`` process, from status) when ``title`` is None.  Only processes the
+        daemon reported ("fake-vllm: ready pids=") are considered.  Raises LookupError."""
+        from sparkguard import proctree
+        pids = [self.status()["pid"]] if title is None else self.alive_engine_pids()
+        for pid in pids:
+            p = proctree.read_proc(pid) if pid else None
+            if p is None:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if title is None or cmdline.startswith(title.encode()):
+                return pid, p.starttime
+        raise LookupError(f"no engine process {title or '(top)'} on {self.node.name}: {self.alive_engine_pids()}")
+
+    def kill_engine(self, title: str | None = None) -> int:
+        """SIGKILL (pidfd, start time checked) the engine process :meth:`engine_process` finds; its pid."""
+        pid, st = self.engine_process(title)
+        kill_pids({pid: st})
+        return pid
+
     def cleanup(self) -> None:
         """Stop the daemon (SIGTERM, 30 s, SIGKILL), then SIGKILL (pidfd) every engine process it
         reported that still runs; idempotent."""

@@ -162,6 +162,11 @@ def test_a_sparkguard_per_node_runs_its_rank_and_serves_metrics_on_its_address(t
             assert d.engine_pids
             for pid in d.alive_engine_pids():
                 assert os.stat(f"/proc/{pid}/ns/net").st_ino == node.inode()
+        # a fault on one node is seen across the bridge: the head's rendezvous loses rank 1
+        mark = head.mark()
+        victim = rank1.kill_engine("VLLM::Worker_TP1")
+        assert wait_gone([victim], 5) == []
+        head.wait_line(r"fake-vllm: rank lost rank=1 ", 10, start=mark)
         pids = list(head.engine_pids) + list(rank1.engine_pids)
     assert wait_gone(pids, 10) == []
     assert_gone(c)
