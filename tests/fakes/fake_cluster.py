@@ -34,8 +34,9 @@ joined; the head waits for them for at most the timeout (PyTorch's "Timed out ..
 clients"), a joiner for the group likewise; either then exits 1.  A worker reports the formed
 group to its node's top, which prints ``fake-vllm: group formed``; only then does the head
 "load" for ``--load-time`` and its port listen.  Before that a start-up failure on a headless
-node (refused, timed out) ends its top with exit 1, as ``WorkerProc.wait_for_ready`` raising
-does; after it, a worker that ends makes the top exit 0 (the inline monitor above).
+node (refused, timed out: the worker exits 1) ends its top with exit 1, as
+``WorkerProc.wait_for_ready`` raising does; after it, or when a worker exits 0 because its head
+went away (a stale rendezvous, below), a worker that ends makes the top exit 0 (the inline monitor).
 
 After forming, each worker's connection stands for the NCCL communicator:
     - a rank whose connection closes (its worker, or its node's top, died: each worker watches
@@ -456,6 +457,7 @@ class _HeadlessTop:
         self.workers: dict[int, tuple[int, int]] = {}  # pid -> (rank, pidfd)
         self.reported: dict[int, int] = {}             # rank -> pid, from the W lines
         self.formed = False
+        self.announced = False  # the ready line is out: the formed line follows it
         self.buf = b""
 
     def run(self) -> int:
@@ -489,10 +491,9 @@ class _HeadlessTop:
             if ready_r in ready and not self._feed(ready_r):
                 self.log("ERROR", self.where, "engine processes exited during start-up")
                 return self._abort(1)
-            if self._dead_worker(ready) is not None:
-                self.log("ERROR", "multiproc_executor.py:1", "WorkerProc initialization failed due to an exception "
-                         "in a background process. See stack trace for root cause.")
-                return self._abort(1)
+            died = self._dead_worker(ready)
+            if died is not None:
+                return self._worker_ended(*died)
             if now >= deadline:
                 self.log("ERROR", self.where, f"workers did not come up within {a.ready_timeout} s")
                 return self._abort(1)
@@ -500,6 +501,9 @@ class _HeadlessTop:
         if a.ready_file:
             fv._write_ready_file(a.ready_file, line)
         self.log.raw(line)
+        self.announced = True
+        if self.formed:
+            self._announce_formed()
 
         # 2. the group forms, "load", then the inline worker monitor
         load_done = None
@@ -518,16 +522,7 @@ class _HeadlessTop:
                 os.close(ready_r)
             died = self._dead_worker(ready)
             if died is not None:
-                rank, code = died
-                if not self.formed:
-                    self.log("ERROR", "multiproc_executor.py:1", "WorkerProc initialization failed due to an "
-                             "exception in a background process. See stack trace for root cause.")
-                    return self._abort(1)
-                self.log("ERROR", "multiproc_executor.py:1", f"Worker proc VLLM::Worker_TP{rank} died unexpectedly "
-                         f"(exit code: {code}), shutting down executor.")
-                self._abort(0)
-                self.log("INFO", self.where, "Shutting down.")
-                return 0
+                return self._worker_ended(*died)
             if load_done is not None and not serving and now >= load_done:
                 serving = True
                 for fd in self.cmd_ws:
@@ -536,6 +531,23 @@ class _HeadlessTop:
                     except OSError:
                         pass
                 self.log.raw(f"{fv.SERVING_PREFIX}url=none")
+
+    def _worker_ended(self, rank: int, code: int | None) -> int:
+        """A worker ended: kill the others; the top's exit status.
+
+        Before the group formed, a worker that failed (non-zero) is a start-up failure: 1.  Otherwise,
+        and for a worker that exited 0 because its head went away (a stale rendezvous), the inline
+        monitor returns: 0.
+        """
+        if not self.formed and code != 0:
+            self.log("ERROR", "multiproc_executor.py:1", "WorkerProc initialization failed due to an "
+                     "exception in a background process. See stack trace for root cause.")
+            return self._abort(1)
+        self.log("ERROR", "multiproc_executor.py:1", f"Worker proc VLLM::Worker_TP{rank} died unexpectedly "
+                 f"(exit code: {code}), shutting down executor.")
+        self._abort(0)
+        self.log("INFO", self.where, "Shutting down.")
+        return 0
 
     def _fds(self) -> list[int]:
         return [fd for _, fd in self.workers.values()]
@@ -554,8 +566,12 @@ class _HeadlessTop:
                 self.reported[int(parts[1])] = int(parts[2])
             elif parts and parts[0] == "G" and not self.formed:
                 self.formed = True
-                self.log.raw(f"{FORMED_PREFIX}nnodes={self.a.nnodes} master={_master(self.a)} node-rank={self.a.node_rank}")
+                if self.announced:
+                    self._announce_formed()
         return bool(data)
+
+    def _announce_formed(self) -> None:
+        self.log.raw(f"{FORMED_PREFIX}nnodes={self.a.nnodes} master={_master(self.a)} node-rank={self.a.node_rank}")
 
     def _dead_worker(self, ready: list[int]) -> tuple[int, int | None] | None:
         """The first worker of ``ready`` that has exited, reaped: ``(rank, exit code)``; else None."""
