@@ -296,3 +296,68 @@ def test_sigterm_headless_node_shuts_down_and_fill_works_on_a_headless_node(node
     os.kill(worker.top_pid, signal.SIGTERM)
     assert worker.proc.wait(10) == 0
     head.wait_line(fc.LOST_PREFIX + "rank=", 10)
+
+
+# --------------------------------------------------------------------------------------------
+# a rank that cannot be reached is not lost
+
+class Completion(threading.Thread):
+    """One completion in a thread: ``result`` is its HTTP status or the exception it raised."""
+
+    def __init__(self, fe: fake_vllm.FakeEngine, timeout: float):
+        super().__init__(daemon=True)
+        self.fe, self.timeout, self.result = fe, timeout, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = complete(self.fe, self.timeout)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            self.result = e
+
+
+def test_unreachable_rank_hangs_completions_until_it_is_back(nodes):
+    head, worker = nodes.cluster(2, 2, "--distributed-timeout-seconds", "20")
+    head.wait_serving(10)
+    w1 = worker.worker_pids[0]
+    os.kill(w1, signal.SIGSTOP)  # connected, silent: like a link that is down
+    try:
+        line = head.wait_line(f"{fc.UNREACHABLE_PREFIX}rank=1 node-rank=1 ", 10)
+        assert float(line.rsplit("silent=", 1)[1]) >= fc.UNREACHABLE_S
+        assert status(head) == 200
+        req = Completion(head, 15)
+        req.join(0.5)
+        assert req.is_alive()  # hangs while the rank is away
+    finally:
+        os.kill(w1, signal.SIGCONT)
+    head.wait_line(f"{fc.REACHABLE_PREFIX}rank=1 node-rank=1", 10)
+    req.join(10)
+    assert req.result == 200
+    assert complete(head, 5) == 200 and head.proc.poll() is None and worker.proc.poll() is None
+
+
+def test_unreachable_past_the_timeout_ends_the_head_then_the_returning_rank(nodes):
+    head, worker = nodes.cluster(2, 2, "--distributed-timeout-seconds", "1.5")
+    head.wait_serving(10)
+    w1 = worker.worker_pids[0]
+    os.kill(w1, signal.SIGSTOP)
+    try:
+        head.wait_line(f"{fc.TIMEOUT_PREFIX}rank=0 after=1.5", 10)
+        assert head.proc.wait(10) == 1
+    finally:
+        os.kill(w1, signal.SIGCONT)
+    worker.wait_line(fc.HEAD_LOST_PREFIX, 10)  # its next heartbeat meets the closed connection
+    assert worker.proc.wait(10) == 0
+
+
+def test_head_top_killed_alone_leaves_the_group_to_its_orphans(nodes):
+    head, worker = nodes.cluster(2, 2)
+    head.wait_serving(10)
+    top, core, w0 = head.pids()
+    os.kill(top, signal.SIGKILL)  # EngineCore and Worker_TP0 (the rendezvous host) stay, reparented
+    assert head.proc.wait(10) == -signal.SIGKILL
+    assert not head.exited(core) and not head.exited(w0)
+    assert worker.proc.poll() is None and fc.HEAD_LOST_PREFIX not in worker.output()
+    head.stop()  # the orphans too: only now is the head gone for its ranks
+    worker.wait_line(fc.HEAD_LOST_PREFIX, 10)
+    assert worker.proc.wait(10) == 0

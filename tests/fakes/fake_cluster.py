@@ -44,6 +44,12 @@ After forming, each worker's connection stands for the NCCL communicator:
       head's completions then hang while ``/health`` stays 200, and ``--distributed-timeout-seconds``
       after the loss the head's Worker_TP0 exits 1 as PyTorch's NCCL watchdog does on a collective
       timeout, so EngineCore dies and the top answers 503 and exits 1 (the dead-linger path);
+    - a rank that stays connected but cannot be reached (a link down, a stopped process) is not
+      lost: the head's completions hang while it is unreachable and go on once it is back; only
+      if it stays away ``--distributed-timeout-seconds`` does the head die as above.  NCCL sends
+      no heartbeat (a collective just waits), so the fake adds its own to see this without
+      traffic: every rank sends one each :data:`HEARTBEAT_S`, and one silent for
+      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake; the head notices at once);
     - a headless worker whose head's connection closes follows ``--fake-on-head-loss``:
       ``exit`` (default) exits 0, so its top exits 0 (the inline monitor); ``hang`` logs PyTorch's
       TCPStore ``recvValue failed`` warning and keeps running, never recovering (vLLM #32136).
@@ -77,6 +83,8 @@ Lines printed, unprefixed (``A:P`` is master-addr:master-port; K a node rank, R 
     fake-vllm: late joiner rank=R node-rank=K                          head's Worker_TP0, group formed
     fake-vllm: group formed nnodes=N master=A:P node-rank=K           every node's top, once
     fake-vllm: rank lost rank=R node-rank=K timeout=S                  head's Worker_TP0
+    fake-vllm: rank unreachable rank=R node-rank=K silent=S            head's Worker_TP0
+    fake-vllm: rank reachable rank=R node-rank=K                       head's Worker_TP0, again
     fake-vllm: distributed timeout rank=0 after=S                      head's Worker_TP0, then exit 1
     fake-vllm: head lost master=A:P action=exit|hang                   a headless worker
     fake-vllm: rendezvous timeout rank=R after=S                       a worker, then exit 1
@@ -107,6 +115,10 @@ from sparkguard.drill.tree import READY_PREFIX
 DEFAULT_MASTER_PORT = fv.DEFAULT_MASTER_PORT
 #: seconds between a joiner's connection attempts (PyTorch's TCPStore client retries until its timeout)
 RETRY_S = 0.1
+#: seconds between a rank's heartbeats to the head, and seconds without one after which the head
+#: counts the rank unreachable (the fake's own artefact: NCCL has no heartbeat, see the docstring)
+HEARTBEAT_S = 0.2
+UNREACHABLE_S = 1.0
 #: engine arguments every node must be started with alike (argparse dest -> vLLM flag)
 MATCHED = {"model": "model", "tp": "--tensor-parallel-size", "nnodes": "--nnodes",
            "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs"}
@@ -118,6 +130,8 @@ REFUSED_PREFIX = P + "rendezvous refused "
 LATE_PREFIX = P + "late joiner "
 FORMED_PREFIX = P + "group formed "
 LOST_PREFIX = P + "rank lost "
+UNREACHABLE_PREFIX = P + "rank unreachable "
+REACHABLE_PREFIX = P + "rank reachable "
 TIMEOUT_PREFIX = P + "distributed timeout "
 HEAD_LOST_PREFIX = P + "head lost "
 RDZV_TIMEOUT_PREFIX = P + "rendezvous timeout "
@@ -245,21 +259,19 @@ class _Server:
         self.late: list[socket.socket] = []
         self.formed = False
         self.deadline = time.monotonic() + a.distributed_timeout_seconds
-        self.lost_at: float | None = None
+        self.seen: dict[int, float] = {}    # rank -> its last heartbeat (monotonic s), after forming
+        self.down: dict[int, float] = {}    # rank -> since when it is unreachable or lost (monotonic s)
+        self.unreachable: set[int] = set()
         log.raw(f"{LISTENING_PREFIX}master={_master(a)} world={self.world}")
 
     def run(self) -> None:
-        a = self.a
         while True:
             socks = [self.lsock, self.parent, *self.pending, *(s for s, _ in self.members.values()), *self.late]
-            limit = self.deadline if not self.formed else (
-                None if self.lost_at is None else self.lost_at + a.distributed_timeout_seconds)
-            ready = select.select(socks, [], [], None if limit is None else max(0.0, limit - time.monotonic()))[0]
+            due = self._next_due()
+            ready = select.select(socks, [], [], None if due is None else max(0.0, due - time.monotonic()))[0]
             now = time.monotonic()
             if self.parent in ready:
                 _parent_gone(self.log)
-            if limit is not None and now >= limit:
-                self._time_out()
             for s in ready:
                 if s is self.lsock:
                     self._accept()
@@ -271,6 +283,34 @@ class _Server:
                         s.close()
                 elif isinstance(s, socket.socket):
                     self._member_event(s, now)
+            self._check(now)
+
+    def _next_due(self) -> float | None:
+        """When :meth:`_check` has work next (monotonic s): the rendezvous deadline before forming;
+        after it, the next heartbeat that may be missed and the watchdog's deadline."""
+        if not self.formed:
+            return self.deadline
+        dues = [t + UNREACHABLE_S for r, t in self.seen.items() if r not in self.unreachable]
+        if self.down:
+            dues.append(min(self.down.values()) + self.a.distributed_timeout_seconds)
+        return min(dues) if dues else None
+
+    def _check(self, now: float) -> None:
+        """Time out the rendezvous; mark ranks without a recent heartbeat unreachable; time out a
+        broken group ``--distributed-timeout-seconds`` after its first rank went down."""
+        if not self.formed:
+            if now >= self.deadline:
+                self._time_out()
+            return
+        for rank, t in self.seen.items():
+            if rank not in self.unreachable and now - t >= UNREACHABLE_S:
+                self.unreachable.add(rank)
+                self.down.setdefault(rank, t)
+                node = self.members[rank][1]
+                self.log.raw(f"{UNREACHABLE_PREFIX}rank={rank} node-rank={node} silent={now - t:.1f}")
+                _report(self.report_fd, f"U {rank} {node}")
+        if self.down and now >= min(self.down.values()) + self.a.distributed_timeout_seconds:
+            self._time_out()
 
     def _time_out(self) -> None:
         t = self.a.distributed_timeout_seconds
@@ -331,6 +371,7 @@ class _Server:
         self.log.raw(f"{JOINED_PREFIX}rank={rank} node-rank={node} joined={len(self.members) + 1}/{self.world}")
         if len(self.members) + 1 == self.world:
             self.formed = True
+            self.seen = {r: time.monotonic() for r in self.members}
             for sock, _ in self.members.values():
                 _send(sock, {"formed": True, "nnodes": self.a.nnodes, "master": _master(self.a)})
             _report(self.report_fd, "G")
@@ -338,19 +379,28 @@ class _Server:
             _send(s, {"joined": True})
 
     def _member_event(self, s: socket.socket, now: float) -> None:
-        if _alive(s):
-            return
+        """A member's heartbeat (it is reachable, again) or its connection's end (it is lost)."""
         rank, node = next((r, n) for r, (sock, n) in self.members.items() if sock is s)
+        if _alive(s):
+            if rank in self.seen:
+                self.seen[rank] = now
+            if rank in self.unreachable:
+                self.unreachable.discard(rank)
+                self.down.pop(rank, None)
+                self.log.raw(f"{REACHABLE_PREFIX}rank={rank} node-rank={node}")
+                _report(self.report_fd, f"R {rank} {node}")
+            return
         del self.members[rank]
         s.close()
         if not self.formed:
             self.log("WARNING", "parallel_state.py:1", f"rank {rank} (node {node}) left before the group formed")
             return
+        self.seen.pop(rank, None)
+        self.unreachable.discard(rank)
+        self.down.setdefault(rank, now)
         t = self.a.distributed_timeout_seconds
         self.log.raw(f"{LOST_PREFIX}rank={rank} node-rank={node} timeout={t:g}")
         _report(self.report_fd, f"L {rank} {node}")
-        if self.lost_at is None:
-            self.lost_at = now
 
 
 def _alive(s: socket.socket) -> bool:
@@ -376,14 +426,23 @@ class _Client:
         _send(sock, {"rank": self.rank, "node_rank": a.node_rank, "args": engine_args(a)})
         buf = b""
         formed = False
+        beat = time.monotonic() + HEARTBEAT_S
         while True:
-            limit = None if formed else deadline
-            ready = select.select([sock, self.parent], [], [],
-                                  None if limit is None else max(0.0, limit - time.monotonic()))[0]
+            due = beat if formed else min(beat, deadline)
+            ready = select.select([sock, self.parent], [], [], max(0.0, due - time.monotonic()))[0]
             if self.parent in ready:
                 _parent_gone(self.log)
-            if not ready:
+            now = time.monotonic()
+            if not formed and now >= deadline:
                 self._timed_out()
+            if now >= beat:
+                beat = now + HEARTBEAT_S
+                try:
+                    sock.send(b"\n")
+                except OSError:
+                    return self._head_lost(sock)
+            if sock not in ready:
+                continue
             try:
                 data = sock.recv(65536)
             except OSError:
