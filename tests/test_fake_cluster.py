@@ -11,6 +11,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import threading
@@ -361,3 +363,79 @@ def test_head_top_killed_alone_leaves_the_group_to_its_orphans(nodes):
     head.stop()  # the orphans too: only now is the head gone for its ranks
     worker.wait_line(fc.HEAD_LOST_PREFIX, 10)
     assert worker.proc.wait(10) == 0
+
+
+class Link:
+    """A network namespace ``ns`` joined to this one by a veth pair: ``host_ip`` here, ``ns_ip`` there."""
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:8]
+        self.ns, self.here, self.there = f"sgfake-{tag}", f"sgh{tag}", f"sgn{tag}"
+        net = f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.{4 * random.randint(1, 62)}"
+        base = net.rsplit(".", 1)
+        self.host_ip = f"{base[0]}.{int(base[1]) + 1}"
+        self.ns_ip = f"{base[0]}.{int(base[1]) + 2}"
+        self.made: list[str] = []
+        self._ip("netns", "add", self.ns)
+        self.made.append("netns")
+        self._ip("link", "add", self.here, "type", "veth", "peer", "name", self.there, "netns", self.ns)
+        self.made.append("veth")
+        self._ip("addr", "add", f"{self.host_ip}/30", "dev", self.here)
+        self._ip("link", "set", self.here, "up")
+        self._ip("-n", self.ns, "addr", "add", f"{self.ns_ip}/30", "dev", self.there)
+        self._ip("-n", self.ns, "link", "set", self.there, "up")
+        self._ip("-n", self.ns, "link", "set", "lo", "up")
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    def set(self, state: str) -> None:
+        """``down`` or ``up`` the namespace's end: the TCP connections across it stay, silent."""
+        self._ip("-n", self.ns, "link", "set", self.there, state)
+
+    def close(self) -> None:
+        if "veth" in self.made:
+            subprocess.run(["ip", "link", "del", self.here], capture_output=True, timeout=30)
+        if "netns" in self.made:
+            subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def link():
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 (a network namespace)")
+    made = None
+    try:
+        made = Link()
+        yield made
+    finally:
+        if made is not None:
+            made.close()
+            assert made.ns not in os.listdir("/var/run/netns")
+
+
+def test_link_down_makes_the_rank_unreachable_and_up_brings_the_group_back(link, nodes):
+    master = (link.host_ip, fc.DEFAULT_MASTER_PORT)
+    opts = [*SMALL, "--distributed-timeout-seconds", "30"]
+    worker = fake_vllm.FakeEngine(["ip", "netns", "exec", link.ns,
+                                   *fc.node_command(nodes.model, 2, 2, 1, master, *opts)], on_line=nodes.stamps)
+    nodes.started.append(worker)
+    head = fake_vllm.start(nodes.model, *fc.node_opts(2, 2, 0, master, *opts, "--port", "0"))
+    head.model = nodes.model
+    nodes.started.append(head)
+    head.wait_serving(10)
+    assert worker.wait_line(fc.FORMED_PREFIX, 10).endswith("node-rank=1")
+    link.set("down")
+    try:
+        head.wait_line(f"{fc.UNREACHABLE_PREFIX}rank=1 node-rank=1 ", 10)
+        assert status(head) == 200
+        req = Completion(head, 20)
+        req.join(0.5)
+        assert req.is_alive()
+    finally:
+        link.set("up")
+    head.wait_line(f"{fc.REACHABLE_PREFIX}rank=1 node-rank=1", 15)  # TCP retransmits once the link is back
+    req.join(10)
+    assert req.result == 200
+    assert worker.proc.poll() is None and head.proc.poll() is None
