@@ -2,7 +2,8 @@
 
 One engine spans N nodes, each running ``vllm serve`` with the same arguments plus its
 ``--node-rank``; node 0 is the head (API server, EngineCore), the others run ``--headless``.
-What is imitated, and where it was read (vLLM main branch as stored in 2026, file + function):
+What is imitated, and where it was read (file + function of vLLM's main branch as of 2026, read
+in public copies of its source: the vllm-project/vllm snapshot itself was too large to fetch here):
 
 Local ranks.  ``vllm/v1/executor/multiproc_executor.py`` ``MultiprocExecutor._get_parallel_sizes``
 asserts ``world_size % nnodes_within_dp == 0`` (world_size = TP x PP; here TP only), and
@@ -49,7 +50,7 @@ After forming, each worker's connection stands for the NCCL communicator:
       if it stays away ``--distributed-timeout-seconds`` does the head die as above.  NCCL sends
       no heartbeat (a collective just waits), so the fake adds its own to see this without
       traffic: every rank sends one each :data:`HEARTBEAT_S`, and one silent for
-      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake; the head notices at once);
+      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake, not vLLM's);
     - a headless worker whose head's connection closes follows ``--fake-on-head-loss``:
       ``exit`` (default) exits 0, so its top exits 0 (the inline monitor); ``hang`` logs PyTorch's
       TCPStore ``recvValue failed`` warning and keeps running, never recovering (vLLM #32136).
@@ -59,8 +60,9 @@ Assumptions (nothing read says otherwise; each is a choice of this fake):
       rendezvous and a mismatching joiner is refused with an error naming the argument and
       both values, printed on both nodes; what vLLM really does with mismatched arguments is
       not known (issue 13).  A rank that has already joined is refused too (duplicate).
-    - the loss timer runs from the loss whether or not a request is in flight (PyTorch's
-      watchdog times out a collective in flight; issue 13 asks for this simpler rule).
+    - the watchdog's timer runs from the loss (or from the last heartbeat of a rank that went
+      unreachable) whether or not a request is in flight (PyTorch's watchdog times out a
+      collective in flight; issue 13 asks for this simpler rule).
     - head loss: the default ``exit`` is what issue 13 reports for TP with the mp backend and
       what the public multi-Spark recipes describe ("joins the stale rendezvous, exits 0 when
       the old head finally dies", FIELD-NOTES); the source shows why it is exit 0 (the inline
@@ -208,8 +210,9 @@ def start_link(a, rank: int, report_fd: int, log: Log) -> None:
     Args:
         a: the parsed options (``--nnodes`` > 1).
         rank: this worker's global TP rank; 0 hosts the rendezvous.
-        report_fd: write end of the pipe to the node's top; gets ``G`` (group formed) and, on the
-            head, ``L <rank> <node-rank>`` (a rank lost) lines.  The thread owns it.
+        report_fd: write end of the pipe to the node's top; gets ``G`` (group formed) and, from the
+            head's Worker_TP0, ``L|U|R <rank> <node-rank>`` (a rank lost, unreachable, reachable
+            again) lines.
         log: the worker's log.
     Raises:
         OSError: rank 0 could not bind master-addr:master-port (the worker then exits 1).
@@ -217,13 +220,20 @@ def start_link(a, rank: int, report_fd: int, log: Log) -> None:
     """
     parent = _parent_pidfd()
     if parent is None:
-        log("INFO", "multiproc_executor.py:1", "Parent process exited, terminating worker queues")
-        os._exit(0)
+        _parent_gone(log)
     if rank == 0:
         target = _Server(a, report_fd, log, parent).run
     else:
         target = _Client(a, rank, report_fd, log, parent).run
-    threading.Thread(target=target, name="fake-rendezvous", daemon=True).start()
+
+    def guarded() -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - a broken link must not leave a half-alive worker
+            log("ERROR", "fake_cluster.py:1", f"fake-vllm link failed: {e!r}")
+            os._exit(70)
+
+    threading.Thread(target=guarded, name="fake-rendezvous", daemon=True).start()
 
 
 def _report(fd: int, line: str) -> None:
@@ -234,6 +244,7 @@ def _report(fd: int, line: str) -> None:
 
 
 def _parent_gone(log: Log) -> None:
+    """End this worker as vLLM's death-pipe monitor does (multiproc_executor.py monitor_death_pipe)."""
     log("INFO", "multiproc_executor.py:1", "Parent process exited, terminating worker queues")
     os._exit(0)
 
@@ -380,7 +391,9 @@ class _Server:
 
     def _member_event(self, s: socket.socket, now: float) -> None:
         """A member's heartbeat (it is reachable, again) or its connection's end (it is lost)."""
-        rank, node = next((r, n) for r, (sock, n) in self.members.items() if sock is s)
+        rank, node = next(((r, n) for r, (sock, n) in self.members.items() if sock is s), (None, None))
+        if rank is None:
+            return
         if _alive(s):
             if rank in self.seen:
                 self.seen[rank] = now

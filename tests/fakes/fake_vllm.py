@@ -69,6 +69,8 @@ to stdout.  Machine-readable lines, unprefixed:
                                                                   --port, "serving" after load-time)
     fake-vllm: fill pid=N bytes=N target=N [done]                  fill progress (about 1/s)
 
+(with ``--nnodes``: also the rendezvous and group lines listed in fake_cluster.py)
+
 ``--ready-file PATH`` also gets the ready line (written atomically).
 
 Python API: ``command(model, *opts)`` (argv) and ``start(model, *opts, **popen_kw) -> FakeEngine``.
