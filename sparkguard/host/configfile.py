@@ -76,8 +76,7 @@ HELP: dict[str, str] = {
     "engine.lane": "Lane to start in (null: the first); `sparkguard engine lane NAME` switches.",
     "engine.state_file": "Where the current lane and the engine's pids survive a daemon restart.",
     "engine.control_socket": "Root-only unix socket of `sparkguard engine` (no network control surface).",
-    "engine.peers": ("Other nodes' sparkguard metrics URLs; each must show MemAvailable >= start_above first. "
-                     "In a TP cluster (--nnodes) list every other node: they restart as one engine."),
+    "engine.peers": "Other nodes' sparkguard metrics URLs (a TP cluster: all others; README \"TP cluster\").",
     "engine.head_url": "Headless rank: the head's health URL; restart this rank when it fails for head_lost_after.",
     "engine.head_lost_after": "How long the head may fail (after it had answered) before this rank restarts.",
     "engine.give_up_after": "Failed starts (runs that fail before they are ready) that stop the supervisor; 0: never.",
