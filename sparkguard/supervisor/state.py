@@ -9,10 +9,16 @@ from __future__ import annotations
 import logging
 import time
 
-from sparkguard.supervisor import lanes, process
+from sparkguard.supervisor import cluster, lanes, process
 from sparkguard.supervisor.run import Run
 
 log = logging.getLogger("sparkguard.supervisor")
+
+#: supervisor states (``status()["state"]``)
+STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "waiting_for_head", "ready", "stopping", "exited",
+          "failed", "given_up")
+#: states in which the supervisor stays stopped until a command (``engine start``)
+HALTED = ("exited", "failed", "given_up")
 
 
 class StatusViews:
@@ -44,6 +50,16 @@ class StatusViews:
             "peers": list(self.peer_states), "history": list(self.history),
             "control_socket": self.ecfg.control_socket,
         }
+        alive = run is not None and run.exit is None
+        role = run.role if run is not None else cluster.role_of(st["command"])
+        st.update({
+            "role": {"role": role.role, "node_rank": role.node_rank, "nnodes": role.nnodes},
+            "run_start": run.run_id if alive else None,
+            "joined": run.joined if alive and role.role == "headless" else None,
+            "group": {str(k): v for k, v in run.group.items()} if alive and role.role == "head" else {},
+            "given_up": self.state == "given_up",
+            "nodes": [v.as_dict() for v in self.node_views],
+        })
         return st
 
     def _history(self, event: str, detail: str) -> None:
