@@ -439,3 +439,13 @@ def test_link_down_makes_the_rank_unreachable_and_up_brings_the_group_back(link,
     req.join(10)
     assert req.result == 200
     assert worker.proc.poll() is None and head.proc.poll() is None
+
+
+def test_underscore_spellings_of_the_flags_are_vllms_too(nodes):
+    m = nodes.master
+    opts = [*SMALL, "--tensor_parallel_size=2", "--nnodes", "2", f"--master_addr={m[0]}", "--master_port", str(m[1])]
+    worker = fake_vllm.start(nodes.model, *opts, "--node_rank", "1", "--headless")
+    head = fake_vllm.start(nodes.model, *opts, "--node_rank=0", "--port", "0")
+    nodes.started += [worker, head]
+    for fe in (head, worker):
+        fe.wait_line(fc.FORMED_PREFIX + "nnodes=2 ", 10)

@@ -219,12 +219,21 @@ class _Cfg:
         return "ignore-term" in self.modes
 
 
+def _dashed(opt: str) -> str:
+    """``--node_rank=1`` -> ``--node-rank=1``: vLLM takes either spelling of a long option
+    (vllm/utils/argparse_utils.py FlexibleArgumentParser.parse_args); values are left alone."""
+    if not opt.startswith("--"):
+        return opt
+    key, eq, value = opt.partition("=")
+    return key.replace("_", "-") + eq + value
+
+
 def _parse(argv: list[str]) -> _Cfg:
     if not argv or argv[0] != "serve":
         print("usage: vllm serve MODEL [options]   (sparkguard fake vLLM)", file=sys.stderr)
         raise SystemExit(2)
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv[1:])
+    args, extra = parser.parse_known_args([_dashed(o) for o in argv[1:]])
     modes = set(args.mode)
     if args.crash_after is not None:
         modes.add("crash")
