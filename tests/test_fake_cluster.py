@@ -449,3 +449,12 @@ def test_underscore_spellings_of_the_flags_are_vllms_too(nodes):
     nodes.started += [worker, head]
     for fe in (head, worker):
         fe.wait_line(fc.FORMED_PREFIX + "nnodes=2 ", 10)
+
+
+def test_crash_mode_on_the_head_ends_the_head_then_its_ranks(nodes):
+    head, worker = nodes.cluster(2, 2, per_node={0: ("--crash-after", "0.3")})
+    head.wait_serving(10)
+    head.wait_line("EngineCore encountered a fatal error", 10)
+    assert head.proc.wait(10) == 1
+    assert worker.wait_line(fc.HEAD_LOST_PREFIX, 10).endswith("action=exit")
+    assert worker.proc.wait(10) == 0
