@@ -22,6 +22,7 @@ import time
 import pytest
 
 from netcluster import Cluster, start_nodes, tp_configs
+from supervisor_helpers import restarted
 
 FAST = {"health_interval": "500ms", "stable_for": "0s", "quiesce_timeout": "60s"}
 PORT = 8000
@@ -91,10 +92,12 @@ def one_generation(ds) -> None:
         assert st["joined"] == head["run_start"], (k, st["joined"], head["run_start"])
 
 
-def up(c, tmp_path, n_ready: int = 0, **engine):
+def up(c, tmp_path, load_time: float = 0.5, wait: bool = True, **engine):
     c.model = "sgcl-" + c.tag
-    cfgs = tp_configs(c, c.model, tmp_path, engine={**FAST, **engine}, load_time=0.5)
+    cfgs = tp_configs(c, c.model, tmp_path, engine={**FAST, **engine}, load_time=load_time)
     ds = start_nodes(c, cfgs, tmp_path)
+    if not wait:
+        return ds
     for d in ds:
         d.wait_control(60)
     ds[0].wait_ready(timeout=90)
@@ -137,15 +140,41 @@ def test_a_headless_rank_that_dies_restarts_the_whole_group_in_order(tmp_path):
         assert hs["consecutive_failures"] == 0 and rs["consecutive_failures"] == 0
         assert outage < 30, outage
         # the story on both nodes: the head's incident names the rank that went away
-        inc = head.incident("peer", timeout=10)
-        assert inc["engine"]["cause"]["node"]["node_rank"] == 1
+        inc = head.incident("peer", timeout=10, where=restarted)
+        cause = inc["engine"]["cause"]
+        assert cause["node"]["node_rank"] == 1
+        # ...and, read just before the head's restart, the incident the rank recorded for it
+        there = cause["node_at_restart"]["last_incident"]
+        assert there and os.path.exists(os.path.join(rank.cfg["incidents"]["dir"], there + ".json")), cause
         kinds = wait_until(lambda: incident_kinds(rank) & {"exit", "head"}, 10, "an incident on the rank's node")
         assert kinds
 
 
-def test_the_head_killed_restarts_each_rank_once_without_waiting_for_head_lost_after(tmp_path):
+def test_a_headless_rank_waits_for_head_until_the_group_has_formed(tmp_path):
+    """Not ready while it waits at the rendezvous: status and metrics say waiting_for_head."""
     with Cluster(2) as c:
-        ds = up(c, tmp_path)
+        ds = up(c, tmp_path, load_time=4.0, wait=False)
+        head, rank = ds
+        for d in ds:
+            d.wait_control(60)
+        st = wait_until(lambda: (s := rank.status())["state"] == "waiting_for_head" and s, 60, "waiting_for_head")
+        assert st["up"] and not st["ready"], st
+        m = rank.wait_metrics()
+        assert m[("sparkguard_engine_state", (("state", "waiting_for_head"),))] == 1.0
+        assert m[("sparkguard_engine_ready", ())] == 0.0
+        assert m[("sparkguard_engine_role_info", (("nnodes", "2"), ("node_rank", "1"), ("role", "headless")))] == 1.0
+        head.wait_ready(timeout=60)
+        wait_until(lambda: rank.status()["state"] == "ready", 30, "the rank is ready once the head is")
+        one_generation(ds)
+        m = rank.scrape()
+        assert m[("sparkguard_engine_joined_run_start_timestamp_seconds", ())] == head.status()["run_start"]
+        assert m[("sparkguard_engine_ready", ())] == 1.0
+
+
+def test_the_head_killed_restarts_each_rank_once_without_waiting_for_head_lost_after(tmp_path):
+    """Also under ``restart: on-failure``: a headless rank whose head died is a group restart."""
+    with Cluster(2) as c:
+        ds = up(c, tmp_path, restart="on-failure")
         head, rank = ds
         n_rank = len(starts(rank))
         top = head.status()["pid"]

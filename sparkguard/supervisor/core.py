@@ -319,7 +319,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                      f"{e.quiesce_timeout:g} s, started anyway: {gt['detail']})") if gt else ""
         self._flush("", restart_detail=(
             f"engine restarted (pid {run.pid}{', lane ' + run.lane if run.lane else ''}) after a quiesce wait of "
-            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid])
+            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid], views=self.start_views)
         run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))

@@ -70,7 +70,8 @@ class EngineIncidents:
         """Report ``incident`` again at the next :meth:`flush` (the restart it caused, or why none)."""
         self.pending.append(incident)
 
-    def flush(self, now: dict, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
+    def flush(self, now: dict, why: str, restart_detail: str | None = None, pids: list[int] | None = None,
+              views=()) -> None:
         """Report every tracked incident again: with a ``restart`` event (``restart_detail``,
         ``pids``: the new engine) when the engine was restarted, else a ``no_restart`` event
         saying ``why``.  ``incident.engine`` keeps what it said at the close (that run's pid,
@@ -79,6 +80,9 @@ class EngineIncidents:
 
         Args:
             now: ``{"state": str, "pid": int|None, "lane": str|None, "restarts": {reason: int}}``.
+            views: the other nodes as read just before the restart (``cluster.NodeView``): an
+                incident caused by one of them gains ``cause.node_at_restart``, that node as it
+                was then (its ``last_incident`` is the incident it recorded for the same event).
         """
         pend = []
         while self.pending:
@@ -97,6 +101,12 @@ class EngineIncidents:
                 eng["restarted"] = False
                 inc.summary += f"; engine not restarted ({why})"
             eng["after"] = {k: now.get(k) for k in ("state", "pid", "lane")}
+            cause = eng.get("cause")
+            if restart_detail is not None and cause and cause.get("node"):
+                url = cause["node"].get("url")
+                for v in views:
+                    if v.url == url:
+                        cause["node_at_restart"] = v.as_dict()
             if now.get("restarts") is not None:
                 eng["restarts"] = dict(now["restarts"])
             self.finish(inc)

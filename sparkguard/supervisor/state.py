@@ -98,12 +98,13 @@ class StatusViews:
                 "restarts": dict(self.restarts),
                 "last_lines": run.lines.current()[-self.ecfg.log_lines:] if run else []}
 
-    def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
+    def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None,
+               views=()) -> None:
         """Resolve the incidents waiting for a restart (:meth:`reports.EngineIncidents.flush`)."""
         with self.cv:
             now = {"state": self.state, "pid": self.run.pid if self.run is not None else None, "lane": self.lane,
                    "restarts": dict(self.restarts)}
-        self.reports.flush(now, why, restart_detail, pids)
+        self.reports.flush(now, why, restart_detail, pids, views)
 
     def _write_state(self) -> None:
         """(Supervisor thread, the file's one writer.) Persist the lane (a lane switch asked for
