@@ -60,33 +60,37 @@ def metrics_url(url: str) -> str:
     return urlunsplit(u)
 
 
-def parse_available(text: str) -> int:
-    """``sparkguard_memory_available_bytes`` from Prometheus text exposition.
+def select(text: str, names: tuple[str, ...]) -> list:
+    """The metric families of ``text`` (Prometheus text exposition) whose names start with one of
+    ``names``, parsed by prometheus_client's own parser.
 
-    Only that family's lines (its ``# HELP``/``# TYPE`` and samples) go through the parser:
+    Only those families' lines (their ``# HELP``/``# TYPE`` and samples) go through the parser:
     the CPU spent does not grow with what else the peer serves.
+
+    Raises:
+        PeerError: the selected lines do not parse.
+    """
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(names):
+            keep.append(line)
+    try:
+        return list(text_string_to_metric_families("\n".join(keep) + "\n"))
+    except Exception as e:  # the parser raises ValueError/TypeError/IndexError on junk
+        raise PeerError(f"not Prometheus text: {e}") from None
+
+
+def parse_available(text: str) -> int:
+    """``sparkguard_memory_available_bytes`` from Prometheus text exposition (:func:`select`).
 
     Raises:
         PeerError: the text does not parse or holds no such sample.
     """
-    lines = []
-    for head in (f"# HELP {METRIC} ", f"# TYPE {METRIC} ", METRIC + " "):
-        if text.startswith(head):
-            i = 0
-        else:
-            i = text.find("\n" + head)
-            if i < 0:
-                continue
-            i += 1
-        j = text.find("\n", i)
-        lines.append(text[i:] if j < 0 else text[i:j])
-    try:
-        for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
-            for s in fam.samples:
-                if s.name == METRIC:
-                    return int(s.value)
-    except Exception as e:  # the parser raises ValueError/TypeError/IndexError on junk
-        raise PeerError(f"not Prometheus text: {e}") from None
+    for fam in select(text, (METRIC + " ", METRIC + "{")):
+        for s in fam.samples:
+            if s.name == METRIC:
+                return int(s.value)
     raise PeerError(f"no {METRIC} (is it a sparkguard metrics endpoint?)")
 
 
@@ -104,13 +108,25 @@ def read_available(url: str, timeout: float = 3.0) -> int:
         PeerError: unreachable, too slow, an answer over :data:`MAX_ANSWER` bytes, HTTP status
             other than 200, or no usable metric.
     """
+    return parse_available(fetch(url, timeout))
+
+
+def fetch(url: str, timeout: float = 3.0) -> str:
+    """The text a sparkguard metrics endpoint serves (``/metrics`` appended when the path is empty).
+
+    Args:
+        timeout: seconds for the whole request (connect, answer and body together).
+    Raises:
+        PeerError: unreachable, too slow, an answer over :data:`MAX_ANSWER` bytes, HTTP status
+            other than 200.
+    """
     try:
         status, body = httpget.request(metrics_url(url), timeout, MAX_ANSWER)
     except OSError as e:
         raise PeerError(f"no answer: {e.strerror or e}") from None
     if status != 200:
         raise PeerError(f"HTTP {status}")
-    return parse_available(body.decode("utf-8", "replace"))
+    return body.decode("utf-8", "replace")
 
 
 def check(urls: list[str] | tuple[str, ...], gate: int, timeout: float = 3.0) -> list[PeerState]:

@@ -37,6 +37,7 @@ class Recorder:
         supervisor: the ``Supervisor`` when ``engine:`` is configured, else None.
         counts: incidents per kind since the start (``{"memory": n, "link": n, "wedged": n}``).
         last_incident: unix time, seconds, the last incident started, or None.
+        last_incident_ref: ``(id, kind)`` of that incident, or None.
     """
 
     def __init__(self, reader, reporter, host: str, boot_id: str):
@@ -47,6 +48,7 @@ class Recorder:
         self.incident: Incident | None = None
         self.counts: dict[str, int] = {}
         self.last_incident: float | None = None
+        self.last_incident_ref: tuple[str, str] | None = None
         self._t0 = 0.0          # monotonic s of the crossing: events' ``t`` count from it
         self._min = 0           # lowest signal seen in the open incident, bytes
 
@@ -59,6 +61,7 @@ class Recorder:
         self._t0, self._min = now, value
         self.counts["memory"] = self.counts.get("memory", 0) + 1
         self.last_incident = wall
+        self.last_incident_ref = (self.incident.id, self.incident.kind)
         self.event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
                    f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
 
@@ -129,10 +132,13 @@ class Recorder:
         if self.supervisor is None or not self.supervisor.take_incident(inc):
             self.reporter.finish(inc.to_json())
 
-    def count(self, kind: str, wall: float) -> None:
-        """An incident opened outside the poll loop (the supervisor's ``wedged``, a link's)."""
+    def count(self, kind: str, wall: float, incident_id: str | None = None) -> None:
+        """An incident opened outside the poll loop (the supervisor's, a link's): ``kind``, its
+        start (unix s) and id."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.last_incident = wall
+        if incident_id is not None:
+            self.last_incident_ref = (incident_id, kind)
 
 
 def _fmt_size(n) -> str:

@@ -1,5 +1,5 @@
 """The shipped Prometheus rules and Grafana dashboard: linted and unit-tested with the real promtool,
-every metric they use checked against the metric names the daemon exports (TEAM.md "Metric names"),
+every metric they use checked against the metric names the daemon exports (docs/metrics.md),
 and both present in the built wheel at the paths ``sparkguard install`` copies from."""
 
 from __future__ import annotations
@@ -15,28 +15,19 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from test_metrics_doc import doc_rows
 
 DATA = ROOT / "sparkguard" / "data"
 RULES = DATA / "prometheus" / "sparkguard-rules.yml"
 RULES_TEST = DATA / "prometheus" / "sparkguard-rules.test.yml"
 DASHBOARD = DATA / "grafana" / "sparkguard-dashboard.json"
 
-#: TEAM.md "Metric names" (all prefixed sparkguard_); summaries add _count/_sum.
-METRICS = {"sparkguard_" + n for n in """
-memory_available_bytes memory_total_bytes swap_free_bytes swap_total_bytes guard_signal_bytes
-term_below_bytes kill_below_bytes grace_seconds poll_interval_seconds guard_state dry_run
-signals_total incidents_total last_incident_timestamp_seconds
-poll_duration_seconds poll_duration_seconds_count poll_duration_seconds_sum polls_total
-last_poll_timestamp_seconds start_time_seconds config_reloads_total
-pressure_memory_some_ratio pressure_memory_full_ratio pressure_memory_stalled_seconds_total
-zram_disksize_bytes zram_orig_data_bytes zram_compr_data_bytes zram_mem_used_bytes build_info
-engine_up engine_ready engine_restarts_total engine_lane_info engine_time_to_ready_seconds
-engine_quiesce_wait_seconds
-link_up link_carrier link_speed_bytes_per_second link_rx_errors_total link_tx_errors_total
-link_rx_dropped_total link_tx_dropped_total link_carrier_changes_total
-""".split()}
+#: the metric names the daemon exports: the contract docs/metrics.md (checked against the real
+#: endpoint by tests/test_metrics_doc.py); summaries add _count/_sum
+METRICS = set(doc_rows()) | {n + sfx for n, r in doc_rows().items() if r["type"] == "summary"
+                             for sfx in ("_count", "_sum")}
 
-#: the alerts issue 7 asks for: alert name -> metric that must appear in its expression
+#: the alerts issues 7 and 13 ask for: alert name -> metric that must appear in its expression
 REQUIRED_ALERTS = {
     "SparkguardDown": "up", "SparkguardNotScraped": "up",
     "SparkguardPollStale": "sparkguard_last_poll_timestamp_seconds",
@@ -45,6 +36,7 @@ REQUIRED_ALERTS = {
     "SparkguardEngineNotReady": "sparkguard_engine_ready",
     "SparkguardEngineRestarting": "sparkguard_engine_restarts_total",
     "SparkguardEngineReadyTimeout": "sparkguard_engine_restarts_total",
+    "SparkguardEngineGivenUp": "sparkguard_engine_given_up",
     "SparkguardLinkDown": "sparkguard_link_up",
     "SparkguardZramNearlyFull": "sparkguard_zram_disksize_bytes",
     "SparkguardZramPoorCompression": "sparkguard_zram_compr_data_bytes",

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -530,5 +531,37 @@ def test_engine_user_runs_the_whole_tree_as_that_user(tmp_path):
         r = run_sparkguard("engine", "--socket", d.socket, "stop", "--timeout", "30")
         assert r.returncode == 0, r.stderr
         assert wait_gone(pids, 10) == []
+    finally:
+        d.cleanup()
+
+
+def test_a_start_that_keeps_failing_gives_up_with_an_incident_a_metric_and_engine_start_clears_it(tmp_path):
+    """Three runs that fail before they are ready (engine.give_up_after's default) stop the
+    supervisor: state given_up, sparkguard_engine_given_up 1, an incident of kind given_up; the
+    backoff does not keep it trying.  `sparkguard engine start` tries again."""
+    model, mport = unique(), free_port()
+    cmd = [sys.executable, "-c", f"import sys; print({model!r}, 'cannot load'); sys.exit(3)"]
+    cfg = engine_config(tmp_path, model, cmd, None, health_url=f"http://127.0.0.1:{free_port()}/health",
+                        backoff_initial="100ms")
+    cfg["metrics"] = {"listen": f"127.0.0.1:{mport}"}
+    d = Daemon(tmp_path, cfg)
+    try:
+        d.wait_control()
+        inc = d.incident("given_up", timeout=30)
+        st = d.status()
+        assert st["state"] == "given_up" and st["starts"] == 3, (st["state"], st["starts"])
+        assert "gave up after 3 failed starts" in st["detail"], st["detail"]
+        assert inc["outcome"] == "exited" and "gave up" in inc["summary"]
+        assert inc["engine"]["exit"]["code"] == 3
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        assert fams["sparkguard_engine_given_up"].samples[0].value == 1.0
+        assert fams["sparkguard_engine_wanted"].samples[0].value == 0.0
+        time.sleep(1.0)                         # the backoff would have started it again by now
+        assert d.status()["starts"] == 3
+        r = d.ctl("start")
+        assert r["ok"], r
+        st = d.wait_starts(3, timeout=10)
+        assert st["starts"] >= 4
     finally:
         d.cleanup()

@@ -204,14 +204,42 @@ def test_why_a_run_ended():
     assert c(None, "shutdown", True)[0] is None
     for why in ("lane", "manual", "link"):
         assert c(0, why, False) == (why, False)
-    for why in ("wedged", "head", "not_ready"):
+    for why in ("wedged", "not_ready"):
         assert c(0, why, False) == (why, True)
+    # caused by another node of a TP cluster: not this node's failure (no backoff)
+    for why in ("head", "peer"):
+        assert c(None, why, False) == (why, False)
+    # a headless rank that exits 0 by itself does so because its head went away: a group restart
+    assert c(0, None, False, headless=True) == ("head", False)
+    assert c(1, None, False, headless=True) == ("exit", True)
+    assert c(0, "stop", False, headless=True) == (None, False)
 
 
 def test_restart_policy():
     assert restart.restarts("always", False) and restart.restarts("always", True)
     assert restart.restarts("on-failure", True) and not restart.restarts("on-failure", False)
     assert not restart.restarts("never", True) and not restart.restarts("never", False)
+    # a group that must re-form is restarted under on-failure too, never under never
+    assert restart.restarts("on-failure", False, "head") and restart.restarts("on-failure", False, "peer")
+    assert not restart.restarts("never", False, "peer")
+
+
+def test_give_up_after_failed_starts_in_a_window():
+    g = restart.GiveUp(3, 600.0)
+    assert not g.record(0.0, True, False, "exit")
+    assert not g.record(10.0, True, False, "not_ready")
+    assert g.record(20.0, True, False, "exit")              # the third failed start in 10 min
+    g.reset()
+    assert not g.record(30.0, True, False, "exit")
+    assert not g.record(700.0, True, False, "exit")         # the first one left the window
+    assert not g.record(800.0, True, True, "exit")          # a run that was ready is no failed start...
+    assert not g.record(810.0, True, False, "exit")         # ...and clears the count
+    assert not g.record(820.0, False, False, "head")        # another node's doing counts for nothing
+    assert not g.record(830.0, True, False, "peer")
+    assert not g.record(840.0, False, False, "manual")
+    assert not g.record(850.0, True, False, "wedged")
+    assert g.record(860.0, True, False, "exit")              # 810, 850, 860
+    assert not restart.GiveUp(0, 600.0).record(0.0, True, False, "exit")   # 0: never give up
 
 
 def test_last_lines_keep_the_last_n():

@@ -42,7 +42,9 @@ class EngineConfig:
     """``engine:``, the engine sparkguard starts and supervises.
 
     ``command`` None means no engine: sparkguard only guards.  Sizes in bytes, durations in
-    seconds.  ``shutdown_timeout`` None means: for a vLLM command, derived from ``guard.grace``
+    seconds.  ``give_up_after`` failed starts (runs that end in failure before they are ever
+    ready) within ``give_up_window`` stop the supervisor until ``sparkguard engine start`` (0:
+    never give up).  ``shutdown_timeout`` None means: for a vLLM command, derived from ``guard.grace``
     (see :func:`vllm_shutdown_timeout`); ``lane`` None with ``lanes`` means the first lane.
     """
 
@@ -75,6 +77,8 @@ class EngineConfig:
     peers: tuple[str, ...] = ()
     head_url: str | None = None
     head_lost_after: float = 60.0
+    give_up_after: int = 3
+    give_up_window: float = 1800.0
 
     @property
     def enabled(self) -> bool:

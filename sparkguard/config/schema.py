@@ -159,6 +159,8 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "peers": url_list,
         "head_url": optional_url,
         "head_lost_after": duration(MIN_TICK, DAY),
+        "give_up_after": int_range(0, 1000),
+        "give_up_window": duration(MIN_TICK, 7 * DAY),
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

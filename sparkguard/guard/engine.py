@@ -25,7 +25,7 @@ class Engine:
         self.supervisor = None
 
     def start(self, cfg, reporter, count_incident, metrics) -> None:
-        """Start supervising ``engine:`` when configured.  ``count_incident``: ``(kind, wall)``
+        """Start supervising ``engine:`` when configured.  ``count_incident``: ``(kind, wall, id)``
         called for the supervisor's own incidents; ``metrics``: the endpoint (its collector is
         registered) or None.  Raises OSError (control socket)."""
         if not cfg.engine.enabled:

@@ -126,7 +126,7 @@ class Guard:
         """From the link-watch thread: a link stayed down past ``link.down_after`` (first call,
         outcome ``link_down``) or came back (second call, same id).  Reported as a ``link`` incident."""
         if inc.get("outcome") == "link_down":
-            self.recorder.count("link", time.time())
+            self.recorder.count("link", time.time(), inc.get("id"))
         self.reporter.finish(inc)
         self.engine.link(inc, self.cfg.link.mark_unhealthy)
 
@@ -469,7 +469,8 @@ class Guard:
             "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
             "signals_sent": dict(self.actions.signals_sent),
             "incidents": dict(rec.counts) if rec is not None else {},
-            "last_incident_timestamp": rec.last_incident if rec is not None else None, "poll_count": self.poll_count,
+            "last_incident_timestamp": rec.last_incident if rec is not None else None,
+            "last_incident": rec.last_incident_ref if rec is not None else None, "poll_count": self.poll_count,
             "poll_seconds_sum": self.poll_sum, "polls_total": self.poll_count + self.fast_polls,
             "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
             "started_timestamp": self.started, "config_path": self.cfg.path,

@@ -146,6 +146,11 @@ class GuardCollector:
             yield c
         yield _gauge("last_incident_timestamp_seconds", "Unix time the last incident started. Absent "
                      "until the first incident.", s.get("last_incident_timestamp"))
+        if s.get("last_incident"):
+            i = InfoMetricFamily(P + "last_incident", "The last incident's id and kind (the file "
+                                 "<incidents.dir>/<id>.json, `sparkguard incidents`). Absent until the first.")
+            i.add_metric([], {"id": str(s["last_incident"][0]), "kind": str(s["last_incident"][1])})
+            yield i
         if s.get("poll_count") is not None and s.get("poll_seconds_sum") is not None:
             yield SummaryMetricFamily(P + "poll_duration_seconds", "Time spent in the timed polls of the "
                                       "loop (read /proc/meminfo, decide, act), seconds: every poll near the line "

@@ -14,6 +14,7 @@ from typing import Callable
 
 from sparkguard.supervisor import lanes
 from sparkguard.supervisor.collector import EngineCollector
+from sparkguard.supervisor.state import HALTED
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -235,10 +236,11 @@ class ControlApi:
         with self.cv:
             starts = self.starts
             if op == "start":
-                if self.want == "run" and self.state not in ("exited", "failed"):
+                if self.want == "run" and self.state not in HALTED:
                     return {"ok": True, "starts": starts, "note": "already running", "status": self._status()}
                 self.want = "run"
                 self.backoff.reset()
+                self.give_up.reset()
                 self.delay = 0.0
                 self.next_reason = None
                 self._history("command", "start")
@@ -249,6 +251,7 @@ class ControlApi:
             elif op == "restart":
                 self.want = "run"
                 self.backoff.reset()
+                self.give_up.reset()
                 self.request = ("restart", None)
                 self._history("command", "restart")
             elif op == "lane":
@@ -281,13 +284,13 @@ class ControlApi:
             if self.quit:
                 return "the daemon is stopping"
             if until == "stopped":
-                return "" if self.state in ("stopped", "exited", "failed") else None
+                return "" if self.state in ("stopped",) + HALTED else None
             if until == "starts":
                 return "" if self.starts > after else None
             run = self.run
             if self.starts > after and run is not None and run.ready and (lane is None or run.lane == lane):
                 return ""
-            if self.starts > after and self.state in ("backoff", "exited", "failed", "stopped"):
+            if self.starts > after and self.state in ("backoff", "stopped") + HALTED:
                 le = self.last_exit or {}
                 return f"the engine did not become ready: {self.state} ({le.get('detail', self.detail)})"
             if self.want == "stop" and self.state == "stopped":

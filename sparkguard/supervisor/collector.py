@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from sparkguard.supervisor.state import STATES
+
 
 class EngineCollector:
     """prometheus_client collector of the engine metrics (exported beside :mod:`sparkguard.metrics`' own).
@@ -28,7 +30,7 @@ class EngineCollector:
         yield GaugeMetricFamily(P + "ready", "1 while the engine answers 200 on engine.health_url "
                                 "(or runs, without a health_url).", value=float(s["ready"]))
         c = CounterMetricFamily(P + "restarts", "Engine restarts by reason: exit, guard, wedged, lane, head, "
-                                "not_ready, manual, link.", labels=["reason"])
+                                "not_ready, manual, link, peer.", labels=["reason"])
         for r, n in s["restarts"].items():
             c.add_metric([r], float(n))
         yield c
@@ -45,3 +47,35 @@ class EngineCollector:
         yield GaugeMetricFamily(P + "restart_backoff_seconds", "Delay before the pending automatic restart "
                                 "(grows in a crash loop), 0 when none.",
                                 value=float(s["backoff"] if s["state"] == "backoff" else 0.0))
+        # what the other nodes of a TP cluster read (sparkguard.supervisor.cluster, nodes)
+        r = s["role"]
+        i = InfoMetricFamily(P + "role", "The engine's part in a TP cluster, from its command line: role "
+                             "(single, head, headless), node_rank (--node-rank), nnodes (--nnodes).", labels=None)
+        i.add_metric([], {"role": r["role"], "node_rank": str(r["node_rank"]), "nnodes": str(r["nnodes"])})
+        yield i
+        g = GaugeMetricFamily(P + "state", "Supervisor state: 1 for the current state, 0 for the others.",
+                              labels=["state"])
+        for st in STATES:
+            g.add_metric([st], 1.0 if st == s["state"] else 0.0)
+        yield g
+        yield GaugeMetricFamily(P + "wanted", "1 while the supervisor wants the engine running, 0 when it is "
+                                "stopped on purpose (engine stop, engine.restart, given up).",
+                                value=1.0 if s["want"] == "run" else 0.0)
+        yield GaugeMetricFamily(P + "given_up", "1 when the supervisor gave up after engine.give_up_after failed "
+                                "starts within engine.give_up_window; cleared by sparkguard engine start.",
+                                value=1.0 if s["given_up"] else 0.0)
+        if s["run_start"] is not None:
+            yield GaugeMetricFamily(P + "run_start_timestamp_seconds", "Unix time the current run of the engine "
+                                    "was started (the name other nodes know the run by). Absent while none runs.",
+                                    value=s["run_start"])
+        if s["joined"] is not None:
+            yield GaugeMetricFamily(P + "joined_run_start_timestamp_seconds", "A headless rank: the head run "
+                                    "(its run_start_timestamp_seconds) whose group this run is in. Absent while "
+                                    "it waits for a head.", value=s["joined"])
+        if s["group"]:
+            g = GaugeMetricFamily(P + "group_run_start_timestamp_seconds", "The head: the run of each rank "
+                                  "of its current run's group, by node rank, as that node reported it.",
+                                  labels=["node_rank"])
+            for k, v in sorted(s["group"].items()):
+                g.add_metric([k], v)
+            yield g

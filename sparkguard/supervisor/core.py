@@ -30,20 +30,18 @@ from typing import Callable
 
 from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
-from sparkguard.supervisor import health, lanes, output, process, reports
+from sparkguard.supervisor import cluster, health, lanes, output, process, reports
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
-from sparkguard.supervisor.restart import COMMANDED, REASONS, Backoff, classify_exit, restarts
+from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
 from sparkguard.supervisor.run import Run
-from sparkguard.supervisor.runthreads import RunThreads, SupervisorMonitorHooks
+from sparkguard.supervisor.runthreads import SUMMARY, RunThreads, SupervisorMonitorHooks
 from sparkguard.supervisor.schedule import BetweenRuns
-from sparkguard.supervisor.state import StatusViews
+from sparkguard.supervisor.state import HALTED, StatusViews
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard.supervisor")
 
-#: supervisor states (``status()["state"]``)
-STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "ready", "stopping", "exited", "failed")
 HISTORY = 50             # status history entries kept
 
 
@@ -53,8 +51,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
     Args:
         cfg: ``config.Config`` (``engine`` must be enabled; ``guard.grace`` is the TERM->KILL time).
         reporter: :class:`sparkguard.reporter.Reporter` (``event(incident, event)``, ``finish(incident)``), or None.
-        count_incident: ``(kind: str, wall: float) -> None`` called when the supervisor opens an
-            incident of its own (``"wedged"``), so the daemon's incident counters include it.
+        count_incident: ``(kind: str, wall: float, id: str) -> None`` called when the supervisor
+            opens an incident of its own (``wedged``, ``exit``, ``peer``, ``head``, ``given_up``),
+            so the daemon's incident counters and last incident include it.
         start_control: serve the control socket (``engine.control_socket``).
     Raises (from :meth:`start`):
         OSError: the control socket cannot be created (another daemon owns it, no permission).
@@ -72,7 +71,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
     * ``_events``: the mailbox, appended by any thread, emptied by the supervisor thread.
     """
 
-    def __init__(self, cfg, reporter=None, count_incident: Callable[[str, float], None] | None = None,
+    def __init__(self, cfg, reporter=None, count_incident: Callable[[str, float, str], None] | None = None,
                  start_control: bool = True):
         self.cfg = cfg
         self.ecfg = cfg.engine
@@ -91,6 +90,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         self.starts = 0
         self.ready_count = 0
         self.backoff = Backoff(self.ecfg.backoff_initial, self.ecfg.backoff_max, self.ecfg.stable_after)
+        self.give_up = GiveUp(self.ecfg.give_up_after, self.ecfg.give_up_window)
+        self.node_views: list[cluster.NodeView] = []     # the other nodes, last read (gate or monitor)
+        self.start_views: list[cluster.NodeView] = []    # what the gates read just before this start
         self.delay = 0.0
         self.next_start_at: float | None = None
         self.next_reason: str | None = None
@@ -235,7 +237,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                         break
                     req, self.request = self.request, None
                     if self.want != "run":
-                        if self.state not in ("exited", "failed"):
+                        if self.state not in HALTED:
                             self.state = "stopped"
                             self.detail = "stopped by command" if self.starts else "not started"
                         self.cv.notify_all()
@@ -285,7 +287,10 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                                   "reason": "exit", "detail": f"cannot start: {ex}"}
                 self._schedule_restart("exit", failure=True, uptime=0.0)
             return
-        run = Run(proc, self.lane, argv, reason, e.log_lines)
+        role = cluster.role_of(argv)
+        run = Run(proc, self.lane, argv, reason, e.log_lines, role)
+        if role.role == "head":
+            run.group = {v.node_rank: v.run for v in self.start_views if cluster.waiting_for_head(v)}
         p = proctree.read_proc(run.pid)
         run.starttime = p.starttime if p else 0
         if p:
@@ -296,8 +301,11 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             if reason:
                 self.restarts[reason] = self.restarts.get(reason, 0) + 1
             self.next_reason = None
-            self.state = "starting"
-            self.detail = f"waiting for {e.health_url} to answer 200" if e.health_url else ""
+            if role.role == "headless" and e.peers:
+                self.state, self.detail = "waiting_for_head", "not yet in the head's group"
+            else:
+                self.state = "starting"
+                self.detail = f"waiting for {e.health_url} to answer 200" if e.health_url else ""
             self._history("start", f"pid {run.pid}" + (f" lane {run.lane}" if run.lane else "")
                           + (f" (restart: {reason})" if reason else "") + ": " + " ".join(argv)[:300])
             self.cv.notify_all()
@@ -311,7 +319,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                      f"{e.quiesce_timeout:g} s, started anyway: {gt['detail']})") if gt else ""
         self._flush("", restart_detail=(
             f"engine restarted (pid {run.pid}{', lane ' + run.lane if run.lane else ''}) after a quiesce wait of "
-            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid])
+            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid], views=self.start_views)
         run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
@@ -371,7 +379,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             elif event == "sigterm":
                 self._history("sigterm", f"{why}: SIGTERM pid {run.pid}" + ("" if esc.sent else " (already gone)"))
                 if inc is not None:
-                    self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})", [run.pid])
+                    self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})" if inc.kind == "wedged"
+                                       else f"SIGTERM the engine (pid {run.pid}): {why}", [run.pid])
             else:
                 self._history("sigkill", f"{why}: pid {run.pid} still alive {esc.grace:g} s after SIGTERM; "
                                          f"SIGKILL {len(killed)} processes")
@@ -400,7 +409,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             except (OSError, AttributeError):
                 pass
         code = run.exit[0] if run.exit is not None else None
-        reason, failure = classify_exit(code, run.term_reason, run.guard_hit)
+        reason, failure = classify_exit(code, run.term_reason, run.guard_hit, run.role.role == "headless")
         rec = dict(run.exit_record() or run.exit_record((None, None), run.t_exit))
         if swept:
             rec["detail"] += f"; swept {len(swept)} leftover processes"
@@ -416,14 +425,30 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             elif reason in COMMANDED:
                 self.next_reason = reason
                 self.delay = 0.0
+            elif self.give_up.record(time.monotonic(), failure, run.ever_ready, reason):
+                self._given_up(rec)
             else:
                 self._schedule_restart(reason, failure, rec["uptime"])
-            restarting = self.want == "run" and not self.quit and self.state not in ("exited", "failed", "stopped")
+            restarting = self.want == "run" and not self.quit and self.state not in HALTED + ("stopped",)
             self.cv.notify_all()
         inc = run.incident
-        if inc is not None:
+        if inc is None and (reason in ("exit", "head") or self.state == "given_up") and not run.guard_hit:
+            # the run ended by itself (a rank death; a headless rank whose head went away): the
+            # verdicts' runs and the guard's have their incidents already
+            kind = "given_up" if self.state == "given_up" else reason
+            engine = self._engine_info(run, rec)
+            if kind == "head":      # exited 0 by itself: its head went away (what the head's sparkguard said last)
+                head = cluster.find_head(self.node_views)
+                engine["cause"] = {"reason": "head", "node": head.as_dict() if head else None, "was": run.joined}
+            detail = self.detail if kind == "given_up" else rec["detail"]
+            run.incident = inc = self.reports.open(kind, self.cfg, None, "exited", f"engine pid {run.pid}: {rec['detail']}",
+                                                   engine, [run.pid], SUMMARY[kind] + detail)
+            summary = SUMMARY[kind] + detail
+        elif inc is not None:
             self.reports.event(inc, "exited", f"engine pid {run.pid}: {rec['detail']}", [run.pid])
-            self.reports.close_wedged(inc, self._engine_info(run, rec), run.verdict_detail, restarting)
+            summary = SUMMARY[inc.kind] + run.verdict_detail
+        if inc is not None:
+            self.reports.close_engine(inc, self._engine_info(run, rec), summary, restarting)
             if restarting:     # reported now, and again once the restart happened (else once, below)
                 self.reports.finish(inc)
             self.reports.track(inc)

@@ -8,6 +8,10 @@
 3. **quiesce**: MemAvailable >= ``engine.start_above`` and stable (within ``stable_band``) for
    ``stable_for`` seconds, because memory stranded by a kill comes back only after a while.
 4. **peers**: every ``engine.peers`` reports MemAvailable >= ``start_above`` (:mod:`sparkguard.peers`).
+5. **cluster order** (a head or headless rank of a TP cluster with ``engine.peers``,
+   :mod:`.cluster`): a headless rank waits until the head has no run and wants one; the head
+   waits until every other rank runs and waits for a head.  No time limit: a rank started out
+   of order joins a stale rendezvous and never serves (FIELD-NOTES, the multi-Spark recipes).
 
 Past ``engine.quiesce_timeout`` (steps 2-4, counted from the end of the hold: a guard incident
 that stays open must not use up the time memory gets to come back) the engine starts anyway, and
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from sparkguard import meminfo, peers
+from sparkguard.supervisor import cluster, nodes
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -111,6 +116,9 @@ class GateHooks(Protocol):
     def peers_seen(self, states: list[dict]) -> None:
         """The peers' last readings (``peers.PeerState.as_dict()`` each)."""
 
+    def nodes_seen(self, views: list) -> None:
+        """The other nodes' last readings (``cluster.NodeView`` each), by the cluster order gate."""
+
 
 @dataclass
 class GateResult:
@@ -121,11 +129,14 @@ class GateResult:
         timed_out: None when every gate opened, else the gate that was still closed at
             ``engine.quiesce_timeout``: ``"quiesce"`` or ``"peers"``.
         detail: str, what that gate was waiting for when it timed out ("" when none did).
+        views: the other nodes as the cluster order gate last read them (``cluster.NodeView``;
+            empty without that gate): a head's group is the ranks it saw waiting.
     """
 
     waited: float
     timed_out: str | None = None
     detail: str = ""
+    views: tuple = ()
 
 
 class StartGates:
@@ -139,13 +150,18 @@ class StartGates:
         read_mem: MemAvailable in bytes (raises OSError/ValueError: logged, counted as 0).
         check_peers: ``(urls, gate_bytes, timeout) -> list[peers.PeerState]``.
         drop: the page-cache drop, returning a one-line result.
+        role: ``cluster.Role`` of the command about to start (the order gate runs for a head or
+            headless rank with ``engine.peers``).
+        read_nodes: ``(urls, timeout) -> list[cluster.NodeView]``.
     """
 
     def __init__(self, ecfg, hooks: GateHooks, clock: Callable[[], float] = time.monotonic,
                  read_mem: Callable[[], int] = read_mem_available, check_peers=peers.check,
-                 drop: Callable[[], str] = drop_caches):
+                 drop: Callable[[], str] = drop_caches, role: cluster.Role = cluster.Role(),
+                 read_nodes=nodes.read_all):
         self.e, self.hooks, self.clock = ecfg, hooks, clock
         self.read_mem, self.check_peers, self.drop = read_mem, check_peers, drop
+        self.role, self.read_nodes = role, read_nodes
 
     def run(self) -> GateResult | None:
         """Pass the gates.  Returns None when interrupted (stop, lane, quit), else the result.
@@ -179,14 +195,43 @@ class StartGates:
             timed_out, detail = self._peers(deadline)
             if timed_out is None:
                 return None
+        views: tuple = ()
+        if self.role.clustered and e.peers:
+            views = self._order()
+            if views is None:
+                return None
         waited = self.clock() - t0
         if timed_out:
             h.note(f"{timed_out}_timeout", f"starting anyway after {waited:.1f} s: {detail}")
             log.warning("engine: %s gate not met after %.0f s (engine.quiesce_timeout); starting anyway: %s",
                         timed_out, waited, detail)
-            return GateResult(waited, timed_out, detail)
+            return GateResult(waited, timed_out, detail, views)
         h.note("quiesced", f"memory gate met after {waited:.2f} s")
-        return GateResult(waited)
+        return GateResult(waited, views=views)
+
+    def _order(self) -> tuple | None:
+        """The cluster order gate (step 5): the views it passed on, or None when interrupted."""
+        e, h, role = self.e, self.hooks, self.role
+        announced = None
+        while True:
+            views = self.read_nodes(e.peers, min(3.0, max(0.5, e.health_interval)))
+            h.nodes_seen(views)
+            if role.role == "head":
+                ok, why = cluster.head_start_gate(role, views)
+            else:
+                ok, why = cluster.head_may_start_rank(cluster.find_head(views))
+            if ok:
+                if announced is not None:
+                    h.note("cluster", f"{role.role} rank {role.node_rank} may start: "
+                                      + ("every rank waits for a head" if role.role == "head" else "the head has no run"))
+                return tuple(views)
+            detail = f"cluster order: {why}"
+            h.show(detail)
+            if why != announced:
+                announced = why
+                h.note("waiting", detail)
+            if h.wait(PEER_EVERY, h.interrupted):
+                return None
 
     def _quiesce(self, deadline: float):
         """Returns ``("", "")`` open, ``("quiesce", detail)`` timed out, ``(None, ...)`` interrupted,

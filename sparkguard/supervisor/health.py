@@ -8,6 +8,10 @@
 * **head watch** (``engine.head_url``, headless ranks): once the head had answered 200, a head
   failing for ``head_lost_after`` seconds means stop and restart this rank, because vLLM's
   headless ranks do not exit by themselves.
+* **cluster watch** (a head or headless rank with ``engine.peers``, :mod:`.cluster`): every
+  ``health_interval`` the other nodes' sparkguards are read; a broken group is a verdict
+  (``peer`` on the head, ``head`` on a headless rank), and a headless rank is ready only while
+  it is in the head's group and the head is ready (its own readiness, not a health URL).
 
 :func:`monitor` runs in one thread per run and reports through :class:`MonitorHooks`.
 """
@@ -111,7 +115,10 @@ class MonitorHooks(Protocol):
         """A liveness probe result; returns the failures in a row so far."""
 
     def verdict(self, run, kind: str, detail: str) -> None:
-        """Stop and restart the run: ``wedged``, ``head`` or ``not_ready``."""
+        """Stop and restart the run: ``wedged``, ``head``, ``peer`` or ``not_ready``."""
+
+    def cluster(self, run) -> bool:
+        """Read the other nodes once and act on it (:mod:`.cluster`); True when a verdict was given."""
 
     def note(self, event: str, detail: str) -> None:
         """A history entry."""
@@ -132,10 +139,13 @@ def monitor(run, config: Callable[[], object], hooks: MonitorHooks) -> None:
     while not run.done.is_set() and run.exit is None and run.term_reason is None:
         now = time.monotonic()
         e = config()
+        clustered = run.role.clustered and bool(e.peers)
         if now >= next_members:
             hooks.refresh_members(run)
             next_members = now + (e.health_interval if not run.ever_ready else MEMBERS_EVERY)
-        if not run.ever_ready:
+        if clustered and run.role.role == "headless":
+            pass                                # ready = in the head's group: hooks.cluster decides
+        elif not run.ever_ready:
             ok = True
             if e.health_url:
                 ok = healthy(e.health_url, e.health_interval)
@@ -162,6 +172,8 @@ def monitor(run, config: Callable[[], object], hooks: MonitorHooks) -> None:
                         hooks.verdict(run, "wedged", f"{fails} liveness probes failed in a row (last: {why}); "
                                                      f"/health still {'200' if run.ready else 'failing'}")
                         return
+        if clustered and hooks.cluster(run):
+            return
         if e.head_url and head_lost(run, e, hooks):
             return
         waits = [e.health_interval]

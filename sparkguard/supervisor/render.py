@@ -54,6 +54,22 @@ def describe(state: dict | None) -> list[str]:
     if le:
         ago = time.time() - le["at"] if le.get("at") else None
         out.append(f"  last exit: {le.get('detail')}" + (f", {format_duration(ago)} ago" if ago is not None else ""))
+    role = s.get("role") or {}
+    if role.get("role") in ("head", "headless"):
+        line = f"  TP cluster: {role['role']}, node rank {role.get('node_rank')} of {role.get('nnodes')} nodes"
+        if role["role"] == "head" and s.get("group"):
+            line += "; group: " + ", ".join(f"rank {k} run {v:.3f}" for k, v in sorted(s["group"].items()))
+        elif role["role"] == "headless":
+            line += (f"; in the group of head run {s['joined']:.3f}" if s.get("joined")
+                     else "; waiting for head" if s.get("run_start") else "")
+        out.append(line)
+        for v in s.get("nodes") or []:
+            what = (v.get("error") or f"{v.get('role')} rank {v.get('node_rank')}, {v.get('state')}"
+                    + (f", run {v['run']:.3f}" if v.get("run") else ", no run")
+                    + (", ready" if v.get("ready") else "") + ("" if v.get("wanted", True) else ", stopped on purpose"))
+            out.append(f"  node {v.get('url')}: {what}")
+    if s.get("state") == "given_up":
+        out.append("  given up: `sparkguard engine start` tries again (engine.give_up_after, engine.give_up_window)")
     for p in s.get("peers") or []:
         out.append(f"  peer {p['url']}: " + ("ok" if p["ok"] else p.get("error") or "below the gate")
                    + (f", {p['available_bytes'] / 1024**3:.2f} GiB available" if p.get("available_bytes") is not None

@@ -5,7 +5,8 @@ Every guard action on the engine and every restart is part of the incident repor
 restart (memory may never come back, the daemon may die); one that hit the engine is then
 reported again, same id, with the ``restart`` event (or ``no_restart`` and why) appended: the
 incident store overwrites the file by id, the journal gets the updated report.  The supervisor
-also opens incidents of its own, of kind ``"wedged"``.  Reporting never blocks supervision and
+also opens incidents of its own (:meth:`EngineIncidents.open`): ``wedged``, ``exit``, ``peer``,
+``head``, ``given_up``.  Reporting never blocks supervision and
 never raises.
 """
 
@@ -32,11 +33,11 @@ class EngineIncidents:
     Args:
         reporter: ``sparkguard.reporter.Reporter`` (``event(ref, event)`` / ``finish(record)``),
             or None (nothing reported).
-        count_incident: ``(kind: str, wall: float) -> None`` called when an incident of the
+        count_incident: ``(kind: str, wall: float, id: str) -> None`` called when an incident of the
             supervisor's own opens, so the daemon's incident counters include it; or None.
     """
 
-    def __init__(self, reporter=None, count_incident: Callable[[str, float], None] | None = None):
+    def __init__(self, reporter=None, count_incident: Callable[[str, float, str], None] | None = None):
         self.reporter = reporter
         self.count_incident = count_incident
         self.pending: collections.deque[Incident] = collections.deque()
@@ -69,7 +70,8 @@ class EngineIncidents:
         """Report ``incident`` again at the next :meth:`flush` (the restart it caused, or why none)."""
         self.pending.append(incident)
 
-    def flush(self, now: dict, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
+    def flush(self, now: dict, why: str, restart_detail: str | None = None, pids: list[int] | None = None,
+              views=()) -> None:
         """Report every tracked incident again: with a ``restart`` event (``restart_detail``,
         ``pids``: the new engine) when the engine was restarted, else a ``no_restart`` event
         saying ``why``.  ``incident.engine`` keeps what it said at the close (that run's pid,
@@ -78,6 +80,9 @@ class EngineIncidents:
 
         Args:
             now: ``{"state": str, "pid": int|None, "lane": str|None, "restarts": {reason: int}}``.
+            views: the other nodes as read just before the restart (``cluster.NodeView``): an
+                incident caused by one of them gains ``cause.node_at_restart``, that node as it
+                was then (its ``last_incident`` is the incident it recorded for the same event).
         """
         pend = []
         while self.pending:
@@ -96,20 +101,31 @@ class EngineIncidents:
                 eng["restarted"] = False
                 inc.summary += f"; engine not restarted ({why})"
             eng["after"] = {k: now.get(k) for k in ("state", "pid", "lane")}
+            cause = eng.get("cause")
+            if restart_detail is not None and cause and cause.get("node"):
+                url = cause["node"].get("url")
+                for v in views:
+                    if v.url == url:
+                        cause["node_at_restart"] = v.as_dict()
             if now.get("restarts") is not None:
                 eng["restarts"] = dict(now["restarts"])
             self.finish(inc)
 
-    def open_wedged(self, cfg, target, detail: str, engine: dict, pid: int) -> Incident:
-        """An incident of kind ``"wedged"`` (docs/incident.md), its first event ``wedged`` already
-        reported.
+    def open(self, kind: str, cfg, target, event: str, detail: str, engine: dict, pids: list[int],
+             summary: str) -> Incident:
+        """An incident of the supervisor's own (docs/incident.md), its first event already reported.
 
         Args:
+            kind: ``"wedged"`` (health probes say the engine hangs), ``"exit"`` (its run ended by
+                itself), ``"peer"``/``"head"`` (a TP cluster's other node: a rank of the head's group,
+                the head run a headless rank was in, went away), ``"given_up"``.
             cfg: ``config.Config`` (thresholds recorded).
             target: ``proctree.Target`` of the engine (its rows read), or None.
-            detail: why it is wedged (the probe failures).
-            engine: the supervisor's engine info (state, lane, pid, last lines).
-            pid: the engine's root pid.
+            event, detail: the first event (``wedged``, ``exited``, ``peer``, ``head``, ``given_up``) and why.
+            engine: the supervisor's engine info (state, lane, pid, last lines; ``cause`` for the
+                cluster kinds).
+            pids: the engine's root pid (or none).
+            summary: the summary line it opens with.
         """
         g = cfg.guard
         wall = time.time()
@@ -117,26 +133,29 @@ class EngineIncidents:
             mi = meminfo.read()
         except OSError:
             mi = {}
-        inc = new_incident("wedged", wall, Thresholds.of(g), mi, dry_run=g.dry_run,
+        inc = new_incident(kind, wall, Thresholds.of(g), mi, dry_run=g.dry_run,
                            psi_memory=sysinfo.read_psi_memory(), zram=sysinfo.read_zram(),
-                           target=None if target is None else Target.of(target),
-                           summary=f"engine wedged: {detail}", engine=engine)
+                           target=None if target is None else Target.of(target), summary=summary, engine=engine)
         if self.count_incident is not None:
             try:
-                self.count_incident("wedged", wall)
+                self.count_incident(kind, wall, inc.id)
             except Exception:  # noqa: BLE001
                 pass
-        self.event(inc, "wedged", detail, [pid])
+        self.event(inc, event, detail, pids)
         return inc
 
-    def close_wedged(self, inc: Incident, engine: dict, detail: str, restarting: bool) -> None:
-        """The wedged engine's run ended: outcome (``killed`` when the timeline has a SIGKILL,
-        else ``terminated``), end time, the engine part ``engine``, the summary (``detail``: why
-        it was wedged; :data:`PENDING` appended while ``restarting``)."""
-        inc.outcome = "killed" if "sigkill" in inc.events() else "terminated"
+    def close_engine(self, inc: Incident, engine: dict, summary: str, restarting: bool) -> None:
+        """The engine's run ended: outcome (``killed`` when the timeline has a SIGKILL,
+        ``terminated`` after a SIGTERM (and for ``wedged``), else ``exited``: it ended by itself), end time, the engine
+        part ``engine`` (the ``cause`` it opened with kept), the summary (``summary``: why; the
+        outcome and, while ``restarting``, :data:`PENDING` appended)."""
+        ev = inc.events()
+        inc.outcome = ("killed" if "sigkill" in ev else "terminated" if "sigterm" in ev or inc.kind == "wedged"
+                       else "exited")
         inc.ended_at = time.time()
-        inc.engine = engine
-        inc.summary = f"engine wedged: {detail}; {inc.outcome}" + (PENDING if restarting else "")
+        cause = (inc.engine or {}).get("cause")
+        inc.engine = dict(engine, cause=cause) if cause is not None else engine
+        inc.summary = f"{summary}; {inc.outcome}" + (PENDING if restarting else "")
 
     def close_wedged_dry_run(self, inc: Incident, detail: str) -> None:
         """A dry run's wedged incident: nothing was signalled (``detail``: why it was wedged)."""

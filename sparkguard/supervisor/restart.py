@@ -9,11 +9,16 @@ from __future__ import annotations
 from sparkguard.units import format_duration
 
 #: every restart reason (metric label values, all exported from the first scrape)
-REASONS = ("exit", "guard", "wedged", "lane", "head", "not_ready", "manual", "link")
+REASONS = ("exit", "guard", "wedged", "lane", "head", "not_ready", "manual", "link", "peer")
 #: reasons of a restart someone asked for: immediate, no backoff, not a failure
 COMMANDED = ("lane", "manual", "link")
 #: reasons the supervisor stopped the engine for because it was unhealthy: always a failure
-UNHEALTHY = ("wedged", "head", "not_ready")
+UNHEALTHY = ("wedged", "not_ready")
+#: reasons caused by another node of a TP cluster (:mod:`sparkguard.supervisor.cluster`): the head
+#: run this headless rank was in is gone (``head``), a rank of the head's group is (``peer``).  Not
+#: a failure of this node: no backoff, and restarted under ``on-failure`` too (a group that must
+#: re-form is not a clean stop)
+CLUSTER = ("head", "peer")
 
 
 class Backoff:
@@ -45,14 +50,18 @@ class Backoff:
         self.failures = 0
 
 
-def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool) -> tuple[str | None, bool]:
+def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
+                  headless: bool = False) -> tuple[str | None, bool]:
     """Why a run ended, as ``(restart reason, failure)``.
 
     Args:
         code: the root's exit code, None when a signal ended it (or unknown).
         term_reason: why the supervisor stopped it (``stop``, ``shutdown``, one of
-            :data:`COMMANDED` or :data:`UNHEALTHY`), None when it exited by itself.
+            :data:`COMMANDED`, :data:`UNHEALTHY` or :data:`CLUSTER`), None when it exited by itself.
         guard_hit: the guard signalled the engine during the run.
+        headless: the run was a headless rank of a TP cluster: one that exits 0 by itself does so
+            because its head went away (vLLM's headless workers end when the head's engine does,
+            FIELD-NOTES), which is ``head``, not a clean stop.
     Returns:
         reason: None (stopped on purpose: no restart), else one of :data:`REASONS`.
         failure: bool, False only for a clean exit (code 0) or a commanded restart.
@@ -64,8 +73,12 @@ def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool) ->
         return term_reason, failure
     if term_reason in UNHEALTHY:
         return term_reason, True
+    if term_reason in CLUSTER:
+        return term_reason, False
     if guard_hit:
         return "guard", True
+    if headless and code == 0:
+        return "head", False
     return "exit", failure
 
 
@@ -74,6 +87,7 @@ ENDED_BY = {"stop": "", "shutdown": "",           # the word says it
             "manual": "by 'sparkguard engine restart'", "lane": "switching lanes",
             "link": "restarting after the TP link came back", "wedged": "liveness probe failures",
             "head": "its head node went away", "not_ready": "not ready within engine.ready_timeout",
+            "peer": "a rank of its TP group on another node went away",
             "guard": "signalled by the memory guard"}
 
 
@@ -101,7 +115,40 @@ def describe_exit(code: int | None, signame: str | None, uptime: float, term_rea
     return out
 
 
-def restarts(policy: str, failure: bool) -> bool:
+def restarts(policy: str, failure: bool, reason: str | None = None) -> bool:
     """Whether ``engine.restart`` (``always`` | ``on-failure`` | ``never``) restarts after an
-    automatic stop that was (``failure``) or was not a failure."""
+    automatic stop for ``reason`` that was (``failure``) or was not a failure.  A
+    :data:`CLUSTER` reason restarts unless the policy is ``never``."""
+    if reason in CLUSTER:
+        return policy != "never"
     return policy == "always" or (policy == "on-failure" and failure)
+
+
+class GiveUp:
+    """Failed recoveries in a window: a boot that keeps failing needs a person.
+
+    A failed recovery is a run that ended in failure (:func:`classify_exit`) before it was ever
+    ready; ``after`` of them within ``window`` seconds means give up (the public multi-Spark
+    recipes stop after 3, FIELD-NOTES).  Pure: the caller gives monotonic seconds.
+
+    Args:
+        after: int failed recoveries (0: never give up).
+        window: float seconds.
+    """
+
+    def __init__(self, after: int, window: float):
+        self.after, self.window = after, window
+        self.failed: list[float] = []
+
+    def record(self, now: float, failure: bool, ever_ready: bool, reason: str | None) -> bool:
+        """One run ended at ``now``; True when the supervisor should give up now."""
+        if ever_ready or not failure or reason in CLUSTER or reason in COMMANDED or reason is None:
+            if ever_ready:
+                self.failed.clear()
+            return False
+        self.failed = [t for t in self.failed if now - t < self.window] + [now]
+        return self.after > 0 and len(self.failed) >= self.after
+
+    def reset(self) -> None:
+        """Forget (``sparkguard engine start``)."""
+        self.failed.clear()

@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+from sparkguard.supervisor.cluster import HeadWatch, Role
 from sparkguard.supervisor.output import LastLines
 from sparkguard.supervisor.restart import classify_exit, describe_exit
 
@@ -18,10 +19,14 @@ class Run:
         lane: str | None, the lane it was started in.
         argv: list[str], what was executed (after the oom_score_adj wrapper).
         reason: str | None, why this start happened (a restart reason; None: first start).
-    Times ``t_*`` are ``time.monotonic()`` seconds, ``wall_spawn`` is unix seconds.
+        role: :class:`cluster.Role` of the command (single, head, headless).
+    Times ``t_*`` are ``time.monotonic()`` seconds, ``wall_spawn`` is unix seconds; ``run_id``
+    is ``wall_spawn`` to the millisecond: the name other nodes know this run by
+    (``sparkguard_engine_run_start_timestamp_seconds``).
     """
 
-    def __init__(self, proc, lane: str | None, argv: list[str], reason: str | None, log_lines: int = 200):
+    def __init__(self, proc, lane: str | None, argv: list[str], reason: str | None, log_lines: int = 200,
+                 role: Role = Role()):
         self.proc = proc
         self.pid: int = proc.pid
         self.pgid: int = proc.pid            # start_new_session: pid == pgid == sid
@@ -30,6 +35,12 @@ class Run:
         self.reason = reason                 # why this start happened (None: first start)
         self.t_spawn = time.monotonic()
         self.wall_spawn = time.time()
+        self.run_id = round(self.wall_spawn, 3)
+        self.role = role
+        self.group: dict[int, float] = {}   # head: node rank -> the run of each rank it started with
+        self.head_watch = HeadWatch(role.node_rank, self.run_id) if role.role == "headless" else None
+        self.joined: float | None = None    # headless: the head run it is in (the monitor's)
+        self.cause: dict | None = None      # the other node that made the monitor end this run
         self.ready = False
         self.ever_ready = False
         self.exit: tuple[int | None, int | None] | None = None   # (code, signal)
@@ -73,7 +84,7 @@ class Run:
             return None
         code, sig = exit
         uptime = (t_exit or time.monotonic()) - self.t_spawn
-        reason, _ = classify_exit(code, self.term_reason, self.guard_hit)
+        reason, _ = classify_exit(code, self.term_reason, self.guard_hit, self.role.role == "headless")
         return {"code": code, "signal": _signame(sig), "at": self.wall_spawn + uptime, "uptime": uptime,
                 "reason": reason or self.term_reason, "pid": self.pid, "lane": self.lane,
                 "detail": describe_exit(code, _signame(sig), uptime, self.term_reason, self.guard_hit)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from sparkguard import proctree
-from sparkguard.supervisor import health, output, process
+from sparkguard.supervisor import cluster, health, nodes, output, process
 from sparkguard.supervisor.run import Run
 
 
@@ -57,13 +57,13 @@ class RunThreads:
             self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
         self._post(ready)
 
-    def _health_changed(self, run: Run, ok: bool, url: str) -> None:
+    def _health_changed(self, run: Run, ok: bool, url: str, why: str | None = None) -> None:
         def changed() -> None:
             if run.exit is not None or run is not self.run:    # seen before the exit was applied
                 return
             run.ready = ok
             self.state = "ready" if ok else "starting"
-            self.detail = "" if ok else f"{url} not answering 200"
+            self.detail = "" if ok else (why or f"{url} not answering 200")
         self._post(changed)
 
     def _probed(self, run: Run, ok: bool) -> int:
@@ -74,15 +74,67 @@ class RunThreads:
         if run.exit is not None or run.verdict is not None:
             return
         if verdict == "wedged" and not self.cfg.guard.dry_run:
-            run.incident = self._open_wedged_incident(run, detail)   # before _supervise acts on it
+            run.incident = self._open_incident(run, "wedged", detail)   # before _supervise acts on it
+        elif verdict in ("peer", "head"):
+            run.incident = self._open_incident(run, verdict, detail)
 
         def given() -> None:
             run.verdict, run.verdict_detail = verdict, detail
             self._history(verdict, detail)
         self._post(given)
 
+    def _cluster(self, run: Run) -> bool:
+        """(Monitor thread.) Read the other nodes once; on the head, restart (``peer``) when a rank
+        of its group has another run; on a headless rank, follow the head (:class:`cluster.HeadWatch`):
+        ready while in its group and it is ready, ``waiting_for_head`` before, restart (``head``)
+        when the head run it joined, or one it waited beside, is gone.  True when a verdict was given."""
+        e = self.ecfg
+        views = nodes.read_all(e.peers, min(3.0, max(0.5, e.health_interval)))
+
+        def seen() -> None:
+            self.node_views = views
+        self._post(seen)
+        if run.role.role == "head":
+            for v in views:         # a rank the gates could not read: its first run waiting for a head
+                if v.node_rank is not None and v.node_rank not in run.group and cluster.waiting_for_head(v):
+                    run.group = {**run.group, v.node_rank: v.run}
+            broken = cluster.broken_group(run.group, views)
+            if broken is None:
+                return False
+            v, why = broken
+            run.cause = {"reason": "peer", "node": v.as_dict(), "was": run.group.get(v.node_rank)}
+            self._verdict(run, "peer", f"{v.name()}: {why}; the group of this head run is broken"
+                          + (f" (its last incident: {v.last_incident})" if v.last_incident else ""))
+            return True
+        head = cluster.find_head(views)
+        action, why = run.head_watch.see(head)
+        run.joined = run.head_watch.joined
+        if action is not None:
+            run.cause = {"reason": "head", "node": head.as_dict() if head else None, "was": run.joined,
+                         "wait": action == "stop"}
+            self._verdict(run, "head", why + (f" (its last incident: {head.last_incident})"
+                                              if head is not None and head.last_incident else ""))
+            return True
+        if head is None:
+            return False
+        ready = run.joined is not None and head.ready
+        if ready and not run.ever_ready:
+            self._became_ready(run)
+        elif ready != run.ready and run.ever_ready:
+            self._health_changed(run, ready, head.url, f"head {head.url}: "
+                                 + ("not ready" if run.joined is not None else "this rank is not in its group"))
+        elif not ready and not run.ever_ready:
+            detail = (f"in the group of head run {run.joined:.3f}; the head is not ready yet" if run.joined
+                      else f"not yet in a group of head {head.url}")
+
+            def waiting() -> None:
+                if run is self.run and run.exit is None and run.verdict is None and self.state != "stopping":
+                    self.state, self.detail = "waiting_for_head", detail
+            self._post(waiting)
+        return False
+
     def _wedged_dry_run(self, run: Run) -> None:
-        inc = self._open_wedged_incident(run, run.verdict_detail)
+        inc = self._open_incident(run, "wedged", run.verdict_detail)
         self.reports.event(inc, "would_term", f"dry run: would SIGTERM the wedged engine (pid {run.pid})", [run.pid])
         self.reports.close_wedged_dry_run(inc, run.verdict_detail)
         self.reports.finish(inc)
@@ -90,10 +142,20 @@ class RunThreads:
             run.verdict, run.probe_failures = None, 0
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
 
-    def _open_wedged_incident(self, run: Run, detail: str):
-        """An incident of kind ``"wedged"`` (a ``model.Incident``, docs/incident.md)."""
+    def _open_incident(self, run: Run, kind: str, detail: str):
+        """An incident of kind ``wedged``, ``peer`` or ``head`` about ``run``, its tree read now
+        (a ``model.Incident``, docs/incident.md)."""
         t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
-        return self.reports.open_wedged(self.cfg, t, detail, self._engine_info(run), run.pid)
+        engine = self._engine_info(run)
+        if run.cause is not None:
+            engine["cause"] = run.cause
+        return self.reports.open(kind, self.cfg, t, kind, detail, engine, [run.pid], SUMMARY[kind] + detail)
+
+
+#: the summary an incident of the supervisor's own opens with (its detail follows)
+SUMMARY = {"wedged": "engine wedged: ", "peer": "TP group broken, restarting the head: ",
+           "head": "head run gone, restarting this headless rank: ", "exit": "engine exited by itself: ",
+           "given_up": "gave up starting the engine: "}
 
 
 class SupervisorGateHooks:
@@ -121,6 +183,11 @@ class SupervisorGateHooks:
         with self.sup.cv:
             self.sup.peer_states = states
 
+    def nodes_seen(self, views: list) -> None:
+        """The cluster order gate's last readings (status ``nodes``)."""
+        with self.sup.cv:
+            self.sup.node_views = list(views)
+
 
 class SupervisorMonitorHooks:
     """:class:`health.MonitorHooks` on a :class:`Supervisor` ``sup`` (called from the monitor thread)."""
@@ -128,4 +195,4 @@ class SupervisorMonitorHooks:
     def __init__(self, sup):
         self.refresh_members, self.became_ready = sup._refresh_members, sup._became_ready
         self.health_changed, self.probed, self.verdict = sup._health_changed, sup._probed, sup._verdict
-        self.note = sup._history
+        self.note, self.cluster = sup._history, sup._cluster

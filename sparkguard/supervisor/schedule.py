@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import time
 
+from sparkguard.supervisor import cluster, lanes
 from sparkguard.supervisor.gates import StartGates
-from sparkguard.supervisor.restart import restarts
+from sparkguard.supervisor.restart import CLUSTER, restarts
 from sparkguard.supervisor.runthreads import SupervisorGateHooks
 from sparkguard.units import format_duration
 
@@ -42,11 +43,13 @@ class BetweenRuns:
         return True
 
     def _gates(self) -> bool:
-        """Guard hold, drop caches, quiesce, peers.  False when interrupted (stop/lane/quit)."""
-        r = StartGates(self.ecfg, SupervisorGateHooks(self)).run()
+        """Guard hold, drop caches, quiesce, peers, cluster order.  False when interrupted (stop/lane/quit)."""
+        role = cluster.role_of(lanes.command(self.cfg, self.lane)[0])
+        r = StartGates(self.ecfg, SupervisorGateHooks(self), role=role).run()
         if r is None:
             return False
         with self.cv:
+            self.start_views = list(r.views)
             self.quiesce_wait, self.quiesce_timed_out = r.waited, bool(r.timed_out)
             self.gate_timeout = {"gate": r.timed_out, "detail": r.detail} if r.timed_out else None
         return True
@@ -54,13 +57,29 @@ class BetweenRuns:
     def _schedule_restart(self, reason: str, failure: bool, uptime: float) -> None:
         """Decide (under ``cv``) whether and when to restart after an exit for ``reason``."""
         policy = self.ecfg.restart
-        if not restarts(policy, failure):
+        if not restarts(policy, failure, reason):
             self.want = "stop"
             self.state = "exited" if not failure else "failed"
             self.detail = f"not restarted (engine.restart: {policy}): {self.last_exit and self.last_exit['detail']}"
             self._history("no_restart", self.detail)
             return
-        self.delay = self.backoff.next(uptime)
         self.next_reason = reason
+        if reason in CLUSTER:           # another node's doing: no backoff; the cluster gate orders the start
+            self.delay = 0.0
+            return
+        self.delay = self.backoff.next(uptime)
         if self.backoff.failures > 2:
             log.warning("engine: crash loop? %d restarts in a row; next in %g s", self.backoff.failures, self.delay)
+
+    def _given_up(self, rec: dict) -> None:
+        """(Under ``cv``.) ``engine.give_up_after`` failed recoveries within ``engine.give_up_window``:
+        stay stopped until ``sparkguard engine start``; an incident says so."""
+        e = self.ecfg
+        self.want = "stop"
+        self.state = "given_up"
+        self.detail = (f"gave up after {len(self.give_up.failed)} failed starts within "
+                       f"{format_duration(e.give_up_window)} (engine.give_up_after {e.give_up_after}); "
+                       f"last run: {rec.get('detail', 'exited')}; `sparkguard engine start` tries again")
+        self._history("given_up", self.detail)
+        log.error("engine: %s", self.detail)
+        self.given_up_detail = self.detail

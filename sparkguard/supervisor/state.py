@@ -9,10 +9,16 @@ from __future__ import annotations
 import logging
 import time
 
-from sparkguard.supervisor import lanes, process
+from sparkguard.supervisor import cluster, lanes, process
 from sparkguard.supervisor.run import Run
 
 log = logging.getLogger("sparkguard.supervisor")
+
+#: supervisor states (``status()["state"]``)
+STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "waiting_for_head", "ready", "stopping", "exited",
+          "failed", "given_up")
+#: states in which the supervisor stays stopped until a command (``engine start``)
+HALTED = ("exited", "failed", "given_up")
 
 
 class StatusViews:
@@ -44,6 +50,16 @@ class StatusViews:
             "peers": list(self.peer_states), "history": list(self.history),
             "control_socket": self.ecfg.control_socket,
         }
+        alive = run is not None and run.exit is None
+        role = run.role if run is not None else cluster.role_of(st["command"])
+        st.update({
+            "role": {"role": role.role, "node_rank": role.node_rank, "nnodes": role.nnodes},
+            "run_start": run.run_id if alive else None,
+            "joined": run.joined if alive and role.role == "headless" else None,
+            "group": {str(k): v for k, v in run.group.items()} if alive and role.role == "head" else {},
+            "given_up": self.state == "given_up",
+            "nodes": [v.as_dict() for v in self.node_views],
+        })
         return st
 
     def _history(self, event: str, detail: str) -> None:
@@ -82,12 +98,13 @@ class StatusViews:
                 "restarts": dict(self.restarts),
                 "last_lines": run.lines.current()[-self.ecfg.log_lines:] if run else []}
 
-    def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None) -> None:
+    def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None,
+               views=()) -> None:
         """Resolve the incidents waiting for a restart (:meth:`reports.EngineIncidents.flush`)."""
         with self.cv:
             now = {"state": self.state, "pid": self.run.pid if self.run is not None else None, "lane": self.lane,
                    "restarts": dict(self.restarts)}
-        self.reports.flush(now, why, restart_detail, pids)
+        self.reports.flush(now, why, restart_detail, pids, views)
 
     def _write_state(self) -> None:
         """(Supervisor thread, the file's one writer.) Persist the lane (a lane switch asked for

@@ -2,7 +2,8 @@
 
 One engine spans N nodes, each running ``vllm serve`` with the same arguments plus its
 ``--node-rank``; node 0 is the head (API server, EngineCore), the others run ``--headless``.
-What is imitated, and where it was read (vLLM main branch as stored in 2026, file + function):
+What is imitated, and where it was read (file + function of vLLM's main branch as of 2026, read
+in public copies of its source: the vllm-project/vllm snapshot itself was too large to fetch here):
 
 Local ranks.  ``vllm/v1/executor/multiproc_executor.py`` ``MultiprocExecutor._get_parallel_sizes``
 asserts ``world_size % nnodes_within_dp == 0`` (world_size = TP x PP; here TP only), and
@@ -34,8 +35,9 @@ joined; the head waits for them for at most the timeout (PyTorch's "Timed out ..
 clients"), a joiner for the group likewise; either then exits 1.  A worker reports the formed
 group to its node's top, which prints ``fake-vllm: group formed``; only then does the head
 "load" for ``--load-time`` and its port listen.  Before that a start-up failure on a headless
-node (refused, timed out) ends its top with exit 1, as ``WorkerProc.wait_for_ready`` raising
-does; after it, a worker that ends makes the top exit 0 (the inline monitor above).
+node (refused, timed out: the worker exits 1) ends its top with exit 1, as
+``WorkerProc.wait_for_ready`` raising does; after it, or when a worker exits 0 because its head
+went away (a stale rendezvous, below), a worker that ends makes the top exit 0 (the inline monitor).
 
 After forming, each worker's connection stands for the NCCL communicator:
     - a rank whose connection closes (its worker, or its node's top, died: each worker watches
@@ -43,6 +45,12 @@ After forming, each worker's connection stands for the NCCL communicator:
       head's completions then hang while ``/health`` stays 200, and ``--distributed-timeout-seconds``
       after the loss the head's Worker_TP0 exits 1 as PyTorch's NCCL watchdog does on a collective
       timeout, so EngineCore dies and the top answers 503 and exits 1 (the dead-linger path);
+    - a rank that stays connected but cannot be reached (a link down, a stopped process) is not
+      lost: the head's completions hang while it is unreachable and go on once it is back; only
+      if it stays away ``--distributed-timeout-seconds`` does the head die as above.  NCCL sends
+      no heartbeat (a collective just waits), so the fake adds its own to see this without
+      traffic: every rank sends one each :data:`HEARTBEAT_S`, and one silent for
+      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake, not vLLM's);
     - a headless worker whose head's connection closes follows ``--fake-on-head-loss``:
       ``exit`` (default) exits 0, so its top exits 0 (the inline monitor); ``hang`` logs PyTorch's
       TCPStore ``recvValue failed`` warning and keeps running, never recovering (vLLM #32136).
@@ -52,8 +60,9 @@ Assumptions (nothing read says otherwise; each is a choice of this fake):
       rendezvous and a mismatching joiner is refused with an error naming the argument and
       both values, printed on both nodes; what vLLM really does with mismatched arguments is
       not known (issue 13).  A rank that has already joined is refused too (duplicate).
-    - the loss timer runs from the loss whether or not a request is in flight (PyTorch's
-      watchdog times out a collective in flight; issue 13 asks for this simpler rule).
+    - the watchdog's timer runs from the loss (or from the last heartbeat of a rank that went
+      unreachable) whether or not a request is in flight (PyTorch's watchdog times out a
+      collective in flight; issue 13 asks for this simpler rule).
     - head loss: the default ``exit`` is what issue 13 reports for TP with the mp backend and
       what the public multi-Spark recipes describe ("joins the stale rendezvous, exits 0 when
       the old head finally dies", FIELD-NOTES); the source shows why it is exit 0 (the inline
@@ -76,6 +85,8 @@ Lines printed, unprefixed (``A:P`` is master-addr:master-port; K a node rank, R 
     fake-vllm: late joiner rank=R node-rank=K                          head's Worker_TP0, group formed
     fake-vllm: group formed nnodes=N master=A:P node-rank=K           every node's top, once
     fake-vllm: rank lost rank=R node-rank=K timeout=S                  head's Worker_TP0
+    fake-vllm: rank unreachable rank=R node-rank=K silent=S            head's Worker_TP0
+    fake-vllm: rank reachable rank=R node-rank=K                       head's Worker_TP0, again
     fake-vllm: distributed timeout rank=0 after=S                      head's Worker_TP0, then exit 1
     fake-vllm: head lost master=A:P action=exit|hang                   a headless worker
     fake-vllm: rendezvous timeout rank=R after=S                       a worker, then exit 1
@@ -106,6 +117,10 @@ from sparkguard.drill.tree import READY_PREFIX
 DEFAULT_MASTER_PORT = fv.DEFAULT_MASTER_PORT
 #: seconds between a joiner's connection attempts (PyTorch's TCPStore client retries until its timeout)
 RETRY_S = 0.1
+#: seconds between a rank's heartbeats to the head, and seconds without one after which the head
+#: counts the rank unreachable (the fake's own artefact: NCCL has no heartbeat, see the docstring)
+HEARTBEAT_S = 0.2
+UNREACHABLE_S = 1.0
 #: engine arguments every node must be started with alike (argparse dest -> vLLM flag)
 MATCHED = {"model": "model", "tp": "--tensor-parallel-size", "nnodes": "--nnodes",
            "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs"}
@@ -117,6 +132,8 @@ REFUSED_PREFIX = P + "rendezvous refused "
 LATE_PREFIX = P + "late joiner "
 FORMED_PREFIX = P + "group formed "
 LOST_PREFIX = P + "rank lost "
+UNREACHABLE_PREFIX = P + "rank unreachable "
+REACHABLE_PREFIX = P + "rank reachable "
 TIMEOUT_PREFIX = P + "distributed timeout "
 HEAD_LOST_PREFIX = P + "head lost "
 RDZV_TIMEOUT_PREFIX = P + "rendezvous timeout "
@@ -193,8 +210,9 @@ def start_link(a, rank: int, report_fd: int, log: Log) -> None:
     Args:
         a: the parsed options (``--nnodes`` > 1).
         rank: this worker's global TP rank; 0 hosts the rendezvous.
-        report_fd: write end of the pipe to the node's top; gets ``G`` (group formed) and, on the
-            head, ``L <rank> <node-rank>`` (a rank lost) lines.  The thread owns it.
+        report_fd: write end of the pipe to the node's top; gets ``G`` (group formed) and, from the
+            head's Worker_TP0, ``L|U|R <rank> <node-rank>`` (a rank lost, unreachable, reachable
+            again) lines.
         log: the worker's log.
     Raises:
         OSError: rank 0 could not bind master-addr:master-port (the worker then exits 1).
@@ -202,13 +220,20 @@ def start_link(a, rank: int, report_fd: int, log: Log) -> None:
     """
     parent = _parent_pidfd()
     if parent is None:
-        log("INFO", "multiproc_executor.py:1", "Parent process exited, terminating worker queues")
-        os._exit(0)
+        _parent_gone(log)
     if rank == 0:
         target = _Server(a, report_fd, log, parent).run
     else:
         target = _Client(a, rank, report_fd, log, parent).run
-    threading.Thread(target=target, name="fake-rendezvous", daemon=True).start()
+
+    def guarded() -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - a broken link must not leave a half-alive worker
+            log("ERROR", "fake_cluster.py:1", f"fake-vllm link failed: {e!r}")
+            os._exit(70)
+
+    threading.Thread(target=guarded, name="fake-rendezvous", daemon=True).start()
 
 
 def _report(fd: int, line: str) -> None:
@@ -219,6 +244,7 @@ def _report(fd: int, line: str) -> None:
 
 
 def _parent_gone(log: Log) -> None:
+    """End this worker as vLLM's death-pipe monitor does (multiproc_executor.py monitor_death_pipe)."""
     log("INFO", "multiproc_executor.py:1", "Parent process exited, terminating worker queues")
     os._exit(0)
 
@@ -244,21 +270,19 @@ class _Server:
         self.late: list[socket.socket] = []
         self.formed = False
         self.deadline = time.monotonic() + a.distributed_timeout_seconds
-        self.lost_at: float | None = None
+        self.seen: dict[int, float] = {}    # rank -> its last heartbeat (monotonic s), after forming
+        self.down: dict[int, float] = {}    # rank -> since when it is unreachable or lost (monotonic s)
+        self.unreachable: set[int] = set()
         log.raw(f"{LISTENING_PREFIX}master={_master(a)} world={self.world}")
 
     def run(self) -> None:
-        a = self.a
         while True:
             socks = [self.lsock, self.parent, *self.pending, *(s for s, _ in self.members.values()), *self.late]
-            limit = self.deadline if not self.formed else (
-                None if self.lost_at is None else self.lost_at + a.distributed_timeout_seconds)
-            ready = select.select(socks, [], [], None if limit is None else max(0.0, limit - time.monotonic()))[0]
+            due = self._next_due()
+            ready = select.select(socks, [], [], None if due is None else max(0.0, due - time.monotonic()))[0]
             now = time.monotonic()
             if self.parent in ready:
                 _parent_gone(self.log)
-            if limit is not None and now >= limit:
-                self._time_out()
             for s in ready:
                 if s is self.lsock:
                     self._accept()
@@ -270,6 +294,34 @@ class _Server:
                         s.close()
                 elif isinstance(s, socket.socket):
                     self._member_event(s, now)
+            self._check(now)
+
+    def _next_due(self) -> float | None:
+        """When :meth:`_check` has work next (monotonic s): the rendezvous deadline before forming;
+        after it, the next heartbeat that may be missed and the watchdog's deadline."""
+        if not self.formed:
+            return self.deadline
+        dues = [t + UNREACHABLE_S for r, t in self.seen.items() if r not in self.unreachable]
+        if self.down:
+            dues.append(min(self.down.values()) + self.a.distributed_timeout_seconds)
+        return min(dues) if dues else None
+
+    def _check(self, now: float) -> None:
+        """Time out the rendezvous; mark ranks without a recent heartbeat unreachable; time out a
+        broken group ``--distributed-timeout-seconds`` after its first rank went down."""
+        if not self.formed:
+            if now >= self.deadline:
+                self._time_out()
+            return
+        for rank, t in self.seen.items():
+            if rank not in self.unreachable and now - t >= UNREACHABLE_S:
+                self.unreachable.add(rank)
+                self.down.setdefault(rank, t)
+                node = self.members[rank][1]
+                self.log.raw(f"{UNREACHABLE_PREFIX}rank={rank} node-rank={node} silent={now - t:.1f}")
+                _report(self.report_fd, f"U {rank} {node}")
+        if self.down and now >= min(self.down.values()) + self.a.distributed_timeout_seconds:
+            self._time_out()
 
     def _time_out(self) -> None:
         t = self.a.distributed_timeout_seconds
@@ -330,6 +382,7 @@ class _Server:
         self.log.raw(f"{JOINED_PREFIX}rank={rank} node-rank={node} joined={len(self.members) + 1}/{self.world}")
         if len(self.members) + 1 == self.world:
             self.formed = True
+            self.seen = {r: time.monotonic() for r in self.members}
             for sock, _ in self.members.values():
                 _send(sock, {"formed": True, "nnodes": self.a.nnodes, "master": _master(self.a)})
             _report(self.report_fd, "G")
@@ -337,19 +390,30 @@ class _Server:
             _send(s, {"joined": True})
 
     def _member_event(self, s: socket.socket, now: float) -> None:
-        if _alive(s):
+        """A member's heartbeat (it is reachable, again) or its connection's end (it is lost)."""
+        rank, node = next(((r, n) for r, (sock, n) in self.members.items() if sock is s), (None, None))
+        if rank is None:
             return
-        rank, node = next((r, n) for r, (sock, n) in self.members.items() if sock is s)
+        if _alive(s):
+            if rank in self.seen:
+                self.seen[rank] = now
+            if rank in self.unreachable:
+                self.unreachable.discard(rank)
+                self.down.pop(rank, None)
+                self.log.raw(f"{REACHABLE_PREFIX}rank={rank} node-rank={node}")
+                _report(self.report_fd, f"R {rank} {node}")
+            return
         del self.members[rank]
         s.close()
         if not self.formed:
             self.log("WARNING", "parallel_state.py:1", f"rank {rank} (node {node}) left before the group formed")
             return
+        self.seen.pop(rank, None)
+        self.unreachable.discard(rank)
+        self.down.setdefault(rank, now)
         t = self.a.distributed_timeout_seconds
         self.log.raw(f"{LOST_PREFIX}rank={rank} node-rank={node} timeout={t:g}")
         _report(self.report_fd, f"L {rank} {node}")
-        if self.lost_at is None:
-            self.lost_at = now
 
 
 def _alive(s: socket.socket) -> bool:
@@ -375,14 +439,23 @@ class _Client:
         _send(sock, {"rank": self.rank, "node_rank": a.node_rank, "args": engine_args(a)})
         buf = b""
         formed = False
+        beat = time.monotonic() + HEARTBEAT_S
         while True:
-            limit = None if formed else deadline
-            ready = select.select([sock, self.parent], [], [],
-                                  None if limit is None else max(0.0, limit - time.monotonic()))[0]
+            due = beat if formed else min(beat, deadline)
+            ready = select.select([sock, self.parent], [], [], max(0.0, due - time.monotonic()))[0]
             if self.parent in ready:
                 _parent_gone(self.log)
-            if not ready:
+            now = time.monotonic()
+            if not formed and now >= deadline:
                 self._timed_out()
+            if now >= beat:
+                beat = now + HEARTBEAT_S
+                try:
+                    sock.send(b"\n")
+                except OSError:
+                    return self._head_lost(sock)
+            if sock not in ready:
+                continue
             try:
                 data = sock.recv(65536)
             except OSError:
@@ -456,6 +529,7 @@ class _HeadlessTop:
         self.workers: dict[int, tuple[int, int]] = {}  # pid -> (rank, pidfd)
         self.reported: dict[int, int] = {}             # rank -> pid, from the W lines
         self.formed = False
+        self.announced = False  # the ready line is out: the formed line follows it
         self.buf = b""
 
     def run(self) -> int:
@@ -489,10 +563,9 @@ class _HeadlessTop:
             if ready_r in ready and not self._feed(ready_r):
                 self.log("ERROR", self.where, "engine processes exited during start-up")
                 return self._abort(1)
-            if self._dead_worker(ready) is not None:
-                self.log("ERROR", "multiproc_executor.py:1", "WorkerProc initialization failed due to an exception "
-                         "in a background process. See stack trace for root cause.")
-                return self._abort(1)
+            died = self._dead_worker(ready)
+            if died is not None:
+                return self._worker_ended(*died)
             if now >= deadline:
                 self.log("ERROR", self.where, f"workers did not come up within {a.ready_timeout} s")
                 return self._abort(1)
@@ -500,6 +573,9 @@ class _HeadlessTop:
         if a.ready_file:
             fv._write_ready_file(a.ready_file, line)
         self.log.raw(line)
+        self.announced = True
+        if self.formed:
+            self._announce_formed()
 
         # 2. the group forms, "load", then the inline worker monitor
         load_done = None
@@ -518,16 +594,7 @@ class _HeadlessTop:
                 os.close(ready_r)
             died = self._dead_worker(ready)
             if died is not None:
-                rank, code = died
-                if not self.formed:
-                    self.log("ERROR", "multiproc_executor.py:1", "WorkerProc initialization failed due to an "
-                             "exception in a background process. See stack trace for root cause.")
-                    return self._abort(1)
-                self.log("ERROR", "multiproc_executor.py:1", f"Worker proc VLLM::Worker_TP{rank} died unexpectedly "
-                         f"(exit code: {code}), shutting down executor.")
-                self._abort(0)
-                self.log("INFO", self.where, "Shutting down.")
-                return 0
+                return self._worker_ended(*died)
             if load_done is not None and not serving and now >= load_done:
                 serving = True
                 for fd in self.cmd_ws:
@@ -536,6 +603,23 @@ class _HeadlessTop:
                     except OSError:
                         pass
                 self.log.raw(f"{fv.SERVING_PREFIX}url=none")
+
+    def _worker_ended(self, rank: int, code: int | None) -> int:
+        """A worker ended: kill the others; the top's exit status.
+
+        Before the group formed, a worker that failed (non-zero) is a start-up failure: 1.  Otherwise,
+        and for a worker that exited 0 because its head went away (a stale rendezvous), the inline
+        monitor returns: 0.
+        """
+        if not self.formed and code != 0:
+            self.log("ERROR", "multiproc_executor.py:1", "WorkerProc initialization failed due to an "
+                     "exception in a background process. See stack trace for root cause.")
+            return self._abort(1)
+        self.log("ERROR", "multiproc_executor.py:1", f"Worker proc VLLM::Worker_TP{rank} died unexpectedly "
+                 f"(exit code: {code}), shutting down executor.")
+        self._abort(0)
+        self.log("INFO", self.where, "Shutting down.")
+        return 0
 
     def _fds(self) -> list[int]:
         return [fd for _, fd in self.workers.values()]
@@ -554,8 +638,12 @@ class _HeadlessTop:
                 self.reported[int(parts[1])] = int(parts[2])
             elif parts and parts[0] == "G" and not self.formed:
                 self.formed = True
-                self.log.raw(f"{FORMED_PREFIX}nnodes={self.a.nnodes} master={_master(self.a)} node-rank={self.a.node_rank}")
+                if self.announced:
+                    self._announce_formed()
         return bool(data)
+
+    def _announce_formed(self) -> None:
+        self.log.raw(f"{FORMED_PREFIX}nnodes={self.a.nnodes} master={_master(self.a)} node-rank={self.a.node_rank}")
 
     def _dead_worker(self, ready: list[int]) -> tuple[int, int | None] | None:
         """The first worker of ``ready`` that has exited, reaped: ``(rank, exit code)``; else None."""

@@ -14,6 +14,14 @@ Process tree (all in the launcher's process group; nothing calls setsid, nothing
 
     --headless --node-rank k:   vllm serve ... -> VLLM::Worker_TP<k>   (no API server, no HTTP)
 
+Multi-node (``--nnodes N`` > 1, with ``--master-addr``, ``--master-port``,
+``--distributed-timeout-seconds``, ``--fake-on-head-loss``): node k runs the TP ranks
+k*tp/N .. (k+1)*tp/N-1, the head (``--node-rank 0``) under EngineCore, a ``--headless`` node
+directly under its top; the nodes meet at a real TCP rendezvous before the head loads and
+serves.  All of that lives in ``fake_cluster.py`` (imported only then); with ``--nnodes 1`` (the
+default) nothing here changes.  ``--max-model-len`` (shown by /v1/models, default 4096) and
+``--max-num-seqs`` are the lane flags the nodes must agree on.
+
 Every process holds real, touched, incompressible memory (``--hold-api``, ``--hold-core``,
 ``--hold`` per worker), so RSS is real.
 
@@ -60,6 +68,8 @@ to stdout.  Machine-readable lines, unprefixed:
     fake-vllm: serving url=http://HOST:PORT                        the port listens (or, without
                                                                   --port, "serving" after load-time)
     fake-vllm: fill pid=N bytes=N target=N [done]                  fill progress (about 1/s)
+
+(with ``--nnodes``: also the rendezvous and group lines listed in fake_cluster.py)
 
 ``--ready-file PATH`` also gets the ready line (written atomically).
 
@@ -209,12 +219,21 @@ class _Cfg:
         return "ignore-term" in self.modes
 
 
+def _dashed(opt: str) -> str:
+    """``--node_rank=1`` -> ``--node-rank=1``: vLLM takes either spelling of a long option
+    (vllm/utils/argparse_utils.py FlexibleArgumentParser.parse_args); values are left alone."""
+    if not opt.startswith("--"):
+        return opt
+    key, eq, value = opt.partition("=")
+    return key.replace("_", "-") + eq + value
+
+
 def _parse(argv: list[str]) -> _Cfg:
     if not argv or argv[0] != "serve":
         print("usage: vllm serve MODEL [options]   (sparkguard fake vLLM)", file=sys.stderr)
         raise SystemExit(2)
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv[1:])
+    args, extra = parser.parse_known_args([_dashed(o) for o in argv[1:]])
     modes = set(args.mode)
     if args.crash_after is not None:
         modes.add("crash")
@@ -416,14 +435,40 @@ class _State:
         self.serving_since: float | None = None
         self.dead = False
         self.stopping = False
-        self.peer_lost = False  # --nnodes: a rank of the group is gone (NCCL would hang)
+        self.group = threading.Condition()  # --nnodes: notified when the group's state changes
+        self.lost: set[int] = set()         # ranks whose connection ended (the group never recovers)
+        self.unreachable: set[int] = set()  # ranks silent for a while (the group recovers when they are back)
         self.running = 0
         self.success = 0
         self.forever = threading.Event()  # never set: what wedged requests wait on
 
+    def group_report(self, kind: str, rank: int) -> None:
+        """A worker's report on rank ``rank``: ``L`` lost, ``U`` unreachable, ``R`` reachable again."""
+        with self.group:
+            if kind == "L":
+                self.lost.add(rank)
+                self.unreachable.discard(rank)
+            elif kind == "U":
+                self.unreachable.add(rank)
+            elif kind == "R":
+                self.unreachable.discard(rank)
+            self.group.notify_all()
+
+    def mark_dead(self) -> None:
+        """The engine is known dead: /health 503; completions waiting on the group answer 500."""
+        with self.group:
+            self.dead = True
+            self.group.notify_all()
+
+    def wait_group(self) -> bool:
+        """Block while a rank is lost or unreachable, as a request in NCCL would; True if the engine
+        died meanwhile (without --nnodes the group is never broken and this returns False at once)."""
+        with self.group:
+            while (self.lost or self.unreachable) and not self.dead:
+                self.group.wait()
+            return self.dead
+
     def wedged(self) -> bool:
-        if self.peer_lost:
-            return True
         w = self.cfg.args.wedge_after
         return (w is not None and self.serving_since is not None
                 and time.monotonic() >= self.serving_since + w)
@@ -498,6 +543,9 @@ def _make_server(cfg: _Cfg, state: _State):
             with state.lock:
                 state.running += 1
             try:
+                if state.wait_group():
+                    self._error(500, "EngineDeadError", "EngineCore encountered an issue. See stack trace for the root cause.")
+                    return
                 if state.wedged():
                     state.forever.wait()  # hangs like a wedged engine: the client's timeout ends it
                 prompt = body.get("prompt", "")
@@ -717,7 +765,7 @@ class _Top:
                 return self._shutdown(now)
             if self.child_fd in ready and linger_until is None:
                 code = reap(self.child, block=True)
-                self.state.dead = True
+                self.state.mark_dead()
                 self.log("ERROR", "core_client.py:1",
                          f"Engine core proc {'VLLM::Worker' if a.headless else 'EngineCore'} died unexpectedly "
                          f"(exit {code}), shutting down client.")
@@ -730,16 +778,17 @@ class _Top:
                 self._start_serving()
 
     def _group_report(self, parts: list[str], load_done: float | None) -> float | None:
-        """Handle a worker's ``G`` (group formed: loading starts) or ``L rank node`` (a rank lost:
-        completions hang) report; returns the new load deadline (monotonic s, None until formed)."""
+        """Handle a worker's report: ``G`` (group formed: loading starts), ``L|U|R rank node`` (a rank
+        lost, unreachable, reachable again: see _State.group_report); returns the new load
+        deadline (monotonic s, None until formed)."""
         if parts and parts[0] == "G" and not self.formed:
             self.formed = True
             c = _cluster()
             self.log.raw(f"{c.FORMED_PREFIX}nnodes={self.a.nnodes} master={self.a.master_addr}:{self.a.master_port} "
                          f"node-rank={self.a.node_rank}")
             return time.monotonic() + self.a.load_time
-        if parts and parts[0] == "L":
-            self.state.peer_lost = True
+        if len(parts) == 3 and parts[0] in ("L", "U", "R"):
+            self.state.group_report(parts[0], int(parts[1]))
         return load_done
 
     def _start_serving(self) -> None:
