@@ -49,7 +49,8 @@ min-max outage over the trials, how many recovered, failed requests) on stdout a
 ``OUT.md``; every trial in ``OUT.csv`` (``--out``, default bench/results/cluster); with ``--logs
 DIR`` each node's sparkguard output per trial.
 
-Cleanup: SIGINT (Ctrl-C), SIGTERM and SIGHUP unwind through the cluster's exit (every
+Cleanup: SIGINT (Ctrl-C), SIGTERM and SIGHUP end the bench at its next safe point (within
+about 0.5 s; a link drop's link is put back up first) and unwind through the cluster's exit (every
 sparkguard stopped, every engine process it reported SIGKILLed by pidfd, every namespace,
 veth and bridge removed); the rows so far are written; exit 130, 143, 129.
 """
@@ -153,6 +154,7 @@ def wait_serving(daemons, client: Client, timeout: float) -> None:
         if now > deadline:
             raise RuntimeError("the cluster did not serve within %.0f s:\n%s" % (timeout, "\n".join(
                 f"--- node{k}\n" + d.output()[-3000:] for k, d in enumerate(daemons))))
+        check_stop()
         client.wait(min(deadline, now + 0.5))
 
 
@@ -177,10 +179,11 @@ def apply_fault(fault: str, cluster, daemons, link_drop: float) -> tuple[float, 
         node = cluster.nodes[-1]
         t = time.monotonic()
         node.link_down()
-        try:
-            time.sleep(link_drop)           # the length of the fault itself
-        finally:
-            node.link_up()
+        until = t + link_drop               # the length of the fault itself
+        while not STOP and time.monotonic() < until:
+            time.sleep(min(0.5, until - time.monotonic()))
+        node.link_up()
+        check_stop()
         return t, time.monotonic()
     raise ValueError(f"unknown fault {fault!r}")
 
@@ -209,6 +212,7 @@ def measure(client: Client, t_fault: float, t_end: float, timeout: float, quiet:
             return {"outage_s": None, "timed_out": True,
                     "failed": sum(1 for r in recs if r[0] >= first_fail[0] and not r[2]) if first_fail else 0,
                     "relapse_failures": 0, "first_error": first_fail[3] if first_fail else ""}
+        check_stop()
         client.wait(min(deadline, now + 0.5))
 
 
@@ -292,10 +296,17 @@ def table(rows: list[dict], timeout: float) -> str:
     return "\n".join(out)
 
 
+STOP: list[int] = []     # the signal that asked the bench to stop, once one came
+
+
 def stop_on_signals() -> None:
-    """SIGINT/SIGTERM/SIGHUP raise :class:`Stopped` (headtohead's) once; later ones are ignored so the cleanup
-    that follows is not cut short.  A forked child (pyroute2 forks helpers to enter namespaces
-    and stops them with SIGTERM) inherits the handler: there it only ends that child."""
+    """SIGINT/SIGTERM/SIGHUP ask the bench to stop: :func:`check_stop` then raises
+    :class:`Stopped` (headtohead's) at the bench's next safe point, within about 0.5 s; later
+    signals are ignored so the cleanup that follows is not cut short.  The handler never raises
+    itself: an exception inside a pyroute2 call (a link going down, a namespace being made) can
+    leave pyroute2 unable to do the cleanup's own calls.  A forked child (pyroute2 forks helpers
+    to enter namespaces and stops them with SIGTERM) inherits the handler: there it only ends
+    that child."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     owner = os.getpid()
 
@@ -304,10 +315,16 @@ def stop_on_signals() -> None:
             os._exit(128 + signum)
         for s in sigs:
             signal.signal(s, signal.SIG_IGN)
-        raise Stopped(signum)
+        STOP.append(signum)
 
     for s in sigs:
         signal.signal(s, handler)
+
+
+def check_stop() -> None:
+    """Raise :class:`Stopped` if a stop signal came (see :func:`stop_on_signals`)."""
+    if STOP:
+        raise Stopped(STOP[0])
 
 
 FIELDS = ["nodes", "fault", "trial", "outage_s", "timed_out", "failed", "relapse_failures", "first_error",
@@ -365,6 +382,7 @@ def main() -> int:
         for n in sizes:
             for fault in faults:
                 for k in range(args.trials):
+                    check_stop()
                     tw = work / f"n{n}-{fault}-t{k}"
                     try:
                         row = trial(n, fault, k, args, tw)

@@ -16,7 +16,7 @@ pytest.importorskip("pyroute2")
 
 import netcluster  # noqa: E402
 from netcluster import Cluster, start_nodes, tp_configs, value  # noqa: E402
-from supervisor_helpers import unique, wait_gone  # noqa: E402
+from supervisor_helpers import kill_pids, unique, wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
 
@@ -179,6 +179,7 @@ def test_the_cluster_bench_stopped_by_sigint_leaves_no_namespace_or_process(tmp_
     p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", "2", "--trials", "1",
                           "--faults", "link-drop", "--link-drop", "60", "--out", str(tmp_path / "cluster")],
                          env=sg_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tag, procs = None, {}
     try:
         m, seen = None, []
         while m is None:                    # the bench's own lines, up to the one before the fault
@@ -192,9 +193,13 @@ def test_the_cluster_bench_stopped_by_sigint_leaves_no_namespace_or_process(tmp_
         p.send_signal(signal.SIGINT)        # during the 60 s link drop
         out, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
+        if p.poll() is None:                # the bench did not clean up: do it for it, then fail
             p.kill()
             p.wait(10)
+            kill_pids(procs)
+            for n in os.listdir(netcluster.NETNS_DIR):
+                if tag and f"sgcl-{tag}-" in n:
+                    subprocess.run(["ip", "netns", "del", n], timeout=10)
     assert p.returncode == 130, err
     assert "stopped by SIGINT" in err
     assert not [n for n in os.listdir(netcluster.NETNS_DIR) if tag in n]
