@@ -331,6 +331,16 @@ FIELDS = ["nodes", "fault", "trial", "outage_s", "timed_out", "failed", "relapse
           "changes", "error"]
 
 
+def revision() -> str:
+    """``git describe --always --dirty`` of this checkout, or "?" without git."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def write(rows: list[dict], args, out: Path) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -338,7 +348,7 @@ def write(rows: list[dict], args, out: Path) -> str:
         w.writeheader()
         w.writerows(rows)
     md = (f"Cluster outage after one fault ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{os.uname().nodename}, {os.cpu_count()} CPUs): fake vLLM load time {args.load_time:g} s, "
+          f"{os.uname().nodename}, {os.cpu_count()} CPUs, code {revision()}): fake vLLM load time {args.load_time:g} s, "
           f"sparkguard's default timers, {args.trials} trial(s), timeout {args.timeout:g} s, "
           f"link drop {args.link_drop:g} s"
           + (f", engine overrides {args.engine}" if args.engine else "") + ".\n\n" + table(rows, args.timeout) + "\n")
