@@ -348,7 +348,7 @@ def write(rows: list[dict], args, out: Path) -> str:
         w.writeheader()
         w.writerows(rows)
     md = (f"Cluster outage after one fault ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{os.uname().nodename}, {os.cpu_count()} CPUs, code {revision()}): fake vLLM load time {args.load_time:g} s, "
+          f"{os.uname().nodename}, {os.cpu_count()} CPUs, code {args.revision}): fake vLLM load time {args.load_time:g} s, "
           f"sparkguard's default timers, {args.trials} trial(s), timeout {args.timeout:g} s, "
           f"link drop {args.link_drop:g} s"
           + (f", engine overrides {args.engine}" if args.engine else "") + ".\n\n" + table(rows, args.timeout) + "\n")
@@ -384,6 +384,7 @@ def main() -> int:
     if bad:
         ap.error(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)}")
     sizes = [int(x) for x in args.nodes.split(",") if x]
+    args.revision = revision()              # before this run rewrites a tracked results file
     stop_on_signals()
     rows: list[dict] = []
     status = 0
