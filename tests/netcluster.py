@@ -441,8 +441,15 @@ class SparkguardNode(Daemon):
         return pid
 
     def cleanup(self) -> None:
-        """Stop the daemon (SIGTERM, 30 s, SIGKILL), then SIGKILL (pidfd) every engine process it
-        reported that still runs; idempotent."""
+        """Stop the daemon (SIGTERM, 30 s, SIGKILL), then SIGKILL (pidfd, start time checked)
+        every engine process it reported, and every process below it just before the stop (an
+        engine that never reported ready), that still runs; idempotent."""
+        from sparkguard import proctree
+        if self.proc.poll() is None:
+            procs = proctree.scan()
+            for pid in proctree.descendants([self.proc.pid], proctree.children_map(procs)):
+                if pid != self.proc.pid:
+                    self.engine_pids.setdefault(pid, procs[pid].starttime)
         if self.proc.poll() is None or self.reader.is_alive():
             self.stop()
         kill_pids(self.engine_pids)
