@@ -561,8 +561,11 @@ class _HeadlessTop:
             if self.sigs.rfd in ready and self._term_requested():
                 return self._shutdown(now)
             if ready_r in ready and not self._feed(ready_r):
-                self.log("ERROR", self.where, "engine processes exited during start-up")
-                return self._abort(1)
+                # every worker has closed its end, so they are ending: judge by the first to end
+                ready = wait_fds(self._fds(), 10.0)
+                if not ready:
+                    self.log("ERROR", self.where, "engine processes exited during start-up")
+                    return self._abort(1)
             died = self._dead_worker(ready)
             if died is not None:
                 return self._worker_ended(*died)
