@@ -50,7 +50,8 @@ After forming, each worker's connection stands for the NCCL communicator:
       if it stays away ``--distributed-timeout-seconds`` does the head die as above.  NCCL sends
       no heartbeat (a collective just waits), so the fake adds its own to see this without
       traffic: every rank sends one each :data:`HEARTBEAT_S`, and one silent for
-      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake, not vLLM's);
+      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake, not vLLM's: completions in
+      that first second of silence still succeed, where NCCL would stall at once);
     - a headless worker whose head's connection closes follows ``--fake-on-head-loss``:
       ``exit`` (default) exits 0, so its top exits 0 (the inline monitor); ``hang`` logs PyTorch's
       TCPStore ``recvValue failed`` warning and keeps running, never recovering (vLLM #32136).
