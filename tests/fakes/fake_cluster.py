@@ -521,6 +521,9 @@ def headless_main(cfg) -> int:
 
 
 class _HeadlessTop:
+    """A headless node's ``vllm serve``: forks this node's workers, prints the ready, formed and
+    serving lines, and ends with its first worker to end (run_headless's inline monitor)."""
+
     def __init__(self, cfg):
         self.cfg, self.a = cfg, cfg.args
         self.log = Log("")
