@@ -281,12 +281,13 @@ def test_late_joiner_reaches_the_stale_rendezvous_never_serves_and_exits_with_th
     head.wait_serving(10)
     late = nodes.start(2, 2, 1)
     head.wait_line(f"{fc.LATE_PREFIX}rank=1 node-rank=1", 10)
+    late.pids()  # its tree is up: what follows is about the group, not its start-up
     assert complete(head, 5) == 200  # the formed group is untouched
     assert not formed_lines(late)
     head.stop()
     for fe in (worker, late):
         fe.wait_line(fc.HEAD_LOST_PREFIX, 10)
-        assert fe.proc.wait(10) == 0
+        assert fe.proc.wait(10) == 0, fe.output()
     assert not formed_lines(late)
 
 

@@ -50,7 +50,8 @@ After forming, each worker's connection stands for the NCCL communicator:
       if it stays away ``--distributed-timeout-seconds`` does the head die as above.  NCCL sends
       no heartbeat (a collective just waits), so the fake adds its own to see this without
       traffic: every rank sends one each :data:`HEARTBEAT_S`, and one silent for
-      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake, not vLLM's);
+      :data:`UNREACHABLE_S` is unreachable (an artefact of the fake, not vLLM's: completions in
+      that first second of silence still succeed, where NCCL would stall at once);
     - a headless worker whose head's connection closes follows ``--fake-on-head-loss``:
       ``exit`` (default) exits 0, so its top exits 0 (the inline monitor); ``hang`` logs PyTorch's
       TCPStore ``recvValue failed`` warning and keeps running, never recovering (vLLM #32136).
@@ -520,6 +521,9 @@ def headless_main(cfg) -> int:
 
 
 class _HeadlessTop:
+    """A headless node's ``vllm serve``: forks this node's workers, prints the ready, formed and
+    serving lines, and ends with its first worker to end (run_headless's inline monitor)."""
+
     def __init__(self, cfg):
         self.cfg, self.a = cfg, cfg.args
         self.log = Log("")
@@ -561,8 +565,11 @@ class _HeadlessTop:
             if self.sigs.rfd in ready and self._term_requested():
                 return self._shutdown(now)
             if ready_r in ready and not self._feed(ready_r):
-                self.log("ERROR", self.where, "engine processes exited during start-up")
-                return self._abort(1)
+                # every worker has closed its end, so they are ending: judge by the first to end
+                ready = wait_fds(self._fds(), 10.0)
+                if not ready:
+                    self.log("ERROR", self.where, "engine processes exited during start-up")
+                    return self._abort(1)
             died = self._dead_worker(ready)
             if died is not None:
                 return self._worker_ended(*died)
