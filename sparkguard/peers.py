@@ -17,6 +17,7 @@ Source of the metric name: :mod:`sparkguard.metrics`, the exporter every node ru
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -90,8 +91,16 @@ def parse_available(text: str) -> int:
     for fam in select(text, (METRIC + " ", METRIC + "{")):
         for s in fam.samples:
             if s.name == METRIC:
-                return int(s.value)
+                return finite_int(s.value, METRIC)
     raise PeerError(f"no {METRIC} (is it a sparkguard metrics endpoint?)")
+
+
+def finite_int(value: float, name: str) -> int:
+    """``value`` as an int, or PeerError when it is NaN, infinite or negative (a peer's numbers
+    are untrusted)."""
+    if not math.isfinite(value) or value < 0:
+        raise PeerError(f"{name} is {value!r}")
+    return int(value)
 
 
 #: bytes of a peer's answer read at most; a sparkguard exposition is about 10 KiB
@@ -143,8 +152,8 @@ def check(urls: list[str] | tuple[str, ...], gate: int, timeout: float = 3.0) ->
     for url in urls:
         try:
             avail = read_available(url, timeout)
-        except PeerError as e:
-            out.append(PeerState(url, None, False, str(e)))
+        except Exception as e:  # noqa: BLE001 - PeerError, or whatever a peer's text makes of a parser
+            out.append(PeerState(url, None, False, str(e) if isinstance(e, PeerError) else f"unreadable: {e!r}"))
         else:
             out.append(PeerState(url, avail, avail >= gate))
     return out

@@ -17,6 +17,7 @@ to ``Supervisor.take_incident`` (which owns it from then on) or, as JSON, to ``R
 
 from __future__ import annotations
 
+import threading
 import time
 
 from sparkguard import proctree, sysinfo
@@ -47,6 +48,7 @@ class Recorder:
         self.supervisor = None
         self.incident: Incident | None = None
         self.counts: dict[str, int] = {}
+        self._count_lock = threading.Lock()     # count() is called from other threads too
         self.last_incident: float | None = None
         self.last_incident_ref: tuple[str, str] | None = None
         self._t0 = 0.0          # monotonic s of the crossing: events' ``t`` count from it
@@ -59,7 +61,8 @@ class Recorder:
         self.incident = new_incident("memory", wall, Thresholds.of(g), self.reader.raw(), host=self.host,
                                      boot_id=self.boot_id, dry_run=g.dry_run)
         self._t0, self._min = now, value
-        self.counts["memory"] = self.counts.get("memory", 0) + 1
+        with self._count_lock:                  # uncontended but for a rare supervisor/link incident
+            self.counts["memory"] = self.counts.get("memory", 0) + 1
         self.last_incident = wall
         self.last_incident_ref = (self.incident.id, self.incident.kind)
         self.event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
@@ -135,7 +138,8 @@ class Recorder:
     def count(self, kind: str, wall: float, incident_id: str | None = None) -> None:
         """An incident opened outside the poll loop (the supervisor's, a link's): ``kind``, its
         start (unix s) and id."""
-        self.counts[kind] = self.counts.get(kind, 0) + 1
+        with self._count_lock:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
         self.last_incident = wall
         if incident_id is not None:
             self.last_incident_ref = (incident_id, kind)

@@ -136,8 +136,9 @@ def test_a_headless_rank_that_dies_restarts_the_whole_group_in_order(tmp_path):
         old_head_end = [e for e in exits(head) if e["at"] >= h0["at"]][0]["at"]
         assert r1["at"] >= old_head_end, "a rank started while the old head was still alive"
         assert h1["at"] >= r1["at"] and h1["at"] >= old_rank_end, "the head did not start last"
-        # another node's doing does not feed the backoff
-        assert hs["consecutive_failures"] == 0 and rs["consecutive_failures"] == 0
+        # the rank's own death is its failure (backoff); the head's restart, another node's doing, is not
+        assert hs["consecutive_failures"] == 0 and rs["consecutive_failures"] == 1
+        assert rs["restarts"]["exit"] == before[1]["exit"] + 1, rs["restarts"]
         assert outage < 30, outage
         # the story on both nodes: the head's incident names the rank that went away
         inc = head.incident("peer", timeout=10, where=restarted)
@@ -146,8 +147,7 @@ def test_a_headless_rank_that_dies_restarts_the_whole_group_in_order(tmp_path):
         # ...and, read just before the head's restart, the incident the rank recorded for it
         there = cause["node_at_restart"]["last_incident"]
         assert there and os.path.exists(os.path.join(rank.cfg["incidents"]["dir"], there + ".json")), cause
-        kinds = wait_until(lambda: incident_kinds(rank) & {"exit", "head"}, 10, "an incident on the rank's node")
-        assert kinds
+        wait_until(lambda: "exit" in incident_kinds(rank), 10, "an exit incident on the rank's node")
 
 
 def test_a_headless_rank_waits_for_head_until_the_group_has_formed(tmp_path):
@@ -248,3 +248,26 @@ def test_four_nodes_recover_as_one_engine(tmp_path, victim):
         assert [len(starts(d)) for d in ds] == [k + 1 for k in n], "each node restarted exactly once"
         for d in ds:
             assert d.status()["consecutive_failures"] == 0
+
+
+def test_a_rank_that_keeps_failing_gives_up_and_the_head_waits_for_it(tmp_path):
+    """A headless rank refused at the rendezvous (its --max-model-len differs) fails before it is
+    ever ready: after engine.give_up_after (3) it gives up, and the head waits for it instead of
+    restarting in a loop; the head's own restarts (reason peer) never count as its failures."""
+    with Cluster(2) as c:
+        c.model = "sgcl-" + c.tag
+        cfgs = tp_configs(c, c.model, tmp_path, engine={**FAST, "backoff_initial": "100ms"}, load_time=0.5)
+        cfgs[1]["engine"]["command"] = cfgs[1]["engine"]["command"] + ["--max-model-len", "8192"]
+        head, rank = start_nodes(c, cfgs, tmp_path)
+        for d in (head, rank):
+            d.wait_control(60)
+        inc = rank.incident("given_up", timeout=90)
+        assert "gave up after 3 failed starts" in inc["summary"], inc["summary"]
+        st = wait_until(lambda: (s := head.status())["state"] == "waiting" and "given up" in s["detail"] and s,
+                        30, "the head waits for the rank that gave up")
+        assert st["consecutive_failures"] == 0 and st["state"] != "given_up"
+        n = st["starts"]
+        time.sleep(2)                 # a head restarting in a loop would show starts here
+        assert head.status()["starts"] == n
+        m = rank.scrape()
+        assert m[("sparkguard_engine_given_up", ())] == 1.0

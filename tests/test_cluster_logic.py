@@ -18,8 +18,8 @@ def head(run=None, group=None, ready=False, wanted=True, given_up=False, url="ht
                     wanted=wanted, given_up=given_up, run=run, ready=ready, group=group or {})
 
 
-def rank(k=1, run=100.0, joined=None, wanted=True, given_up=False, state="waiting_for_head"):
-    return NodeView(f"http://10.0.0.{k + 1}:8799", available_bytes=GiB, role="headless", node_rank=k, nnodes=2,
+def rank(k=1, run=100.0, joined=None, wanted=True, given_up=False, state="waiting_for_head", nnodes=2):
+    return NodeView(f"http://10.0.0.{k + 1}:8799", available_bytes=GiB, role="headless", node_rank=k, nnodes=nnodes,
                     state=state, wanted=wanted, given_up=given_up, run=run, joined=joined)
 
 
@@ -31,11 +31,19 @@ def test_role_from_the_vllm_command():
     assert cluster.role_of(base + ["--nnodes", "2", "--node_rank", "1"]) == Role("headless", 1, 2)
     assert cluster.role_of(base + ["--nnodes", "two"]) == Role()       # vLLM refuses it; no cluster here
     assert cluster.role_of(None) == Role()
+    # a wrapper's own flags are not vLLM's: nice -n 10, chrt -r 1
+    assert cluster.role_of(["nice", "-n", "10", "chrt", "-r", "1", *base]) == Role()
+    assert cluster.role_of(["nice", "-n", "10", *base, "--nnodes", "2", "--node-rank", "1", "--headless"]) == \
+        Role("headless", 1, 2)
+    assert cluster.role_of(["ray", "start", "--block"]) == Role()
     assert not Role().clustered and Role("head", 0, 2).clustered
 
 
 def test_the_head_starts_last_once_every_rank_waits_for_it():
     me = Role("head", 0, 3)
+
+    def rank(k=1, **kw):
+        return globals()["rank"](k, nnodes=3, **kw)
     ok, why = cluster.head_start_gate(me, [rank(1), NodeView("http://10.0.0.3:8799", error="no answer: refused")])
     assert not ok and "node rank 2: not read" in why and "refused" in why
     ok, why = cluster.head_start_gate(me, [rank(1), rank(2, run=None, state="waiting")])
@@ -45,6 +53,13 @@ def test_the_head_starts_last_once_every_rank_waits_for_it():
     ok, why = cluster.head_start_gate(me, [rank(1), rank(2, given_up=True, wanted=False)])
     assert not ok and "given up" in why
     assert cluster.head_start_gate(me, [rank(1), rank(2)]) == (True, "")
+    # misconfigured nodes are named, not waited for in silence
+    ok, why = cluster.head_start_gate(me, [rank(1), rank(1)])
+    assert not ok and "both claim node rank 1" in why
+    ok, why = cluster.head_start_gate(me, [rank(1), rank(5)])
+    assert not ok and "not a headless rank 1..2 of 3" in why
+    ok, why = cluster.head_start_gate(me, [rank(1), NodeView("http://10.0.0.3:8799", available_bytes=GiB)])
+    assert not ok and "export no engine role" in why
 
 
 def test_a_headless_rank_starts_only_while_the_head_has_no_run_and_wants_one():
@@ -119,6 +134,25 @@ def test_node_view_read_back_from_the_real_exposition():
     v = nodes.parse("http://w:8799", generate_latest(reg).decode() + "sparkguard_memory_available_bytes 5\n")
     assert cluster.waiting_for_head(v) and v.node_rank == 2 and v.run == 1764600001.5
     assert set(STATES) >= {"waiting_for_head", "given_up"}
+
+
+def test_untrusted_numbers_from_a_node_never_raise():
+    """NaN, infinities, negative sizes: a NaN run would never equal itself (a head restarting in
+    a loop); the reading is an error view or the number is dropped, never an exception."""
+    from sparkguard import peers
+    base = "# TYPE sparkguard_memory_available_bytes gauge\nsparkguard_memory_available_bytes {}\n"
+    for bad in ("NaN", "+Inf", "-1"):
+        try:
+            nodes.parse("http://x", base.format(bad))
+        except peers.PeerError as e:
+            assert "sparkguard_memory_available_bytes" in str(e)
+        else:
+            raise AssertionError(bad)
+    text = base.format("5") + ("# TYPE sparkguard_engine_run_start_timestamp_seconds gauge\n"
+                               "sparkguard_engine_run_start_timestamp_seconds NaN\n")
+    assert nodes.parse("http://x", text).run is None
+    v = nodes.read("http://127.0.0.1:9/metrics", timeout=0.2)      # and read() turns anything into an error view
+    assert v.error
 
 
 def test_a_node_that_is_no_sparkguard_is_a_view_with_an_error():

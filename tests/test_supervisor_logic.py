@@ -209,10 +209,12 @@ def test_why_a_run_ended():
     # caused by another node of a TP cluster: not this node's failure (no backoff)
     for why in ("head", "peer"):
         assert c(None, why, False) == (why, False)
-    # a headless rank that exits 0 by itself does so because its head went away: a group restart
-    assert c(0, None, False, headless=True) == ("head", False)
-    assert c(1, None, False, headless=True) == ("exit", True)
-    assert c(0, "stop", False, headless=True) == (None, False)
+    # a headless rank exits 0 by itself when its head went away (a group restart) and when one of
+    # its own workers died while the head run goes on (its own death: a failure)
+    assert c(0, None, False, headless="gone") == ("head", False)
+    assert c(0, None, False, headless="there") == ("exit", True)
+    assert c(1, None, False, headless="gone") == ("exit", True)
+    assert c(0, "stop", False, headless="gone") == (None, False)
 
 
 def test_restart_policy():
@@ -240,6 +242,9 @@ def test_give_up_after_failed_starts_in_a_window():
     assert not g.record(850.0, True, False, "wedged")
     assert g.record(860.0, True, False, "exit")              # 810, 850, 860
     assert not restart.GiveUp(0, 600.0).record(0.0, True, False, "exit")   # 0: never give up
+    g = restart.GiveUp(1, 600.0)
+    assert not g.record(0.0, True, False, "exit", counts=False)   # a rank that never met a head run
+    assert g.record(1.0, True, False, "exit")
 
 
 def test_last_lines_keep_the_last_n():

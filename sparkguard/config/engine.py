@@ -78,7 +78,7 @@ class EngineConfig:
     head_url: str | None = None
     head_lost_after: float = 60.0
     give_up_after: int = 3
-    give_up_window: float = 1800.0
+    give_up_window: float = 7200.0
 
     @property
     def enabled(self) -> bool:

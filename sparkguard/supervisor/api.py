@@ -150,6 +150,7 @@ class ControlApi:
             self.cfg, self.ecfg = cfg, cfg.engine
             self.backoff.initial, self.backoff.maximum = cfg.engine.backoff_initial, cfg.engine.backoff_max
             self.backoff.stable_after = cfg.engine.stable_after
+            self.give_up.after, self.give_up.window = cfg.engine.give_up_after, cfg.engine.give_up_window
             new_cfg_lane = lanes.config_lane(cfg.engine)
             why = None
             if new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane:
@@ -166,6 +167,7 @@ class ControlApi:
         if self.want == "run" and not self.quit and lane is not None:
             self.request = ("lane", lane)
             self.backoff.reset()
+            self.give_up.reset()
             self._history("lane", f"{why}: switching to lane {lane} (restart)")
         else:
             self.lane = lane
@@ -261,6 +263,7 @@ class ControlApi:
                     return {"ok": False, "error": f"no lane {lane!r}; engine.lanes has " + ", ".join(self.ecfg.lanes)}
                 self.want = "run"
                 self.backoff.reset()
+                self.give_up.reset()
                 self.request = ("lane", lane)
                 self._history("command", f"lane {lane}")
             else:

@@ -1,5 +1,5 @@
 """The TP cluster as one engine: each node's role, what the other nodes' sparkguards report, and
-the decisions that follow.  Pure: no clock, no I/O (the readings come from :mod:`sparkguard.peers`).
+the decisions that follow.  Pure: no clock, no I/O (the readings come from :mod:`.nodes`).
 
 One vLLM engine spans N nodes (``--nnodes N``): the head (``--node-rank 0``) serves the API and
 hosts the rendezvous, every other node runs ``--node-rank k --headless`` ranks.  The group forms
@@ -72,11 +72,15 @@ def _flag(argv: list[str], names: tuple[str, ...]) -> str | None:
 def role_of(argv: list[str] | tuple[str, ...] | None) -> Role:
     """The :class:`Role` a vLLM command gives its node.
 
-    vLLM spells its flags with dashes and accepts underscores (its FlexibleArgumentParser,
-    vllm/utils/argparse_utils.py); both are read.  A value that is not an integer counts as
-    absent (vLLM itself refuses it at start).
+    Only what follows ``serve`` is read (a wrapper in front, ``nice -n 10`` or ``chrt -r 1``, has
+    flags of its own); a command without ``serve`` is not vLLM's: single.  vLLM spells its flags
+    with dashes and accepts underscores (its FlexibleArgumentParser, vllm/utils/argparse_utils.py);
+    both are read.  A value that is not an integer counts as absent (vLLM refuses it at start).
     """
     args = [str(a) for a in argv or ()]
+    if "serve" not in args:
+        return Role()
+    args = args[args.index("serve") + 1:]
 
     def num(names: tuple[str, ...], default: int) -> int:
         v = _flag(args, names)
@@ -85,8 +89,8 @@ def role_of(argv: list[str] | tuple[str, ...] | None) -> Role:
         except ValueError:
             return default
 
-    nnodes = num(("--nnodes", "-n"), 1)
-    rank = num(("--node-rank", "--node_rank", "-r"), 0)
+    nnodes = num(("--nnodes",), 1)
+    rank = num(("--node-rank", "--node_rank"), 0)
     if "--headless" in args:
         return Role("headless", rank, nnodes)
     if nnodes > 1:
@@ -110,7 +114,8 @@ class NodeView:
         ready: bool, its engine is ready (a headless rank: joined and the head ready).
         joined: float, a headless rank: the head run it is in; None while waiting.
         group: ``{node_rank: run}``, a head: the run of each rank it started with.
-        last_incident: str, the id of its last incident, or None.
+        last_incident: str, the id of its last incident, or None; last_incident_at: its start
+            (unix s, that node's clock), or None.
     """
 
     url: str
@@ -127,6 +132,7 @@ class NodeView:
     joined: float | None = None
     group: dict = field(default_factory=dict)
     last_incident: str | None = None
+    last_incident_at: float | None = None
 
     @property
     def reachable(self) -> bool:
@@ -143,7 +149,7 @@ class NodeView:
                 "role": self.role, "node_rank": self.node_rank, "nnodes": self.nnodes, "state": self.state,
                 "wanted": self.wanted, "given_up": self.given_up, "run": self.run, "ready": self.ready,
                 "joined": self.joined, "group": {str(k): v for k, v in self.group.items()},
-                "last_incident": self.last_incident}
+                "last_incident": self.last_incident, "last_incident_at": self.last_incident_at}
 
 
 def find_head(views: list[NodeView]) -> NodeView | None:
@@ -167,15 +173,33 @@ def head_start_gate(me: Role, views: list[NodeView]) -> tuple[bool, str]:
     head last, and no rank of an old group alive anywhere (an old rank would sit in the new
     head's rendezvous and exit when its old head's timeout ends it).
     """
-    ranks = {v.node_rank: v for v in views if v.reachable and v.role == "headless"}
+    ranks: dict = {}
     missing = []
+    for v in views:
+        if not v.reachable or v.role is None:
+            continue
+        if v.role != "headless" or v.nnodes != me.nnodes or not 1 <= (v.node_rank or 0) < me.nnodes:
+            missing.append(f"{v.name()}: is {v.role} rank {v.node_rank} of {v.nnodes} nodes, not a headless "
+                           f"rank 1..{me.nnodes - 1} of {me.nnodes} (check its engine.command)")
+        elif v.node_rank in ranks:
+            missing.append(f"{v.name()} and {ranks[v.node_rank].url} both claim node rank {v.node_rank}")
+        else:
+            ranks[v.node_rank] = v
+    if missing:
+        return False, "; ".join(missing)
     for k in range(1, me.nnodes):
         v = ranks.get(k)
         if v is None:
-            missing.append(f"node rank {k}: not read" + _errors(views))
+            missing.append(f"node rank {k}: not read" + _errors(views) + _roleless(views))
         elif not waiting_for_head(v):
             missing.append(f"{v.name()}: {_why_not_waiting(v)}")
     return (not missing), "; ".join(missing)
+
+
+def _roleless(views: list[NodeView]) -> str:
+    names = [v.url for v in views if v.reachable and v.role is None]
+    return (f" ({', '.join(names)}: read, but export no engine role: no engine configured there, or a "
+            "sparkguard without cluster support)") if names else ""
 
 
 def _errors(views: list[NodeView]) -> str:
@@ -241,9 +265,11 @@ class HeadWatch:
     def see(self, head: NodeView | None) -> tuple[str | None, str]:
         """One reading of the head (None: no head among the reachable views).
 
-        Returns ``(action, why)``: action None (carry on), ``"restart"`` (stop this run and start
-        a fresh one as soon as the head has no run) or ``"stop"`` (stop this run and wait: the
-        head is stopped on purpose or has given up).
+        Returns ``(action, why)``: action None (carry on), ``"restart"`` (stop this run; a fresh
+        one starts as soon as the head has no run) or ``"stop"`` (the head is stopped on purpose
+        or has given up: stop this run; the order gate then holds the next start until the head
+        wants to run again).  Both end the run with reason ``head``; the incident's cause says
+        which (``wait``).
         """
         if head is None or not head.reachable:
             return None, ""

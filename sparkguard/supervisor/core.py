@@ -30,7 +30,7 @@ from typing import Callable
 
 from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
-from sparkguard.supervisor import cluster, health, lanes, output, process, reports
+from sparkguard.supervisor import cluster, health, lanes, nodes, output, process, reports
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
@@ -62,9 +62,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
 
     * ``hits`` and each run's ``guard_hit``: the poll loop's hooks (:meth:`on_guard_event`,
       :meth:`take_incident`), the guard's own marks; the supervisor thread only reads them.
-    * a run's ``ever_ready``, ``probe_failures``, ``head_*`` and ``incident`` (``wedged``): that run's monitor
-      thread; its ``members``: the monitor and the supervisor thread's escalation; ``lines``:
-      the output pump (:class:`output.LastLines`, a deque: appends and copies are atomic).
+    * a run's ``ever_ready``, ``probe_failures``, ``head_*``, ``joined`` and ``head_watch`` (a
+      headless rank's view of its head), ``cause`` (the other node behind a verdict): that run's
+      monitor thread; its ``members``: the monitor and the supervisor thread's escalation;
+      ``lines``: the output pump (:class:`output.LastLines`, a deque: appends and copies are
+      atomic); ``incident``, ``group`` (a head's ranks at its start), ``head_at_exit``: the
+      supervisor thread.
     * ``cfg``/``ecfg``, ``control``, ``thread``, ``previous_state``: set before the thread
       starts, and ``cfg``/``ecfg`` again by the supervisor thread on a reload.
     * ``reports``: :class:`reports.EngineIncidents`, safe from any thread.
@@ -285,7 +288,10 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             with self.cv:
                 self.last_exit = {"code": None, "signal": None, "at": time.time(), "uptime": 0.0,
                                   "reason": "exit", "detail": f"cannot start: {ex}"}
-                self._schedule_restart("exit", failure=True, uptime=0.0)
+                if self.give_up.record(time.monotonic(), True, False, "exit"):
+                    self._given_up(self.last_exit)
+                else:
+                    self._schedule_restart("exit", failure=True, uptime=0.0)
             return
         role = cluster.role_of(argv)
         run = Run(proc, self.lane, argv, reason, e.log_lines, role)
@@ -352,6 +358,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                 if why == "wedged" and self.cfg.guard.dry_run:
                     self._wedged_dry_run(run)
                     continue
+                if why == run.verdict and why in SUMMARY and run.incident is None:
+                    run.incident = self._open_incident(run, why, run.verdict_detail)   # before the SIGTERM
                 self._terminate(why)
             elif not self._await_exit(1.0):
                 continue
@@ -409,7 +417,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             except (OSError, AttributeError):
                 pass
         code = run.exit[0] if run.exit is not None else None
-        reason, failure = classify_exit(code, run.term_reason, run.guard_hit, run.role.role == "headless")
+        counts = True
+        if run.role.role == "headless" and self.ecfg.peers:
+            if code == 0 and run.term_reason is None and not run.guard_hit:
+                run.head_at_exit = self._head_at_exit(run)
+            counts = run.joined is not None or bool(run.head_watch.exposed)
+        reason, failure = classify_exit(code, run.term_reason, run.guard_hit, run.headless_at_exit())
         rec = dict(run.exit_record() or run.exit_record((None, None), run.t_exit))
         if swept:
             rec["detail"] += f"; swept {len(swept)} leftover processes"
@@ -425,23 +438,28 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             elif reason in COMMANDED:
                 self.next_reason = reason
                 self.delay = 0.0
-            elif self.give_up.record(time.monotonic(), failure, run.ever_ready, reason):
+            elif self.give_up.record(time.monotonic(), failure, run.ever_ready, reason, counts):
                 self._given_up(rec)
             else:
                 self._schedule_restart(reason, failure, rec["uptime"])
             restarting = self.want == "run" and not self.quit and self.state not in HALTED + ("stopped",)
             self.cv.notify_all()
+        if self.state == "given_up":
+            given = self.reports.open("given_up", self.cfg, None, "given_up", self.detail,
+                                      self._engine_info(run, rec), [run.pid], SUMMARY["given_up"] + self.detail)
+            self.reports.close_engine(given, self._engine_info(run, rec), SUMMARY["given_up"] + self.detail, False)
+            self.reports.finish(given)
         inc = run.incident
-        if inc is None and (reason in ("exit", "head") or self.state == "given_up") and not run.guard_hit:
+        if inc is None and reason in ("exit", "head") and not run.guard_hit:
             # the run ended by itself (a rank death; a headless rank whose head went away): the
             # verdicts' runs and the guard's have their incidents already
-            kind = "given_up" if self.state == "given_up" else reason
+            kind = reason
             engine = self._engine_info(run, rec)
             if kind == "head":      # exited 0 by itself: its head went away (what the head's sparkguard said last)
                 head = cluster.find_head(self.node_views)
                 engine["cause"] = {"reason": "head", "node": head.as_dict() if head else None, "was": run.joined}
-            detail = self.detail if kind == "given_up" else rec["detail"]
-            run.incident = inc = self.reports.open(kind, self.cfg, None, "exited", f"engine pid {run.pid}: {rec['detail']}",
+            detail = rec["detail"]
+            run.incident = inc = self.reports.open(kind, self.cfg, None, "exited", f"engine pid {run.pid}: {detail}",
                                                    engine, [run.pid], SUMMARY[kind] + detail)
             summary = SUMMARY[kind] + detail
         elif inc is not None:
@@ -456,6 +474,20 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         if not restarting:
             self._flush("the engine is not restarted" if not self.quit else "daemon stopping")
 
+
+    def _head_at_exit(self, run: Run) -> str:
+        """(Supervisor thread.) A headless rank exited 0 by itself: read the head now.  ``"there"``
+        when the head still runs the run this rank was in and is not stopping it (so this rank
+        died on its own), else ``"gone"`` (also when the head cannot be read: vLLM's headless node exits 0 when its head
+        dies, and a rank that cannot tell is given that benefit)."""
+        views = nodes.read_all(self.ecfg.peers, min(3.0, max(0.5, self.ecfg.health_interval)))
+        with self.cv:
+            self.node_views = views
+        head = cluster.find_head(views)
+        if (run.joined is not None and head is not None and head.wanted and head.run == run.joined
+                and head.state not in ("stopping", "sweeping")):
+            return "there"
+        return "gone"
 
     # ---- sweeping ------------------------------------------------------------------------------
 

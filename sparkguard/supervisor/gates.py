@@ -198,19 +198,20 @@ class StartGates:
         views: tuple = ()
         if self.role.clustered and e.peers:
             views = self._order()
-            if views is None:
-                return None
+            if views is None or views is _AGAIN:
+                return views
         waited = self.clock() - t0
         if timed_out:
             h.note(f"{timed_out}_timeout", f"starting anyway after {waited:.1f} s: {detail}")
             log.warning("engine: %s gate not met after %.0f s (engine.quiesce_timeout); starting anyway: %s",
                         timed_out, waited, detail)
             return GateResult(waited, timed_out, detail, views)
-        h.note("quiesced", f"memory gate met after {waited:.2f} s")
+        h.note("quiesced", f"gates met after {waited:.2f} s")
         return GateResult(waited, views=views)
 
     def _order(self) -> tuple | None:
-        """The cluster order gate (step 5): the views it passed on, or None when interrupted."""
+        """The cluster order gate (step 5): the views it passed on, None when interrupted,
+        ``_AGAIN`` when a hold (guard incident, link down) came meanwhile: the gates start over."""
         e, h, role = self.e, self.hooks, self.role
         announced = None
         while True:
@@ -232,6 +233,8 @@ class StartGates:
                 h.note("waiting", detail)
             if h.wait(PEER_EVERY, h.interrupted):
                 return None
+            if h.held() is not None:
+                return _AGAIN
 
     def _quiesce(self, deadline: float):
         """Returns ``("", "")`` open, ``("quiesce", detail)`` timed out, ``(None, ...)`` interrupted,

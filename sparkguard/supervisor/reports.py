@@ -106,7 +106,11 @@ class EngineIncidents:
                 url = cause["node"].get("url")
                 for v in views:
                     if v.url == url:
-                        cause["node_at_restart"] = v.as_dict()
+                        node = v.as_dict()
+                        was = cause.get("was")
+                        if v.last_incident_at is None or was is None or v.last_incident_at < was:
+                            node["last_incident"] = None      # older than this event: not about it
+                        cause["node_at_restart"] = node
             if now.get("restarts") is not None:
                 eng["restarts"] = dict(now["restarts"])
             self.finish(inc)

@@ -51,7 +51,7 @@ class Backoff:
 
 
 def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
-                  headless: bool = False) -> tuple[str | None, bool]:
+                  headless: str | None = None) -> tuple[str | None, bool]:
     """Why a run ended, as ``(restart reason, failure)``.
 
     Args:
@@ -59,9 +59,12 @@ def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
         term_reason: why the supervisor stopped it (``stop``, ``shutdown``, one of
             :data:`COMMANDED`, :data:`UNHEALTHY` or :data:`CLUSTER`), None when it exited by itself.
         guard_hit: the guard signalled the engine during the run.
-        headless: the run was a headless rank of a TP cluster: one that exits 0 by itself does so
-            because its head went away (vLLM's headless workers end when the head's engine does,
-            FIELD-NOTES), which is ``head``, not a clean stop.
+        headless: for a headless rank of a TP cluster, what its head was when it ended:
+            ``"gone"`` (the head run it was in ended, was replaced or stopped; or it never was in
+            one) or ``"there"``; None for any other engine.  vLLM's headless node exits 0 both
+            when its head dies and when one of its own workers dies (``serve.py run_headless``,
+            FIELD-NOTES): exit 0 with the head gone is ``head``, a group restart and not a clean
+            stop; with the head run still there it is this rank's own death, ``exit``, a failure.
     Returns:
         reason: None (stopped on purpose: no restart), else one of :data:`REASONS`.
         failure: bool, False only for a clean exit (code 0) or a commanded restart.
@@ -77,8 +80,10 @@ def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
         return term_reason, False
     if guard_hit:
         return "guard", True
-    if headless and code == 0:
+    if headless == "gone" and code == 0:
         return "head", False
+    if headless == "there":
+        return "exit", True
     return "exit", failure
 
 
@@ -140,9 +145,11 @@ class GiveUp:
         self.after, self.window = after, window
         self.failed: list[float] = []
 
-    def record(self, now: float, failure: bool, ever_ready: bool, reason: str | None) -> bool:
-        """One run ended at ``now``; True when the supervisor should give up now."""
-        if ever_ready or not failure or reason in CLUSTER or reason in COMMANDED or reason is None:
+    def record(self, now: float, failure: bool, ever_ready: bool, reason: str | None, counts: bool = True) -> bool:
+        """One run ended at ``now``; True when the supervisor should give up now.  ``counts``
+        False: a failure that is not this node's to count (a headless rank that never met a head
+        run: it waited at a rendezvous nobody came to)."""
+        if ever_ready or not failure or not counts or reason in CLUSTER or reason in COMMANDED or reason is None:
             if ever_ready:
                 self.failed.clear()
             return False

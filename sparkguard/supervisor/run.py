@@ -41,11 +41,12 @@ class Run:
         self.head_watch = HeadWatch(role.node_rank, self.run_id) if role.role == "headless" else None
         self.joined: float | None = None    # headless: the head run it is in (the monitor's)
         self.cause: dict | None = None      # the other node that made the monitor end this run
+        self.head_at_exit: str | None = None  # headless: "gone" or "there" (the supervisor's, at the exit)
         self.ready = False
         self.ever_ready = False
         self.exit: tuple[int | None, int | None] | None = None   # (code, signal)
         self.t_exit: float | None = None
-        self.verdict: str | None = None     # monitor's: wedged | head | not_ready
+        self.verdict: str | None = None     # monitor's: wedged | not_ready | head | peer
         self.verdict_detail = ""
         self.term_reason: str | None = None  # why the supervisor stopped it
         self.guard_hit = False              # the guard signalled it
@@ -56,7 +57,7 @@ class Run:
         self.head_seen = False
         self.head_fail_since: float | None = None
         self.threads: list[threading.Thread] = []
-        self.incident: dict | None = None   # the "wedged" incident this run caused
+        self.incident = None                # model.Incident the supervisor opened about this run (its thread's)
         self.link_hit = False               # a TP link went down during this run
         self.lines = LastLines(log_lines)   # this run's last output lines (incident reports)
         self.exit_info: dict | None = None  # the exit as recorded once the run is over (sweep done)
@@ -84,10 +85,18 @@ class Run:
             return None
         code, sig = exit
         uptime = (t_exit or time.monotonic()) - self.t_spawn
-        reason, _ = classify_exit(code, self.term_reason, self.guard_hit, self.role.role == "headless")
+        reason, _ = classify_exit(code, self.term_reason, self.guard_hit, self.headless_at_exit())
         return {"code": code, "signal": _signame(sig), "at": self.wall_spawn + uptime, "uptime": uptime,
                 "reason": reason or self.term_reason, "pid": self.pid, "lane": self.lane,
                 "detail": describe_exit(code, _signame(sig), uptime, self.term_reason, self.guard_hit)}
+
+    def headless_at_exit(self) -> str | None:
+        """For :func:`restart.classify_exit`: None unless a headless rank; what the supervisor
+        found of its head at the exit (:attr:`head_at_exit`), or, before that, ``"gone"``
+        unless this run is in a head's group (:attr:`joined`)."""
+        if self.role.role != "headless":
+            return None
+        return self.head_at_exit or ("gone" if self.joined is None else "there")
 
     def start_thread(self, name: str, target, *args) -> threading.Thread:
         """Start a daemon thread ``target(self, *args)`` that belongs to this run (joined after it)."""

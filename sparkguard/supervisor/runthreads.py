@@ -73,10 +73,6 @@ class RunThreads:
     def _verdict(self, run: Run, verdict: str, detail: str) -> None:
         if run.exit is not None or run.verdict is not None:
             return
-        if verdict == "wedged" and not self.cfg.guard.dry_run:
-            run.incident = self._open_incident(run, "wedged", detail)   # before _supervise acts on it
-        elif verdict in ("peer", "head"):
-            run.incident = self._open_incident(run, verdict, detail)
 
         def given() -> None:
             run.verdict, run.verdict_detail = verdict, detail
@@ -95,25 +91,22 @@ class RunThreads:
             self.node_views = views
         self._post(seen)
         if run.role.role == "head":
-            for v in views:         # a rank the gates could not read: its first run waiting for a head
-                if v.node_rank is not None and v.node_rank not in run.group and cluster.waiting_for_head(v):
-                    run.group = {**run.group, v.node_rank: v.run}
             broken = cluster.broken_group(run.group, views)
             if broken is None:
                 return False
             v, why = broken
             run.cause = {"reason": "peer", "node": v.as_dict(), "was": run.group.get(v.node_rank)}
             self._verdict(run, "peer", f"{v.name()}: {why}; the group of this head run is broken"
-                          + (f" (its last incident: {v.last_incident})" if v.last_incident else ""))
+                          + _their_incident(v, run.group.get(v.node_rank)))
             return True
         head = cluster.find_head(views)
+        was = run.head_watch.joined
         action, why = run.head_watch.see(head)
         run.joined = run.head_watch.joined
         if action is not None:
-            run.cause = {"reason": "head", "node": head.as_dict() if head else None, "was": run.joined,
+            run.cause = {"reason": "head", "node": head.as_dict() if head else None, "was": was,
                          "wait": action == "stop"}
-            self._verdict(run, "head", why + (f" (its last incident: {head.last_incident})"
-                                              if head is not None and head.last_incident else ""))
+            self._verdict(run, "head", why + _their_incident(head, run.cause["was"]))
             return True
         if head is None:
             return False
@@ -152,8 +145,17 @@ class RunThreads:
         return self.reports.open(kind, self.cfg, t, kind, detail, engine, [run.pid], SUMMARY[kind] + detail)
 
 
+def _their_incident(v, since: float | None) -> str:
+    """`` (its last incident: ID)`` when node ``v``'s last incident started at or after ``since``
+    (a run of that node, on its own clock): about this event, not an older one; else ""."""
+    if v is None or not v.last_incident or v.last_incident_at is None or since is None or v.last_incident_at < since:
+        return ""
+    return f" (its last incident: {v.last_incident})"
+
+
 #: the summary an incident of the supervisor's own opens with (its detail follows)
-SUMMARY = {"wedged": "engine wedged: ", "peer": "TP group broken, restarting the head: ",
+SUMMARY = {"wedged": "engine wedged: ", "not_ready": "engine not ready in time: ",
+           "peer": "TP group broken, restarting the head: ",
            "head": "head run gone, restarting this headless rank: ", "exit": "engine exited by itself: ",
            "given_up": "gave up starting the engine: "}
 

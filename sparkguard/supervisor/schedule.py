@@ -82,4 +82,3 @@ class BetweenRuns:
                        f"last run: {rec.get('detail', 'exited')}; `sparkguard engine start` tries again")
         self._history("given_up", self.detail)
         log.error("engine: %s", self.detail)
-        self.given_up_detail = self.detail

@@ -54,7 +54,8 @@ class StatusViews:
         role = run.role if run is not None else cluster.role_of(st["command"])
         st.update({
             "role": {"role": role.role, "node_rank": role.node_rank, "nnodes": role.nnodes},
-            "run_start": run.run_id if alive else None,
+            # until its tree is swept (orphans may hold the rendezvous): no rank starts beside it
+            "run_start": run.run_id if run is not None else None,
             "joined": run.joined if alive and role.role == "headless" else None,
             "group": {str(k): v for k, v in run.group.items()} if alive and role.role == "head" else {},
             "given_up": self.state == "given_up",
