@@ -69,19 +69,22 @@ def test_crossing_to_sigterm_does_not_wait_for_a_scan_of_5000_processes(engine_f
 
 def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
     """A member's death is timed by the EOF of a pipe it holds (a thread waits on it); the sweep
-    that follows scans 5,000 processes and takes far longer than the kill."""
+    that follows scans 5,000 processes and takes far longer than the kill.  A second member is
+    protected (``targets.protect``), so it is still alive when the sweep runs and the sweep does
+    scan (with every member dead the sweep has nothing to look for and returns at once)."""
     r, w = os.pipe()
     member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(w,))
     os.close(w)
+    kept = subprocess.Popen(["sleep", "600"])
     died = []
     waiter = threading.Thread(target=lambda: (select.select([r], [], [], 60), died.append(time.monotonic())))
     try:
         bystanders(BYSTANDERS)
-        p = proctree.read_proc(member.pid)
-        tree = signals.Tree([member.pid], {member.pid: p.starttime})
+        p, q = proctree.read_proc(member.pid), proctree.read_proc(kept.pid)
+        tree = signals.Tree([member.pid, kept.pid], {member.pid: p.starttime, kept.pid: q.starttime})
         waiter.start()
         t0 = time.monotonic()
-        killed = tree.kill_all(proctree.Protector(()))
+        killed = tree.kill_all(proctree.Protector(("sleep",)))
         t1 = time.monotonic()
         waiter.join(60)
         assert killed == [member.pid]
@@ -93,8 +96,9 @@ def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
         tree.close()
     finally:
         os.close(r)
-        member.kill()
-        member.wait(10)
+        for proc in (member, kept):
+            proc.kill()
+            proc.wait(10)
 
 
 def test_refresh_due():
