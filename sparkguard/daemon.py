@@ -16,7 +16,7 @@ from sparkguard import config
 from sparkguard.host import procview
 from sparkguard.guard import logq, settings
 from sparkguard.guard.loop import Guard
-from sparkguard.supervisor.render import config_line
+from sparkguard.supervisor.render import cluster_line, config_line
 from sparkguard.units import format_duration, format_size
 
 log = logging.getLogger("sparkguard")
@@ -68,6 +68,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"  link watch: {', '.join(links) + f' (incident after {format_duration(cfg.link.down_after)} down)' if links else 'off'}")
     if cfg.engine.enabled:
         print(f"  engine: {config_line(cfg.engine)}")
+        tp = cluster_line(cfg.engine)
+        if tp:
+            print(f"  {tp}")
     return 0
 
 

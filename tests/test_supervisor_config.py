@@ -226,6 +226,23 @@ def test_check_config_prints_the_engine_line(tmp_path):
     assert "  engine:" not in run_sparkguard("check-config", str(p)).stdout
 
 
+def test_check_config_says_where_a_node_stands_in_its_tp_cluster(tmp_path):
+    """A TP node's place from its command, and a warning when engine.peers cannot let the nodes
+    recover as one engine (every other node must be listed)."""
+    p = tmp_path / "tp.yaml"
+    cmd = "[vllm, serve, m, --tensor-parallel-size, '4', --nnodes, '4', --node-rank, '2', --headless]"
+    p.write_text(f"engine:\n  command: {cmd}\n  peers: [http://10.0.0.1:8799, http://10.0.0.2:8799]\n")
+    r = run_sparkguard("check-config", str(p))
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("  TP cluster: headless, node rank 2 of 4 nodes; peers: 2; WARNING:"), last
+    assert "each of the 3 other node(s)" in last
+    p.write_text(f"engine:\n  command: {cmd}\n  peers: [http://10.0.0.1:8799, http://10.0.0.2:8799, "
+                 "http://10.0.0.4:8799]\n")
+    last = run_sparkguard("check-config", str(p)).stdout.splitlines()[-1]
+    assert last == "  TP cluster: headless, node rank 2 of 4 nodes; peers: 3 (the 3 other nodes)", last
+
+
 def test_default_config_file_explains_every_engine_key_in_one_line():
     """``sparkguard install`` writes the defaults with a comment per key; the engine's keys too
     (the file must still load to exactly the defaults: render() checks that itself)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import time
 
+from sparkguard.supervisor import cluster
 from sparkguard.supervisor.lanes import config_lane
 from sparkguard.units import format_duration
 
@@ -75,6 +76,25 @@ def describe(state: dict | None) -> list[str]:
                    + (f", {p['available_bytes'] / 1024**3:.2f} GiB available" if p.get("available_bytes") is not None
                       else ""))
     return out
+
+
+def cluster_line(ecfg) -> str | None:
+    """For ``sparkguard check-config``: the node's place in a TP cluster and whether
+    ``engine.peers`` can make the nodes recover as one (every other node listed), or None for a
+    single-node engine.
+
+    Returns e.g. ``"TP cluster: head, node rank 0 of 2 nodes; peers: 1 (the 1 other node)"``, or
+    the same line ending in a warning naming what is missing."""
+    role = cluster.role_of(ecfg.command)
+    if not role.clustered:
+        return None
+    others = role.nnodes - 1
+    line = (f"TP cluster: {role.role}, node rank {role.node_rank} of {role.nnodes} nodes; "
+            f"peers: {len(ecfg.peers)}")
+    if len(ecfg.peers) == others:
+        return line + f" (the {others} other node{'s' if others != 1 else ''})"
+    return line + (f"; WARNING: engine.peers should list the metrics URL of each of the {others} other "
+                   "node(s): without them the nodes do not restart as one engine (README \"Several nodes\")")
 
 
 def config_line(ecfg) -> str:
