@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROLES = ("single", "head", "headless")
-
 
 @dataclass(frozen=True)
 class Role:
