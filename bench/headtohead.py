@@ -44,8 +44,9 @@ and sparkguard started under each scheduling in turn: ``nice -n -20`` (the unit'
 
 Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away (with
 --idle-copies N, N processes of each, compared by their medians), and
-beside them the floor: the plainest loop at sparkguard's default cadence (read /proc/meminfo,
-sleep 200 ms) in Python and, where ``cc`` exists, in C.  Per process: CPU seconds of all
+beside them the floors: the plainest loop at sparkguard's default cadence (read /proc/meminfo,
+sleep 200 ms) in Python and, where ``cc`` exists, in C, and ``floor_python_check``, the Python
+one that also finds, parses and compares MemAvailable on each read (a guard's least work).  Per process: CPU seconds of all
 threads from /proc/PID/task/*/schedstat (nanoseconds; utime+stime's 10 ms ticks are too
 coarse for 0.05 %), wake-ups per second and CPU microseconds per wake-up, VmRSS at the end.
 sparkguard's hot per-poll cost is measured in-process (sample + decision + next interval).
@@ -486,6 +487,22 @@ while True:
     os.preadv(fd, view, 0)
     poll(200)
 """
+#: the plainest loop that also does a guard's work on each read: find MemAvailable, parse it,
+#: compare it with a line (8 GiB under MemAvailable at start, never crossed in the idle run)
+FLOOR_PY_CHECK = """import os, select, sys
+fd = os.open("/proc/meminfo", os.O_RDONLY)
+buf = bytearray(8192)
+view = [buf]
+poll = select.poll().poll
+line = int(sys.argv[1])
+print("ready", flush=True)
+while True:
+    n = os.preadv(fd, view, 0)
+    i = buf.find(b"MemAvailable:", 0, n)
+    if int(buf[i + 13:buf.find(b" kB", i, n)]) << 10 < line:
+        print("below the line", flush=True)
+    poll(200)
+"""
 FLOOR_C = """#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
@@ -499,12 +516,16 @@ int main(void) {
 """
 
 
-def floor_cmds(work: str) -> dict[str, list[str]]:
-    """The floor loops (guard name -> argv): Python always, C where ``cc`` builds it."""
+def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
+    """The floor loops (guard name -> argv): Python always (read only, and read + check against
+    ``line`` bytes), C where ``cc`` builds it."""
     py = os.path.join(work, "floor_python.py")
     with open(py, "w") as f:
         f.write(FLOOR_PY)
-    out = {"floor_python": [sys.executable, py]}
+    check = os.path.join(work, "floor_python_check.py")
+    with open(check, "w") as f:
+        f.write(FLOOR_PY_CHECK)
+    out = {"floor_python": [sys.executable, py], "floor_python_check": [sys.executable, check, str(line)]}
     src, exe = os.path.join(work, "floor_c.c"), os.path.join(work, "floor_c")
     with open(src, "w") as f:
         f.write(FLOOR_C)
@@ -574,7 +595,7 @@ def idle(seconds: float, guards, floors: bool = True, copies: int = 1) -> list[d
                 os.mkdir(d)
                 argv, ready = guard_cmd(g, term, term - GiB, "sgidle" + uuid.uuid4().hex[:8], d)
                 nss[named(g, i)] = (Namespace(argv, None, os.path.join(d, "log")), ready)
-        for name, argv in (floor_cmds(work) if floors else {}).items():
+        for name, argv in (floor_cmds(work, term) if floors else {}).items():
             for i in range(copies):
                 nss[named(name, i)] = (Namespace(argv, None, os.path.join(work, named(name, i) + ".log")), "ready")
         pids = {}
@@ -607,14 +628,15 @@ def idle(seconds: float, guards, floors: bool = True, copies: int = 1) -> list[d
     return rows
 
 
-def idle_medians(rows: list[dict]) -> list[tuple[str, int, float, float, float, float | None]]:
+def idle_medians(rows: list[dict], floor_name: str = "floor_python"
+                 ) -> list[tuple[str, int, float, float, float, float | None]]:
     """Per guard (copies merged): ``(guard, copies, median, min, max, ratio)`` of CPU us per
-    wake-up, the ratio being the median's to floor_python's median (None without a floor)."""
+    wake-up, the ratio being the median's to ``floor_name``'s median (None without that floor)."""
     by: dict[str, list[float]] = {}
     for r in rows:
         if r.get("us_per_wakeup") is not None:
             by.setdefault(r["guard"].split("#")[0], []).append(r["us_per_wakeup"])
-    floor = statistics.median(by["floor_python"]) if by.get("floor_python") else None
+    floor = statistics.median(by[floor_name]) if by.get(floor_name) else None
     return [(g, len(v), statistics.median(v), min(v), max(v),
              statistics.median(v) / floor if floor else None) for g, v in by.items()]
 
@@ -705,9 +727,10 @@ def main() -> int:
     ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
     ap.add_argument("--no-floors", action="store_true",
                     help="idle without the floor loops (bare Python and C: read /proc/meminfo, sleep 200 ms)")
-    ap.add_argument("--baseline", metavar="DIR",
+    ap.add_argument("--baseline", metavar="DIR", action="append", default=[],
                     help="also run the sparkguard of another checkout (e.g. `git worktree add /tmp/base HEAD~1`) "
-                         "as guard sparkguard@base, side by side with this one in every trial and the idle run")
+                         "as guard sparkguard@base, side by side with this one in every trial and the idle run; "
+                         "given again, each further one runs as sparkguard@DIRNAME")
     ap.add_argument("--csv", default="bench/headtohead.csv")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
@@ -715,12 +738,13 @@ def main() -> int:
         print("headtohead: needs root (PID namespaces, earlyoom/nohang signalling)", file=sys.stderr)
         return 2
     guards = [g for g in args.only.split(",") if g]
-    if args.baseline:
-        if not os.path.isfile(os.path.join(args.baseline, "sparkguard", "cli.py")):
-            print(f"headtohead: --baseline {args.baseline}: no sparkguard/cli.py there", file=sys.stderr)
+    for i, base in enumerate(args.baseline):
+        if not os.path.isfile(os.path.join(base, "sparkguard", "cli.py")):
+            print(f"headtohead: --baseline {base}: no sparkguard/cli.py there", file=sys.stderr)
             return 2
-        SOURCES["sparkguard@base"] = os.path.abspath(args.baseline)
-        guards.append("sparkguard@base")
+        name = "sparkguard@base" if i == 0 else "sparkguard@" + os.path.basename(os.path.normpath(base))
+        SOURCES[name] = os.path.abspath(base)
+        guards.append(name)
     stop_on_signals()
     try:
         return bench(args, guards)
@@ -786,10 +810,14 @@ def bench(args, guards: list[str]) -> int:
             print(f"| {r['guard']} | {r['idle_cpu_s']} | {r['idle_cpu_pct_core']} | {r['wakeups_per_s']} "
                   f"| {r['us_per_wakeup']} | {r['rss_mib']} |")
         print()
-        print("| guard | copies | CPU us per wake-up, median (min-max) | median / floor_python's |")
-        print("|---|---|---|---|")
+        print("| guard | copies | CPU us per wake-up, median (min-max) | median / floor_python's "
+              "| median / floor_python_check's |")
+        print("|---|---|---|---|---|")
+        checked = {g: r for g, *_, r in idle_medians(idle_rows, "floor_python_check")}
         for g, n, med, lo, hi, ratio in idle_medians(idle_rows):
-            print(f"| {g} | {n} | {med:.1f} ({lo:.1f}-{hi:.1f}) | {'n/a' if ratio is None else f'{ratio:.2f}'} |")
+            r2 = checked.get(g)
+            print(f"| {g} | {n} | {med:.1f} ({lo:.1f}-{hi:.1f}) | {'n/a' if ratio is None else f'{ratio:.2f}'} "
+                  f"| {'n/a' if r2 is None else f'{r2:.2f}'} |")
         with open(os.path.splitext(args.csv)[0] + "-idle.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(idle_rows[0]))
             w.writeheader()
