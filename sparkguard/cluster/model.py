@@ -35,6 +35,9 @@ class ClusterNode:
         lanes: dict lane name -> :class:`sparkguard.config.engine.LaneConfig`, this node's
             additions to a shared lane (its args appended, its env merged over); every name is a
             shared lane (the file's loader refuses one that is not).
+        config: str or None, the path of this node's sparkguard.yaml on that node, passed as
+            ``-c`` to the commands run there over SSH; None: its default
+            (/etc/sparkguard/sparkguard.yaml).
     """
 
     name: str
@@ -45,6 +48,7 @@ class ClusterNode:
     env: dict = field(default_factory=dict)
     args: tuple[str, ...] = ()
     lanes: dict = field(default_factory=dict)
+    config: str | None = None
 
     @property
     def role(self) -> str:
@@ -74,6 +78,8 @@ class ClusterFile:
         ssh_options: tuple of str, extra ``-o KEY=VALUE`` options for every ``ssh`` the operations run
             (``BatchMode=yes`` and ``StrictHostKeyChecking=yes`` are always given and cannot be
             overridden here).
+        remote_sparkguard: tuple of str, the command that runs sparkguard on a node over SSH
+            (e.g. ``("sudo", "-n", "sparkguard")`` for an operator who is not root there).
     """
 
     path: str
@@ -83,6 +89,7 @@ class ClusterFile:
     master_port: int = 29501
     api_port: int = 8000
     ssh_options: tuple[str, ...] = ()
+    remote_sparkguard: tuple[str, ...] = ("sparkguard",)
 
     @property
     def head(self) -> ClusterNode:
