@@ -206,10 +206,14 @@ class ControlApi:
         in a step that does not read its mailbox: a sweep of the engine's leftovers, up to
         ``guard.grace`` + 10 s) stays queued and is answered at once, as accepted: it applies when
         that step ends, as a command always did.  An unknown command or lane is refused here.
+        ``lane X`` while the engine is ready in X (and nothing else is pending) changes nothing
+        (note "already ready in lane X"); so does ``start`` while it runs ("already running").
 
         Returns:
             ``{"ok": bool, "error": str?, "note": str?, "starts": int, "status": dict}``; ``starts``
-            is the spawn count before the command (wait for ``starts`` > it, then ready).
+            is the spawn count before the command (wait for ``starts`` > it, then ready); for a
+            command that changed nothing, the count before the current run (that wait is then
+            answered by the current run).
         """
         refused = self._refuse(op, lane)
         if refused:
@@ -237,9 +241,13 @@ class ControlApi:
         """(Event.) :meth:`command`."""
         with self.cv:
             starts = self.starts
+            run = self.run
+            # the current run, when it is alive, answers a wait for "a start after the returned
+            # count": a command that changes nothing answers with the count before that run
+            current = starts - 1 if run is not None and run.exit is None and starts else starts
             if op == "start":
                 if self.want == "run" and self.state not in HALTED:
-                    return {"ok": True, "starts": starts, "note": "already running", "status": self._status()}
+                    return {"ok": True, "starts": current, "note": "already running", "status": self._status()}
                 self.want = "run"
                 self.backoff.reset()
                 self.give_up.reset()
@@ -261,6 +269,10 @@ class ControlApi:
                     return {"ok": False, "error": "no engine.lanes configured"}
                 if lane not in self.ecfg.lanes:
                     return {"ok": False, "error": f"no lane {lane!r}; engine.lanes has " + ", ".join(self.ecfg.lanes)}
+                if (self.want == "run" and self.request is None and self.lane == lane and run is not None
+                        and run.exit is None and run.ready and run.lane == lane):
+                    return {"ok": True, "starts": current, "note": f"already ready in lane {lane}",
+                            "status": self._status()}
                 self.want = "run"
                 self.backoff.reset()
                 self.give_up.reset()

@@ -1,0 +1,265 @@
+"""``sparkguard cluster lane NAME|stop|start|restart``: run the plan of :mod:`sparkguard.cluster.plan`
+on every node over SSH (:mod:`sparkguard.cluster.ssh`) and wait until the cluster serves.
+
+The run, in order:
+
+1. Preflight: ``sparkguard engine status --json`` on every node over SSH, in parallel.  It proves
+   every node reachable and its sparkguard running before anything stops, and gives each node's
+   own view (state, lane, the lanes its config has, its run and the head's run it joined).  A
+   node that fails here is named with how it failed (unreachable over SSH with ssh's line, or
+   the remote exit status and message); exit 1, nothing stopped.
+2. The plan (pure): refused (exit 2) for a lane some node lacks; nothing to do (exit 0) when
+   every node is ready in the lane and joined the head's run.
+3. Its steps: ``engine stop`` on every node, all awaited; ``engine lane NAME --no-wait`` (or
+   ``engine start --no-wait``) on the headless ranks, then on the head.
+4. The wait: every node's metrics read over HTTP (:func:`sparkguard.cluster.view.read`, no SSH
+   per poll) each second, a progress line on stderr every :data:`PROGRESS_EVERY` seconds (each
+   node's state and lane, the time since the first stop), until the head is ready in the lane
+   and every node reports that lane and joined the head's current run; bounded by ``--timeout``.
+
+Partial failure after something was stopped (a step failed on a node, a node gave up, the wait
+timed out): every node is stopped again (``engine stop`` on all, in parallel) so that no mix of
+old and new lanes serves, this is said on stderr, and the exit status is 1.  A TP engine with a
+rank stopped serves nothing, so this leaves the cluster down rather than half-switched; the
+operator fixes the named node and runs the command again.
+
+Exit status: 0 done or nothing to do; 1 failed (what failed is on stderr); 2 a bad cluster
+file or the action refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from typing import Callable
+
+from sparkguard.cluster import plan as planner
+from sparkguard.cluster import ssh
+from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+DEFAULT_CLUSTER = "/etc/sparkguard/cluster.yaml"
+#: seconds between two reads of every node's metrics while waiting
+POLL = 1.0
+#: seconds between two progress lines
+PROGRESS_EVERY = 5.0
+#: seconds an SSH command that does not wait on the engine may take (status, --no-wait starts)
+QUICK_TIMEOUT = 60.0
+#: seconds each node's ``engine stop`` may take (SIGTERM, the guard's grace, SIGKILL, sweep)
+STOP_TIMEOUT = 300.0
+#: seconds each metrics read may take
+READ_TIMEOUT = 3.0
+
+Runner = Callable[[ClusterFile, list, list, float], dict]
+Reader = Callable[[ClusterFile, float], list]
+
+
+def from_engine_status(node: ClusterNode, resp: dict) -> NodeStatus:
+    """The :class:`NodeStatus` of ``node`` from its ``sparkguard engine status --json`` answer
+    (``{"ok": true, "status": Supervisor.status()}``, sparkguard/supervisor/state.py
+    ``_status``).  Raises ValueError when it is not such an answer."""
+    st = resp.get("status") if isinstance(resp, dict) else None
+    if not isinstance(st, dict) or "state" not in st:
+        raise ValueError(f"not an engine status: {str(resp)[:200]}")
+    role = st.get("role") or {}
+    return NodeStatus(node=node, up=True, role=role.get("role"), node_rank=role.get("node_rank"),
+                      state=st.get("state"), lane=st.get("lane"), lanes=tuple(st.get("lanes") or ()),
+                      ready=bool(st.get("ready")), run_start=st.get("run_start"),
+                      joined_run_start=st.get("joined"), given_up=bool(st.get("given_up")))
+
+
+def preflight(cluster: ClusterFile, run: Runner) -> tuple[list[NodeStatus], list[str]]:
+    """Every node's own status over SSH: ``(statuses, failures)``; ``failures`` one line per node
+    that could not be asked (``"<node>: <how>"``), ``statuses`` complete only when it is empty."""
+    res = run(cluster, list(cluster.nodes), ["engine", "status", "--json"], QUICK_TIMEOUT)
+    statuses, failures = [], []
+    for n in cluster.nodes:
+        r = res[n.name]
+        if not r.ok:
+            failures.append(ssh.describe(r))
+            continue
+        try:
+            statuses.append(from_engine_status(n, json.loads(r.stdout)))
+        except ValueError as e:
+            failures.append(f"{n.name}: unreadable 'engine status --json': {e}")
+    return statuses, failures
+
+
+def progress(statuses: list[NodeStatus], elapsed: float) -> str:
+    """``"12 s: n0 head starting lane big; n1 headless waiting_for_head lane big"``."""
+    parts = []
+    for s in statuses:
+        what = (f"{s.state or '?'}" + (f" lane {s.lane}" if s.lane else "")) if s.up else f"down ({s.error})"
+        parts.append(f"{s.node.name} {s.node.role} {what}")
+    return f"{elapsed:.0f} s: " + "; ".join(parts)
+
+
+def wait_serving(cluster: ClusterFile, lane: str | None, timeout: float, read: Reader, err,
+                 t0: float) -> str | None:
+    """Wait until :func:`plan.serving_in` holds for ``lane`` on the statuses ``read`` returns;
+    None, or why not (a node gave up, timed out).  Progress on ``err`` every
+    :data:`PROGRESS_EVERY` seconds (``t0``: monotonic time of the first stop)."""
+    deadline = time.monotonic() + timeout
+    last = 0.0
+    while True:
+        sts = read(cluster, READ_TIMEOUT)
+        if planner.serving_in(sts, lane):
+            return None
+        now = time.monotonic()
+        gave = [s.node.name for s in sts if s.up and s.state in ("given_up", "failed")]
+        if gave:
+            return f"{', '.join(gave)} stopped trying: " + progress(sts, now - t0)
+        if now - last >= PROGRESS_EVERY:
+            print(f"sparkguard cluster: {progress(sts, now - t0)}", file=err, flush=True)
+            last = now
+        if now >= deadline:
+            return f"not serving within {timeout:g} s: " + progress(sts, now - t0)
+        time.sleep(POLL)
+
+
+def show_plan(cluster: ClusterFile, p: planner.Plan, out) -> None:
+    """The plan and the ssh commands, for ``--dry-run``."""
+    print(f"plan: {p.action}" + (f" lane {p.lane}" if p.lane else ""), file=out)
+    for k, step in enumerate(p.steps, 1):
+        print(f"{k}. {step.what} on {', '.join(step.nodes)} (in parallel)", file=out)
+        for name in step.nodes:
+            print("   " + shlex.join(ssh.ssh_argv(cluster, cluster.node(name), list(step.args))), file=out)
+    if p.wait_ready:
+        print(f"{len(p.steps) + 1}. wait until the head is ready" + (f" in lane {p.lane}" if p.lane else "")
+              + " and every node joined its run (metrics over HTTP)", file=out)
+
+
+def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeout: float = 1800.0,
+            dry_run: bool = False, out=None, err=None, run: Runner | None = None,
+            read: Reader | None = None) -> int:
+    """Run ``action`` (:data:`plan.ACTIONS`) on ``cluster``; the exit status (see the module).
+
+    Args:
+        timeout: seconds to wait for the cluster to serve after the starts.
+        dry_run: print the plan and the ssh commands; run nothing over SSH (the plan is made
+            from the nodes' metrics, read over HTTP).
+        run: the SSH runner (default :func:`sparkguard.cluster.ssh.run_all`).
+        read: the metrics reader (default :func:`sparkguard.cluster.view.read`).
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    run = run or ssh.run_all
+    if read is None:
+        from sparkguard.cluster import view
+        read = view.read
+    me = f"sparkguard cluster {action}" + (f" {lane}" if lane else "")
+    if dry_run:
+        statuses = read(cluster, READ_TIMEOUT)
+        down = [s for s in statuses if not s.up]
+        for s in down:
+            print(f"{me}: {s.node.name} does not answer ({s.error}); planned as if stopped", file=err)
+        # a node whose metrics do not list its lanes is taken to have the cluster file's
+        statuses = [s if s.lanes else NodeStatus(**{**s.__dict__, "lanes": cluster.lanes}) for s in statuses]
+    else:
+        statuses, failures = preflight(cluster, run)
+        if failures:
+            for f in failures:
+                print(f"{me}: {f}", file=err)
+            print(f"{me}: failed before anything was stopped", file=err)
+            return EXIT_FAILED
+    try:
+        p = planner.plan(cluster, action, statuses, lane, STOP_TIMEOUT)
+    except planner.Refused as e:
+        print(f"{me}: refused: {e}", file=err)
+        return EXIT_REFUSED
+    if p.noop:
+        print(f"{me}: nothing to do: {p.noop}", file=out)
+        return EXIT_OK
+    if dry_run:
+        show_plan(cluster, p, out)
+        return EXIT_OK
+    t0 = time.monotonic()
+    for step in p.steps:
+        nodes = [cluster.node(n) for n in step.nodes]
+        budget = STOP_TIMEOUT + 30 if step.what == "stop" else QUICK_TIMEOUT
+        res = run(cluster, nodes, list(step.args), budget)
+        bad = [r for r in res.values() if not r.ok]
+        if bad:
+            for r in bad:
+                print(f"{me}: {step.what} failed on {ssh.describe(r)}", file=err)
+            return _fail(cluster, me, p, step, run, err)
+        print(f"sparkguard cluster: {step.what}: {', '.join(step.nodes)} ({time.monotonic() - t0:.1f} s)",
+              file=err, flush=True)
+    if p.wait_ready:
+        why = wait_serving(cluster, p.lane, timeout, read, err, t0)
+        if why:
+            print(f"{me}: {why}", file=err)
+            return _fail(cluster, me, p, None, run, err)
+    took = time.monotonic() - t0
+    if p.wait_ready:
+        print(f"{me}: serving" + (f" in lane {p.lane}" if p.lane else "")
+              + f", every node joined the head's run; {took:.1f} s since the first stop", file=out)
+    else:
+        print(f"{me}: every node's engine stopped ({took:.1f} s)", file=out)
+    return EXIT_OK
+
+
+def _fail(cluster: ClusterFile, me: str, p: planner.Plan, step: planner.Step | None, run: Runner, err) -> int:
+    """After a failure once something was stopped: stop every node again (no mixed lanes may
+    serve); say what is left.  Returns :data:`EXIT_FAILED`."""
+    if p.action == "stop" or (step is not None and step.what == "stop" and p.steps[0] is step):
+        # the failure was in the stop itself: the nodes that stopped stay stopped
+        print(f"{me}: the other nodes' engines are stopped; fix the node named above and run it again",
+              file=err)
+        return EXIT_FAILED
+    print(f"{me}: stopping every node again so that no mix of lanes serves", file=err)
+    res = run(cluster, list(cluster.nodes), list(planner.stop_args(STOP_TIMEOUT)), STOP_TIMEOUT + 30)
+    bad = [r for r in res.values() if not r.ok]
+    for r in bad:
+        print(f"{me}: stop failed on {ssh.describe(r)}", file=err)
+    if not bad:
+        print(f"{me}: every node's engine is stopped", file=err)
+    return EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+def _common(a: argparse.ArgumentParser) -> None:
+    # suppressed defaults: a --cluster given to 'sparkguard cluster' itself is not reset here
+    a.add_argument("--cluster", metavar="PATH", default=argparse.SUPPRESS,
+                   help=f"the cluster file (default {DEFAULT_CLUSTER})")
+    a.add_argument("--timeout", type=float, metavar="SECONDS", default=argparse.SUPPRESS,
+                   help="how long to wait for the cluster to serve (default 1800)")
+    a.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS,
+                   help="print the plan and the ssh commands; run nothing")
+
+
+def register_ops(csub: argparse._SubParsersAction) -> None:
+    """Add ``lane NAME``, ``stop``, ``start``, ``restart`` to the ``sparkguard cluster`` parser's
+    subparsers ``csub``; each sets ``func=handler`` and ``cluster_op``."""
+    ln = csub.add_parser("lane", help="switch every node to a lane: all ranks down, workers first, head last, "
+                                      "wait until serving in it")
+    ln.add_argument("lane", metavar="NAME", help="one of the cluster's engine.lanes")
+    _common(ln)
+    ln.set_defaults(func=handler, cluster_op="lane")
+    for name, what in (("stop", "stop every node's engine (in parallel) and wait until stopped"),
+                       ("start", "start every node's engine, workers first, head last; wait until serving"),
+                       ("restart", "stop every node, then start them, workers first, head last; "
+                                   "wait until serving")):
+        a = csub.add_parser(name, help=what)
+        _common(a)
+        a.set_defaults(func=handler, cluster_op=name)
+
+
+def handler(args: argparse.Namespace) -> int:
+    """``sparkguard cluster lane|stop|start|restart``: load the cluster file, :func:`execute`."""
+    from sparkguard.cluster import file as cluster_file
+    from sparkguard.config import ConfigError
+    path = getattr(args, "cluster", None) or DEFAULT_CLUSTER
+    try:
+        cluster = cluster_file.load(path)
+    except (ConfigError, OSError) as e:
+        print(f"sparkguard cluster: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    return execute(cluster, args.cluster_op, getattr(args, "lane", None),
+                   timeout=getattr(args, "timeout", None) or 1800.0, dry_run=getattr(args, "dry_run", False))
+
