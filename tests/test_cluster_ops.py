@@ -1,0 +1,205 @@
+"""``sparkguard cluster lane|stop|start|restart`` end to end: nodes in network namespaces
+(tests/netcluster.py), a real sshd in each (tests/sshnodes.py), a real ``sparkguard run`` per node
+supervising its rank of the multi-node fake vLLM; the operations run in this process with their
+ssh client in the hub namespace (``nsenter`` prefix) and the nodes' metrics read from the hub
+through the view's own parser.
+
+Asserted as an operator sees it: the exit status and the lines printed; the head serving in the
+new lane (its /v1/models shows the lane's --max-model-len) with every rank joined its run; never
+two nodes ready in different lanes while it switches (statuses sampled from the hub throughout);
+the outage measured by completions from the hub; a second switch doing nothing (the runs
+unchanged); an unreachable node and a lane one node lacks named before anything stops.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from netcluster import Cluster, start_nodes, tp_configs
+from sparkguard.cluster import ops, ssh, view
+from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+from sshnodes import SshNodes
+from test_cluster import FAST, PORT, completion_ok, wait_until
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, sshd)")
+
+LANES = {"small": {"args": ["--max-model-len", "4096"]}, "big": {"args": ["--max-model-len", "8192"]}}
+
+
+def hub_reader(hub):
+    """A reader for :func:`ops.execute` that reads every node's metrics from the hub namespace
+    (view.read's parse, the hub's sockets)."""
+    def read(cluster: ClusterFile, timeout: float) -> list[NodeStatus]:
+        out = []
+        for n in cluster.nodes:
+            try:
+                status, body = hub.http_get(n.metrics_url, timeout)
+                out.append(view.parse(n, body.decode()) if status == 200
+                           else NodeStatus(node=n, up=False, error=f"HTTP {status}"))
+            except Exception as e:  # noqa: BLE001 - a node that does not answer is a status
+                out.append(NodeStatus(node=n, up=False, error=str(e)))
+        return out
+    return read
+
+
+@contextmanager
+def tp_cluster(tmp_path, n: int = 2, lanes_of=None, load_time: float = 0.5):
+    """``(c, ds, cf, run)``: n nodes serving in lane small, their ClusterFile, and
+    ``run(action, lane=None, timeout=120) -> (rc, stdout, stderr)``."""
+    with Cluster(n) as c, SshNodes(c, tmp_path) as s:
+        c.model = "sgop-" + c.tag
+        cfgs = tp_configs(c, c.model, tmp_path, engine={**FAST, "lanes": LANES, "lane": "small"},
+                          load_time=load_time)
+        for k, lanes in (lanes_of or {}).items():
+            cfgs[k]["engine"]["lanes"] = lanes
+        ds = start_nodes(c, cfgs, tmp_path)
+        for d in ds:
+            d.wait_control(60)
+        ds[0].wait_ready(timeout=90)
+        wait_until(lambda: all(d.status()["state"] == "ready" for d in ds), 60, "every rank ready")
+        nodes = tuple(ClusterNode(name=f"n{node.rank}", rank=node.rank, addr=node.addr, ssh=node.addr,
+                                  metrics_port=8799, config=str(d.path)) for node, d in zip(c.nodes, ds))
+        cf = ClusterFile(path=str(tmp_path / "cluster.yaml"), name="t", nodes=nodes, engine={"lanes": LANES},
+                         ssh_options=s.ssh_options, remote_sparkguard=s.remote_sparkguard)
+        read = hub_reader(c.hub)
+        saved = ssh.SSH
+        ssh.SSH = s.ssh_cmd()
+
+        def run(action: str, lane: str | None = None, timeout: float = 120.0):
+            out, err = io.StringIO(), io.StringIO()
+            rc = ops.execute(cf, action, lane, timeout=timeout, out=out, err=err, read=read)
+            return rc, out.getvalue(), err.getvalue()
+        try:
+            c.sshd = s
+            yield c, ds, cf, run
+        finally:
+            ssh.SSH = saved
+
+
+def runs(ds) -> list:
+    return [(d.status()["run_start"], d.status()["starts"]) for d in ds]
+
+
+def max_model_len(c) -> int:
+    status, body = c.hub.http_get(f"http://{c.nodes[0].addr}:{PORT}/v1/models")
+    assert status == 200
+    return json.loads(body)["data"][0]["max_model_len"]
+
+
+def one_run_in(ds, lane: str) -> None:
+    head = ds[0].status()
+    assert head["ready"] and head["lane"] == lane, (head["state"], head["lane"])
+    for d in ds[1:]:
+        st = d.status()
+        assert st["ready"] and st["lane"] == lane and st["joined"] == head["run_start"], (st["state"], st["lane"])
+
+
+class Sampler:
+    """Statuses and completions sampled from the hub every 0.1 s while a block runs."""
+
+    def __init__(self, c, read, cf):
+        self.c, self.read, self.cf = c, read, cf
+        self.samples: list[tuple[float, list[NodeStatus], bool]] = []
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self.stop.is_set():
+            sts = self.read(self.cf, 2.0)
+            self.samples.append((time.monotonic(), sts, completion_ok(self.c.hub, self.c.nodes[0].addr,
+                                                                      self.c.model, timeout=1.0)))
+            self.stop.wait(0.1)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join(10)
+
+    def mixed(self) -> list:
+        """Samples where two nodes were ready in different lanes."""
+        return [(t, [(s.node.name, s.lane) for s in sts if s.ready]) for t, sts, _ in self.samples
+                if len({s.lane for s in sts if s.ready}) > 1]
+
+    def outage(self) -> float:
+        """Seconds from the first failed completion to the first one that succeeded after it."""
+        down = next(t for t, _, ok in self.samples if not ok)
+        back = next(t for t, _, ok in self.samples if ok and t > down)
+        return back - down
+
+
+def test_lane_switch_end_to_end_never_mixes_lanes_and_a_second_one_does_nothing(tmp_path):
+    with tp_cluster(tmp_path) as (c, ds, cf, run):
+        assert max_model_len(c) == 4096
+        with Sampler(c, hub_reader(c.hub), cf) as smp:
+            t0 = time.monotonic()
+            rc, out, err = run("lane", "big")
+            took = time.monotonic() - t0
+            wait_until(lambda: smp.samples and smp.samples[-1][2], 10, "a completion after the switch")
+        assert rc == 0, out + err
+        assert "sparkguard cluster lane big: serving in lane big, every node joined the head's run" in out, out
+        for line in ("sparkguard cluster: stop: n0, n1", "sparkguard cluster: start workers: n1",
+                     "sparkguard cluster: start head: n0"):
+            assert line in err, err
+        assert err.index("start workers") < err.index("start head")
+        one_run_in(ds, "big")
+        assert max_model_len(c) == 8192
+        assert smp.mixed() == [], smp.mixed()[:5]
+        outage = smp.outage()
+        assert 0 < outage < took + 1, (outage, took)
+        print(f"lane switch: outage {outage:.2f} s, command {took:.2f} s (fake load 0.5 s)")
+        # the same switch again: nothing to do, the runs unchanged
+        before = runs(ds)
+        rc, out, err = run("lane", "big")
+        assert rc == 0, out + err
+        assert "nothing to do: every node is ready in lane big and joined the head's run" in out, out
+        assert runs(ds) == before
+        # one node's 'engine lane big' while ready in big: a no-op that returns at once
+        r = ssh.run_all(cf, cf.nodes[:1], ["engine", "lane", "big", "--timeout", "30"], 60)["n0"]
+        assert r.ok and r.seconds < 20, r
+        assert runs(ds) == before
+
+
+def test_unreachable_node_and_missing_lane_stop_nothing(tmp_path):
+    with tp_cluster(tmp_path, lanes_of={1: {"small": LANES["small"]}}) as (c, ds, cf, run):
+        before = runs(ds)
+        rc, out, err = run("lane", "big")
+        assert rc == 2, out + err
+        assert "refused: lane 'big' is missing on n1 (has: small): nothing was stopped" in err, err
+        assert runs(ds) == before
+        c.sshd.stop(c.nodes[1])
+        rc, out, err = run("restart")
+        assert rc == 1, out + err
+        assert f"n1: unreachable over SSH: ssh: connect to host {c.nodes[1].addr} port 22" in err, err
+        assert "failed before anything was stopped" in err, err
+        assert runs(ds) == before
+        one_run_in(ds, "small")
+
+
+def test_restart_stop_and_start(tmp_path):
+    with tp_cluster(tmp_path) as (c, ds, cf, run):
+        head_run = ds[0].status()["run_start"]
+        rc, out, err = run("restart")
+        assert rc == 0, out + err
+        assert "serving in lane small" in out, out
+        one_run_in(ds, "small")
+        assert ds[0].status()["run_start"] != head_run
+        rc, out, err = run("stop")
+        assert rc == 0, out + err
+        assert "every node's engine stopped" in out, out
+        assert all(d.status()["state"] == "stopped" for d in ds)
+        assert not completion_ok(c.hub, c.nodes[0].addr, c.model)
+        rc, out, err = run("start")
+        assert rc == 0, out + err
+        one_run_in(ds, "small")
+        rc, out, err = run("start")
+        assert rc == 0 and "nothing to do: the cluster already serves in lane small" in out, out + err
