@@ -12,6 +12,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from sparkguard.cluster.model import host_port
+from sparkguard.config.clusterfile import find_node, load, node_engine
 from sparkguard.config.errors import ConfigError
 from sparkguard.config.parsers import abs_path, optional_str
 from sparkguard.config.schema import ClusterConfig
@@ -38,10 +40,6 @@ def resolve(data: dict, path: str, hostname: str | None = None) -> tuple[dict, C
     """
     if "cluster" not in data:
         return data, ClusterConfig()
-    # imported here: sparkguard.cluster.file builds on this package's parsers and schema
-    from sparkguard.cluster.file import load, find_node, node_engine
-    from sparkguard.cluster.model import host_port
-
     body = data["cluster"]
     if not isinstance(body, dict):
         raise ConfigError(path, "cluster", body, "expected a mapping with file and node")
