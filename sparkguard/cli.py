@@ -30,6 +30,7 @@ COMMANDS = {
     "doctor": "sparkguard.host.cli",
     "engine": "sparkguard.control",      # engine status|start|stop|restart|lane
     "drill": "sparkguard.drill",
+    "cluster": "sparkguard.cluster.cli",  # cluster status|incidents|lane|stop|start|restart
 }
 #: modules that provide sub-commands, in help order
 COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))

@@ -10,6 +10,7 @@ import re
 import socket
 import time
 import urllib.request
+from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
@@ -22,10 +23,11 @@ DOC = ROOT / "docs" / "metrics.md"
 #: Families a quiet daemon on an arbitrary host may not serve: the last incident's time (none yet),
 #: PSI (kernels without it) and zram (hosts without a device).  The second test serves them.
 SCRAPE_TIME_ONLY = re.compile(r"sparkguard_(last_incident_timestamp_seconds|last_incident_info|pressure_memory_.*|zram_.*)")
-#: served only by a node of a TP cluster (a head's group, a headless rank's joined run); the
-#: single-node daemon here cannot show them: tests/test_cluster_logic.py reads them back from the
-#: real exposition, tests/test_cluster.py from nodes in network namespaces
-CLUSTER_ONLY = re.compile(r"sparkguard_engine_(group|joined)_run_start_timestamp_seconds")
+#: served only by a node of a TP cluster (a head's group, a headless rank's joined run, the cluster
+#: file's info); the single-node daemon here cannot show them: tests/test_cluster_logic.py reads
+#: them back from the real exposition, tests/test_cluster.py from nodes in network namespaces, the
+#: last test here serves the cluster file's info
+CLUSTER_ONLY = re.compile(r"sparkguard_engine_(group|joined)_run_start_timestamp_seconds|sparkguard_cluster_info")
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="(?:[^"\\]|\\.)*"')
@@ -161,3 +163,27 @@ def test_families_read_at_scrape_time_are_documented(tmp_path):
     assert not mismatches(fams, rows), "\n".join(mismatches(fams, rows))
     want = sorted(n for n, r in rows.items() if r["section"] in ("Guard", "Kernel"))
     assert sorted(fams) == want
+
+
+def test_the_configurations_cluster_and_lanes_are_documented_and_follow_a_reload():
+    """:class:`metrics.ConfigCollector` over real HTTP: a config with a cluster and two lanes, then
+    one without either (what a reload that drops them serves)."""
+    rows = doc_rows()
+    place = SimpleNamespace(name="lab", node="gx2", rank=1, nnodes=2)
+    with_cluster = SimpleNamespace(cluster=place, engine=SimpleNamespace(enabled=True, lanes={"200k": 1, "1m": 2}))
+    current = [with_cluster]
+    reg = CollectorRegistry()
+    reg.register(metrics.ConfigCollector(lambda: current[0]))
+    srv = metrics.MetricsServer(("127.0.0.1", 0), reg).start(retry=False)
+    try:
+        text = scrape(srv.url)
+        current[0] = SimpleNamespace(engine=SimpleNamespace(enabled=False, lanes={}))
+        after = scrape(srv.url)
+    finally:
+        srv.stop()
+    fams = served(text)
+    assert not mismatches(fams, rows), "\n".join(mismatches(fams, rows))
+    assert sorted(fams) == ["sparkguard_cluster_info", "sparkguard_engine_lanes_info"]
+    assert 'sparkguard_cluster_info{cluster="lab",nnodes="2",node="gx2",node_rank="1"} 1.0' in text
+    assert 'sparkguard_engine_lanes_info{lane="200k"} 1.0' in text and 'lane="1m"' in text
+    assert served(after) == {}

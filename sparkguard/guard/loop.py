@@ -99,7 +99,7 @@ class Guard:
         self.psi_fd = harden.open_psi_trigger()
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
-        self.metrics = startup.start_metrics(self.cfg, self.snapshot)
+        self.metrics = startup.start_metrics(self.cfg, self.snapshot, lambda: self.cfg)
         self.linkwatch = startup.start_linkwatch(self.cfg, self._on_link_incident, self.metrics)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)

@@ -46,15 +46,15 @@ def check_incident_dir(cfg, reporter) -> None:
                   f" and nothing keeps the full reports{nojournal}")
 
 
-def start_metrics(cfg, snapshot):
-    """Serve metrics on ``metrics.listen`` (``snapshot``: the guard's :meth:`Guard.snapshot`); None
-    when off.  A port that cannot be bound (taken, not permitted) is logged and bound again in the
-    endpoint's thread with a backoff: the guard never waits for it (``metrics.start_server``,
-    ``retry=True``)."""
+def start_metrics(cfg, snapshot, config=None):
+    """Serve metrics on ``metrics.listen`` (``snapshot``: the guard's :meth:`Guard.snapshot`;
+    ``config``: ``() -> Config`` in force now, for the cluster and lanes metrics); None when off.
+    A port that cannot be bound (taken, not permitted) is logged and bound again in the endpoint's
+    thread with a backoff: the guard never waits for it (``metrics.start_server``, ``retry=True``)."""
     listen = cfg.metrics.listen
     if not listen:
         return None
-    return metrics.start_server(listen, snapshot, retry=True)
+    return metrics.start_server(listen, snapshot, retry=True, config=config)
 
 
 def start_linkwatch(cfg, on_incident, endpoint):

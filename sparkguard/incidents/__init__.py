@@ -116,7 +116,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("id", nargs="?", metavar="ID", help="incident id or a unique prefix of one")
     p.add_argument("--json", action="store_true", help="print JSON (a list, or the one record)")
     p.add_argument("--dir", metavar="DIR", help="incident directory (default: incidents.dir of the config)")
-    p.add_argument("--config", metavar="PATH", help="configuration file (default /etc/sparkguard/sparkguard.yaml)")
+    p.add_argument("--config", "-c", metavar="PATH", help="configuration file (default /etc/sparkguard/sparkguard.yaml)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, metavar="N",
                    help=f"list at most N incidents (default {DEFAULT_LIMIT}; 0 lists all)")
     p.add_argument("--no-journal", action="store_true", help="read only the JSON store, not the journal")

@@ -6,10 +6,10 @@ The metric names, types, labels and units are listed in docs/metrics.md.
 
 from __future__ import annotations
 
-from sparkguard.metrics.families import GuardCollector, build_registry
+from sparkguard.metrics.families import ConfigCollector, GuardCollector, build_registry
 from sparkguard.metrics.server import (
     DEFAULT_LISTEN, MetricsListenError, MetricsServer, start_server,
 )
 
-__all__ = ["DEFAULT_LISTEN", "GuardCollector", "MetricsListenError", "MetricsServer", "build_registry",
+__all__ = ["DEFAULT_LISTEN", "ConfigCollector", "GuardCollector", "MetricsListenError", "MetricsServer", "build_registry",
            "start_server"]

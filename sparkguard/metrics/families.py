@@ -237,8 +237,47 @@ class GuardCollector:
                 yield g
 
 
-def build_registry(snapshot: Callable[[], dict], extra_collectors: Iterable[Any] = ()) -> CollectorRegistry:
-    """A fresh :class:`CollectorRegistry` with the guard, process and extra collectors.
+class ConfigCollector:
+    """The running configuration's place in a cluster: ``sparkguard_cluster_info`` and
+    ``sparkguard_engine_lanes_info``, read from the config at scrape time (a reload shows at once).
+
+    ``sparkguard_cluster_info{cluster,node,node_rank,nnodes}`` 1 only with a cluster file
+    (``cfg.cluster`` with ``.name``, ``.node``, ``.rank``, ``.nnodes``, set by
+    :mod:`sparkguard.cluster.file`); ``sparkguard_engine_lanes_info{lane}`` 1 for each of
+    ``engine.lanes`` (none without lanes).  Alert rules join other series to the cluster's name
+    with ``* on(instance) group_left(cluster) sparkguard_cluster_info``.
+
+    Args:
+        config: ``() -> Config``, the configuration in force now (the guard's ``cfg``).
+    """
+
+    def __init__(self, config: Callable[[], Any]):
+        self._config = config
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the metric families for one scrape (prometheus_client Collector protocol)."""
+        cfg = self._config()
+        cl = getattr(cfg, "cluster", None)
+        if cl is not None:
+            i = InfoMetricFamily(P + "cluster", "This node's place in its cluster file: the cluster's name, "
+                                 "this node's name, its node rank and the number of nodes (value 1).")
+            i.add_metric([], {"cluster": str(cl.name), "node": str(cl.node), "node_rank": str(cl.rank),
+                              "nnodes": str(cl.nnodes)})
+            yield i
+        engine = getattr(cfg, "engine", None)
+        lanes = getattr(engine, "lanes", None) or {}
+        if lanes and getattr(engine, "enabled", True):
+            i = InfoMetricFamily(P + "engine_lanes", "Every lane the engine's config has (engine.lanes), one "
+                                 "series each (value 1).")
+            for name in lanes:
+                i.add_metric([], {"lane": str(name)})
+            yield i
+
+
+def build_registry(snapshot: Callable[[], dict], extra_collectors: Iterable[Any] = (),
+                   config: Callable[[], Any] | None = None) -> CollectorRegistry:
+    """A fresh :class:`CollectorRegistry` with the guard, process and extra collectors, and the
+    :class:`ConfigCollector` of ``config`` (``() -> Config``) when given.
 
     The process collector adds ``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
     ``process_open_fds``... of this process (read from /proc/self at scrape time).
@@ -246,6 +285,8 @@ def build_registry(snapshot: Callable[[], dict], extra_collectors: Iterable[Any]
     reg = CollectorRegistry()
     ProcessCollector(registry=reg)
     reg.register(GuardCollector(snapshot))
+    if config is not None:
+        reg.register(ConfigCollector(config))
     for c in extra_collectors:
         reg.register(c)
     return reg

@@ -291,7 +291,8 @@ def _shown(host: str, port: int) -> str:
 
 
 def start_server(listen: tuple[str, int] = DEFAULT_LISTEN, snapshot: Callable[[], dict] | None = None,
-                 extra_collectors: Iterable[Any] = (), retry: bool = False) -> MetricsServer:
+                 extra_collectors: Iterable[Any] = (), retry: bool = False,
+                 config: Callable[[], Any] | None = None) -> MetricsServer:
     """Serve ``/metrics`` on ``listen`` from a daemon thread with a small stack.
 
     Args:
@@ -300,6 +301,8 @@ def start_server(listen: tuple[str, int] = DEFAULT_LISTEN, snapshot: Callable[[]
         snapshot: the daemon's ``Guard.snapshot`` (``() -> dict``); None serves only PSI, zram,
             process and build metrics.
         extra_collectors: more collectors for the same registry (engine supervisor, link watch).
+        config: ``() -> Config``, the configuration in force now: its cluster and lanes are
+            served (:class:`sparkguard.metrics.families.ConfigCollector`); None: not served.
         retry: False: a failed bind raises.  True (the daemon): it is logged as an error naming
             the address and who holds the port, and the thread binds again after 1 s, doubling
             up to 60 s (RETRY_FIRST, RETRY_MAX), as it does if serving ever fails;
@@ -312,5 +315,5 @@ def start_server(listen: tuple[str, int] = DEFAULT_LISTEN, snapshot: Callable[[]
             ``EADDRINUSE``; unknown host name); the message names ``host:port``.
     """
     host, port = listen
-    registry = build_registry(snapshot or dict, extra_collectors)
+    registry = build_registry(snapshot or dict, extra_collectors, config)
     return MetricsServer((host or "127.0.0.1", port), registry).start(retry)

@@ -1,0 +1,219 @@
+"""``sparkguard cluster``: the whole TP cluster from one place, ``status`` and ``incidents`` here,
+``lane``/``stop``/``start``/``restart`` from :mod:`sparkguard.cluster.ops` when it is installed.
+
+``status`` reads every node's metrics endpoint over HTTP (:mod:`sparkguard.cluster.view`; no
+SSH); ``incidents`` runs ``sparkguard incidents --json --limit 0`` on every node over the
+operator's SSH (:mod:`sparkguard.cluster.ssh`) and merges them (:mod:`sparkguard.cluster.timeline`).
+Exit status: 0 serving / every node read; 1 otherwise; 2 the cluster file is unusable.
+Usage: docs/cluster-status.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from sparkguard.cluster import timeline, view
+from sparkguard.cluster.model import ClusterFile, NodeStatus
+from sparkguard.units import format_size
+
+DEFAULT_CLUSTER = "/etc/sparkguard/cluster.yaml"
+#: seconds per node: a metrics read (status), one ssh with its remote command (incidents)
+STATUS_TIMEOUT = 3.0
+INCIDENTS_TIMEOUT = 30.0
+
+
+def add_common(p: argparse.ArgumentParser, timeout: float) -> None:
+    """``--cluster PATH``, ``--json``, ``--timeout S`` on one ``sparkguard cluster`` action."""
+    p.add_argument("--cluster", metavar="PATH", default=DEFAULT_CLUSTER,
+                   help=f"the cluster file (default {DEFAULT_CLUSTER})")
+    p.add_argument("--json", action="store_true", help="print JSON instead")
+    p.add_argument("--timeout", type=float, default=timeout, metavar="S",
+                   help=f"seconds per node (default {timeout:g})")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sparkguard cluster status|incidents`` (and the operations of
+    :func:`sparkguard.cluster.ops.register_ops` when that module is importable)."""
+    p = subparsers.add_parser(
+        "cluster", help="the whole TP cluster: status, incidents, lanes",
+        description="Read or drive every node of a TP cluster from one place. status reads each "
+                    "node's metrics endpoint; the other actions use the operator's SSH.")
+    csub = p.add_subparsers(dest="cluster_action", metavar="ACTION")
+    s = csub.add_parser("status", help="one table of every node and the cluster's verdict",
+                        description="Read every node's sparkguard metrics endpoint (HTTP, no SSH) and "
+                                    "print one table and a verdict: serving, degraded, lane mismatch, "
+                                    "given up or down. Exit 0 when serving, 1 otherwise, 2 for a bad "
+                                    "cluster file.")
+    add_common(s, STATUS_TIMEOUT)
+    s.set_defaults(func=_status)
+    i = csub.add_parser("incidents", help="every node's incidents as one timeline, or one report",
+                        description="Run 'sparkguard incidents --json --limit 0' on every node over SSH "
+                                    "and list them newest first with a NODE column, or show one by id "
+                                    "(ID, a unique prefix, or NODE:ID). Exit 1 when a node cannot be read.")
+    i.add_argument("id", nargs="?", metavar="ID", help="incident id, a unique prefix of one, or NODE:ID")
+    i.add_argument("--limit", type=int, default=20, metavar="N", help="list at most N (default 20; 0 lists all)")
+    add_common(i, INCIDENTS_TIMEOUT)
+    i.set_defaults(func=_incidents)
+    try:
+        from sparkguard.cluster.ops import register_ops
+    except ModuleNotFoundError as e:      # ops not installed; an import error inside it still shows
+        if e.name != "sparkguard.cluster.ops":
+            raise
+    else:
+        register_ops(csub)
+    p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
+
+
+def _err(msg: str) -> None:
+    print(f"sparkguard cluster: {msg}", file=sys.stderr)
+
+
+def load(path: str) -> ClusterFile:
+    """The cluster file at ``path`` (:func:`sparkguard.cluster.file.load`).
+
+    Raises:
+        sparkguard.config.ConfigError: unreadable or invalid (names file, key, value).
+    """
+    from sparkguard.cluster import file
+    return file.load(path)
+
+
+def _loaded(args: argparse.Namespace) -> ClusterFile | None:
+    from sparkguard.config import ConfigError
+    try:
+        return load(args.cluster)
+    except ConfigError as e:
+        _err(str(e))
+        return None
+
+
+# --- status ---------------------------------------------------------------------------------
+
+STATUS_HEADER = ("NODE", "ROLE/RANK", "SPARKGUARD", "ENGINE", "LANE", "READY", "RUN START", "MEMAVAILABLE",
+                 "LAST INCIDENT")
+
+
+def _local(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
+
+
+def status_row(st: NodeStatus) -> tuple[str, ...]:
+    """The table's columns for one node (the file's rank when the node does not say)."""
+    if not st.up:
+        return (st.node.name, f"{st.node.role}/{st.node.rank}", "down", "-", "-", "-", "-", "-", "-")
+    rank = st.node_rank if st.node_rank is not None else st.node.rank
+    inc = f"{st.last_incident[0]} {st.last_incident[1]}" if st.last_incident else "-"
+    return (st.node.name, f"{st.role or '-'}/{rank}", "up", st.state or "-", st.lane or "-",
+            "yes" if st.ready else "no", _local(st.run_start),
+            format_size(st.mem_available) if st.mem_available is not None else "-", inc)
+
+
+def status_lines(cluster: ClusterFile, statuses: list[NodeStatus]) -> tuple[list[str], str]:
+    """The table's lines (header, a row per node, then a line per node that could not be read or
+    runs with another cluster's file) and the verdict's word."""
+    rows = [STATUS_HEADER] + [status_row(s) for s in statuses]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(STATUS_HEADER))]
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    for s in statuses:
+        if not s.up:
+            lines.append(f"{s.node.name}: not read at {s.node.metrics_url}: {s.error}")
+        elif s.cluster is not None and s.cluster != cluster.name:
+            lines.append(f"{s.node.name}: runs with the cluster file of {s.cluster!r}, not {cluster.name!r}")
+    word, detail = view.verdict(statuses)
+    lines.append(f"{cluster.name}: {word}: {detail}")
+    return lines, word
+
+
+def status_json(cluster: ClusterFile, statuses: list[NodeStatus]) -> dict:
+    """``{"cluster", "verdict", "detail", "nodes": [...]}``, one dict per node."""
+    word, detail = view.verdict(statuses)
+    nodes = [{"node": s.node.name, "rank": s.node.rank, "url": s.node.metrics_url, "up": s.up, "error": s.error,
+              "cluster": s.cluster, "role": s.role, "node_rank": s.node_rank, "state": s.state, "lane": s.lane,
+              "lanes": list(s.lanes), "ready": s.ready, "run_start": s.run_start,
+              "joined_run_start": s.joined_run_start, "mem_available": s.mem_available,
+              "last_incident": list(s.last_incident) if s.last_incident else None, "given_up": s.given_up}
+             for s in statuses]
+    return {"cluster": cluster.name, "verdict": word, "detail": detail, "nodes": nodes}
+
+
+def show_status(cluster: ClusterFile, as_json: bool, timeout: float, out: TextIO = sys.stdout) -> int:
+    """Read every node, print the table and verdict (or JSON); 0 when serving, else 1."""
+    statuses = view.read(cluster, timeout)
+    if as_json:
+        doc = status_json(cluster, statuses)
+        out.write(json.dumps(doc, indent=2) + "\n")
+        return 0 if doc["verdict"] == "serving" else 1
+    lines, word = status_lines(cluster, statuses)
+    out.write("\n".join(lines) + "\n")
+    return 0 if word == "serving" else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    cluster = _loaded(args)
+    if cluster is None:
+        return 2
+    return show_status(cluster, args.json, args.timeout)
+
+
+# --- incidents ------------------------------------------------------------------------------
+
+def gather_incidents(cluster: ClusterFile, timeout: float) -> tuple[list[timeline.Entry], list[str]]:
+    """Every node's incidents over SSH, merged (:func:`timeline.merge`), and one line per node that
+    could not be read (``"gx2: unreachable over SSH: ..."``)."""
+    from sparkguard.cluster import ssh
+    results = ssh.run_all(cluster, cluster.nodes, ["incidents", "--json", "--limit", "0"], timeout)
+    per_node, failed = [], []
+    for n in cluster.nodes:
+        r = results[n.name]
+        if not r.ok:
+            failed.append(ssh.describe(r))
+            continue
+        try:
+            per_node.append((n, timeline.parse_listing(r.stdout)))
+        except ValueError as e:
+            failed.append(f"{n.name}: its 'sparkguard incidents --json' printed no incident list ({e})")
+    return timeline.merge(per_node), failed
+
+
+def show_incidents(cluster: ClusterFile, wanted: str | None, limit: int, as_json: bool, timeout: float,
+                   out: TextIO = sys.stdout) -> int:
+    """List the timeline (or show the incident ``wanted``); 0 when every node was read and the
+    incident found, 1 otherwise."""
+    entries, failed = gather_incidents(cluster, timeout)
+    rc = 1 if failed else 0
+    if wanted is not None:
+        found = timeline.find(entries, wanted)
+        if len(found) == 1:
+            e = found[0]
+            out.write(json.dumps({"node": e.node.name, **e.record}, indent=2, default=str) + "\n" if as_json
+                      else timeline.report(e))
+        elif not found:
+            _err(f"no incident {wanted!r} on the nodes read")
+            rc = 1
+        else:
+            _err(f"{wanted!r} matches {len(found)} incidents: " +
+                 ", ".join(f"{e.node.name}:{e.id}" for e in found[:10]))
+            rc = 1
+    elif as_json:
+        out.write(json.dumps(timeline.as_json(entries[:limit] if limit else entries), indent=2, default=str) + "\n")
+    elif entries:
+        out.write("\n".join(timeline.table(entries, limit)) + "\n")
+    else:
+        out.write("No incidents recorded on the nodes read.\n")
+    for line in failed:
+        (sys.stderr if as_json else out).write(f"not read: {line}\n")
+    return rc
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    if args.limit < 0:
+        _err(f"--limit: {args.limit}: must be 0 (all) or more")
+        return 2
+    cluster = _loaded(args)
+    if cluster is None:
+        return 2
+    return show_incidents(cluster, args.id, args.limit, args.json, args.timeout)
