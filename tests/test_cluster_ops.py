@@ -16,12 +16,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
 
 import pytest
+import yaml
 
+from conftest import fake_vllm, sg_env, sparkguard_cmd
 from netcluster import Cluster, start_nodes, tp_configs
 from sparkguard.cluster import ops, ssh, view
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
@@ -49,10 +52,31 @@ def hub_reader(hub):
     return read
 
 
+def write_cluster_file(path, c, ds, s) -> None:
+    """The cluster file (docs/cluster.md) of the running nodes: their addresses, SSH destinations
+    and config files, the test's SSH options and remote command, the shared command and lanes."""
+    path.write_text(yaml.safe_dump({
+        "name": "t" + c.tag,
+        "ssh": {"options": list(s.ssh_options), "command": list(s.remote_sparkguard)},
+        "engine": {"command": fake_vllm.command(c.model, "--tensor-parallel-size", str(c.n)), "lanes": LANES},
+        "nodes": [{"name": f"n{node.rank}", "addr": node.addr, "ssh": node.addr, "rank": node.rank,
+                   "config": str(d.path)} for node, d in zip(c.nodes, ds)],
+    }, sort_keys=False))
+
+
+def cli(c, *args: str, timeout: float = 240.0):
+    """``sparkguard cluster ARGS`` run in the hub namespace (as the operator's machine): ``(rc, stdout, stderr)``."""
+    p = c.hub.spawn(sparkguard_cmd("cluster", *args), env=sg_env(), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
 @contextmanager
 def tp_cluster(tmp_path, n: int = 2, lanes_of=None, load_time: float = 0.5):
-    """``(c, ds, cf, run)``: n nodes serving in lane small, their ClusterFile, and
-    ``run(action, lane=None, timeout=120) -> (rc, stdout, stderr)``."""
+    """``(c, ds, cf, run)``: n nodes serving in lane small, their ClusterFile (also written to
+    ``c.cluster_file`` for :func:`cli`), and ``run(action, lane=None, timeout=120) -> (rc, stdout,
+    stderr)`` calling :func:`ops.execute` in this process."""
     with Cluster(n) as c, SshNodes(c, tmp_path) as s:
         c.model = "sgop-" + c.tag
         cfgs = tp_configs(c, c.model, tmp_path, engine={**FAST, "lanes": LANES, "lane": "small"},
@@ -68,6 +92,8 @@ def tp_cluster(tmp_path, n: int = 2, lanes_of=None, load_time: float = 0.5):
                                   metrics_port=8799, config=str(d.path)) for node, d in zip(c.nodes, ds))
         cf = ClusterFile(path=str(tmp_path / "cluster.yaml"), name="t", nodes=nodes, engine={"lanes": LANES},
                          ssh_options=s.ssh_options, remote_sparkguard=s.remote_sparkguard)
+        c.cluster_file = tmp_path / "cluster.yaml"
+        write_cluster_file(c.cluster_file, c, ds, s)
         read = hub_reader(c.hub)
         saved = ssh.SSH
         ssh.SSH = s.ssh_cmd()
@@ -185,21 +211,42 @@ def test_unreachable_node_and_missing_lane_stop_nothing(tmp_path):
         one_run_in(ds, "small")
 
 
-def test_restart_stop_and_start(tmp_path):
+def test_restart_stop_and_start_through_the_command_line(tmp_path):
     with tp_cluster(tmp_path) as (c, ds, cf, run):
+        f = str(c.cluster_file)
         head_run = ds[0].status()["run_start"]
-        rc, out, err = run("restart")
+        before = runs(ds)
+        rc, out, err = cli(c, "lane", "big", "--cluster", f, "--dry-run")
         assert rc == 0, out + err
-        assert "serving in lane small" in out, out
+        assert out.startswith("plan: lane big\n1. stop on n0, n1 (in parallel)\n"), out
+        assert "2. start workers on n1" in out and "3. start head on n0" in out, out
+        assert f"-o StrictHostKeyChecking=yes" in out and "engine lane big --no-wait -c" in out, out
+        assert runs(ds) == before
+        rc, out, err = cli(c, "restart", "--cluster", f)
+        assert rc == 0, out + err
+        assert "sparkguard cluster restart: serving in lane small" in out, out
         one_run_in(ds, "small")
         assert ds[0].status()["run_start"] != head_run
-        rc, out, err = run("stop")
+        rc, out, err = cli(c, "stop", "--cluster", f)
         assert rc == 0, out + err
         assert "every node's engine stopped" in out, out
         assert all(d.status()["state"] == "stopped" for d in ds)
         assert not completion_ok(c.hub, c.nodes[0].addr, c.model)
-        rc, out, err = run("start")
+        rc, out, err = cli(c, "start", "--cluster", f)
         assert rc == 0, out + err
         one_run_in(ds, "small")
-        rc, out, err = run("start")
+        rc, out, err = cli(c, "start", "--cluster", f)
         assert rc == 0 and "nothing to do: the cluster already serves in lane small" in out, out + err
+        rc, out, err = cli(c, "lane", "big", "--cluster", str(tmp_path / "missing.yaml"))
+        assert rc == 2 and "cluster file not found" in err, out + err
+
+
+def test_four_nodes_switch_lanes_as_one_engine(tmp_path):
+    with tp_cluster(tmp_path, n=4) as (c, ds, cf, run):
+        with Sampler(c, hub_reader(c.hub), cf) as smp:
+            rc, out, err = run("lane", "big", timeout=180)
+        assert rc == 0, out + err
+        assert "start workers: n1, n2, n3" in err, err
+        one_run_in(ds, "big")
+        assert max_model_len(c) == 8192
+        assert smp.mixed() == [], smp.mixed()[:5]

@@ -122,9 +122,13 @@ def wait_serving(cluster: ClusterFile, lane: str | None, timeout: float, read: R
 
 def show_plan(cluster: ClusterFile, p: planner.Plan, out) -> None:
     """The plan and the ssh commands, for ``--dry-run``."""
-    print(f"plan: {p.action}" + (f" lane {p.lane}" if p.lane else ""), file=out)
+    if p.action == "lane":
+        print(f"plan: lane {p.lane}", file=out)
+    else:
+        print(f"plan: {p.action}" + (f" (lane {p.lane})" if p.lane else ""), file=out)
     for k, step in enumerate(p.steps, 1):
-        print(f"{k}. {step.what} on {', '.join(step.nodes)} (in parallel)", file=out)
+        print(f"{k}. {step.what} on {', '.join(step.nodes)}" + (" (in parallel)" if len(step.nodes) > 1 else ""),
+              file=out)
         for name in step.nodes:
             print("   " + shlex.join(ssh.ssh_argv(cluster, cluster.node(name), list(step.args))), file=out)
     if p.wait_ready:
