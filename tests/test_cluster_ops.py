@@ -193,6 +193,10 @@ def test_lane_switch_end_to_end_never_mixes_lanes_and_a_second_one_does_nothing(
         r = ssh.run_all(cf, cf.nodes[:1], ["engine", "lane", "big", "--timeout", "30"], 60)["n0"]
         assert r.ok and r.seconds < 20, r
         assert runs(ds) == before
+        # ...and 'engine start' while it runs answers at once instead of waiting for a start that never comes
+        r = ssh.run_all(cf, cf.nodes, ["engine", "start", "--timeout", "30"], 60)
+        assert all(x.ok and x.seconds < 20 for x in r.values()), r
+        assert runs(ds) == before
 
 
 def test_unreachable_node_and_missing_lane_stop_nothing(tmp_path):
@@ -249,4 +253,20 @@ def test_four_nodes_switch_lanes_as_one_engine(tmp_path):
         assert "start workers: n1, n2, n3" in err, err
         one_run_in(ds, "big")
         assert max_model_len(c) == 8192
+        assert smp.mixed() == [], smp.mixed()[:5]
+
+
+def test_a_switch_that_cannot_form_the_group_stops_every_node_and_fails(tmp_path):
+    """Node 1's big lane carries an argument the head's lacks: the head's rendezvous refuses it
+    (tests/fakes/fake_cluster.py MATCHED), the group never forms, the wait times out."""
+    bad = {"small": LANES["small"], "big": {"args": ["--max-model-len", "8192", "--max-num-seqs", "7"]}}
+    with tp_cluster(tmp_path, lanes_of={1: bad}) as (c, ds, cf, run):
+        with Sampler(c, hub_reader(c.hub), cf) as smp:
+            rc, out, err = run("lane", "big", timeout=15)
+        assert rc == 1, out + err
+        assert "sparkguard cluster lane big: not serving within 15 s: " in err, err
+        assert "n1 headless" in err.split("not serving within 15 s: ")[1], err
+        assert "stopping every node again so that no mix of lanes serves" in err, err
+        assert "sparkguard cluster lane big: every node's engine is stopped" in err, err
+        assert all(d.status()["state"] == "stopped" for d in ds)
         assert smp.mixed() == [], smp.mixed()[:5]
