@@ -107,3 +107,19 @@ def test_register_ops_adds_the_subcommands_with_their_options():
     assert (a.cluster_op, a.cluster) == ("restart", "/x.yaml")
     for name in ("stop", "start"):
         assert p.parse_args([name]).cluster_op == name
+
+
+def test_the_wait_ignores_a_halted_state_left_from_before_the_start_and_stops_on_a_new_one(monkeypatch):
+    import io
+    monkeypatch.setattr(ops, "POLL", 0.0)
+    c = cluster()
+    seq = [[st(c, 0, "big", ready=False, state="given_up"), st(c, 1, "big", ready=False, state="given_up")],
+           [st(c, 0, "big", ready=False, state="starting"), st(c, 1, "big", ready=False, state="waiting_for_head")],
+           serving(c, "big")]
+    reads = iter(seq)
+    assert ops.wait_serving(c, "big", 30, lambda _c, _t: next(reads), io.StringIO(), 0.0) is None
+    seq = [[st(c, 0, "big", ready=False, state="starting"), st(c, 1, "big", ready=False, state="backoff")],
+           [st(c, 0, "big", ready=False, state="starting"), st(c, 1, "big", ready=False, state="given_up")]]
+    reads = iter(seq)
+    why = ops.wait_serving(c, "big", 30, lambda _c, _t: next(reads), io.StringIO(), 0.0)
+    assert why.startswith("gx1 stopped trying: "), why

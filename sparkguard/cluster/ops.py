@@ -39,6 +39,7 @@ from typing import Callable
 from sparkguard.cluster import plan as planner
 from sparkguard.cluster import ssh
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+from sparkguard.supervisor.state import HALTED
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 DEFAULT_CLUSTER = "/etc/sparkguard/cluster.yaml"
@@ -104,12 +105,15 @@ def wait_serving(cluster: ClusterFile, lane: str | None, timeout: float, read: R
     :data:`PROGRESS_EVERY` seconds (``t0``: monotonic time of the first stop)."""
     deadline = time.monotonic() + timeout
     last = 0.0
+    moved: set[str] = set()     # nodes seen in another state than a halted one since the starts
     while True:
         sts = read(cluster, READ_TIMEOUT)
         if planner.serving_in(sts, lane):
             return None
         now = time.monotonic()
-        gave = [s.node.name for s in sts if s.up and s.state in ("given_up", "failed")]
+        # a node halted before the command may still say so until its supervisor takes the start
+        moved |= {s.node.name for s in sts if s.up and s.state not in HALTED}
+        gave = [s.node.name for s in sts if s.up and s.state in HALTED and s.node.name in moved]
         if gave:
             return f"{', '.join(gave)} stopped trying: " + progress(sts, now - t0)
         if now - last >= PROGRESS_EVERY:

@@ -182,7 +182,8 @@ def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
             timeout: float) -> dict[str, RemoteResult]:
     """Run ``args`` on every node of ``nodes`` (ClusterNode values) in parallel, each bounded
     by ``timeout`` seconds; ``{node name: RemoteResult}`` in the order of ``nodes``.  Returns
-    once every ssh has finished or been killed (at most about ``timeout`` + 5 s)."""
+    once every ssh has finished or been killed (about ``timeout`` + 5 s; at most ``timeout`` + 15 s,
+    after which a node whose thread has not reported is a timeout)."""
     nodes = list(nodes)
     results: dict[str, RemoteResult] = {}
     lock = threading.Lock()
@@ -198,8 +199,9 @@ def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
     threads = [threading.Thread(target=one, args=(n,), name=f"ssh-{n.name}", daemon=True) for n in nodes]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout + 15
     for t in threads:
-        t.join(timeout + 15)
+        t.join(max(0.0, deadline - time.monotonic()))
     return {n.name: results.get(n.name) or RemoteResult(n.name, None, "", "", f"timed out after {timeout:g} s",
                                                          float(timeout)) for n in nodes}
 
