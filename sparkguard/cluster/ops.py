@@ -36,9 +36,11 @@ import sys
 import time
 from typing import Callable
 
+from sparkguard.cluster import file as cluster_file
 from sparkguard.cluster import plan as planner
-from sparkguard.cluster import ssh
+from sparkguard.cluster import ssh, view
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+from sparkguard.config import ConfigError
 from sparkguard.supervisor.state import HALTED
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
@@ -155,9 +157,7 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
     out = out or sys.stdout
     err = err or sys.stderr
     run = run or ssh.run_all
-    if read is None:
-        from sparkguard.cluster import view
-        read = view.read
+    read = read or view.read
     me = f"sparkguard cluster {action}" + (f" {lane}" if lane else "")
     if dry_run:
         statuses = read(cluster, READ_TIMEOUT)
@@ -260,8 +260,6 @@ def register_ops(csub: argparse._SubParsersAction) -> None:
 
 def handler(args: argparse.Namespace) -> int:
     """``sparkguard cluster lane|stop|start|restart``: load the cluster file, :func:`execute`."""
-    from sparkguard.cluster import file as cluster_file
-    from sparkguard.config import ConfigError
     path = getattr(args, "cluster", None) or DEFAULT_CLUSTER
     try:
         cluster = cluster_file.load(path)
