@@ -56,7 +56,6 @@ STOP_TIMEOUT = 300.0
 #: seconds each metrics read may take
 READ_TIMEOUT = 3.0
 
-Runner = Callable[[ClusterFile, list, list, float], dict]
 Reader = Callable[[ClusterFile, float], list]
 
 
@@ -74,18 +73,15 @@ def from_engine_status(node: ClusterNode, resp: dict) -> NodeStatus:
                       joined_run_start=st.get("joined"), given_up=bool(st.get("given_up")))
 
 
-def preflight(cluster: ClusterFile, run: Runner) -> tuple[list[NodeStatus], list[str]]:
+def preflight(cluster: ClusterFile) -> tuple[list[NodeStatus], list[str]]:
     """Every node's own status over SSH: ``(statuses, failures)``; ``failures`` one line per node
     that could not be asked (``"<node>: <how>"``), ``statuses`` complete only when it is empty."""
-    res = run(cluster, list(cluster.nodes), ["engine", "status", "--json"], QUICK_TIMEOUT)
-    statuses, failures = [], []
-    for n in cluster.nodes:
-        r = res[n.name]
-        if not r.ok:
-            failures.append(ssh.describe(r))
-            continue
+    got, failures = ssh.collect(cluster, cluster.nodes, ["engine", "status", "--json"], QUICK_TIMEOUT,
+                                json.loads, "'engine status --json'")
+    statuses = []
+    for n, resp in got:
         try:
-            statuses.append(from_engine_status(n, json.loads(r.stdout)))
+            statuses.append(from_engine_status(n, resp))
         except ValueError as e:
             failures.append(f"{n.name}: unreadable 'engine status --json': {e}")
     return statuses, failures
@@ -143,20 +139,17 @@ def show_plan(cluster: ClusterFile, p: planner.Plan, out) -> None:
 
 
 def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeout: float = 1800.0,
-            dry_run: bool = False, out=None, err=None, run: Runner | None = None,
-            read: Reader | None = None) -> int:
+            dry_run: bool = False, out=None, err=None, read: Reader | None = None) -> int:
     """Run ``action`` (:data:`plan.ACTIONS`) on ``cluster``; the exit status (see the module).
 
     Args:
         timeout: seconds to wait for the cluster to serve after the starts.
         dry_run: print the plan and the ssh commands; run nothing over SSH (the plan is made
             from the nodes' metrics, read over HTTP).
-        run: the SSH runner (default :func:`sparkguard.cluster.ssh.run_all`).
         read: the metrics reader (default :func:`sparkguard.cluster.view.read`).
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    run = run or ssh.run_all
     read = read or view.read
     me = f"sparkguard cluster {action}" + (f" {lane}" if lane else "")
     if dry_run:
@@ -167,7 +160,7 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
         # a node whose metrics do not list its lanes is taken to have the cluster file's
         statuses = [s if s.lanes else NodeStatus(**{**s.__dict__, "lanes": cluster.lanes}) for s in statuses]
     else:
-        statuses, failures = preflight(cluster, run)
+        statuses, failures = preflight(cluster)
         if failures:
             for f in failures:
                 print(f"{me}: {f}", file=err)
@@ -188,19 +181,19 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
     for step in p.steps:
         nodes = [cluster.node(n) for n in step.nodes]
         budget = STOP_TIMEOUT + 30 if step.what == "stop" else QUICK_TIMEOUT
-        res = run(cluster, nodes, list(step.args), budget)
+        res = ssh.run_all(cluster, nodes, list(step.args), budget)
         bad = [r for r in res.values() if not r.ok]
         if bad:
             for r in bad:
                 print(f"{me}: {step.what} failed on {ssh.describe(r)}", file=err)
-            return _fail(cluster, me, p, step, run, err)
+            return _fail(cluster, me, p, step, err)
         print(f"sparkguard cluster: {step.what}: {', '.join(step.nodes)} ({time.monotonic() - t0:.1f} s)",
               file=err, flush=True)
     if p.wait_ready:
         why = wait_serving(cluster, p.lane, timeout, read, err, t0)
         if why:
             print(f"{me}: {why}", file=err)
-            return _fail(cluster, me, p, None, run, err)
+            return _fail(cluster, me, p, None, err)
     took = time.monotonic() - t0
     if p.wait_ready:
         print(f"{me}: serving" + (f" in lane {p.lane}" if p.lane else "")
@@ -210,7 +203,7 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
     return EXIT_OK
 
 
-def _fail(cluster: ClusterFile, me: str, p: planner.Plan, step: planner.Step | None, run: Runner, err) -> int:
+def _fail(cluster: ClusterFile, me: str, p: planner.Plan, step: planner.Step | None, err) -> int:
     """After a failure once something was stopped: stop every node again (no mixed lanes may
     serve); say what is left.  Returns :data:`EXIT_FAILED`."""
     if p.action == "stop" or (step is not None and step.what == "stop" and p.steps[0] is step):
@@ -219,7 +212,7 @@ def _fail(cluster: ClusterFile, me: str, p: planner.Plan, step: planner.Step | N
               file=err)
         return EXIT_FAILED
     print(f"{me}: stopping every node again so that no mix of lanes serves", file=err)
-    res = run(cluster, list(cluster.nodes), list(planner.stop_args(STOP_TIMEOUT)), STOP_TIMEOUT + 30)
+    res = ssh.run_all(cluster, list(cluster.nodes), list(planner.stop_args(STOP_TIMEOUT)), STOP_TIMEOUT + 30)
     bad = [r for r in res.values() if not r.ok]
     for r in bad:
         print(f"{me}: stop failed on {ssh.describe(r)}", file=err)

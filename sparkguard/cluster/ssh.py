@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from sparkguard.cluster.model import ClusterFile, ClusterNode
 
@@ -204,6 +205,30 @@ def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
         t.join(max(0.0, deadline - time.monotonic()))
     return {n.name: results.get(n.name) or RemoteResult(n.name, None, "", "", f"timed out after {timeout:g} s",
                                                          float(timeout)) for n in nodes}
+
+
+def collect(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...], timeout: float,
+            parse: Callable[[str], object], what: str) -> tuple[list[tuple[ClusterNode, object]], list[str]]:
+    """:func:`run_all`, then ``parse(stdout)`` of every node whose command succeeded.
+
+    Returns:
+        ``(parsed, failures)``: ``[(node, parse(stdout)), ...]`` in the order of ``nodes``, and one
+        line per node that failed (``"<node>: <error>"``, or ``"<node>: unreadable <what>: ..."``
+        when ``parse`` raised ValueError).
+    """
+    nodes = list(nodes)
+    res = run_all(cluster, nodes, args, timeout)
+    parsed, failures = [], []
+    for n in nodes:
+        r = res[n.name]
+        if not r.ok:
+            failures.append(describe(r))
+            continue
+        try:
+            parsed.append((n, parse(r.stdout)))
+        except ValueError as e:
+            failures.append(f"{n.name}: unreadable {what}: {e}")
+    return parsed, failures
 
 
 def describe(r: RemoteResult) -> str:
