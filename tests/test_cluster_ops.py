@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -266,6 +267,8 @@ def test_a_switch_that_cannot_form_the_group_stops_every_node_and_fails(tmp_path
         assert rc == 1, out + err
         assert "sparkguard cluster lane big: not serving within 15 s: " in err, err
         assert "n1 headless" in err.split("not serving within 15 s: ")[1], err
+        # progress while it waited: elapsed time, each node's role, state and lane
+        assert re.search(r"^sparkguard cluster: \d+ s: n0 head \w+ lane big; n1 headless \w+ lane big$", err, re.M), err
         assert "stopping every node again so that no mix of lanes serves" in err, err
         assert "sparkguard cluster lane big: every node's engine is stopped" in err, err
         assert all(d.status()["state"] == "stopped" for d in ds)
