@@ -106,8 +106,8 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
         ``"lane mismatch"``: the nodes that answer do not all run the same lane (detail names
         each lane's nodes);
         ``"given up"``: a node's supervisor stopped restarting (detail names it);
-        ``"degraded"``: a node is down, the head is not ready, or a headless rank has not
-        joined the head's current run (``joined_run_start != head.run_start``), or a node
+        ``"degraded"``: a node is down, the head is not ready, a headless rank has not joined
+        the head's current run (``joined_run_start != head.run_start``) or is not ready, or a node
         reports another rank than the file gives it (detail lists each);
         ``"serving"``: none of these (detail: the lane and the head's run).
     """
@@ -138,6 +138,8 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
             continue
         if head.run_start is None or s.joined_run_start != head.run_start:
             why.append(f"{_name(s)} has not joined the head's run (state {s.state or 'unknown'})")
+        elif not s.ready:
+            why.append(f"{_name(s)} joined the head's run but is not ready (state {s.state or 'unknown'})")
     if why:
         return "degraded", "; ".join(why)
     lane = up[0].lane

@@ -1,0 +1,153 @@
+"""``sparkguard cluster status`` against real daemons: 2 and 4 nodes in network namespaces
+(tests/netcluster.py), every node a real ``sparkguard run`` configured by one cluster file
+(``cluster: {file, node}``) supervising its rank of the multi-node fake vLLM, the command run
+in the hub namespace so it reaches every node's metrics endpoint as an operator's would.
+
+Asserted as the operator reads it: the table's rows and the verdict line, the exit status,
+the JSON.  A headless rank's engine SIGKILLed shows the cluster degraded and then serving in
+a new run; a node whose sparkguard is stopped shows down and is named; the head switched alone
+to another lane shows "lane mismatch".  The fake's load time is 3 s so that a restart is seen.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from conftest import sg_env, sparkguard_cmd
+from fakes import fake_vllm
+from netcluster import METRICS_PORT, SMALL_FAKE, Cluster, SparkguardNode
+from test_cluster import kill, wait_until
+
+FAST = {"health_interval": "500ms", "stable_for": "0s", "quiesce_timeout": "60s"}
+LOAD_TIME = 3.0
+
+
+def write_cluster_file(c: Cluster, tmp_path: Path, lanes: dict | None = None) -> Path:
+    """The one cluster file every node and the CLI read: nodes n0..n(N-1) at their bridge
+    addresses, the fake vLLM's command (TP = one rank per node; its API on every address of the
+    head), shorter timers."""
+    c.model = "sgcv-" + c.tag
+    engine = {"command": fake_vllm.command(c.model, "--tensor-parallel-size", str(c.n), "--host", "0.0.0.0",
+                                           "--port", "8000", "--load-time", f"{LOAD_TIME:g}", *SMALL_FAKE),
+              "log": "stderr", "drop_caches": False, "start_above": "64MiB", **FAST}
+    if lanes:
+        engine["lanes"] = lanes
+    doc = {"name": "lab-" + c.tag, "metrics_port": METRICS_PORT,
+           "nodes": [{"name": f"n{n.rank}", "addr": n.addr, "ssh": f"root@{n.addr}"} for n in c.nodes],
+           "engine": engine}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def node_config(cfile: Path, c: Cluster, rank: int, tmp_path: Path) -> dict:
+    """A node's sparkguard.yaml: its place in the cluster file and its node-local files only."""
+    d = tmp_path / f"node{rank}"
+    return {"cluster": {"file": str(cfile), "node": f"n{rank}"},
+            "guard": {"term_below": "128MiB"},
+            "targets": {"match": [c.model]},
+            "incidents": {"dir": str(d / "incidents"), "journal": "off"},
+            "engine": {"state_file": str(d / "engine-state.json"), "control_socket": str(d / "control.sock")}}
+
+
+def start(c: Cluster, tmp_path: Path, lanes: dict | None = None) -> tuple[Path, list[SparkguardNode]]:
+    """The cluster file and a daemon per node, headless ranks first and the head last."""
+    cfile = write_cluster_file(c, tmp_path, lanes)
+    ds = {}
+    for k in list(range(1, c.n)) + [0]:
+        ds[k] = SparkguardNode(c.nodes[k], node_config(cfile, c, k, tmp_path), tmp_path / f"node{k}")
+    out = [ds[k] for k in range(c.n)]
+    for d in out:
+        d.wait_control(60)
+    return cfile, out
+
+
+def cluster_status(c: Cluster, cfile: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``sparkguard cluster status --cluster FILE`` run in the hub namespace, to completion."""
+    p = c.hub.spawn(sparkguard_cmd("cluster", "status", "--cluster", str(cfile), "--timeout", "2", *extra),
+                    env=sg_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=60)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def verdict_line(r: subprocess.CompletedProcess) -> str:
+    return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+
+
+def until_verdict(c: Cluster, cfile: Path, word: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run the command until its verdict line is ``word``; that run."""
+    seen: list[str] = []
+
+    def once():
+        r = cluster_status(c, cfile)
+        seen.append(verdict_line(r) or r.stderr.strip()[-300:])
+        return r if verdict_line(r).startswith(f"lab-{c.tag}: {word}:") else None
+    try:
+        return wait_until(once, timeout, f"verdict {word}", every=0.3)
+    except AssertionError:
+        raise AssertionError(f"verdict never {word!r}; last seen: {seen[-3:]}") from None
+
+
+def rows(r: subprocess.CompletedProcess) -> dict[str, list[str]]:
+    """The table's rows by node name (columns split on runs of 2+ spaces)."""
+    lines = r.stdout.splitlines()
+    assert lines and lines[0].startswith("NODE"), r.stdout
+    return {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in lines[1:] if re.match(r"n\d+\s", ln)}
+
+
+def test_two_nodes_serving_then_a_killed_rank_degrades_and_recovers(tmp_path):
+    with Cluster(2) as c:
+        cfile, (head, rank) = start(c, tmp_path)
+        r = until_verdict(c, cfile, "serving", 90)
+        assert r.returncode == 0, r.stdout + r.stderr
+        t = rows(r)
+        assert t["n0"][1:4] == ["head/0", "up", "ready"], t
+        assert t["n1"][1:4] == ["headless/1", "up", "ready"], t
+        js = json.loads(cluster_status(c, cfile, "--json").stdout)
+        assert js["verdict"] == "serving" and [n["cluster"] for n in js["nodes"]] == [f"lab-{c.tag}"] * 2
+        run0 = js["nodes"][0]["run_start"]
+        assert js["nodes"][1]["joined_run_start"] == run0
+
+        worker = rank.status()["pid"]
+        wk = [p for p in rank.alive_engine_pids() if p != worker]      # VLLM::Worker_TP1 of the headless rank
+        assert wk, rank.alive_engine_pids()
+        kill(wk[-1])
+        r = until_verdict(c, cfile, "degraded", 30)
+        assert r.returncode == 1
+        r = until_verdict(c, cfile, "serving", 90)
+        js = json.loads(cluster_status(c, cfile, "--json").stdout)
+        assert js["verdict"] == "serving", js
+        assert js["nodes"][0]["run_start"] != run0, "serving again, but in the old run"
+        assert js["nodes"][1]["joined_run_start"] == js["nodes"][0]["run_start"]
+
+
+def test_four_nodes_one_sparkguard_stopped_shows_down_and_named(tmp_path):
+    with Cluster(4) as c:
+        cfile, ds = start(c, tmp_path)
+        r = until_verdict(c, cfile, "serving", 120)
+        assert sorted(rows(r)) == ["n0", "n1", "n2", "n3"]
+        ds[2].stop()
+        r = until_verdict(c, cfile, "degraded", 30)
+        assert r.returncode == 1
+        t = rows(r)
+        assert t["n2"][2] == "down" and t["n0"][2] == t["n1"][2] == t["n3"][2] == "up", t
+        assert any(ln.startswith(f"n2: not read at http://{c.nodes[2].addr}:{METRICS_PORT}/metrics")
+                   for ln in r.stdout.splitlines()), r.stdout
+        assert "n2 (rank 2) down" in verdict_line(r)
+
+
+def test_the_head_switched_alone_to_another_lane_is_a_lane_mismatch(tmp_path):
+    lanes = {"short": {"args": ["--max-model-len", "8192"]}, "long": {"args": ["--max-model-len", "65536"]}}
+    with Cluster(2) as c:
+        cfile, (head, rank) = start(c, tmp_path, lanes)
+        r = until_verdict(c, cfile, "serving", 90)
+        assert rows(r)["n0"][4] == rows(r)["n1"][4] == "short"
+        assert head.ctl("lane", lane="long")["ok"]
+        r = until_verdict(c, cfile, "lane mismatch", 60)
+        assert r.returncode == 1
+        assert "long: n0" in verdict_line(r) and "short: n1" in verdict_line(r), verdict_line(r)
