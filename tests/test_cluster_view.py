@@ -21,6 +21,7 @@ import yaml
 from conftest import sg_env, sparkguard_cmd
 from fakes import fake_vllm
 from netcluster import METRICS_PORT, SMALL_FAKE, Cluster, SparkguardNode
+from sshnodes import SshNodes
 from test_cluster import kill, wait_until
 
 FAST = {"health_interval": "500ms", "stable_for": "0s", "quiesce_timeout": "60s"}
@@ -151,3 +152,71 @@ def test_the_head_switched_alone_to_another_lane_is_a_lane_mismatch(tmp_path):
         r = until_verdict(c, cfile, "lane mismatch", 60)
         assert r.returncode == 1
         assert "long: n0" in verdict_line(r) and "short: n1" in verdict_line(r), verdict_line(r)
+
+
+# --------------------------------------------------------------------------------------------
+# cluster incidents over SSH (tests/sshnodes.py: a real sshd per node, keys made here)
+
+def incident(iid: str, at: float, kind: str) -> dict:
+    """A minimal stored record (docs/incident.md): what the listing and the report read."""
+    return {"id": iid, "kind": kind, "outcome": "recovered", "started_at": at, "ended_at": at + 1.5,
+            "summary": f"{kind} incident {iid}"}
+
+
+def incidents_setup(c: Cluster, s: SshNodes, tmp_path: Path, records: dict[int, list[dict]]) -> Path:
+    """Each node's sparkguard.yaml (its incidents dir holding ``records[rank]``) and the cluster
+    file naming them, with the harness's ssh options and remote command."""
+    nodes = []
+    for n in c.nodes:
+        d = tmp_path / f"node{n.rank}"
+        inc = d / "incidents"
+        inc.mkdir(parents=True)
+        for r in records.get(n.rank, []):
+            (inc / f"{r['id']}.json").write_text(json.dumps(r))
+        cfg = d / "sparkguard.yaml"
+        cfg.write_text(yaml.safe_dump({"incidents": {"dir": str(inc), "journal": "off"}}))
+        nodes.append({"name": f"n{n.rank}", "addr": n.addr, "ssh": n.addr, "config": str(cfg)})
+    doc = {"name": "lab-" + c.tag, "nodes": nodes,
+           "ssh": {"options": list(s.ssh_options), "command": list(s.remote_sparkguard)},
+           "engine": {"command": ["vllm", "serve", "m", "--tensor-parallel-size", str(c.n)]}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def cluster_incidents(c: Cluster, cfile: Path, *args: str) -> subprocess.CompletedProcess:
+    """``sparkguard cluster incidents --cluster FILE ARGS`` in the hub namespace, to completion."""
+    p = c.hub.spawn(sparkguard_cmd("cluster", "incidents", "--cluster", str(cfile), *args), env=sg_env(),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def test_incidents_of_every_node_in_one_timeline_over_ssh_and_an_unreachable_node_named(tmp_path):
+    t = 1_780_000_000.0
+    records = {0: [incident("20260528T000010Z-aaaaaa", t + 10, "link"), incident("20260528T000000Z-aaaaab", t, "memory")],
+               1: [incident("20260528T000030Z-bbbbbb", t + 30, "wedged")],
+               2: [incident("20260528T000010Z-cccccc", t + 10, "memory")]}
+    with Cluster(3) as c, SshNodes(c, tmp_path) as s:
+        cfile = incidents_setup(c, s, tmp_path, records)
+        r = cluster_incidents(c, cfile, "--limit", "0")
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].split()[:2] == ["NODE", "ID"]
+        got = [ln.split()[:2] for ln in lines[1:]]
+        assert got == [["n1", "20260528T000030Z-bbbbbb"], ["n0", "20260528T000010Z-aaaaaa"],
+                       ["n2", "20260528T000010Z-cccccc"], ["n0", "20260528T000000Z-aaaaab"]], r.stdout
+
+        one = cluster_incidents(c, cfile, "20260528T000010Z-c")
+        assert one.returncode == 0, one.stderr
+        assert one.stdout.startswith("Node: n2 (rank 2, ") and "20260528T000010Z-cccccc" in one.stdout
+
+        js = json.loads(cluster_incidents(c, cfile, "--json", "--limit", "2").stdout)
+        assert [(x["node"], x["kind"]) for x in js] == [("n1", "wedged"), ("n0", "link")]
+
+        s.stop(c.nodes[1])
+        r = cluster_incidents(c, cfile, "--limit", "0")
+        assert r.returncode == 1
+        rows_ = [ln.split()[0] for ln in r.stdout.splitlines()[1:] if not ln.startswith("not read")]
+        assert rows_ == ["n0", "n2", "n0"], r.stdout
+        assert any(ln.startswith("not read: n1: unreachable over SSH: ") for ln in r.stdout.splitlines()), r.stdout
