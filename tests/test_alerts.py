@@ -218,3 +218,47 @@ def test_wheel_ships_rules_and_dashboard(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in (RULES, RULES_TEST, DASHBOARD):
         assert str(f.relative_to(ROOT)) in names, f
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """``(panel title, PromQL)`` of every dashboard query, Grafana's variables replaced by what
+    Grafana sends ($instance / $cluster with "All": ``.*``; $__rate_interval, $__range: durations)."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            e = t["expr"].replace("$__rate_interval", "1m").replace("$__range", "1h")
+            e = e.replace("$instance", ".*").replace("$cluster", ".*")
+            out.append((p["title"], e))
+    return out
+
+
+def test_every_dashboard_query_is_valid_promql(tmp_path):
+    """promtool parses each query (as a recording rule): a typo in a join fails here, not on a screen."""
+    groups = [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": e}
+                                              for i, (_, e) in enumerate(dashboard_exprs())]}]
+    f = tmp_path / "dashboard-queries.yml"
+    f.write_text(yaml.safe_dump({"groups": groups}))
+    p = subprocess.run([promtool(), "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_dashboard_has_a_cluster_row_joined_on_the_cluster_name():
+    """Issue 14: a cluster row whose panels join sparkguard_cluster_info (so one dashboard shows several
+    clusters, chosen with the $cluster variable) and show readiness, lanes, rank failures and give-up."""
+    dash = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    start = next(p["gridPos"]["y"] for p in rows if p["title"] == "Cluster")
+    after = min([p["gridPos"]["y"] for p in rows if p["gridPos"]["y"] > start] or [10**6])
+    cluster = [p for p in dash["panels"] if p["type"] != "row" and start < p["gridPos"]["y"] < after]
+    assert len(cluster) >= 4
+    used: set[str] = set()
+    for p in cluster:
+        for t in p["targets"]:
+            assert "sparkguard_cluster_info" in t["expr"] and "$cluster" in t["expr"], p["title"]
+            used |= metric_names(t["expr"])
+    for m in ("sparkguard_engine_ready", "sparkguard_engine_lane_info", "sparkguard_engine_restarts_total",
+              "sparkguard_engine_given_up", "sparkguard_engine_joined_run_start_timestamp_seconds"):
+        assert m in used, m
+    var = next(v for v in dash["templating"]["list"] if v["name"] == "cluster")
+    assert var["definition"] == "label_values(sparkguard_cluster_info, cluster)"
