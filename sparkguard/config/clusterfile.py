@@ -195,7 +195,9 @@ def _addr(v: Any) -> str:
             ipaddress.ip_address(v)
             return v
         except ValueError:
-            if len(v) <= 253 and all(_LABEL.match(x) for x in v.split(".")):
+            labels = v.split(".")
+            # a last label of digits only is a mistyped IPv4 address, no host name (RFC 3696 section 2)
+            if len(v) <= 253 and all(_LABEL.match(x) for x in labels) and not labels[-1].isdigit():
                 return v
     raise ValueError("expected an IP address or a host name")
 
