@@ -22,6 +22,7 @@ from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.parsers import abs_path, env_map, extra_args, int_range
 from sparkguard.config.schema import SCHEMA, MetricsConfig
 from sparkguard.config.yamlload import parse, read_bounded
+from sparkguard.supervisor.cluster import _flag       # the flag reader role_of uses: one reading of argv
 
 DEFAULT_PATH = "/etc/sparkguard/cluster.yaml"
 #: vLLM's default ``--master-port`` (vllm/config/parallel.py ``ParallelConfig.master_port``)
@@ -289,20 +290,8 @@ def _after_serve(argv: list[str] | tuple[str, ...]) -> list[str]:
     return list(argv[list(argv).index("serve") + 1:])
 
 
-def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
-    """The value of the last of ``names`` (``--x v`` or ``--x=v``) in ``argv``, or None."""
-    val = None
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                val = argv[i + 1]
-            elif a.startswith(n + "="):
-                val = a[len(n) + 1:]
-    return val
-
-
 def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) -> int:
-    v = _flag_value(argv, names)
+    v = _flag(argv, names)
     if v is None:
         return default
     if not v.isdigit() or int(v) < 1:
@@ -331,7 +320,7 @@ def _check_ranks_span(path: str, command: list[str], n: int) -> None:
 
 def _api_port(path: str, command: list[str]) -> int:
     """The shared command's ``--port`` (vLLM's default 8000 without one)."""
-    v = _flag_value(_after_serve(command), ("--port",))
+    v = _flag(_after_serve(command), ("--port",))
     if v is None:
         return DEFAULT_API_PORT
     try:
