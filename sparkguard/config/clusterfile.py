@@ -27,7 +27,7 @@ from sparkguard.supervisor.cluster import _flag       # the flag reader role_of 
 DEFAULT_PATH = "/etc/sparkguard/cluster.yaml"
 #: vLLM's default ``--master-port`` (vllm/config/parallel.py ``ParallelConfig.master_port``)
 DEFAULT_MASTER_PORT = 29501
-#: vLLM's default ``--port`` of ``vllm serve`` (vllm/entrypoints/openai/cli_args.py ``port: int = 8000``)
+#: vLLM's default ``--port`` of ``vllm serve`` (vllm/entrypoints/openai/cli_args.py ``FrontendArgs.port``)
 DEFAULT_API_PORT = 8000
 #: every node's metrics port unless the file says otherwise: the port of sparkguard's default metrics.listen
 DEFAULT_METRICS_PORT = MetricsConfig().listen[1]
@@ -302,11 +302,11 @@ def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) 
 def _check_ranks_span(path: str, command: list[str], n: int) -> None:
     """The engine's ranks spread evenly over the ``n`` nodes.
 
-    vLLM's world size is tensor-parallel x pipeline-parallel (``ParallelConfig.world_size``,
-    vllm/config/parallel.py); with ``--nnodes`` its multiprocessing executor runs
-    ``world_size // nnodes`` ranks on each node.  Assumption (not read in vLLM's source here):
-    a world size that is not a multiple of ``--nnodes`` is refused by vLLM at start, after
-    minutes of model loading on some node, so it is refused here first.
+    Source: vllm/config/parallel.py ``ParallelConfig``: ``world_size`` "is TPxPP" and, without data
+    parallelism, ``local_world_size = world_size // nnodes``: the ranks each node starts.
+    Assumption (no check of it read in vLLM): a world size that is not a multiple of ``--nnodes``
+    leaves ranks that no node starts (the division floors), so the group would never form; it
+    is refused here, before minutes of loading.
     """
     args = _after_serve(command)
     tp = _int_flag(path, args, ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"), 1)
