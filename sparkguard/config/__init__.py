@@ -15,6 +15,8 @@ Sections and keys (see README "Configuration"):
 * ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
   gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
 * ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
+* ``cluster`` (optional): ``file``, ``node``: this node of a cluster file (docs/cluster.md); its
+  engine command, lanes, peers, head URL and metrics address are derived from that file
 
 Numbers are read as the decimal the user wrote or refused (:class:`.yamlload.Loader`, sparkguard.units):
 NaN, infinities, ``1e400``, octal ``010``, ``0x10``, ``1_000``, sexagesimal ``1:30`` and dates
@@ -23,7 +25,8 @@ The file itself must be a regular file of at most :data:`.yamlload.MAX_FILE_BYTE
 
 Modules: ``errors`` (ConfigError), ``parsers`` (value parsers and their bounds), ``engine`` (the
 ``engine:`` section and its vLLM facts), ``schema`` (the section dataclasses and SCHEMA),
-``yamlload`` (the bounded file read and the YAML loader), ``load`` (build and cross-checks).
+``yamlload`` (the bounded file read and the YAML loader), ``cluster`` (the ``cluster:`` section
+resolved through sparkguard.cluster.file), ``load`` (build and cross-checks).
 This package exposes the names callers use.
 """
 
@@ -37,10 +40,10 @@ from sparkguard.config.engine import (
 )
 from sparkguard.config.errors import ConfigError
 from sparkguard.config.load import DEFAULT_PATH, from_dict, load
-from sparkguard.config.schema import SCHEMA, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig, TargetsConfig
+from sparkguard.config.schema import SCHEMA, ClusterConfig, Config, GuardConfig, IncidentsConfig, LinkConfig, MetricsConfig, TargetsConfig
 
 __all__ = [
-    "Config", "ConfigError", "DEFAULT_PATH", "EngineConfig", "GuardConfig", "IncidentsConfig", "LaneConfig",
+    "ClusterConfig", "Config", "ConfigError", "DEFAULT_PATH", "EngineConfig", "GuardConfig", "IncidentsConfig", "LaneConfig",
     "LinkConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
     "load", "replace", "vllm_shutdown_timeout",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from sparkguard.config import cluster as cluster_section
 from sparkguard.config.engine import EngineConfig, shutdown_values
 from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.schema import SCHEMA, Config
@@ -33,17 +34,23 @@ def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None)
         mem_total: MemTotal in bytes for the ``term_below`` check; read from /proc/meminfo if None.
     Returns:
         Config.
+    A ``cluster:`` section is resolved first (:func:`sparkguard.config.cluster.resolve`): the
+    cluster file is read again on every call, so a reload sees its changes.
     Raises:
-        ConfigError: unknown section or key, wrong type, or impossible value.
+        ConfigError: unknown section or key, wrong type, or impossible value; an error of the
+        cluster file names that file.
     """
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, "(top level)", data, "expected a mapping of sections: " + ", ".join(SCHEMA))
+        raise ConfigError(path, "(top level)", data, "expected a mapping of sections: "
+                          + ", ".join([*SCHEMA, "cluster"]))
+    data, cluster = cluster_section.resolve(data, path)
     sections: dict[str, Any] = {}
     for name, body in data.items():
         if name not in SCHEMA:
-            raise ConfigError(path, str(name), body, "unknown section; expected one of " + ", ".join(SCHEMA))
+            raise ConfigError(path, str(name), body, "unknown section; expected one of "
+                              + ", ".join([*SCHEMA, "cluster"]))
         cls, parsers = SCHEMA[name]
         if body is None:
             body = {}
@@ -61,7 +68,7 @@ def from_dict(data: Any, path: str = "<defaults>", mem_total: int | None = None)
             except (ValueError, TypeError, OverflowError) as e:   # a YAML type a parser did not expect
                 raise ConfigError(path, f"{name}.{key}", raw, str(e)) from None
         sections[name] = cls(**values)
-    cfg = Config(path=path, **sections)
+    cfg = Config(path=path, cluster=cluster, **sections)
     _check(cfg, data, path, mem_total)
     return cfg
 

@@ -96,8 +96,28 @@ class LinkConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """``cluster:``: this node's place in a cluster file (sparkguard.config.cluster, docs/cluster.md).
+
+    Without a ``cluster:`` section every field is None.  ``file``: str, the cluster file's absolute
+    path; ``node``: str, this node's name in it; ``name``: str, the cluster's name; ``nnodes``:
+    int, its number of nodes; ``rank``: int, this node's ``--node-rank``; ``role``: ``"head"`` or
+    ``"headless"``.
+    """
+
+    file: str | None = None
+    node: str | None = None
+    name: str | None = None
+    nnodes: int | None = None
+    rank: int | None = None
+    role: str | None = None
+
+
+@dataclass(frozen=True)
 class Config:
-    """The whole configuration; ``path`` is where it came from (``"<defaults>"`` if embedded)."""
+    """The whole configuration; ``path`` is where it came from (``"<defaults>"`` if embedded).
+    ``cluster`` is not in :data:`SCHEMA`: the ``cluster:`` section is resolved into ``engine`` and
+    ``metrics`` before the sections are built (sparkguard.config.cluster)."""
 
     guard: GuardConfig = field(default_factory=GuardConfig)
     targets: TargetsConfig = field(default_factory=TargetsConfig)
@@ -105,6 +125,7 @@ class Config:
     incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     path: str = "<defaults>"
 
 

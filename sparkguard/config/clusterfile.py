@@ -1,0 +1,402 @@
+"""The cluster file: read and validate ``/etc/sparkguard/cluster.yaml`` (the same file on every
+node) into a :class:`~sparkguard.cluster.model.ClusterFile`, and derive one node's ``engine:``
+section from it (its multi-node flags, lanes, env, peers and head URL).
+
+It lives in the config package because ``config.load`` builds a node's configuration from it;
+the operator's commands import it as :mod:`sparkguard.cluster.file`.
+
+The format and its rules are in docs/cluster.md.  Every error is a
+:class:`sparkguard.config.ConfigError` naming the cluster file, the dotted key (``nodes[2].addr``,
+``engine.lanes.1m``) and the value.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Any
+
+from sparkguard.cluster.model import HEAD_RANK, ClusterFile, ClusterNode, host_port
+from sparkguard.config.engine import parse_lanes
+from sparkguard.config.errors import ConfigError, NestedValueError
+from sparkguard.config.parsers import abs_path, env_map, extra_args, int_range
+from sparkguard.config.schema import SCHEMA, MetricsConfig
+from sparkguard.config.yamlload import parse, read_bounded
+from sparkguard.supervisor.cluster import _flag       # the flag reader role_of uses: one reading of argv
+
+DEFAULT_PATH = "/etc/sparkguard/cluster.yaml"
+#: vLLM's default ``--master-port`` (vllm/config/parallel.py ``ParallelConfig.master_port``)
+DEFAULT_MASTER_PORT = 29501
+#: vLLM's default ``--port`` of ``vllm serve`` (vllm/entrypoints/openai/cli_args.py ``FrontendArgs.port``)
+DEFAULT_API_PORT = 8000
+#: every node's metrics port unless the file says otherwise: the port of sparkguard's default metrics.listen
+DEFAULT_METRICS_PORT = MetricsConfig().listen[1]
+
+#: the cluster's and the nodes' names: label-safe for Prometheus label values and file names
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+#: RFC 1123 host name label
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
+#: ``[user@]host`` of an SSH destination: no whitespace, no leading '-' (ssh would read an option)
+_SSH_DEST = re.compile(r"[^\s-][^\s]*\Z")
+_SSH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9]*=[^\s]+\Z")
+#: ssh options the operations always set (sparkguard.cluster.ops): the file cannot weaken them
+_SSH_FIXED = ("batchmode", "stricthostkeychecking")
+
+#: the flags derived per node, in the order they are inserted (vLLM spells them with dashes and
+#: also accepts underscores: FlexibleArgumentParser, vllm/utils/argparse_utils.py)
+DERIVED_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+#: engine keys the cluster file derives for every node; neither it nor a node's sparkguard.yaml sets them
+DERIVED_KEYS = ("peers", "head_url", "health_url")
+_TOP_KEYS = ("name", "metrics_port", "master_port", "ssh", "nodes", "engine")
+_NODE_KEYS = ("name", "addr", "ssh", "rank", "metrics_port", "config", "env", "args", "lanes")
+
+_port = int_range(1, 65535)
+
+
+def load(path: str = DEFAULT_PATH) -> ClusterFile:
+    """Read and validate the cluster file ``path``.
+
+    Returns:
+        ClusterFile, nodes in rank order.
+    Raises:
+        ConfigError: file missing, unreadable, over 1 MiB or not YAML; any invalid key (see
+        :func:`from_dict`).
+    """
+    try:
+        text = read_bounded(path)
+    except FileNotFoundError:
+        raise ConfigError(path, "(file)", None, "cluster file not found") from None
+    return from_dict(parse(text, path), path)
+
+
+def from_dict(data: Any, path: str) -> ClusterFile:
+    """Build a validated :class:`ClusterFile` from the parsed YAML ``data`` (named ``path`` in errors).
+
+    Raises:
+        ConfigError: an unknown or missing key, a bad value, fewer than 2 nodes, two nodes with
+        one name, address or rank, a rank gap, a node's lane that is not a shared lane, a shared
+        command without ``serve`` or with a flag derived per node, ranks (TP x PP) that cannot span
+        the nodes.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(path, "(top level)", data, "expected a mapping with " + ", ".join(_TOP_KEYS))
+    for k, v in data.items():
+        if k not in _TOP_KEYS:
+            raise ConfigError(path, str(k), v, "unknown key; expected one of " + ", ".join(_TOP_KEYS))
+    for k in ("name", "nodes", "engine"):
+        if k not in data:
+            raise ConfigError(path, k, None, "missing")
+    name = data["name"]
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(path, "name", name, "expected 1-64 letters, digits, '_', '.' or '-'")
+    metrics_port = _get(path, "metrics_port", data.get("metrics_port", DEFAULT_METRICS_PORT), _port)
+    master_port = _get(path, "master_port", data.get("master_port", DEFAULT_MASTER_PORT), _port)
+    ssh_options, remote = _ssh(path, data.get("ssh"))
+    engine = _engine(path, data["engine"])
+    nodes = _nodes(path, data["nodes"], metrics_port, engine)
+    _check_ranks_span(path, engine["command"], len(nodes))
+    return ClusterFile(path=path, name=name, nodes=nodes, engine=engine, master_port=master_port,
+                       api_port=_api_port(path, engine["command"]), ssh_options=ssh_options,
+                       remote_sparkguard=remote)
+
+
+def _get(path: str, key: str, raw: Any, parser) -> Any:
+    """``parser(raw)``; its ValueError (or NestedValueError below ``key``) as a ConfigError at ``key``."""
+    try:
+        return parser(raw)
+    except NestedValueError as e:
+        raise ConfigError(path, key + e.subkey, e.value, str(e)) from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(path, key, raw, str(e)) from None
+
+
+def _argv(path: str, key: str, raw: Any) -> tuple[str, ...]:
+    """A list of non-empty strings (``ssh.command``)."""
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, str) and x for x in raw):
+        raise ConfigError(path, key, raw, "expected a non-empty list of strings")
+    return tuple(raw)
+
+
+def _ssh(path: str, raw: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``ssh: {options: [K=V, ...], command: [argv]}`` -> (options, remote sparkguard command)."""
+    if raw is None:
+        return (), ("sparkguard",)
+    if not isinstance(raw, dict):
+        raise ConfigError(path, "ssh", raw, "expected a mapping with options and/or command")
+    opts: tuple[str, ...] = ()
+    remote: tuple[str, ...] = ("sparkguard",)
+    for k, v in raw.items():
+        if k == "options":
+            if not isinstance(v, list):
+                raise ConfigError(path, "ssh.options", v, "expected a list of KEY=VALUE ssh options")
+            for i, o in enumerate(v):
+                if not isinstance(o, str) or not _SSH_OPTION.match(o):
+                    raise ConfigError(path, f"ssh.options[{i}]", o, "expected KEY=VALUE (ssh_config(5)), e.g. ConnectTimeout=5")
+                if o.split("=", 1)[0].lower() in _SSH_FIXED:
+                    raise ConfigError(path, f"ssh.options[{i}]", o,
+                                      "BatchMode=yes and StrictHostKeyChecking=yes are always set and cannot be changed")
+            opts = tuple(v)
+        elif k == "command":
+            remote = _argv(path, "ssh.command", v)
+        else:
+            raise ConfigError(path, f"ssh.{k}", v, "unknown key; expected one of options, command")
+    return opts, remote
+
+
+def _is_flag(a: str, flag: str) -> bool:
+    """``a`` is ``flag`` or ``flag=value``, with dashes or vLLM's underscores."""
+    a = a.split("=", 1)[0]
+    return a == flag or a == "--" + flag[2:].replace("-", "_")
+
+
+def _derived_in(path: str, key: str, argv: tuple[str, ...]) -> None:
+    """ConfigError when ``argv`` carries one of :data:`DERIVED_FLAGS`."""
+    for a in argv:
+        for f in DERIVED_FLAGS:
+            if _is_flag(a, f):
+                raise ConfigError(path, key, a, f"{f} is derived for each node from the cluster file's nodes; remove it")
+
+
+def _engine(path: str, raw: Any) -> dict:
+    """The shared ``engine:`` mapping, every key validated by the config's own parser (SCHEMA);
+    returned raw (as written), for each node's config to be built from."""
+    if not isinstance(raw, dict):
+        raise ConfigError(path, "engine", raw, "expected a mapping of engine keys (the engine: section's)")
+    parsers = SCHEMA["engine"][1]
+    parsed = {}
+    for k, v in raw.items():
+        if k in DERIVED_KEYS:
+            raise ConfigError(path, f"engine.{k}", v, "derived for each node from the cluster file's nodes; remove it")
+        if k not in parsers:
+            raise ConfigError(path, f"engine.{k}", v, "unknown key; expected one of "
+                              + ", ".join(p for p in parsers if p not in DERIVED_KEYS))
+        parsed[k] = _get(path, f"engine.{k}", v, parsers[k])
+    command = parsed.get("command")
+    if command is None:
+        raise ConfigError(path, "engine.command", None, "missing: a cluster runs one engine over its nodes")
+    if "serve" not in command:
+        raise ConfigError(path, "engine.command", list(command),
+                          "lacks serve: expected a vLLM command such as [vllm, serve, MODEL, ...]")
+    _derived_in(path, "engine.command", command)
+    lanes = parsed.get("lanes") or {}
+    for lane, body in lanes.items():
+        _derived_in(path, f"engine.lanes.{lane}.args", body.args)
+    lane = parsed.get("lane")
+    if lane is not None and lane not in lanes:
+        raise ConfigError(path, "engine.lane", lane, "no such lane; engine.lanes has " + (", ".join(lanes) or "none"))
+    out = dict(raw)
+    out["command"] = list(command)
+    return out
+
+
+def _addr(v: Any) -> str:
+    """An IP address or an RFC 1123 host name, as written."""
+    if isinstance(v, str):
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            labels = v.split(".")
+            # a last label of digits only is a mistyped IPv4 address, no host name (RFC 3696 section 2)
+            if len(v) <= 253 and all(_LABEL.match(x) for x in labels) and not labels[-1].isdigit():
+                return v
+    raise ValueError("expected an IP address or a host name")
+
+
+def _ssh_dest(v: Any) -> str:
+    if not isinstance(v, str) or not _SSH_DEST.match(v):
+        raise ValueError("expected an SSH destination [user@]host (no spaces, not starting with '-')")
+    return v
+
+
+def _node_name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME.match(v):
+        raise ValueError("expected 1-64 letters, digits, '_', '.' or '-' (the node's hostname)")
+    return v
+
+
+def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[ClusterNode, ...]:
+    """``nodes:`` -> ClusterNodes sorted by rank; ranks given for every node or for none."""
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise ConfigError(path, "nodes", raw, "expected a list of at least 2 nodes (a cluster has 2 or more)")
+    shared_lanes = tuple((engine.get("lanes") or {}).keys())
+    parsers = {"name": _node_name, "addr": _addr, "ssh": _ssh_dest, "rank": int_range(0, 1023),
+               "metrics_port": _port, "config": abs_path, "env": env_map, "args": extra_args, "lanes": parse_lanes}
+    nodes: list[dict] = []
+    for i, body in enumerate(raw):
+        key = f"nodes[{i}]"
+        if not isinstance(body, dict):
+            raise ConfigError(path, key, body, "expected a mapping with name, addr, ...")
+        vals = {}
+        for k, v in body.items():
+            if k not in _NODE_KEYS:
+                raise ConfigError(path, f"{key}.{k}", v, "unknown key; expected one of " + ", ".join(_NODE_KEYS))
+            vals[k] = _get(path, f"{key}.{k}", v, parsers[k])
+        for k in ("name", "addr"):
+            if k not in vals:
+                raise ConfigError(path, f"{key}.{k}", None, "missing")
+        _derived_in(path, f"{key}.args", vals.get("args", ()))
+        for lane, body_l in (vals.get("lanes") or {}).items():
+            if lane not in shared_lanes:
+                raise ConfigError(path, f"{key}.lanes.{lane}", body.get("lanes", {}).get(lane),
+                                  f"a lane that not every node has: node {vals['name']} adds to lane {lane}, which "
+                                  f"engine.lanes does not define (it has {', '.join(shared_lanes) or 'none'})")
+            _derived_in(path, f"{key}.lanes.{lane}.args", body_l.args)
+        nodes.append(vals)
+    _unique(path, nodes, "name")
+    _unique(path, nodes, "addr")
+    ranked = [k for k, n in enumerate(nodes) if "rank" in n]
+    if ranked and len(ranked) != len(nodes):
+        k = next(k for k, n in enumerate(nodes) if "rank" not in n)
+        raise ConfigError(path, f"nodes[{k}].rank", None,
+                          f"missing: node {nodes[k]['name']} has no rank while node {nodes[ranked[0]]['name']} has "
+                          "one; give every node its rank, or none (then the list order is the rank order)")
+    if ranked:
+        claimed: dict[int, int] = {}
+        for k, n in enumerate(nodes):
+            if n["rank"] in claimed:
+                j = claimed[n["rank"]]
+                raise ConfigError(path, f"nodes[{k}].rank", n["rank"],
+                                  f"two nodes claiming one rank: {nodes[j]['name']} and {n['name']} both claim "
+                                  f"rank {n['rank']}")
+            claimed[n["rank"]] = k
+        missing = [r for r in range(len(nodes)) if r not in claimed]
+        if missing:                 # N distinct ranks with one missing: some node's is N or more
+            k = next(k for k, n in enumerate(nodes) if n["rank"] >= len(nodes))
+            raise ConfigError(path, f"nodes[{k}].rank", nodes[k]["rank"],
+                              f"a rank gap: rank {missing[0]} is missing (the ranks of {len(nodes)} nodes "
+                              f"are 0..{len(nodes) - 1}, each once)")
+    else:
+        for k, n in enumerate(nodes):
+            n["rank"] = k
+    nodes.sort(key=lambda n: n["rank"])
+    return tuple(ClusterNode(name=n["name"], rank=n["rank"], addr=n["addr"], ssh=n.get("ssh", n["name"]),
+                             metrics_port=n.get("metrics_port", metrics_port), env=n.get("env", {}),
+                             args=n.get("args", ()), lanes=n.get("lanes", {}), config=n.get("config"))
+                 for n in nodes)
+
+
+def _unique(path: str, nodes: list[dict], key: str) -> None:
+    seen: dict[str, int] = {}
+    for k, n in enumerate(nodes):
+        if n[key] in seen:
+            j = seen[n[key]]
+            raise ConfigError(path, f"nodes[{k}].{key}", n[key],
+                              f"given twice: nodes[{j}] ({nodes[j]['name']}) and nodes[{k}] ({n['name']})")
+        seen[n[key]] = k
+
+
+def _after_serve(argv: list[str] | tuple[str, ...]) -> list[str]:
+    return list(argv[list(argv).index("serve") + 1:])
+
+
+def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) -> int:
+    v = _flag(argv, names)
+    if v is None:
+        return default
+    if not v.isdigit() or int(v) < 1:
+        raise ConfigError(path, "engine.command", f"{names[0]} {v}", "expected a whole number of at least 1")
+    return int(v)
+
+
+def _check_ranks_span(path: str, command: list[str], n: int) -> None:
+    """The engine's ranks spread evenly over the ``n`` nodes.
+
+    Source: vllm/config/parallel.py ``ParallelConfig``: ``world_size`` "is TPxPP" and, without data
+    parallelism, ``local_world_size = world_size // nnodes``: the ranks each node starts.
+    Assumption (no check of it read in vLLM): a world size that is not a multiple of ``--nnodes``
+    leaves ranks that no node starts (the division floors), so the group would never form; it
+    is refused here, before minutes of loading.
+    """
+    args = _after_serve(command)
+    tp = _int_flag(path, args, ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"), 1)
+    pp = _int_flag(path, args, ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp"), 1)
+    if (tp * pp) % n:
+        raise ConfigError(path, "engine.command", f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}"
+                          if pp != 1 else ""),
+                          f"{tp * pp} rank(s) (tensor-parallel x pipeline-parallel) cannot span {n} nodes: "
+                          f"--tensor-parallel-size must make it a multiple of {n}")
+
+
+def _api_port(path: str, command: list[str]) -> int:
+    """The shared command's ``--port`` (vLLM's default 8000 without one)."""
+    v = _flag(_after_serve(command), ("--port",))
+    if v is None:
+        return DEFAULT_API_PORT
+    try:
+        return _port(int(v) if v.isdigit() else v)
+    except ValueError:
+        raise ConfigError(path, "engine.command", f"--port {v}", "expected a port 1-65535") from None
+
+
+# --------------------------------------------------------------------------------------------
+# one node's engine section
+
+def find_node(cf: ClusterFile, name: str | None, hostname: str) -> ClusterNode:
+    """The node called ``name``, or without a name the one whose name is ``hostname`` or its
+    first label (``spark-1`` for ``spark-1.lab``).
+
+    Raises:
+        ConfigError: no such node (naming the name or hostname and the nodes' names).
+    """
+    names = ", ".join(n.name for n in cf.nodes)
+    if name is not None:
+        for n in cf.nodes:
+            if n.name == name:
+                return n
+        raise ConfigError(cf.path, "nodes", name, f"no node called {name}; the nodes are {names}")
+    short = hostname.split(".", 1)[0]
+    for want in (hostname, short):
+        for n in cf.nodes:
+            if n.name == want:
+                return n
+    raise ConfigError(cf.path, "nodes", hostname,
+                      f"this host ({hostname}) is none of the nodes ({names}); name it with cluster.node "
+                      "in sparkguard.yaml or rename the node")
+
+
+def derived_args(cf: ClusterFile, node: ClusterNode) -> list[str]:
+    """The multi-node flags of ``node``: ``--nnodes N --node-rank k --master-addr <head addr>
+    --master-port P``, and ``--headless`` for k > 0 (vLLM multi-node without Ray, FIELD-NOTES "vLLM")."""
+    out = ["--nnodes", str(len(cf.nodes)), "--node-rank", str(node.rank), "--master-addr", cf.head.addr,
+           "--master-port", str(cf.master_port)]
+    return out + (["--headless"] if node.rank != HEAD_RANK else [])
+
+
+def node_command(cf: ClusterFile, node: ClusterNode) -> list[str]:
+    """``node``'s engine argv: the shared command with :func:`derived_args` right after
+    ``serve MODEL`` (after ``serve`` when the model is given by an option), then ``node.args``."""
+    cmd = list(cf.engine["command"])
+    at = cmd.index("serve") + 1
+    if at < len(cmd) and not cmd[at].startswith("-"):
+        at += 1
+    return cmd[:at] + derived_args(cf, node) + cmd[at:] + list(node.args)
+
+
+def head_health_url(cf: ClusterFile) -> str:
+    """``http://<head addr>:<api_port>/health``: the head's health_url and every rank's head_url."""
+    return f"http://{host_port(cf.head.addr, cf.api_port)}/health"
+
+
+def node_engine(cf: ClusterFile, node: ClusterNode) -> dict:
+    """``node``'s raw ``engine:`` section (as sparkguard.yaml would spell it): the shared keys,
+    :func:`node_command`, env = shared env + node env, lanes = shared lanes with the node's
+    additions (args appended, env merged over), peers = every other node's metrics URL, and
+    ``health_url`` (the head) or ``head_url`` (a headless rank) = :func:`head_health_url`."""
+    e = dict(cf.engine)
+    e["command"] = node_command(cf, node)
+    if node.env or "env" in e:
+        e["env"] = {**(e.get("env") or {}), **node.env}
+    if "lanes" in e:
+        lanes = {}
+        for name, body in (e["lanes"] or {}).items():
+            body = dict(body or {})
+            add = node.lanes.get(name)
+            if add is not None:
+                body["args"] = list(body.get("args") or []) + list(add.args)
+                body["env"] = {**(body.get("env") or {}), **add.env}
+            lanes[name] = body
+        e["lanes"] = lanes
+    e["peers"] = [n.metrics_url for n in cf.nodes if n.name != node.name]
+    e["health_url" if node.rank == HEAD_RANK else "head_url"] = head_health_url(cf)
+    return e
