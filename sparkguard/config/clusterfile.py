@@ -22,7 +22,7 @@ from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.parsers import abs_path, env_map, extra_args, int_range
 from sparkguard.config.schema import SCHEMA, MetricsConfig
 from sparkguard.config.yamlload import parse, read_bounded
-from sparkguard.supervisor.cluster import _flag       # the flag reader role_of uses: one reading of argv
+from sparkguard.supervisor.cluster import flag_value   # the flag reader role_of uses: one reading of argv
 
 DEFAULT_PATH = "/etc/sparkguard/cluster.yaml"
 #: vLLM's default ``--master-port`` (vllm/config/parallel.py ``ParallelConfig.master_port``)
@@ -291,7 +291,7 @@ def _after_serve(argv: list[str] | tuple[str, ...]) -> list[str]:
 
 
 def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) -> int:
-    v = _flag(argv, names)
+    v = flag_value(argv, names)
     if v is None:
         return default
     if not v.isdigit() or int(v) < 1:
@@ -320,7 +320,7 @@ def _check_ranks_span(path: str, command: list[str], n: int) -> None:
 
 def _api_port(path: str, command: list[str]) -> int:
     """The shared command's ``--port`` (vLLM's default 8000 without one)."""
-    v = _flag(_after_serve(command), ("--port",))
+    v = flag_value(_after_serve(command), ("--port",))
     if v is None:
         return DEFAULT_API_PORT
     try:
