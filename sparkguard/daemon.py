@@ -16,6 +16,7 @@ from sparkguard import config
 from sparkguard.host import procview
 from sparkguard.guard import logq, settings
 from sparkguard.guard.loop import Guard
+from sparkguard.cluster.checkconfig import derivation_lines
 from sparkguard.supervisor.render import cluster_line, config_line
 from sparkguard.units import format_duration, format_size
 
@@ -71,6 +72,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         tp = cluster_line(cfg.engine)
         if tp:
             print(f"  {tp}")
+    for line in derivation_lines(cfg):
+        print(f"  {line}")
     return 0
 
 

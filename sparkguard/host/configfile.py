@@ -87,6 +87,18 @@ HELP: dict[str, str] = {
     "link.mark_unhealthy": "A link incident also marks the supervised engine unhealthy: restarted once the link is back.",
 }
 
+#: the commented cluster: section at the end of the file (it has no default: the file is the node's own)
+CLUSTER_EXAMPLE = """\
+# One node of a TP cluster (docs/cluster.md): the same cluster file on every node names the nodes
+# and the engine command and lanes they share; this node's engine command (--nnodes, --node-rank,
+# --master-addr, --master-port, --headless), peers, head URL and metrics.listen are derived from it,
+# so engine.command, lanes, lane, peers, head_url and health_url are not set here.  node: this
+# node's name in the file (default: the hostname).
+#cluster:
+#  file: /etc/sparkguard/cluster.yaml
+#  node: spark-1
+"""
+
 _GIB, _MIB, _KIB = 1024**3, 1024**2, 1024
 
 
@@ -155,6 +167,7 @@ def render() -> str:
             dumped = yaml.safe_dump({key: value}, default_flow_style=False, sort_keys=False,
                                     allow_unicode=True, width=1000).rstrip("\n").splitlines()
             lines += ["  " + ln for ln in dumped]
+    lines += ["", CLUSTER_EXAMPLE.rstrip("\n")]
     text = "\n".join(lines) + "\n"
     check = config.from_dict(yaml.safe_load(text), "<rendered defaults>")
     if dataclasses.replace(check, path=defaults.path) != defaults:
