@@ -1,6 +1,6 @@
 """``sparkguard cluster status`` against real daemons: 2 and 4 nodes in network namespaces
 (tests/netcluster.py), every node a real ``sparkguard run`` configured by one cluster file
-(``cluster: {file, node}``) supervising its rank of the multi-node fake vLLM, the command run
+(``cluster: {file, node}``, :func:`netcluster.cluster_file`) supervising its rank of the multi-node fake vLLM, the command run
 in the hub namespace so it reaches every node's metrics endpoint as an operator's would.
 
 Asserted as the operator reads it: the table's rows and the verdict line, the exit status,
@@ -19,8 +19,7 @@ from pathlib import Path
 import yaml
 
 from conftest import sg_env, sparkguard_cmd
-from fakes import fake_vllm
-from netcluster import METRICS_PORT, SMALL_FAKE, Cluster, SparkguardNode
+from netcluster import METRICS_PORT, Cluster, SparkguardNode, cluster_file, start_nodes
 from sshnodes import SshNodes
 from test_cluster import kill, wait_until
 
@@ -28,44 +27,15 @@ FAST = {"health_interval": "500ms", "stable_for": "0s", "quiesce_timeout": "60s"
 LOAD_TIME = 3.0
 
 
-def write_cluster_file(c: Cluster, tmp_path: Path, lanes: dict | None = None) -> Path:
-    """The one cluster file every node and the CLI read: nodes n0..n(N-1) at their bridge
-    addresses, the fake vLLM's command (TP = one rank per node; its API on every address of the
-    head), shorter timers."""
-    c.model = "sgcv-" + c.tag
-    engine = {"command": fake_vllm.command(c.model, "--tensor-parallel-size", str(c.n), "--host", "0.0.0.0",
-                                           "--port", "8000", "--load-time", f"{LOAD_TIME:g}", *SMALL_FAKE),
-              "log": "stderr", "drop_caches": False, "start_above": "64MiB", **FAST}
-    if lanes:
-        engine["lanes"] = lanes
-    doc = {"name": "lab-" + c.tag, "metrics_port": METRICS_PORT,
-           "nodes": [{"name": f"n{n.rank}", "addr": n.addr, "ssh": f"root@{n.addr}"} for n in c.nodes],
-           "engine": engine}
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
-
-
-def node_config(cfile: Path, c: Cluster, rank: int, tmp_path: Path) -> dict:
-    """A node's sparkguard.yaml: its place in the cluster file and its node-local files only."""
-    d = tmp_path / f"node{rank}"
-    return {"cluster": {"file": str(cfile), "node": f"n{rank}"},
-            "guard": {"term_below": "128MiB"},
-            "targets": {"match": [c.model]},
-            "incidents": {"dir": str(d / "incidents"), "journal": "off"},
-            "engine": {"state_file": str(d / "engine-state.json"), "control_socket": str(d / "control.sock")}}
-
-
 def start(c: Cluster, tmp_path: Path, lanes: dict | None = None) -> tuple[Path, list[SparkguardNode]]:
-    """The cluster file and a daemon per node, headless ranks first and the head last."""
-    cfile = write_cluster_file(c, tmp_path, lanes)
-    ds = {}
-    for k in list(range(1, c.n)) + [0]:
-        ds[k] = SparkguardNode(c.nodes[k], node_config(cfile, c, k, tmp_path), tmp_path / f"node{k}")
-    out = [ds[k] for k in range(c.n)]
-    for d in out:
+    """The cluster file (:func:`netcluster.cluster_file`: nodes node0.., the fake vLLM, shorter
+    timers) and a daemon per node configured by it, headless ranks first and the head last."""
+    c.model = "sgcv-" + c.tag
+    cfile, cfgs = cluster_file(c, c.model, tmp_path, engine=FAST, lanes=lanes, load_time=LOAD_TIME)
+    ds = start_nodes(c, cfgs, tmp_path)
+    for d in ds:
         d.wait_control(60)
-    return cfile, out
+    return cfile, ds
 
 
 def cluster_status(c: Cluster, cfile: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -87,7 +57,7 @@ def until_verdict(c: Cluster, cfile: Path, word: str, timeout: float) -> subproc
     def once():
         r = cluster_status(c, cfile)
         seen.append(verdict_line(r) or r.stderr.strip()[-300:])
-        return r if verdict_line(r).startswith(f"lab-{c.tag}: {word}:") else None
+        return r if verdict_line(r).startswith(f"sgcl-{c.tag}: {word}:") else None
     try:
         return wait_until(once, timeout, f"verdict {word}", every=0.3)
     except AssertionError:
@@ -98,7 +68,7 @@ def rows(r: subprocess.CompletedProcess) -> dict[str, list[str]]:
     """The table's rows by node name (columns split on runs of 2+ spaces)."""
     lines = r.stdout.splitlines()
     assert lines and lines[0].startswith("NODE"), r.stdout
-    return {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in lines[1:] if re.match(r"n\d+\s", ln)}
+    return {ln.split()[0]: re.split(r"\s{2,}", ln.strip()) for ln in lines[1:] if re.match(r"node\d+\s", ln)}
 
 
 def test_two_nodes_serving_then_a_killed_rank_degrades_and_recovers(tmp_path):
@@ -107,10 +77,10 @@ def test_two_nodes_serving_then_a_killed_rank_degrades_and_recovers(tmp_path):
         r = until_verdict(c, cfile, "serving", 90)
         assert r.returncode == 0, r.stdout + r.stderr
         t = rows(r)
-        assert t["n0"][1:4] == ["head/0", "up", "ready"], t
-        assert t["n1"][1:4] == ["headless/1", "up", "ready"], t
+        assert t["node0"][1:4] == ["head/0", "up", "ready"], t
+        assert t["node1"][1:4] == ["headless/1", "up", "ready"], t
         js = json.loads(cluster_status(c, cfile, "--json").stdout)
-        assert js["verdict"] == "serving" and [n["cluster"] for n in js["nodes"]] == [f"lab-{c.tag}"] * 2
+        assert js["verdict"] == "serving" and [n["cluster"] for n in js["nodes"]] == [f"sgcl-{c.tag}"] * 2
         run0 = js["nodes"][0]["run_start"]
         assert js["nodes"][1]["joined_run_start"] == run0
 
@@ -131,15 +101,15 @@ def test_four_nodes_one_sparkguard_stopped_shows_down_and_named(tmp_path):
     with Cluster(4) as c:
         cfile, ds = start(c, tmp_path)
         r = until_verdict(c, cfile, "serving", 120)
-        assert sorted(rows(r)) == ["n0", "n1", "n2", "n3"]
+        assert sorted(rows(r)) == ["node0", "node1", "node2", "node3"]
         ds[2].stop()
         r = until_verdict(c, cfile, "degraded", 30)
         assert r.returncode == 1
         t = rows(r)
-        assert t["n2"][2] == "down" and t["n0"][2] == t["n1"][2] == t["n3"][2] == "up", t
-        assert any(ln.startswith(f"n2: not read at http://{c.nodes[2].addr}:{METRICS_PORT}/metrics")
+        assert t["node2"][2] == "down" and t["node0"][2] == t["node1"][2] == t["node3"][2] == "up", t
+        assert any(ln.startswith(f"node2: not read at http://{c.nodes[2].addr}:{METRICS_PORT}/metrics")
                    for ln in r.stdout.splitlines()), r.stdout
-        assert "n2 (rank 2) down" in verdict_line(r)
+        assert "node2 (rank 2) down" in verdict_line(r)
 
 
 def test_the_head_switched_alone_to_another_lane_is_a_lane_mismatch(tmp_path):
@@ -147,11 +117,11 @@ def test_the_head_switched_alone_to_another_lane_is_a_lane_mismatch(tmp_path):
     with Cluster(2) as c:
         cfile, (head, rank) = start(c, tmp_path, lanes)
         r = until_verdict(c, cfile, "serving", 90)
-        assert rows(r)["n0"][4] == rows(r)["n1"][4] == "short"
+        assert rows(r)["node0"][4] == rows(r)["node1"][4] == "short"
         assert head.ctl("lane", lane="long")["ok"]
         r = until_verdict(c, cfile, "lane mismatch", 60)
         assert r.returncode == 1
-        assert "long: n0" in verdict_line(r) and "short: n1" in verdict_line(r), verdict_line(r)
+        assert "long: node0" in verdict_line(r) and "short: node1" in verdict_line(r), verdict_line(r)
 
 
 # --------------------------------------------------------------------------------------------
