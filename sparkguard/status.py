@@ -536,23 +536,17 @@ def handler(args: argparse.Namespace) -> int:
     """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid (it is not read
     for another host's ``--url``)."""
     if args.url and not is_local_url(args.url):
-        st = gather_remote(args.url)
-        if args.json:
-            json.dump(st, sys.stdout, indent=2, sort_keys=True)
-            sys.stdout.write("\n")
-        else:
-            sys.stdout.write(render_remote(st))
-        return 0
-    try:
-        cfg = config.load(args.config)
-    except config.ConfigError as e:
-        print(f"sparkguard status: {e}", file=sys.stderr)
-        return 2
-    url = args.url or metrics_url(cfg.metrics.listen)
-    st = gather(cfg, url, args.socket)
+        st, show = gather_remote(args.url), render_remote
+    else:
+        try:
+            cfg = config.load(args.config)
+        except config.ConfigError as e:
+            print(f"sparkguard status: {e}", file=sys.stderr)
+            return 2
+        st, show = gather(cfg, args.url or metrics_url(cfg.metrics.listen), args.socket), render
     if args.json:
         json.dump(st, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(st))
+        sys.stdout.write(show(st))
     return 0

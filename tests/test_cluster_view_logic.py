@@ -51,27 +51,17 @@ def test_one_node_down_is_degraded_and_named():
     assert word == "degraded" and "gx3 (rank 2) down: timed out" in detail
 
 
-def test_head_not_ready_is_degraded():
+@pytest.mark.parametrize("rank,change,said", [
+    (0, {"ready": False, "state": "starting"}, "head gx1 not ready (state starting)"),
+    (1, {"ready": False, "state": "waiting_for_head"}, "gx2 (rank 1) joined the head's run but is not ready"),
+    (1, {"joined_run_start": RUN - 100}, "gx2 (rank 1) has not joined the head's run (state ready)"),
+    (1, {"joined_run_start": None, "state": "waiting_for_head"}, "gx2 (rank 1) has not joined"),
+])
+def test_a_head_not_ready_or_a_rank_outside_its_run_is_degraded(rank, change, said):
     sts = serving_statuses(2)
-    sts[0] = replace(sts[0], ready=False, state="starting")
+    sts[rank] = replace(sts[rank], **change)
     word, detail = view.verdict(sts)
-    assert word == "degraded" and "head gx1 not ready (state starting)" in detail
-
-
-def test_rank_in_an_older_run_is_not_joined():
-    sts = serving_statuses(2)
-    sts[1] = replace(sts[1], joined_run_start=RUN - 100, state="ready")
-    word, detail = view.verdict(sts)
-    assert word == "degraded" and "gx2 (rank 1) has not joined" in detail
-    sts[1] = replace(sts[1], joined_run_start=None, state="waiting_for_head")
-    assert view.verdict(sts)[0] == "degraded"
-
-
-def test_a_rank_in_the_heads_run_still_waiting_is_not_serving():
-    sts = serving_statuses(2)
-    sts[1] = replace(sts[1], ready=False, state="waiting_for_head")
-    word, detail = view.verdict(sts)
-    assert word == "degraded" and "gx2 (rank 1) joined the head's run but is not ready" in detail
+    assert word == "degraded" and said in detail, detail
 
 
 def test_head_without_a_run_means_no_rank_joined():
