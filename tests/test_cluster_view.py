@@ -118,6 +118,8 @@ def test_the_head_switched_alone_to_another_lane_is_a_lane_mismatch(tmp_path):
         cfile, (head, rank) = start(c, tmp_path, lanes)
         r = until_verdict(c, cfile, "serving", 90)
         assert rows(r)["node0"][4] == rows(r)["node1"][4] == "short"
+        js = json.loads(cluster_status(c, cfile, "--json").stdout)
+        assert [n["lanes"] for n in js["nodes"]] == [["short", "long"]] * 2      # sparkguard_engine_lanes_info
         assert head.ctl("lane", lane="long")["ok"]
         r = until_verdict(c, cfile, "lane mismatch", 60)
         assert r.returncode == 1
