@@ -110,6 +110,9 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
         the head's current run (``joined_run_start != head.run_start``) or is not ready, or a node
         reports another rank than the file gives it (detail lists each);
         ``"serving"``: none of these (detail: the lane and the head's run).
+        The order is a choice (assumption, no source): mixed lanes come first because the head
+        then answers as if serving (issue 14: "the head reports ready ... lane 1m while the
+        others run 200k"); a give-up next because it needs a person.
     """
     up = [s for s in statuses if s.up]
     if not up:
