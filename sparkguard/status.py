@@ -6,13 +6,19 @@ metrics endpoint (``metrics.listen`` of the configuration, or ``--url``), and it
 engine as read from its control socket (``engine.control_socket``, or ``--socket``).  Everything but
 the daemon's state is read here and now from /proc and /sys, so the command is useful
 also when the daemon is not running.
+
+``--url`` naming another host's endpoint (:func:`is_local_url` false) shows only what that
+endpoint reports (its memory, lines, state, engine): this host's /proc, targets, swap and control
+socket say nothing about that node (issue 14), and the local configuration is not read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import ipaddress
 import os
+import socket as socketlib
 import sys
 import time
 import urllib.error
@@ -39,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="configuration file (default /etc/sparkguard/sparkguard.yaml; embedded "
                         "defaults when absent)")
     p.add_argument("--url", metavar="URL", default=None,
-                   help="the daemon's metrics URL (default: http://<metrics.listen>/metrics)")
+                   help="the daemon's metrics URL (default: http://<metrics.listen>/metrics); another "
+                        "host's URL shows only what that endpoint reports")
     p.add_argument("--socket", metavar="PATH", default=None,
                    help="the daemon's engine control socket (default: $SPARKGUARD_CONTROL_SOCKET, else "
                         "engine.control_socket of the configuration)")
@@ -58,6 +65,43 @@ def metrics_url(listen: tuple[str, int] | None) -> str | None:
     host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
+
+
+def is_local_url(url: str) -> bool:
+    """Whether ``url``'s host is this host: a loopback address, ``localhost``, this host's name,
+    or an address one of its interfaces holds (in this network namespace).
+
+    An address is this host's when a socket can be bound to it (``bind(2)`` fails with
+    EADDRNOTAVAIL for an address no interface has); a name is resolved first (getaddrinfo).
+    A URL that does not parse, or a name that does not resolve, is not local.  Never raises.
+    """
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if not host:
+        return False
+    if host == "localhost" or host in (socketlib.gethostname(), socketlib.gethostname().split(".", 1)[0]):
+        return True
+    try:
+        addrs = [ipaddress.ip_address(host)]
+    except ValueError:
+        try:
+            addrs = [ipaddress.ip_address(ai[4][0].split("%", 1)[0])
+                     for ai in socketlib.getaddrinfo(host, None, proto=socketlib.IPPROTO_TCP)]
+        except (OSError, ValueError, UnicodeError):
+            return False
+    for a in addrs:
+        if a.is_loopback or a.is_unspecified:
+            return True
+        fam = socketlib.AF_INET6 if a.version == 6 else socketlib.AF_INET
+        try:
+            with socketlib.socket(fam, socketlib.SOCK_STREAM) as sk:
+                sk.bind((str(a), 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 #: bytes of the daemon's answer read at most (its exposition is about 10 KiB)
 MAX_SCRAPE = 4 << 20
@@ -95,8 +139,11 @@ def port_holder(url: str) -> dict | None:
             "is_guard": None if h.pid is None else h.pid in guards, "guards": guards}
 
 
-def read_daemon(url: str, timeout: float = 3.0) -> dict:
+def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
     """Scrape the daemon's metrics endpoint and return its state as a dict.
+
+    ``local``: the endpoint is this host's (:func:`is_local_url`); only then does a failure look
+    up who holds the port here (``holder``).
 
     Returns:
         ``{"url", "running": False, "error": str, "detail": str}`` when nothing (or something else) answers;
@@ -113,19 +160,19 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
             text = r.read(MAX_SCRAPE).decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         out["error"] = f"{url} answered HTTP {e.code} {e.reason}: not a sparkguard metrics endpoint"
-        out["holder"] = port_holder(url)
+        out["holder"] = port_holder(url) if local else None
         return out
     except (urllib.error.URLError, OSError, ValueError) as e:
         out["error"] = f"no answer at {url}"
         reason = getattr(e, "reason", e)
         out["detail"] = getattr(reason, "strerror", None) or str(reason)
-        out["holder"] = port_holder(url)
+        out["holder"] = port_holder(url) if local else None
         return out
     try:
         fams = list(text_string_to_metric_families(text))
     except Exception as e:  # not Prometheus text at all
         out["error"] = f"{url} answered, but not with Prometheus metrics ({e})"
-        out["holder"] = port_holder(url)
+        out["holder"] = port_holder(url) if local else None
         return out
     one: dict[str, float] = {}
     by: dict[str, dict[str, float]] = {}
@@ -141,7 +188,7 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
                 one[s.name] = s.value
     if version is None and not any(k.startswith("sparkguard_") for k in list(one) + list(by)):
         out["error"] = f"{url} answered, but it is not sparkguard (no sparkguard_ metrics)"
-        out["holder"] = port_holder(url)
+        out["holder"] = port_holder(url) if local else None
         return out
 
     def num(name: str, cast=float):
@@ -171,8 +218,25 @@ def read_daemon(url: str, timeout: float = 3.0) -> dict:
         else num("sparkguard_poll_duration_seconds_count", int),
         "poll_seconds_sum": num("sparkguard_poll_duration_seconds_sum"),
         "rss_bytes": num("process_resident_memory_bytes", int),
+        "total_bytes": num("sparkguard_memory_total_bytes", int),
+        "swap_free_bytes": num("sparkguard_swap_free_bytes", int),
+        "swap_total_bytes": num("sparkguard_swap_total_bytes", int),
+        "engine": _engine_from_metrics(one, by),
     })
     return out
+
+
+def _engine_from_metrics(one: dict[str, float], by: dict[str, dict[str, float]]) -> dict | None:
+    """The engine as the endpoint's ``sparkguard_engine_*`` metrics show it (docs/metrics.md):
+    ``{"state", "lane", "ready", "given_up", "run_start"}``; None without an engine."""
+    states = by.get("sparkguard_engine_state", {})
+    if not states and "sparkguard_engine_up" not in one:
+        return None
+    return {"state": next((k for k, v in states.items() if v == 1), None),
+            "lane": next(iter(by.get("sparkguard_engine_lane_info", {})), None),
+            "ready": one.get("sparkguard_engine_ready") == 1.0,
+            "given_up": one.get("sparkguard_engine_given_up") == 1.0,
+            "run_start": one.get("sparkguard_engine_run_start_timestamp_seconds")}
 
 
 def read_engine(cfg, socket: str | None = None, timeout: float = 3.0) -> dict:
@@ -266,6 +330,43 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     }
 
 
+def gather_remote(url: str) -> dict:
+    """What another host's endpoint ``url`` reports, and nothing of this host:
+    ``{"remote": True, "url", "daemon": read_daemon(url, local=False), "timestamp"}``."""
+    return {"remote": True, "url": url, "daemon": read_daemon(url, local=False), "timestamp": time.time()}
+
+
+def render_remote(st: dict) -> str:
+    """The screen for a :func:`gather_remote` dict: the endpoint's memory, lines, state and engine."""
+    d, now = st["daemon"], st["timestamp"]
+    L = [f"sparkguard status of {st['url']}",
+         "  another host's endpoint: only what it reports is shown (this host's memory, targets, swap,",
+         "  PSI and engine socket are not that node's; run `sparkguard status` there for them)", ""]
+    if d.get("running"):
+        L.append("Memory (as the endpoint reports it)")
+        L.append(f"  MemTotal      {fs(d.get('total_bytes')):>11}")
+        L.append(f"  MemAvailable  {fs(d.get('available_bytes')):>11}")
+        sig, term, kill = d.get("signal_bytes"), d.get("term_below_bytes"), d.get("kill_below_bytes")
+        if sig is not None and term is not None:
+            L.append(f"  headroom      {fs(abs(sig - term)):>11}   {'above' if sig >= term else 'BELOW'} "
+                     f"term_below ({fs(term)})")
+        if sig is not None and kill is not None:
+            L.append(f"                {fs(abs(sig - kill)):>11}   {'above' if sig >= kill else 'BELOW'} "
+                     f"kill_below ({fs(kill)})")
+        if d.get("swap_total_bytes"):
+            L.append(f"  SwapFree {fs(d.get('swap_free_bytes'))} of {fs(d['swap_total_bytes'])}")
+        L.append("")
+    L += render_daemon(d, now)
+    e = d.get("engine") if d.get("running") else None
+    if e is not None:
+        L.append("")
+        L.append("Engine   (from the endpoint's metrics)")
+        run = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["run_start"])) if e.get("run_start") else "none"
+        L.append(f"  state {e.get('state') or '?'}, ready {'yes' if e.get('ready') else 'no'}"
+                 + (f", lane {e['lane']}" if e.get("lane") else "") + f", run started {run}"
+                 + ("  [GIVEN UP: sparkguard engine start clears it]" if e.get("given_up") else ""))
+    return "\n".join(L) + "\n"
+
 def render(st: dict) -> str:
     """The human screen for a :func:`gather` dict."""
     m, th, d = st["memory"], st["thresholds"], st["daemon"]
@@ -358,6 +459,15 @@ def render(st: dict) -> str:
                      + (f"   total {v['total_us'] / 1e6:.1f} s" if "total_us" in v else ""))
     L.append("")
 
+    L += render_daemon(d, now)
+    L.append("")
+    L += render_engine(st["engine"])
+    return "\n".join(L) + "\n"
+
+
+def render_daemon(d: dict, now: float) -> list[str]:
+    """The "Daemon" section for a :func:`read_daemon` dict (``now``: unix seconds)."""
+    L: list[str] = []
     L.append(f"Daemon   ({d['url'] or 'metrics off'})")
     if not d.get("running"):
         if d["url"] is None:
@@ -385,9 +495,7 @@ def render(st: dict) -> str:
             ago = fd(max(0.0, now - d["last_incident_timestamp"]))
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_incident_timestamp"]))
             L.append(f"  last incident {stamp} ({ago} ago); see `sparkguard incidents`")
-    L.append("")
-    L += render_engine(st["engine"])
-    return "\n".join(L) + "\n"
+    return L
 
 
 def render_holder(h: dict | None) -> list[str]:
@@ -425,17 +533,20 @@ def render_engine(e: dict) -> list[str]:
 
 
 def handler(args: argparse.Namespace) -> int:
-    """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid."""
-    try:
-        cfg = config.load(args.config)
-    except config.ConfigError as e:
-        print(f"sparkguard status: {e}", file=sys.stderr)
-        return 2
-    url = args.url or metrics_url(cfg.metrics.listen)
-    st = gather(cfg, url, args.socket)
+    """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid (it is not read
+    for another host's ``--url``)."""
+    if args.url and not is_local_url(args.url):
+        st, show = gather_remote(args.url), render_remote
+    else:
+        try:
+            cfg = config.load(args.config)
+        except config.ConfigError as e:
+            print(f"sparkguard status: {e}", file=sys.stderr)
+            return 2
+        st, show = gather(cfg, args.url or metrics_url(cfg.metrics.listen), args.socket), render
     if args.json:
         json.dump(st, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(st))
+        sys.stdout.write(show(st))
     return 0

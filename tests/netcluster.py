@@ -30,7 +30,8 @@ cluster and still running is SIGKILLed (it is our unreaped child, so its pid can
 reused); the hub's veth ends (their peers go with them) and the bridge are deleted; the
 namespaces are removed.  Only processes this module started are signalled.
 
-Per-node sparkguard configs for one vLLM TP engine spanning the nodes: :func:`tp_configs`.
+Per-node sparkguard configs for one vLLM TP engine spanning the nodes: :func:`tp_configs` (each
+written out), :func:`cluster_file` (one cluster file and a minimal config per node).
 """
 
 from __future__ import annotations
@@ -540,3 +541,56 @@ def start_nodes(cluster: Cluster, cfgs: list[dict], workdir: Path | str) -> list
     for k in list(range(1, len(cfgs))) + [0]:
         daemons[k] = SparkguardNode(cluster.nodes[k], cfgs[k], workdir / f"node{k}")
     return [daemons[k] for k in range(len(cfgs))]
+
+
+# --------------------------------------------------------------------------------------------
+# the same engine from one cluster file (docs/cluster.md)
+
+def cluster_file(cluster: Cluster, model: str, workdir: Path | str, *, engine: dict | None = None,
+                 guard: dict | None = None, lanes: dict | None = None, nodes: list[dict] | None = None,
+                 tp: int | None = None, port: int = 8000, load_time: float = 2.0,
+                 fake_opts: tuple[str, ...] = SMALL_FAKE, metrics_port: int = METRICS_PORT,
+                 name: str | None = None) -> tuple[Path, list[dict]]:
+    """A cluster file for a TP engine spanning ``cluster`` and the minimal sparkguard.yaml of each node.
+
+    The cluster file (``workdir/cluster.yaml``): nodes ``node0``.. in rank order with their
+    addresses, the fake vLLM's shared command (``serve MODEL --tensor-parallel-size N --host <head
+    addr> --port PORT --load-time T`` + ``fake_opts``: :func:`tp_argv` without the flags the file
+    derives), ``lanes`` and ``engine`` (timers) merged into its ``engine:``; ``nodes[k]`` (a dict)
+    merged into node k's entry (its env, args, lanes).  Each node's config: ``cluster: {file,
+    node: node<k>}`` and what this machine forces, as :func:`tp_configs` (files under
+    ``workdir/node<k>/``, engine output to stderr, ``drop_caches: false``, ``start_above: 64MiB``,
+    ``term_below: 128MiB`` merged with ``guard``, ``targets.match`` the model); metrics.listen,
+    peers and the head URLs come from the cluster file.
+
+    Returns:
+        (path of the cluster file, [config dict of node k]).
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    head = cluster.nodes[0].addr
+    shared = {"command": fake_vllm.command(model, "--tensor-parallel-size", str(tp or cluster.n), "--host", head,
+                                           "--port", str(port), "--load-time", f"{load_time:g}", *fake_opts)}
+    if lanes is not None:
+        shared["lanes"] = lanes
+    shared.update(engine or {})
+    entries = []
+    for node in cluster.nodes:
+        entry = {"name": f"node{node.rank}", "addr": node.addr}
+        entry.update((nodes or [{}] * cluster.n)[node.rank])
+        entries.append(entry)
+    path = workdir / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"name": name or f"sgcl-{cluster.tag}", "metrics_port": metrics_port,
+                                    "nodes": entries, "engine": shared}, sort_keys=False))
+    cfgs = []
+    for node in cluster.nodes:
+        d = workdir / f"node{node.rank}"
+        cfgs.append({
+            "cluster": {"file": str(path), "node": f"node{node.rank}"},
+            "guard": {"term_below": "128MiB", **(guard or {})},
+            "targets": {"match": [model]},
+            "incidents": {"dir": str(d / "incidents"), "journal": "off"},
+            "engine": {"log": "stderr", "drop_caches": False, "start_above": "64MiB",
+                       "state_file": str(d / "engine-state.json"), "control_socket": str(d / "control.sock")},
+        })
+    return path, cfgs

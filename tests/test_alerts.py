@@ -27,7 +27,7 @@ DASHBOARD = DATA / "grafana" / "sparkguard-dashboard.json"
 METRICS = set(doc_rows()) | {n + sfx for n, r in doc_rows().items() if r["type"] == "summary"
                              for sfx in ("_count", "_sum")}
 
-#: the alerts issues 7 and 13 ask for: alert name -> metric that must appear in its expression
+#: the alerts issues 7, 13 and 14 ask for: alert name -> metric that must appear in its expression
 REQUIRED_ALERTS = {
     "SparkguardDown": "up", "SparkguardNotScraped": "up",
     "SparkguardPollStale": "sparkguard_last_poll_timestamp_seconds",
@@ -40,6 +40,11 @@ REQUIRED_ALERTS = {
     "SparkguardLinkDown": "sparkguard_link_up",
     "SparkguardZramNearlyFull": "sparkguard_zram_disksize_bytes",
     "SparkguardZramPoorCompression": "sparkguard_zram_compr_data_bytes",
+    # issue 14: per cluster, joined to sparkguard_cluster_info on (instance, job)
+    "SparkguardClusterLaneMismatch": "sparkguard_cluster_info",
+    "SparkguardClusterNotServing": "sparkguard_cluster_info",
+    "SparkguardClusterRankRestarting": "sparkguard_cluster_info",
+    "SparkguardClusterGivenUp": "sparkguard_cluster_info",
 }
 
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -85,6 +90,13 @@ def test_promtool_test_rules(tmp_path):
     ('reason="not_ready"', 'reason="notready"', "SparkguardEngineReadyTimeout"),
     # a `for` as long as engine.ready_timeout never fires: the restart resets it
     ("        for: 15m\n", "        for: 20m\n", "SparkguardEngineNotReady"),
+    # a lane mismatch of two clusters told apart only by lane: lab2's 1m and lab's 200k would count
+    ("count by (cluster, lane)", "count by (lane)", "SparkguardClusterLaneMismatch"),
+    # a rank in its head's run (lab2) must not count as not joined
+    ("!= on (cluster) group_left", "== on (cluster) group_left", "SparkguardClusterNotServing"),
+    # the head's restarts for its rank (peer) name the rank, not the head
+    ('reason=~"exit|guard|wedged|not_ready|link"', 'reason=~"exit|guard|wedged|not_ready|link|peer"',
+     "SparkguardClusterRankRestarting"),
 ])
 def test_promtool_test_rules_fails_on_a_broken_rule(tmp_path, old, new, alert):
     """The unit tests can fail: an alert that never fires (or fires on the wrong thing) is caught."""
@@ -206,3 +218,24 @@ def test_wheel_ships_rules_and_dashboard(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in (RULES, RULES_TEST, DASHBOARD):
         assert str(f.relative_to(ROOT)) in names, f
+
+
+def test_dashboard_has_a_cluster_row_joined_on_the_cluster_name():
+    """Issue 14: a cluster row whose panels join sparkguard_cluster_info (so one dashboard shows several
+    clusters, chosen with the $cluster variable) and show readiness, lanes, rank failures and give-up."""
+    dash = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    start = next(p["gridPos"]["y"] for p in rows if p["title"] == "Cluster")
+    after = min([p["gridPos"]["y"] for p in rows if p["gridPos"]["y"] > start] or [10**6])
+    cluster = [p for p in dash["panels"] if p["type"] != "row" and start < p["gridPos"]["y"] < after]
+    assert len(cluster) >= 4
+    used: set[str] = set()
+    for p in cluster:
+        for t in p["targets"]:
+            assert "sparkguard_cluster_info" in t["expr"] and "$cluster" in t["expr"], p["title"]
+            used |= metric_names(t["expr"])
+    for m in ("sparkguard_engine_ready", "sparkguard_engine_lane_info", "sparkguard_engine_restarts_total",
+              "sparkguard_engine_given_up", "sparkguard_engine_joined_run_start_timestamp_seconds"):
+        assert m in used, m
+    var = next(v for v in dash["templating"]["list"] if v["name"] == "cluster")
+    assert var["definition"] == "label_values(sparkguard_cluster_info, cluster)"

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import run_sparkguard
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
 from sparkguard.cluster import view
 
@@ -50,20 +51,17 @@ def test_one_node_down_is_degraded_and_named():
     assert word == "degraded" and "gx3 (rank 2) down: timed out" in detail
 
 
-def test_head_not_ready_is_degraded():
+@pytest.mark.parametrize("rank,change,said", [
+    (0, {"ready": False, "state": "starting"}, "head gx1 not ready (state starting)"),
+    (1, {"ready": False, "state": "waiting_for_head"}, "gx2 (rank 1) joined the head's run but is not ready"),
+    (1, {"joined_run_start": RUN - 100}, "gx2 (rank 1) has not joined the head's run (state ready)"),
+    (1, {"joined_run_start": None, "state": "waiting_for_head"}, "gx2 (rank 1) has not joined"),
+])
+def test_a_head_not_ready_or_a_rank_outside_its_run_is_degraded(rank, change, said):
     sts = serving_statuses(2)
-    sts[0] = replace(sts[0], ready=False, state="starting")
+    sts[rank] = replace(sts[rank], **change)
     word, detail = view.verdict(sts)
-    assert word == "degraded" and "head gx1 not ready (state starting)" in detail
-
-
-def test_rank_in_an_older_run_is_not_joined():
-    sts = serving_statuses(2)
-    sts[1] = replace(sts[1], joined_run_start=RUN - 100, state="ready")
-    word, detail = view.verdict(sts)
-    assert word == "degraded" and "gx2 (rank 1) has not joined" in detail
-    sts[1] = replace(sts[1], joined_run_start=None, state="waiting_for_head")
-    assert view.verdict(sts)[0] == "degraded"
+    assert word == "degraded" and said in detail, detail
 
 
 def test_head_without_a_run_means_no_rank_joined():
@@ -199,3 +197,13 @@ def test_read_gives_every_node_in_rank_order_and_never_raises(endpoints):
     assert not sts[1].up and "refused" in sts[1].error.lower()
     assert not sts[2].up and not sts[3].up and sts[2].error
     assert took < 1.0 + view.SLACK + 0.5, f"the two silent nodes were read one after the other ({took:.2f} s)"
+
+
+def test_a_bad_cluster_file_exits_2_naming_the_file_and_key(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    r = run_sparkguard("cluster", "status", "--cluster", str(missing))
+    assert r.returncode == 2 and str(missing) in r.stderr and "not found" in r.stderr, r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: lab\nnodes: [{name: a, addr: 10.0.0.1}]\nengine: {command: [vllm, serve, m]}\n")
+    r = run_sparkguard("cluster", "incidents", "--cluster", str(bad))
+    assert r.returncode == 2 and f"{bad}: nodes:" in r.stderr, r.stderr

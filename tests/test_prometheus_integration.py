@@ -168,7 +168,7 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     for a in dash["annotations"]["list"]:
         if a.get("expr"):
             out.append(("annotation " + a["name"], a["expr"]))
-    subst = {"$instance": ".*", "$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s"}
+    subst = {"$instance": ".*", "$cluster": ".*", "$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s"}
     res = []
     for where, e in out:
         for k, v in subst.items():
@@ -191,7 +191,7 @@ def test_dashboard_expressions_and_rules_load_in_prometheus():
                 raise AssertionError(f"dashboard panel {where!r}: {err}") from None
         with pytest.raises(AssertionError):       # the check can fail
             prom.api("query", query="sparkguard_link_up{")
-        n_rules = len(yaml.safe_load(RULES.read_text())["groups"][0]["rules"])
+        n_rules = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
         prom.wait("rules loaded", lambda: sum(len(g["rules"]) for g in prom.api("rules")["groups"]) == n_rules)
     finally:
         prom.close()

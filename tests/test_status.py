@@ -6,13 +6,14 @@ import json
 import secrets
 import socket
 import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from conftest import mem_available, run_sparkguard
-from sparkguard import metrics
+from conftest import mem_available, run_sparkguard, sg_env, sparkguard_cmd
+from sparkguard import metrics, status
 from sparkguard.units import format_size, parse_size
 from test_metrics import snapshot_dict, zram_device  # noqa: F401  (fixture; uses conftest.own_zram)
 
@@ -235,3 +236,64 @@ def test_one_size_formatter_for_people_and_for_files():
     for n in (6 * 1024**3, 768 * 1024**2, 4096 * 3, 1000, 0):
         assert parse_size(format_size(n, exact=True)) == n
     assert format_size(6 * 1024**3, exact=True) == "6GiB" and format_size(1000, exact=True) == "1000"
+
+
+# --- --url of another host (issue 14): only what that endpoint reports
+
+REMOTE_SNAPSHOT = {"available_bytes": 7 * GiB, "total_bytes": 100 * GiB, "swap_free_bytes": 0, "swap_total_bytes": 0,
+                   "signal_bytes": 7 * GiB, "term_below_bytes": 1 * GiB, "grace_seconds": 5.0,
+                   "poll_interval_seconds": 0.2, "state": "ok", "dry_run": False, "signals_sent": {},
+                   "incidents": {"memory": 2}, "polls_total": 42, "started_timestamp": 1.0}
+
+
+def test_is_local_url():
+    assert status.is_local_url("http://127.0.0.1:8799/metrics")
+    assert status.is_local_url("http://localhost:8799/metrics")
+    assert status.is_local_url("http://[::1]:8799/metrics")
+    assert status.is_local_url(f"http://{socket.gethostname()}:8799/metrics")
+    assert not status.is_local_url("http://sparkguard-test.invalid:8799/metrics")   # RFC 2606: never resolves
+    assert not status.is_local_url("not a url")
+
+
+def test_status_url_of_another_node_shows_only_what_its_endpoint_reports(root_only):
+    """The endpoint serves in a node namespace; ``sparkguard status --url`` runs in the hub,
+    which has none of that node's addresses: its own memory must not appear."""
+    from netcluster import Cluster
+    code = ("import sys, json; from sparkguard import metrics\n"
+            f"snap = json.loads({json.dumps(json.dumps(REMOTE_SNAPSHOT))})\n"
+            "srv = metrics.start_server((sys.argv[1], 0), lambda: snap)\n"
+            "print(srv.url, flush=True); sys.stdin.read()\n")
+    with Cluster(1) as c:
+        node = c.nodes[0]
+        assert not status.is_local_url(f"http://{node.addr}:1/metrics")      # not this (root) namespace's
+        srv = node.spawn([sys.executable, "-c", code, node.addr], env=sg_env(), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+        try:
+            url = srv.stdout.readline().strip()
+            assert url.startswith(f"http://{node.addr}:"), url
+            p = c.hub.spawn(sparkguard_cmd("status", "--url", url, "--config", "/nonexistent/sparkguard.yaml"),
+                            env=sg_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            assert f"sparkguard status of {url}" in out and "another host's endpoint" in out
+            assert f"MemAvailable  {format_size(7 * GiB):>11}" in out
+            assert f"above term_below ({format_size(GiB)})" in out
+            assert "incidents: memory 2" in out
+            for local_only in ("Targets (", "Memory pressure (PSI", "Swap\n", "control socket"):
+                assert local_only not in out, local_only
+            p = c.hub.spawn(sparkguard_cmd("status", "--url", url, "--json"), env=sg_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = p.communicate(timeout=60)
+            st = json.loads(out)
+            assert st["remote"] is True and "memory" not in st and "targets" not in st
+            assert st["daemon"]["available_bytes"] == 7 * GiB
+            # nobody there: said so, without this host's port holder or guards
+            p = c.hub.spawn(sparkguard_cmd("status", "--url", f"http://{node.addr}:1/metrics"), env=sg_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            assert f"no answer at http://{node.addr}:1/metrics" in out
+            assert "a guard runs" not in out and "listens on the port" not in out, out
+        finally:
+            srv.stdin.close()
+            srv.wait(10)

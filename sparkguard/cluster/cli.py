@@ -11,13 +11,16 @@ Usage: docs/cluster-status.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from typing import Any, TextIO
 
-from sparkguard.cluster import timeline, view
+from sparkguard.cluster import file as cluster_file
+from sparkguard.cluster import ssh, timeline, view
 from sparkguard.cluster.model import ClusterFile, NodeStatus
+from sparkguard.config import ConfigError
 from sparkguard.units import format_size
 
 DEFAULT_CLUSTER = "/etc/sparkguard/cluster.yaml"
@@ -59,12 +62,12 @@ def register(subparsers: Any) -> None:
     add_common(i, INCIDENTS_TIMEOUT)
     i.set_defaults(func=_incidents)
     try:
-        from sparkguard.cluster.ops import register_ops
+        ops = importlib.import_module("sparkguard.cluster.ops")
     except ModuleNotFoundError as e:      # ops not installed; an import error inside it still shows
         if e.name != "sparkguard.cluster.ops":
             raise
     else:
-        register_ops(csub)
+        ops.register_ops(csub)
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
 
 
@@ -78,12 +81,10 @@ def load(path: str) -> ClusterFile:
     Raises:
         sparkguard.config.ConfigError: unreadable or invalid (names file, key, value).
     """
-    from sparkguard.cluster import file
-    return file.load(path)
+    return cluster_file.load(path)
 
 
 def _loaded(args: argparse.Namespace) -> ClusterFile | None:
-    from sparkguard.config import ConfigError
     try:
         return load(args.cluster)
     except ConfigError as e:
@@ -164,7 +165,6 @@ def _status(args: argparse.Namespace) -> int:
 def gather_incidents(cluster: ClusterFile, timeout: float) -> tuple[list[timeline.Entry], list[str]]:
     """Every node's incidents over SSH, merged (:func:`timeline.merge`), and one line per node that
     could not be read (``"gx2: unreachable over SSH: ..."``)."""
-    from sparkguard.cluster import ssh
     results = ssh.run_all(cluster, cluster.nodes, ["incidents", "--json", "--limit", "0"], timeout)
     per_node, failed = [], []
     for n in cluster.nodes:

@@ -106,10 +106,13 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
         ``"lane mismatch"``: the nodes that answer do not all run the same lane (detail names
         each lane's nodes);
         ``"given up"``: a node's supervisor stopped restarting (detail names it);
-        ``"degraded"``: a node is down, the head is not ready, or a headless rank has not
-        joined the head's current run (``joined_run_start != head.run_start``), or a node
+        ``"degraded"``: a node is down, the head is not ready, a headless rank has not joined
+        the head's current run (``joined_run_start != head.run_start``) or is not ready, or a node
         reports another rank than the file gives it (detail lists each);
         ``"serving"``: none of these (detail: the lane and the head's run).
+        The order is a choice (assumption, no source): mixed lanes come first because the head
+        then answers as if serving (issue 14: "the head reports ready ... lane 1m while the
+        others run 200k"); a give-up next because it needs a person.
     """
     up = [s for s in statuses if s.up]
     if not up:
@@ -138,6 +141,8 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
             continue
         if head.run_start is None or s.joined_run_start != head.run_start:
             why.append(f"{_name(s)} has not joined the head's run (state {s.state or 'unknown'})")
+        elif not s.ready:
+            why.append(f"{_name(s)} joined the head's run but is not ready (state {s.state or 'unknown'})")
     if why:
         return "degraded", "; ".join(why)
     lane = up[0].lane

@@ -22,11 +22,12 @@ from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.parsers import abs_path, env_map, extra_args, int_range
 from sparkguard.config.schema import SCHEMA, MetricsConfig
 from sparkguard.config.yamlload import parse, read_bounded
+from sparkguard.supervisor.cluster import flag_value   # the flag reader role_of uses: one reading of argv
 
 DEFAULT_PATH = "/etc/sparkguard/cluster.yaml"
 #: vLLM's default ``--master-port`` (vllm/config/parallel.py ``ParallelConfig.master_port``)
 DEFAULT_MASTER_PORT = 29501
-#: vLLM's default ``--port`` of ``vllm serve`` (vllm/entrypoints/openai/cli_args.py ``port: int = 8000``)
+#: vLLM's default ``--port`` of ``vllm serve`` (vllm/entrypoints/openai/cli_args.py ``FrontendArgs.port``)
 DEFAULT_API_PORT = 8000
 #: every node's metrics port unless the file says otherwise: the port of sparkguard's default metrics.listen
 DEFAULT_METRICS_PORT = MetricsConfig().listen[1]
@@ -195,7 +196,9 @@ def _addr(v: Any) -> str:
             ipaddress.ip_address(v)
             return v
         except ValueError:
-            if len(v) <= 253 and all(_LABEL.match(x) for x in v.split(".")):
+            labels = v.split(".")
+            # a last label of digits only is a mistyped IPv4 address, no host name (RFC 3696 section 2)
+            if len(v) <= 253 and all(_LABEL.match(x) for x in labels) and not labels[-1].isdigit():
                 return v
     raise ValueError("expected an IP address or a host name")
 
@@ -287,20 +290,8 @@ def _after_serve(argv: list[str] | tuple[str, ...]) -> list[str]:
     return list(argv[list(argv).index("serve") + 1:])
 
 
-def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
-    """The value of the last of ``names`` (``--x v`` or ``--x=v``) in ``argv``, or None."""
-    val = None
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                val = argv[i + 1]
-            elif a.startswith(n + "="):
-                val = a[len(n) + 1:]
-    return val
-
-
 def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) -> int:
-    v = _flag_value(argv, names)
+    v = flag_value(argv, names)
     if v is None:
         return default
     if not v.isdigit() or int(v) < 1:
@@ -311,11 +302,11 @@ def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) 
 def _check_ranks_span(path: str, command: list[str], n: int) -> None:
     """The engine's ranks spread evenly over the ``n`` nodes.
 
-    vLLM's world size is tensor-parallel x pipeline-parallel (``ParallelConfig.world_size``,
-    vllm/config/parallel.py); with ``--nnodes`` its multiprocessing executor runs
-    ``world_size // nnodes`` ranks on each node.  Assumption (not read in vLLM's source here):
-    a world size that is not a multiple of ``--nnodes`` is refused by vLLM at start, after
-    minutes of model loading on some node, so it is refused here first.
+    Source: vllm/config/parallel.py ``ParallelConfig``: ``world_size`` "is TPxPP" and, without data
+    parallelism, ``local_world_size = world_size // nnodes``: the ranks each node starts.
+    Assumption (no check of it read in vLLM): a world size that is not a multiple of ``--nnodes``
+    leaves ranks that no node starts (the division floors), so the group would never form; it
+    is refused here, before minutes of loading.
     """
     args = _after_serve(command)
     tp = _int_flag(path, args, ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"), 1)
@@ -329,7 +320,7 @@ def _check_ranks_span(path: str, command: list[str], n: int) -> None:
 
 def _api_port(path: str, command: list[str]) -> int:
     """The shared command's ``--port`` (vLLM's default 8000 without one)."""
-    v = _flag_value(_after_serve(command), ("--port",))
+    v = flag_value(_after_serve(command), ("--port",))
     if v is None:
         return DEFAULT_API_PORT
     try:

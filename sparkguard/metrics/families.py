@@ -258,7 +258,7 @@ class ConfigCollector:
         """Yield the metric families for one scrape (prometheus_client Collector protocol)."""
         cfg = self._config()
         cl = getattr(cfg, "cluster", None)
-        if cl is not None:
+        if getattr(cl, "name", None) is not None:       # without a cluster file every field is None
             i = InfoMetricFamily(P + "cluster", "This node's place in its cluster file: the cluster's name, "
                                  "this node's name, its node rank and the number of nodes (value 1).")
             i.add_metric([], {"cluster": str(cl.name), "node": str(cl.node), "node_rank": str(cl.rank),

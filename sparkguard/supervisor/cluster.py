@@ -55,7 +55,7 @@ class Role:
         return self.role != "single"
 
 
-def _flag(argv: list[str], names: tuple[str, ...]) -> str | None:
+def flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
     """The value of the last of ``names`` in ``argv`` (``--x v`` or ``--x=v``), or None."""
     val = None
     for i, a in enumerate(argv):
@@ -81,7 +81,7 @@ def role_of(argv: list[str] | tuple[str, ...] | None) -> Role:
     args = args[args.index("serve") + 1:]
 
     def num(names: tuple[str, ...], default: int) -> int:
-        v = _flag(args, names)
+        v = flag_value(args, names)
         try:
             return int(v) if v is not None else default
         except ValueError:
