@@ -1,14 +1,16 @@
 """``sparkguard cluster lane|stop|start|restart`` end to end: nodes in network namespaces
 (tests/netcluster.py), a real sshd in each (tests/sshnodes.py), a real ``sparkguard run`` per node
-supervising its rank of the multi-node fake vLLM; the operations run in this process with their
-ssh client in the hub namespace (``nsenter`` prefix) and the nodes' metrics read from the hub
-through the view's own parser.
+supervising its rank of the multi-node fake vLLM, every node and the operator configured by one
+cluster file; the operations run through the CLI in the hub namespace, or in this process with
+their ssh client in the hub namespace (``nsenter`` prefix) and the nodes' metrics read from the
+hub through the view's own parser.
 
 Asserted as an operator sees it: the exit status and the lines printed; the head serving in the
 new lane (its /v1/models shows the lane's --max-model-len) with every rank joined its run; never
 two nodes ready in different lanes while it switches (statuses sampled from the hub throughout);
 the outage measured by completions from the hub; a second switch doing nothing (the runs
-unchanged); an unreachable node and a lane one node lacks named before anything stops.
+unchanged); an unreachable node and a lane one node lacks (it runs an older copy of the file) named before
+anything stops; a switch whose group cannot form leaves every node stopped.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from contextlib import contextmanager
 import pytest
 import yaml
 
-from conftest import fake_vllm, sg_env, sparkguard_cmd
-from netcluster import Cluster, start_nodes, tp_configs
+from conftest import sg_env, sparkguard_cmd
+from netcluster import Cluster, cluster_file, start_nodes
 from sparkguard.cluster import ops, ssh, view
-from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+from sparkguard.cluster.file import load as load_cluster
+from sparkguard.cluster.model import ClusterFile, NodeStatus
 from sshnodes import SshNodes
 from test_cluster import FAST, PORT, completion_ok, wait_until
 
@@ -53,18 +56,6 @@ def hub_reader(hub):
     return read
 
 
-def write_cluster_file(path, c, ds, s) -> None:
-    """The cluster file (docs/cluster.md) of the running nodes: their addresses, SSH destinations
-    and config files, the test's SSH options and remote command, the shared command and lanes."""
-    path.write_text(yaml.safe_dump({
-        "name": "t" + c.tag,
-        "ssh": {"options": list(s.ssh_options), "command": list(s.remote_sparkguard)},
-        "engine": {"command": fake_vllm.command(c.model, "--tensor-parallel-size", str(c.n)), "lanes": LANES},
-        "nodes": [{"name": f"n{node.rank}", "addr": node.addr, "ssh": node.addr, "rank": node.rank,
-                   "config": str(d.path)} for node, d in zip(c.nodes, ds)],
-    }, sort_keys=False))
-
-
 def cli(c, *args: str, timeout: float = 240.0):
     """``sparkguard cluster ARGS`` run in the hub namespace (as the operator's machine): ``(rc, stdout, stderr)``."""
     p = c.hub.spawn(sparkguard_cmd("cluster", *args), env=sg_env(), stdin=subprocess.DEVNULL,
@@ -73,28 +64,45 @@ def cli(c, *args: str, timeout: float = 240.0):
     return p.returncode, out, err
 
 
+def with_ssh(path, s: SshNodes) -> None:
+    """Add the test's ``ssh:`` section (options, remote command) to the cluster file at ``path``."""
+    data = yaml.safe_load(path.read_text())
+    data["ssh"] = {"options": list(s.ssh_options), "command": list(s.remote_sparkguard)}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 @contextmanager
-def tp_cluster(tmp_path, n: int = 2, lanes_of=None, load_time: float = 0.5):
-    """``(c, ds, cf, run)``: n nodes serving in lane small, their ClusterFile (also written to
+def tp_cluster(tmp_path, n: int = 2, old_lanes=None, node_lanes=None, load_time: float = 0.5):
+    """``(c, ds, cf, run)``: n nodes serving in lane small, every node configured by one cluster
+    file (netcluster.cluster_file: the shared command and LANES, each node's SSH destination and
+    config, the test's ssh section), ``cf`` that file as the operator loads it (also
     ``c.cluster_file`` for :func:`cli`), and ``run(action, lane=None, timeout=120) -> (rc, stdout,
-    stderr)`` calling :func:`ops.execute` in this process."""
+    stderr)`` calling :func:`ops.execute` in this process.
+
+    ``old_lanes`` ``{k: lanes}``: node k runs an older copy of the file with only those lanes;
+    ``node_lanes`` ``{k: lanes}``: node k's additions to the shared lanes (``nodes[k].lanes``)."""
     with Cluster(n) as c, SshNodes(c, tmp_path) as s:
         c.model = "sgop-" + c.tag
-        cfgs = tp_configs(c, c.model, tmp_path, engine={**FAST, "lanes": LANES, "lane": "small"},
-                          load_time=load_time)
-        for k, lanes in (lanes_of or {}).items():
-            cfgs[k]["engine"]["lanes"] = lanes
+        nodes = [{"ssh": node.addr, "config": str(tmp_path / f"node{node.rank}" / "sparkguard.yaml"),
+                  **({"lanes": (node_lanes or {})[node.rank]} if node.rank in (node_lanes or {}) else {})}
+                 for node in c.nodes]
+        path, cfgs = cluster_file(c, c.model, tmp_path, engine={**FAST, "lane": "small"}, lanes=LANES,
+                                  nodes=nodes, load_time=load_time)
+        with_ssh(path, s)
+        for k, lanes in (old_lanes or {}).items():
+            old = yaml.safe_load(path.read_text())
+            old["engine"]["lanes"] = lanes
+            copy = tmp_path / f"cluster-old-{k}.yaml"
+            copy.write_text(yaml.safe_dump(old, sort_keys=False))
+            cfgs[k]["cluster"]["file"] = str(copy)
         ds = start_nodes(c, cfgs, tmp_path)
+        assert [str(d.path) for d in ds] == [x["config"] for x in nodes]
         for d in ds:
             d.wait_control(60)
         ds[0].wait_ready(timeout=90)
         wait_until(lambda: all(d.status()["state"] == "ready" for d in ds), 60, "every rank ready")
-        nodes = tuple(ClusterNode(name=f"n{node.rank}", rank=node.rank, addr=node.addr, ssh=node.addr,
-                                  metrics_port=8799, config=str(d.path)) for node, d in zip(c.nodes, ds))
-        cf = ClusterFile(path=str(tmp_path / "cluster.yaml"), name="t", nodes=nodes, engine={"lanes": LANES},
-                         ssh_options=s.ssh_options, remote_sparkguard=s.remote_sparkguard)
-        c.cluster_file = tmp_path / "cluster.yaml"
-        write_cluster_file(c.cluster_file, c, ds, s)
+        cf = load_cluster(str(path))
+        c.cluster_file = path
         read = hub_reader(c.hub)
         saved = ssh.SSH
         ssh.SSH = s.ssh_cmd()
@@ -174,8 +182,8 @@ def test_lane_switch_end_to_end_never_mixes_lanes_and_a_second_one_does_nothing(
             wait_until(lambda: smp.samples and smp.samples[-1][2], 10, "a completion after the switch")
         assert rc == 0, out + err
         assert "sparkguard cluster lane big: serving in lane big, every node joined the head's run" in out, out
-        for line in ("sparkguard cluster: stop: n0, n1", "sparkguard cluster: start workers: n1",
-                     "sparkguard cluster: start head: n0"):
+        for line in ("sparkguard cluster: stop: node0, node1", "sparkguard cluster: start workers: node1",
+                     "sparkguard cluster: start head: node0"):
             assert line in err, err
         assert err.index("start workers") < err.index("start head")
         one_run_in(ds, "big")
@@ -191,7 +199,7 @@ def test_lane_switch_end_to_end_never_mixes_lanes_and_a_second_one_does_nothing(
         assert "nothing to do: every node is ready in lane big and joined the head's run" in out, out
         assert runs(ds) == before
         # one node's 'engine lane big' while ready in big: a no-op that returns at once
-        r = ssh.run_all(cf, cf.nodes[:1], ["engine", "lane", "big", "--timeout", "30"], 60)["n0"]
+        r = ssh.run_all(cf, cf.nodes[:1], ["engine", "lane", "big", "--timeout", "30"], 60)["node0"]
         assert r.ok and r.seconds < 20, r
         assert runs(ds) == before
         # ...and 'engine start' while it runs answers at once instead of waiting for a start that never comes
@@ -201,16 +209,16 @@ def test_lane_switch_end_to_end_never_mixes_lanes_and_a_second_one_does_nothing(
 
 
 def test_unreachable_node_and_missing_lane_stop_nothing(tmp_path):
-    with tp_cluster(tmp_path, lanes_of={1: {"small": LANES["small"]}}) as (c, ds, cf, run):
+    with tp_cluster(tmp_path, old_lanes={1: {"small": LANES["small"]}}) as (c, ds, cf, run):
         before = runs(ds)
         rc, out, err = run("lane", "big")
         assert rc == 2, out + err
-        assert "refused: lane 'big' is missing on n1 (has: small): nothing was stopped" in err, err
+        assert "refused: lane 'big' is missing on node1 (has: small): nothing was stopped" in err, err
         assert runs(ds) == before
         c.sshd.stop(c.nodes[1])
         rc, out, err = run("restart")
         assert rc == 1, out + err
-        assert f"n1: unreachable over SSH: ssh: connect to host {c.nodes[1].addr} port 22" in err, err
+        assert f"node1: unreachable over SSH: ssh: connect to host {c.nodes[1].addr} port 22" in err, err
         assert "failed before anything was stopped" in err, err
         assert runs(ds) == before
         one_run_in(ds, "small")
@@ -223,8 +231,8 @@ def test_restart_stop_and_start_through_the_command_line(tmp_path):
         before = runs(ds)
         rc, out, err = cli(c, "lane", "big", "--cluster", f, "--dry-run")
         assert rc == 0, out + err
-        assert out.startswith("plan: lane big\n1. stop on n0, n1 (in parallel)\n"), out
-        assert "2. start workers on n1" in out and "3. start head on n0" in out, out
+        assert out.startswith("plan: lane big\n1. stop on node0, node1 (in parallel)\n"), out
+        assert "2. start workers on node1" in out and "3. start head on node0" in out, out
         assert f"-o StrictHostKeyChecking=yes" in out and "engine lane big --no-wait -c" in out, out
         assert runs(ds) == before
         rc, out, err = cli(c, "restart", "--cluster", f)
@@ -251,7 +259,7 @@ def test_four_nodes_switch_lanes_as_one_engine(tmp_path):
         with Sampler(c, hub_reader(c.hub), cf) as smp:
             rc, out, err = run("lane", "big", timeout=180)
         assert rc == 0, out + err
-        assert "start workers: n1, n2, n3" in err, err
+        assert "start workers: node1, node2, node3" in err, err
         one_run_in(ds, "big")
         assert max_model_len(c) == 8192
         assert smp.mixed() == [], smp.mixed()[:5]
@@ -260,15 +268,14 @@ def test_four_nodes_switch_lanes_as_one_engine(tmp_path):
 def test_a_switch_that_cannot_form_the_group_stops_every_node_and_fails(tmp_path):
     """Node 1's big lane carries an argument the head's lacks: the head's rendezvous refuses it
     (tests/fakes/fake_cluster.py MATCHED), the group never forms, the wait times out."""
-    bad = {"small": LANES["small"], "big": {"args": ["--max-model-len", "8192", "--max-num-seqs", "7"]}}
-    with tp_cluster(tmp_path, lanes_of={1: bad}) as (c, ds, cf, run):
+    with tp_cluster(tmp_path, node_lanes={1: {"big": {"args": ["--max-num-seqs", "7"]}}}) as (c, ds, cf, run):
         with Sampler(c, hub_reader(c.hub), cf) as smp:
             rc, out, err = run("lane", "big", timeout=15)
         assert rc == 1, out + err
         assert "sparkguard cluster lane big: not serving within 15 s: " in err, err
-        assert "n1 headless" in err.split("not serving within 15 s: ")[1], err
+        assert "node1 headless" in err.split("not serving within 15 s: ")[1], err
         # progress while it waited: elapsed time, each node's role, state and lane
-        assert re.search(r"^sparkguard cluster: \d+ s: n0 head \w+ lane big; n1 headless \w+ lane big$", err, re.M), err
+        assert re.search(r"^sparkguard cluster: \d+ s: node0 head \w+ lane big; node1 headless \w+ lane big$", err, re.M), err
         assert "stopping every node again so that no mix of lanes serves" in err, err
         assert "sparkguard cluster lane big: every node's engine is stopped" in err, err
         assert all(d.status()["state"] == "stopped" for d in ds)
