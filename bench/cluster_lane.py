@@ -10,9 +10,10 @@ cluster, about 15-25 s of start-up plus the switch)::
 
 Each trial: a fresh ``netcluster.Cluster(n)`` (tests/netcluster.py), a real sshd in every node's
 namespace with keys made for the trial (tests/sshnodes.py), a ``sparkguard run`` per node
-(``netcluster.tp_configs``: the fake vLLM of tests/fakes, TP = n, one rank per node, ``--load-time``
---load-time s, lanes ``small`` = ``--max-model-len 4096`` and ``big`` = ``--max-model-len
-8192``, starting in ``small``), the cluster file of those nodes, and bench/cluster.py's client in
+configured by one cluster file (``netcluster.cluster_file``: the fake vLLM of tests/fakes, TP = n,
+one rank per node, ``--load-time`` --load-time s, lanes ``small`` = ``--max-model-len 4096`` and
+``big`` = ``--max-model-len 8192``, starting in ``small``; each node's SSH destination and the
+harness's ``ssh:`` section added), and bench/cluster.py's client in
 the hub namespace (a one-token completion to the head every 100 ms, 1 s timeout).  Once the
 cluster serves (every node ready, 3 s of good answers), ``sparkguard cluster lane big --cluster
 FILE`` runs as a subprocess in the hub namespace (the operator's machine: its ssh reaches every
@@ -50,9 +51,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import cluster as cb  # noqa: E402 - bench/cluster.py: the client, measure, signals
-from conftest import fake_vllm, sg_env, sparkguard_cmd  # noqa: E402
+from conftest import sg_env, sparkguard_cmd  # noqa: E402
 from headtohead import Stopped  # noqa: E402
-from netcluster import Cluster, start_nodes, tp_configs  # noqa: E402
+from netcluster import Cluster, cluster_file, start_nodes  # noqa: E402
 from sshnodes import SshNodes  # noqa: E402
 
 import yaml  # noqa: E402
@@ -62,15 +63,15 @@ PORT = 8000
 FIELDS = ["nodes", "trial", "outage_s", "command_s", "noop_s", "noop_failed", "rc", "failed", "error"]
 
 
-def cluster_file(path: Path, c: Cluster, ds, s: SshNodes, model: str) -> None:
-    """The cluster file (docs/cluster.md) of the running nodes."""
-    path.write_text(yaml.safe_dump({
-        "name": "bench" + c.tag,
-        "ssh": {"options": list(s.ssh_options), "command": list(s.remote_sparkguard)},
-        "engine": {"command": fake_vllm.command(model, "--tensor-parallel-size", str(c.n)), "lanes": LANES},
-        "nodes": [{"name": f"n{node.rank}", "addr": node.addr, "ssh": node.addr, "rank": node.rank,
-                   "config": str(d.path)} for node, d in zip(c.nodes, ds)],
-    }, sort_keys=False))
+def make_cluster_file(c: Cluster, s: SshNodes, model: str, work: Path, load_time: float) -> tuple[Path, list[dict]]:
+    """netcluster.cluster_file of the trial's nodes (shared command, LANES, starting in small), each
+    node's SSH destination and config path, and the sshd harness's ``ssh:`` section."""
+    nodes = [{"ssh": node.addr, "config": str(work / f"node{node.rank}" / "sparkguard.yaml")} for node in c.nodes]
+    path, cfgs = cluster_file(c, model, work, engine={"lane": "small"}, lanes=LANES, nodes=nodes, load_time=load_time)
+    data = yaml.safe_load(path.read_text())
+    data["ssh"] = {"options": list(s.ssh_options), "command": list(s.remote_sparkguard)}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, cfgs
 
 
 def lane_cli(c: Cluster, path: Path, timeout: float) -> tuple[int, float, str]:
@@ -91,13 +92,11 @@ def trial(n: int, k: int, args, work: Path) -> dict:
     row: dict = {"nodes": n, "trial": k}
     with Cluster(n) as c, SshNodes(c, work) as s:
         model = "sglane-" + c.tag
-        cfgs = tp_configs(c, model, work, engine={"lanes": LANES, "lane": "small"}, load_time=args.load_time)
+        path, cfgs = make_cluster_file(c, s, model, work, args.load_time)
         ds = start_nodes(c, cfgs, work)
         client = cb.Client(c.hub, f"http://{c.nodes[0].addr}:{PORT}/v1/completions", model).start()
         try:
             cb.wait_serving(ds, client, cb.SETUP_TIMEOUT)
-            path = work / "cluster.yaml"
-            cluster_file(path, c, ds, s, model)
             t_cmd = time.monotonic()
             rc, secs, out = lane_cli(c, path, args.timeout)
             row.update(rc=rc, command_s=round(secs, 2))
