@@ -95,3 +95,13 @@ def test_a_remote_command_past_the_timeout_is_cut_off(tmp_path, hub_ssh):
         r = ssh.run_all(cf, cf.nodes, [], timeout=2)["n0"]
         assert r.rc is None and r.error == "timed out after 2 s", r
         assert r.seconds < 10
+
+
+def test_a_key_the_node_does_not_authorize_is_an_ssh_failure_not_a_remote_one(tmp_path, hub_ssh):
+    with Cluster(1) as c, SshNodes(c, tmp_path) as s:
+        hub_ssh(s)
+        s.authorized_keys.write_text("")       # sshd reads AuthorizedKeysFile at each login
+        cf = cluster_file(c, s)
+        r = ssh.run_all(cf, cf.nodes, ["--version"], timeout=30)["n0"]
+        assert r.ssh_error and r.rc == 255, r
+        assert "Permission denied (publickey" in r.error, r
