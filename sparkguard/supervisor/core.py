@@ -28,9 +28,10 @@ import threading
 import time
 from typing import Callable
 
+from sparkguard import config as cm
 from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
-from sparkguard.supervisor import cluster, health, lanes, nodes, output, process, reports
+from sparkguard.supervisor import cluster, container, health, lanes, nodes, output, process, reports
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
@@ -282,8 +283,11 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         argv, env = lanes.command(self.cfg, self.lane)
         reason = self.next_reason
         try:
+            argv, launch = container.prepare(argv, env, container.rundir(e.state_file), e.shutdown_timeout
+                                             if e.shutdown_timeout is not None else
+                                             cm.vllm_shutdown_timeout(self.cfg.guard.grace))
             proc = process.spawn(argv, env, e.cwd, e.user)
-        except OSError as ex:
+        except (OSError, ValueError) as ex:
             log.error("engine: cannot start %s: %s", argv, ex)
             with self.cv:
                 self.last_exit = {"code": None, "signal": None, "at": time.time(), "uptime": 0.0,
@@ -295,6 +299,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             return
         role = cluster.role_of(argv)
         run = Run(proc, self.lane, argv, reason, e.log_lines, role)
+        run.launch = launch
         if role.role == "head":
             run.group = {v.node_rank: v.run for v in self.start_views if cluster.waiting_for_head(v)}
         p = proctree.read_proc(run.pid)
@@ -329,6 +334,22 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
+        if launch is not None:
+            run.start_thread("sg-engine-ctr", self._find_container)
+
+    def _find_container(self, run: Run) -> None:
+        """(The run's ``sg-engine-ctr`` thread.) Learn the container of a ``docker|podman run``
+        engine (:func:`container.discover`) and hand it to the supervisor thread: from then on the
+        container's processes are in the run's tree."""
+        ctr = container.discover(run.launch, run.done)
+        if ctr is None:
+            return
+
+        def found() -> None:
+            run.container = ctr
+            self._history("container", f"{ctr.label()}: init pid {ctr.pid}, cgroup {ctr.cgroup or '(not found)'}")
+            process.refresh_members(run)
+        self._post(found)
 
     def _supervise(self) -> None:
         """Wait for the run to end; stop it on a command, a verdict or shutdown."""
@@ -403,7 +424,10 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         run = self.run
         run.done.set()
         self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
+        if run.launch is not None:
+            process.refresh_members(run)    # the container's processes, also when its client died
         swept = self._sweep(run.pgid, run.members, exclude=run.pid)
+        ctr_detail = container.finish(run.launch, run.container) if run.launch is not None else ""
         try:
             run.proc.wait(timeout=5)   # reap the root only now: its pgid stayed reserved meanwhile
         except Exception:  # noqa: BLE001
@@ -426,6 +450,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         rec = dict(run.exit_record() or run.exit_record((None, None), run.t_exit))
         if swept:
             rec["detail"] += f"; swept {len(swept)} leftover processes"
+        if ctr_detail:
+            rec["detail"] += f"; {ctr_detail}"
         rec["reason"] = reason or run.term_reason
         with self.cv:
             run.exit_info = rec

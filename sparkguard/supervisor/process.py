@@ -3,7 +3,8 @@
 The tree of a run is the root's descendants plus every process still in its process group
 (vLLM never calls setsid, FIELD-NOTES) plus every process recorded as a member with the same
 start time (``VLLM::EngineCore`` / ``VLLM::Worker_TP*`` reparented away when the API server was
-SIGKILLed, FIELD-NOTES).  Signals go through pidfds (``sparkguard.signals.Tree``), so a recycled
+SIGKILLed, FIELD-NOTES), plus, for a ``docker|podman run`` engine, every process in its container's
+cgroup (:mod:`.container`: they run under containerd-shim, outside the client's tree).  Signals go through pidfds (``sparkguard.signals.Tree``), so a recycled
 pid is never signalled.
 """
 
@@ -18,6 +19,7 @@ from typing import Callable
 
 from sparkguard import proctree, signals
 from sparkguard.guard import escalation
+from sparkguard.supervisor import container
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -99,11 +101,14 @@ def poll_exit(pid: int) -> tuple[int | None, int | None] | None:
     return (info.si_status, None) if info.si_code == os.CLD_EXITED else (None, info.si_status)
 
 
-def _outside(procs: dict, tree, pgid: int, members: dict[int, int]) -> list[int]:
-    """Processes not in ``tree`` that still belong to the run: its process group, or a recorded
-    member with the same start time; never a kernel thread."""
+def _outside(procs: dict, tree, pgid: int, members: dict[int, int], ctr=None) -> list[int]:
+    """Processes not in ``tree`` that still belong to the run: its process group, a recorded
+    member with the same start time, or a process of its container (``ctr``,
+    :class:`container.Container`); never a kernel thread."""
+    inside = container.members(ctr, procs)
     return [p.pid for p in procs.values()
-            if p.pid not in tree and not p.kthread and (p.pgrp == pgid or members.get(p.pid) == p.starttime)]
+            if p.pid not in tree and not p.kthread
+            and (p.pgrp == pgid or members.get(p.pid) == p.starttime or inside.get(p.pid) == p.starttime)]
 
 
 def target(run, procs: dict, protector, details: bool = True):
@@ -115,7 +120,7 @@ def target(run, procs: dict, protector, details: bool = True):
     if root is None or (run.starttime and root.starttime != run.starttime) or proc_state(run.pid) in ("Z", None):
         return None
     kids = proctree.children_map(procs)
-    extra = _outside(procs, set(proctree.descendants([run.pid], kids)), run.pgid, run.members)
+    extra = _outside(procs, set(proctree.descendants([run.pid], kids)), run.pgid, run.members, run.container)
     if extra:
         kids = dict(kids)
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
@@ -128,7 +133,7 @@ def signal_tree(run):
     procs = proctree.scan()
     kids = proctree.children_map(procs)
     pids = [pid for pid in proctree.descendants([run.pid], kids) if pid in procs]
-    pids += _outside(procs, set(pids), run.pgid, run.members)
+    pids += _outside(procs, set(pids), run.pgid, run.members, run.container)
     for pid in pids:
         run.members.setdefault(pid, procs[pid].starttime)
     if run.pid not in pids:
@@ -143,6 +148,7 @@ def refresh_members(run) -> bool:
     kids = proctree.children_map(procs)
     found = [procs[pid] for pid in proctree.descendants([run.pid], kids) if pid in procs]
     found += [p for p in procs.values() if p.pgrp == run.pgid]
+    found += [procs[pid] for pid in container.members(run.container, procs)]
     changed = False
     for p in found:
         if run.members.get(p.pid) != p.starttime:

@@ -61,6 +61,8 @@ class Run:
         self.link_hit = False               # a TP link went down during this run
         self.lines = LastLines(log_lines)   # this run's last output lines (incident reports)
         self.exit_info: dict | None = None  # the exit as recorded once the run is over (sweep done)
+        self.launch = None                  # container.Launch of a docker|podman run engine (else None)
+        self.container = None               # its container.Container once known (the sg-engine-ctr thread's)
 
     def exit_record(self, exit: tuple[int | None, int | None] | None = None,
                     t_exit: float | None = None) -> dict | None:

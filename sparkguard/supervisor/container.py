@@ -1,0 +1,355 @@
+"""An engine that is a container: recognise ``docker run`` / ``podman run``, know the container, remove it.
+
+The public multi-Spark recipes (FIELD-NOTES, "What the public multi-Spark recipes do") start vLLM as::
+
+    docker run --gpus all --network host --ipc host -v /models:/models IMAGE \\
+        vllm serve MODEL --tensor-parallel-size 2 ...
+
+and stop it with ``docker stop -t N`` or ``docker rm -f``.  Written as ``engine.command`` exactly
+so (``[docker, run, ...]`` or ``[podman, run, ...]``), the process sparkguard spawns is the
+attached client; the engine runs under containerd-shim (or conmon), outside the client's tree.
+This module makes the container part of the run:
+
+* :func:`prepare` adds ``--cidfile`` (in a runtime directory) so the client writes the container's
+  id, and ``--name sparkguard-engine-<hex>`` only when the user gave no ``--name``; it refuses
+  ``-d``/``--detach`` (the client would exit at once) and ``--sig-proxy=false`` (the SIGTERM sent
+  to the client must reach the engine).
+* :func:`discover` (the run's ``sg-engine-ctr`` thread) reads the cidfile, then ``docker inspect``
+  until the container runs: its id, name and init pid (:class:`Container`).
+* :func:`members` lists the container's processes from the cgroup of its init
+  (``/proc/PID/cgroup`` of the init, the hierarchy found in /proc/self/mountinfo, its
+  ``cgroup.procs``; cgroup v2 and the v1 hybrid alike).  The engine's tree for the guard and the
+  escalation is the client's tree plus these.
+* :func:`finish` after the run: what the container's own exit status was (``docker inspect``), and
+  ``docker rm -f`` so no container runs (or blocks the next start's ``--name``) behind a dead client.
+
+Signals: SIGTERM goes to the client as for any engine; an attached ``docker run`` forwards it to
+the container's init (``--sig-proxy``, default true: docker-run(1); the same ``kill -s TERM`` that
+``docker stop`` sends first).  The SIGKILL after the grace reaches the client and every process in
+the container's cgroup directly (pidfds).  ``docker``/``podman`` run with sparkguard's environment
+(``DOCKER_HOST``, ``CONTAINER_HOST`` are honoured as the CLIs document).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+
+from sparkguard import proctree
+from sparkguard.config import is_vllm
+
+log = logging.getLogger("sparkguard.supervisor")
+
+RUNTIMES = ("docker", "podman")
+#: seconds one CLI call (inspect, rm) may take before it is given up
+CLI_TIMEOUT = 20.0
+#: vLLM's TERM-first shutdown variable (FIELD-NOTES; :mod:`sparkguard.supervisor.lanes` sets it for a bare engine)
+SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+NAME_PREFIX = "sparkguard-engine-"
+
+
+@dataclass
+class Launch:
+    """What :func:`prepare` added to a container command.
+
+    Attributes:
+        runtime: str, the CLI (``argv[0]`` as written: ``docker``, ``/usr/bin/podman``...).
+        cidfile: str, the path the client writes the container id to.
+        name: str | None, the ``--name`` sparkguard added (None: the user named it).
+        env: dict, the client's environment (used for sparkguard's own CLI calls too).
+    """
+
+    runtime: str
+    cidfile: str
+    name: str | None
+    env: dict
+
+
+@dataclass
+class Container:
+    """A running container of a run.
+
+    Attributes:
+        id: str, the full container id.  name: str, without the leading ``/``.
+        pid: int, its init process (host pid).  starttime: int, the init's start time (ticks).
+        cgroup: str | None, the cgroup directory whose ``cgroup.procs`` lists its processes.
+    """
+
+    id: str
+    name: str
+    pid: int
+    starttime: int
+    cgroup: str | None
+
+    def label(self) -> str:
+        """``"container 0123456789ab (name)"``: how logs and incidents name it."""
+        return f"container {self.id[:12]}" + (f" ({self.name})" if self.name else "")
+
+
+def runtime_of(argv: list[str]) -> str | None:
+    """``argv[0]`` when ``argv`` is ``[docker|podman, run, ...]`` (any path to the CLI), else None."""
+    if len(argv) >= 2 and os.path.basename(argv[0]) in RUNTIMES and argv[1] == "run":
+        return argv[0]
+    return None
+
+
+def _options(argv: list[str]) -> list[str]:
+    """The ``run`` options before the image: every argument up to the first one that is not an
+    option or an option's value.  A value-taking option written ``--opt value`` is recognised by
+    docker-run(1)'s flag set being mostly value-taking: anything not in :data:`BOOL_FLAGS` takes one."""
+    out, i = [], 2
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("-") or a == "--":
+            break
+        out.append(a)
+        if "=" not in a and a not in BOOL_FLAGS and not (len(a) > 2 and a[1] != "-" and set(a[1:]) <= BOOL_SHORT):
+            if i + 1 < len(argv):
+                out.append(argv[i + 1])
+            i += 1
+        i += 1
+    return out
+
+
+#: docker-run(1) / podman-run(1) options that take no value (the rest of its options take one)
+BOOL_FLAGS = frozenset({
+    "-d", "--detach", "-i", "--interactive", "-t", "--tty", "--rm", "--init", "--privileged",
+    "-P", "--publish-all", "--read-only", "--no-healthcheck", "--oom-kill-disable", "--sig-proxy",
+    "--disable-content-trust", "-q", "--quiet", "--help", "--replace", "--rmi",
+})
+BOOL_SHORT = frozenset("ditPq")
+
+
+def inner(argv: list[str]) -> list[str]:
+    """The command run inside the container: what follows the image in ``[docker, run, OPTIONS, IMAGE, ...]``."""
+    return argv[2 + len(_options(argv)) + 1:]
+
+
+def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = None) -> tuple[list[str], Launch | None]:
+    """The argv to execute for ``argv``, and the :class:`Launch` when it is a container.
+
+    Args:
+        argv: ``engine.command`` (+ the lane's args).  env: the client's environment (from
+            ``lanes.command``).  rundir: a directory for the cidfile (created 0700).
+    Returns:
+        ``(argv, None)`` unchanged when it is no ``docker|podman run``; else the argv with
+        ``--cidfile``, ``--name`` (only when none was given) and, when the command inside is vLLM
+        (``config.is_vllm``) and neither it nor the options mention ``--shutdown-timeout`` or
+        :data:`SHUTDOWN_ENV`, ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after ``run``
+        (N: the client environment's value, else ``shutdown`` seconds; the container does not
+        inherit the client's environment, and without it vLLM SIGKILLs its workers at once on
+        SIGTERM: FIELD-NOTES).
+    Raises:
+        ValueError: ``-d``/``--detach`` or ``--sig-proxy=false`` (the message says why).
+        OSError: rundir cannot be created.
+    """
+    rt = runtime_of(argv)
+    if rt is None:
+        return argv, None
+    opts = _options(argv)
+    flags = [o.split("=", 1)[0] for o in opts if o.startswith("-")]
+    short = {c for o in opts if o.startswith("-") and not o.startswith("--") for c in o[1:]}
+    if "--detach" in flags or "d" in short or any(o in ("--detach=true", "-d=true") for o in opts):
+        raise ValueError(f"{rt} run -d detaches: the client exits at once and sparkguard would take that for the "
+                         "engine's exit; remove -d (sparkguard runs the attached client)")
+    if any(o.replace(" ", "") in ("--sig-proxy=false", "--sig-proxy=0") for o in opts):
+        raise ValueError(f"{rt} run --sig-proxy=false: the SIGTERM sparkguard sends the client would not reach the "
+                         "engine; remove it")
+    if any(o.startswith("--cidfile") for o in opts):
+        raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
+    os.makedirs(rundir, mode=0o700, exist_ok=True)
+    tag = uuid.uuid4().hex[:12]
+    cidfile = os.path.join(rundir, f"engine-{tag}.cid")
+    extra = ["--cidfile", cidfile]
+    name = None
+    if "--name" not in flags:
+        name = NAME_PREFIX + tag
+        extra += ["--name", name]
+    cmd = inner(argv)
+    if (is_vllm(cmd) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
+            and (SHUTDOWN_ENV in env or shutdown is not None)):
+        extra += ["-e", f"{SHUTDOWN_ENV}={env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
+    return [argv[0], "run", *extra, *argv[2:]], Launch(rt, cidfile, name, dict(env))
+
+
+def cli(launch: Launch, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
+    """Run ``RUNTIME ARGS...`` with the client's environment; output captured as text.
+    Raises OSError (no CLI) and subprocess.TimeoutExpired."""
+    return subprocess.run([launch.runtime, *args], env=launch.env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def inspect(launch: Launch, ref: str) -> dict | None:
+    """``RUNTIME inspect REF`` (container), its first object; None when there is no such container
+    or the CLI fails (logged)."""
+    try:
+        r = cli(launch, "container", "inspect", ref)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("engine: %s container inspect %s: %s", launch.runtime, ref, e)
+        return None
+    if r.returncode != 0:
+        return None
+    try:
+        data = json.loads(r.stdout)
+    except ValueError:
+        return None
+    return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
+
+
+def read_cid(path: str) -> str | None:
+    """The container id the client wrote to ``path`` (docker writes it once the container is
+    created), None while it is not there or empty."""
+    try:
+        with open(path) as f:
+            cid = f.read().strip()
+    except OSError:
+        return None
+    return cid or None
+
+
+def discover(launch: Launch, done, timeout: float | None = None, interval: float = 0.2) -> Container | None:
+    """Wait for the client to create and start the container; its :class:`Container`.
+
+    The cidfile appears when the container is created (an image pull comes first and may take
+    minutes), the init pid once it started; both are polled every ``interval`` seconds (the client
+    gives no event for either), until ``done`` (a ``threading.Event``: the run is over) is set or
+    ``timeout`` seconds (None: no limit) have passed.  Returns None then.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    cid = None
+    while not done.is_set() and (deadline is None or time.monotonic() < deadline):
+        cid = cid or read_cid(launch.cidfile)
+        if cid:
+            info = inspect(launch, cid)
+            state = (info or {}).get("State") or {}
+            pid = int(state.get("Pid") or 0)
+            if pid > 0:
+                p = proctree.read_proc(pid)
+                if p is not None:
+                    name = str(info.get("Name") or "").lstrip("/")
+                    return Container(str(info.get("Id") or cid), name, pid, p.starttime, cgroup_dir(pid))
+            elif info is not None and state.get("Status") in ("exited", "dead"):
+                return None
+        done.wait(interval)
+    return None
+
+
+def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str, str]]:
+    """Cgroup mounts as ``(fstype, root, mount point, super options)`` (proc(5): mountinfo fields
+    4 root, 5 mount point, after the ``-``: fstype, source, super options)."""
+    out = []
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        a, b = left.split(), right.split()
+        if len(a) >= 5 and len(b) >= 3 and b[0] in ("cgroup", "cgroup2"):
+            out.append((b[0], a[3], a[4].replace("\\040", " "), b[2]))
+    return out
+
+
+def cgroup_dir(pid: int, proc: str = "/proc") -> str | None:
+    """The cgroup directory of ``pid`` whose ``cgroup.procs`` lists its container's processes.
+
+    ``/proc/PID/cgroup`` (cgroups(7): ``ID:CONTROLLERS:PATH``) names one path per hierarchy; the
+    unified one (``0::``, cgroup v2 and the v1 hybrid) is tried first, then v1's ``pids``,
+    ``memory``, ``name=systemd``, then any: the first whose directory (mount point + path below
+    the mount's root) lists ``pid`` in its ``cgroup.procs``.  None when none does (no cgroup fs
+    mounted, a cgroup namespace hiding it).
+    """
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    mounts = _mounts()
+    cands = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, ctrls, path = parts
+        order = 0 if hid == "0" else 1 if "pids" in ctrls.split(",") else 2 if "memory" in ctrls.split(",") else \
+            3 if ctrls == "name=systemd" else 4
+        for fstype, root, mnt, opts in mounts:
+            if (hid == "0") != (fstype == "cgroup2"):
+                continue
+            if hid != "0" and not set(ctrls.split(",")) <= set(opts.split(",")):
+                continue
+            if path != root and not path.startswith(root.rstrip("/") + "/") and root != "/":
+                continue
+            rel = path[len(root):] if root != "/" else path
+            cands.append((order, os.path.join(mnt, rel.lstrip("/"))))
+    for _, d in sorted(cands):
+        if pid in _procs(d):
+            return d
+    return None
+
+
+def _procs(cgdir: str) -> list[int]:
+    """The pids in ``cgdir/cgroup.procs`` (empty when unreadable)."""
+    try:
+        with open(os.path.join(cgdir, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def members(ctr: Container | None, procs: dict | None = None) -> dict[int, int]:
+    """Live processes of the container: ``{pid: starttime}`` from its cgroup's ``cgroup.procs``
+    (child cgroups are not read: docker and podman put a container's processes in one), with the
+    start times of ``procs`` (a ``proctree.scan()``) or read now.  Empty when unknown."""
+    if ctr is None or ctr.cgroup is None:
+        return {}
+    out = {}
+    for pid in _procs(ctr.cgroup):
+        p = procs.get(pid) if procs is not None else proctree.read_proc(pid)
+        if p is not None and not p.kthread:
+            out[pid] = p.starttime
+    return out
+
+
+def finish(launch: Launch, ctr: Container | None) -> str:
+    """After the run: the container's own exit status, then ``RUNTIME rm -f`` (kills what still
+    runs in it and removes it, so nothing runs behind a dead client and a user's ``--name`` is free
+    for the next start).
+
+    Returns:
+        str, one line for the exit record (``"container 0123456789ab exit code 143, removed"``),
+        empty when the container was never created.
+    """
+    ref = ctr.id if ctr is not None else read_cid(launch.cidfile)
+    try:
+        os.unlink(launch.cidfile)
+    except OSError:
+        pass
+    if ref is None:
+        return ""
+    info = inspect(launch, ref)
+    label = ctr.label() if ctr is not None else f"container {ref[:12]}"
+    if info is None:
+        return f"{label} already removed"
+    state = info.get("State") or {}
+    what = f"{label} exit code {state.get('ExitCode')}" if not state.get("Running") else f"{label} still running"
+    try:
+        r = cli(launch, "rm", "-f", ref)
+        ok = r.returncode == 0
+        if not ok:
+            log.error("engine: %s rm -f %s failed: %s", launch.runtime, ref, r.stderr.strip()[-300:])
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("engine: %s rm -f %s failed: %s", launch.runtime, ref, e)
+        ok = False
+    return what + (", removed" if ok else ", NOT removed")
+
+
+def rundir(state_file: str) -> str:
+    """The directory of the cidfiles: ``containers/`` beside ``engine.state_file``."""
+    return os.path.join(os.path.dirname(os.path.abspath(state_file)), "containers")

@@ -1,0 +1,131 @@
+"""A supervised engine that is a ``docker run``: real dockerd (tests/dockerd.py), the fake vLLM inside.
+
+Every container a test makes carries a label of its own and is removed in its ``finally``; the
+daemon under test is stopped with SIGTERM (``Daemon.stop``).  ``Daemon.cleanup`` is not used: the
+fake's "ready pids=" line gives pids of the container's pid namespace, which name other processes
+on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from conftest import mem_available, run_sparkguard
+from dockerd import dockerd, unique_name  # noqa: F401 - the session fixture
+from supervisor_helpers import Daemon, engine_config, free_port, wait_gone
+
+MiB = 1024 ** 2
+SMALL = ("--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB", "--tp", "2")
+
+
+@pytest.fixture
+def docker_env(dockerd, monkeypatch):  # noqa: F811
+    """sparkguard (and every docker CLI it runs) talks to the tests' dockerd through DOCKER_HOST."""
+    monkeypatch.setenv("DOCKER_HOST", dockerd.host)
+    return dockerd
+
+
+def _containers(d, tag: str) -> list[str]:
+    return d.containers(f"label=sgtest={tag}")
+
+
+def _remove(d, tag: str) -> None:
+    ids = _containers(d, tag)
+    if ids:
+        d.docker("rm", "-f", *ids, check=False)
+
+
+def _history(st: dict, event: str) -> list[str]:
+    return [h["detail"] for h in st["history"] if h["event"] == event]
+
+
+def _inspect(d, ref: str) -> dict | None:
+    r = d.docker("container", "inspect", ref, check=False)
+    return json.loads(r.stdout)[0] if r.returncode == 0 else None
+
+
+def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container(tmp_path, docker_env):
+    d = docker_env
+    tag, port = unique_name(), free_port()
+    argv = d.fake_run(tag, *SMALL, "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
+    sg = Daemon(tmp_path, engine_config(tmp_path, tag, argv, port))
+    try:
+        sg.wait_control()
+        st = sg.wait_ready(timeout=60)
+        [cid] = _containers(d, tag)
+        info = _inspect(d, cid)
+        assert info["State"]["Running"] and info["Name"].startswith("/sparkguard-engine-")
+        found = _history(st, "container")
+        assert found and cid[:12] in found[0] and f"init pid {info['State']['Pid']}" in found[0], st["history"]
+        init = info["State"]["Pid"]
+        mark = sg.mark()
+        r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
+        assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
+        sg.wait_line(r"EngineCore received SIGTERM", 5, start=mark)     # the SIGTERM reached the engine inside
+        assert wait_gone([init], 10) == []
+        assert _containers(d, tag) == []
+        st = sg.status()
+        assert st["state"] == "stopped" and not _history(st, "sigkill"), st["history"]
+    finally:
+        sg.stop()
+        _remove(d, tag)
+
+
+def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarted(tmp_path, docker_env):
+    d = docker_env
+    tag, port = unique_name(), free_port()
+    # the user's own --name and no --rm: sparkguard must remove it, or the restart's --name conflicts
+    argv = d.fake_run(tag, *SMALL, "--port", str(port), name=tag, run_opts=("--label", f"sgtest={tag}"))
+    sg = Daemon(tmp_path, engine_config(tmp_path, tag, argv, port))
+    try:
+        sg.wait_control()
+        st = sg.wait_ready(timeout=60)
+        [cid] = _containers(d, tag)
+        init = _inspect(d, cid)["State"]["Pid"]
+        client = st["pid"]
+        fd = os.pidfd_open(client)
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        finally:
+            os.close(fd)
+        assert wait_gone([init], 30) == [], "the container's engine outlived its client"
+        st = sg.wait_ready(after=1, timeout=60)
+        assert _inspect(d, cid) is None, "the dead client's container was not removed"
+        [cid2] = _containers(d, tag)
+        assert cid2 != cid and _inspect(d, cid2)["Name"] == f"/{tag}"
+        [ex] = [h for h in _history(st, "exit")][-1:]
+        assert "SIGKILL" in ex and f"container {cid[:12]}" in ex and "removed" in ex, ex
+    finally:
+        sg.stop()
+        _remove(d, tag)
+
+
+def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_env):
+    d = docker_env
+    tag, port = unique_name(), free_port()
+    # the engine inside fills 600 MiB once ready; the guard's line is 320 MiB below MemAvailable now
+    fill = ("--fill-size", "600MiB", "--fill-rate", "300MiB", "--fill-delay", "1")
+    argv = d.fake_run(tag, *SMALL, *fill, "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
+    cfg = engine_config(tmp_path, tag, argv, port)
+    cfg["guard"].update({"term_below": mem_available() - 320 * MiB, "grace": "10s", "recovery_wait": "2s"})
+    sg = Daemon(tmp_path, cfg)
+    try:
+        sg.wait_control()
+        sg.wait_ready(timeout=60)
+        [cid] = _containers(d, tag)
+        init = _inspect(d, cid)["State"]["Pid"]
+        mark = sg.mark()
+        inc = sg.incident("memory", start=mark, timeout=60)
+        ev = [e for e in inc["timeline"] if e["event"] == "sigterm"]
+        assert ev, inc["timeline"]
+        assert init in {row["pid"] for row in inc["target"]["tree"]}, inc["target"]   # the tree covers the container
+        sg.wait_line(r"EngineCore received SIGTERM", 10, start=mark)
+        assert wait_gone([init], 15) == []
+        assert not any(e["event"] == "sigkill" for e in inc["timeline"]), inc["timeline"]
+    finally:
+        sg.stop()
+        _remove(d, tag)
