@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 
 import pytest
 
@@ -129,3 +131,39 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
     finally:
         sg.stop()
         _remove(d, tag)
+
+
+def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
+    d = docker_env
+    tag = unique_name()
+    # the engine inside fills 600 MiB 6 s after it serves; the guard's line is 320 MiB below MemAvailable now
+    fill = ("--fill-size", "600MiB", "--fill-rate", "300MiB", "--fill-delay", "6")
+    argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
+    engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace")
+    sg = None
+    try:
+        seen = []
+        for line in engine.stdout:              # bounded: the fake exits on its own after --ready-timeout
+            seen.append(line)
+            if "fake-vllm: serving" in line:
+                break
+        assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
+        [cid] = _containers(d, tag)
+        init = _inspect(d, cid)["State"]["Pid"]
+        cfg = {"guard": {"term_below": mem_available() - 320 * MiB, "grace": "10s", "recovery_wait": "2s"},
+               "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
+               "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
+        sg = Daemon(tmp_path, cfg)
+        sg.wait_line(rf"targets now: .*\[container {cid[:12]}", 20)
+        inc = sg.incident("memory", timeout=60)
+        term = [e for e in inc["timeline"] if e["event"] == "sigterm"]
+        assert term and term[0]["pids"] == [init], inc["timeline"]
+        assert f"[container {cid[:12]} ({tag})]" in inc["target"]["title"], inc["target"]
+        assert engine.wait(30) == 0              # the engine shut down on the guard's SIGTERM
+        assert _containers(d, tag) == []
+    finally:
+        if sg is not None:
+            sg.stop()
+        _remove(d, tag)
+        engine.wait(30)

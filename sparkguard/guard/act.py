@@ -13,6 +13,7 @@ import time
 
 from sparkguard import armed, policy, proctree, signals
 from sparkguard.guard import escalation
+from sparkguard.supervisor import container
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard")
@@ -122,6 +123,7 @@ class Actions:
                 return None, procs, False
             target = targets[0]
             ambiguous = proctree.ambiguous(targets)
+            container.widen(target, procs, self.protector)     # an engine in a container: its cgroup, its name
         # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
         # are gone within milliseconds; one tree's reads cost about a millisecond
         proctree.add_details(target, procs)
@@ -181,6 +183,7 @@ class Actions:
             # act first, report after: the armed rows (read when it was armed) are re-read now;
             # members already gone keep their armed figures
             proctree.refresh_details(target)
+        container.retitle(target)     # after the signal: the container's name, if docker answered meanwhile
         if retry:
             self.policy.target_found(now)
         if joined:

@@ -35,7 +35,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -353,3 +355,83 @@ def finish(launch: Launch, ctr: Container | None) -> str:
 def rundir(state_file: str) -> str:
     """The directory of the cidfiles: ``containers/`` beside ``engine.state_file``."""
     return os.path.join(os.path.dirname(os.path.abspath(state_file)), "containers")
+
+
+# ---- guard-only mode: a matched engine that runs in a container ---------------------------------
+
+#: a container's cgroup path names its id: cgroupfs driver ``/docker/<id>``, systemd driver
+#: ``docker-<id>.scope``; podman ``libpod-<id>(.scope)`` / ``/libpod_parent/libpod-<id>``
+CGROUP_ID = re.compile(r"\b(docker|libpod)[-/]([0-9a-f]{64})(?:\.scope)?(?:/|$)")
+_names: dict[str, str | None] = {}      # container id -> name (None: asked, no answer yet or none)
+_names_lock = threading.Lock()
+
+
+def container_of(pid: int, proc: str = "/proc") -> tuple[str, str] | None:
+    """``(runtime, container id)`` when ``pid`` runs in a docker or podman container (read from
+    ``/proc/PID/cgroup``: :data:`CGROUP_ID`), else None."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    m = CGROUP_ID.search(text)
+    if m is None:
+        return None
+    return ("docker" if m.group(1) == "docker" else "podman"), m.group(2)
+
+
+def name_of(runtime: str, cid: str) -> str | None:
+    """The container's name if already known; the first call for an id asks ``RUNTIME inspect``
+    in a thread of its own (sparkguard's environment: DOCKER_HOST / CONTAINER_HOST) and returns
+    None, so no caller (the guard's scan) ever waits for the CLI."""
+    with _names_lock:
+        if cid in _names:
+            return _names[cid]
+        _names[cid] = None
+
+    def ask() -> None:
+        info = inspect(Launch(runtime, "", None, dict(os.environ)), cid)
+        if info is not None:
+            with _names_lock:
+                _names[cid] = str(info.get("Name") or "").lstrip("/") or None
+    threading.Thread(target=ask, name="sg-ctr-name", daemon=True).start()
+    return None
+
+
+def widen(target, procs: dict, protector) -> str | None:
+    """A ``targets.match`` tree whose root runs in a container: add the container's other
+    processes (its cgroup, :func:`members`) to ``target.pids`` and name the container in
+    ``target.title`` (``"... [container 0123456789ab (name)]"``; the name once docker answered,
+    :func:`name_of`).  Cheap: two small /proc and cgroup reads, no CLI call on the caller's thread.
+
+    Args:
+        target: ``proctree.Target`` (changed in place).  procs: the scan it came from.
+        protector: ``proctree.Protector`` (protected processes are not added).
+    Returns:
+        str, the container's label, or None when the root runs in no container.
+    """
+    found = container_of(target.root_pid)
+    if found is None:
+        return None
+    runtime, cid = found
+    ctr = Container(cid, name_of(runtime, cid) or "", target.root_pid, 0, cgroup_dir(target.root_pid))
+    for pid, st in members(ctr, procs).items():
+        if pid not in target.starttimes and not protector.protected(procs[pid]):
+            target.pids.append(pid)
+            target.starttimes[pid] = st
+    label = ctr.label()
+    if f"[{label}]" not in target.title:
+        target.title = f"{target.title} [{label}]"
+    return label
+
+
+def retitle(target) -> None:
+    """Put the container's name into a title :func:`widen` made before docker had answered
+    (``[container 0123456789ab]`` -> ``[container 0123456789ab (name)]``); a dict lookup, no CLI call."""
+    m = re.search(r"\[container ([0-9a-f]{12})\]$", target.title)
+    if m is None:
+        return
+    with _names_lock:
+        name = next((n for cid, n in _names.items() if cid.startswith(m.group(1)) and n), None)
+    if name:
+        target.title = f"{target.title[:m.start()]}[container {m.group(1)} ({name})]"
