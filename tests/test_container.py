@@ -167,3 +167,27 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
             sg.stop()
         _remove(d, tag)
         engine.wait(30)
+
+
+@pytest.mark.parametrize("policy,status", [("unless-stopped", "WARN"), ("no", "PASS")])
+def test_doctor_warns_of_a_restart_policy_that_restarts_the_engine_behind_the_guard(tmp_path, docker_env, policy,
+                                                                                    status):
+    d = docker_env
+    tag = unique_name()
+    argv = d.fake_run(tag, *SMALL, name=tag, run_opts=("--label", f"sgtest={tag}", "-d", "--restart", policy))
+    argv.remove("--rm")                          # docker refuses --rm with a restart policy
+    try:
+        cid = d.docker(*argv[1:]).stdout.strip()
+        init = _inspect(d, cid)["State"]["Pid"]
+        cfg = tmp_path / "sparkguard.yaml"
+        cfg.write_text(f"targets:\n  match: ['{re.escape(tag)}']\n")
+        r = run_sparkguard("doctor", "--json", "--config", str(cfg))
+        assert r.returncode in (0, 1), r.stderr
+        [c] = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "engine_restart_policy"]
+        assert c["status"] == status, c
+        assert c["data"]["containers"] == [{"pid": init, "runtime": "docker", "id": cid, "name": tag,
+                                            "restart": policy}], c
+        if status == "WARN":
+            assert f"--restart {policy}" in c["message"] and f"docker update --restart no {tag}" in c["fix"], c
+    finally:
+        _remove(d, tag)

@@ -17,7 +17,7 @@ from conftest import run_sparkguard, sg_env
 from test_host_sysctl import restore_sysctls  # noqa: F401  (fixture)
 
 CHECKS = {"zram", "swappiness", "watermark_scale_factor", "page_cluster", "min_free_kbytes", "sysctl_boot",
-          "memlock", "psi", "hidepid", "unit", "guard_priority", "other_killers", "container", "engine_sandbox", "engine_shutdown_timeout", "page_cache", "nvidia",
+          "memlock", "psi", "hidepid", "unit", "guard_priority", "other_killers", "container", "engine_sandbox", "engine_shutdown_timeout", "engine_restart_policy", "page_cache", "nvidia",
           "links", "metrics"}
 
 

@@ -21,8 +21,8 @@ from typing import Callable
 from sparkguard import config
 from sparkguard.host import virt
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, WARN, Check, Context
-from sparkguard.host.doctor_engine import (check_engine_sandbox, check_engine_timeout, check_nvidia,
-                                           check_other_killers)
+from sparkguard.host.doctor_engine import (check_engine_restart_policy, check_engine_sandbox, check_engine_timeout,
+                                           check_nvidia, check_other_killers)
 from sparkguard.host.doctor_guard import (check_guard_priority, check_hidepid, check_links, check_memlock,
                                           check_metrics, check_unit)
 from sparkguard.host.doctor_memory import (HOST_ONLY, check_boot_sysctls, check_container, check_min_free,
@@ -41,7 +41,7 @@ def _host_fixes(checks: list[Check]) -> None:
 CHECKS: list[Callable[[Context], Check]] = [
     check_zram, check_swappiness, check_watermark, check_page_cluster, check_min_free, check_boot_sysctls,
     check_memlock, check_psi, check_hidepid, check_unit, check_guard_priority, check_other_killers, check_container,
-    check_engine_sandbox, check_engine_timeout,
+    check_engine_sandbox, check_engine_timeout, check_engine_restart_policy,
     check_page_cache, check_nvidia,
     check_links,
     check_metrics,

@@ -1,5 +1,6 @@
 """doctor's checks of the engines beside the guard: other memory killers that would fight it,
-the engine's sandbox, vLLM's worker shutdown timeout against the grace, the NVIDIA driver.
+the engine's sandbox, vLLM's worker shutdown timeout against the grace, a container restart
+policy that restarts the engine behind the guard's back, the NVIDIA driver.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from sparkguard.host import procview
 from sparkguard.host.doctor_base import (FAIL, INFO, PASS, UNIT, UNIT_FILE, WARN, Check, Context, engine_roots,
                                          worse)
 from sparkguard.host.systemctl import query, systemd_running
+from sparkguard.supervisor import container
 from sparkguard.units import format_duration
 
 #: peer memory killers that act on their own lines: (program name, what it does)
@@ -197,6 +199,53 @@ def check_engine_timeout(ctx: Context) -> Check:
             lines.append(f"pid {pid}: shutdown timeout {t:g} s ({src}) < grace {format_duration(grace)}")
     return Check("engine_shutdown_timeout", worst, "; ".join(lines), "; ".join(sorted(fixes)) or None,
                  {"grace_seconds": grace, "engines": data})
+
+
+#: restart policies under which docker/podman start a stopped engine again by themselves
+#: (docker-run(1) ``--restart``: ``always`` and ``unless-stopped`` after any exit, ``on-failure`` after a non-zero one)
+RESTARTING = ("always", "unless-stopped")
+
+
+def check_engine_restart_policy(ctx: Context) -> Check:
+    """A running engine in a docker/podman container (its root's cgroup,
+    :func:`sparkguard.supervisor.container.container_of`) whose restart policy (``docker inspect``:
+    HostConfig.RestartPolicy) is ``always`` or ``unless-stopped``: after the guard stops it, the
+    container runtime starts it again at once, with no memory gate, into the memory that is not
+    back yet (FIELD-NOTES: unified memory has taken 60 s or more to come back after ``docker
+    kill``; the public reports describe that OOM cascade).  ``on-failure`` is named too: the
+    guard's SIGKILL is a failure."""
+    found = [(pid, cmd, c) for pid, cmd in engine_roots(ctx) if (c := container.container_of(pid)) is not None]
+    data: dict = {"containers": []}
+    if not found:
+        return Check("engine_restart_policy", INFO, "no engine of targets.match runs in a container", None, data)
+    worst, lines, fixes = PASS, [], []
+    for pid, _cmd, (runtime, cid) in found:
+        cli = shutil.which(runtime)
+        if cli is None:
+            worst = worse(worst, INFO)
+            lines.append(f"pid {pid} runs in {runtime} container {cid[:12]}; {runtime} not found: cannot read its "
+                         "restart policy")
+            continue
+        info = container.inspect(container.Launch(cli, "", None, dict(os.environ)), cid)
+        if info is None:
+            worst = worse(worst, INFO)
+            lines.append(f"pid {pid} runs in container {cid[:12]}; `{runtime} inspect` did not answer "
+                         "(DOCKER_HOST?): cannot read its restart policy")
+            continue
+        name = str(info.get("Name") or "").lstrip("/")
+        policy = str(((info.get("HostConfig") or {}).get("RestartPolicy") or {}).get("Name") or "no")
+        data["containers"].append({"pid": pid, "runtime": runtime, "id": cid, "name": name, "restart": policy})
+        label = f"container {cid[:12]} ({name})" if name else f"container {cid[:12]}"
+        if policy in RESTARTING or policy == "on-failure":
+            worst = worse(worst, WARN)
+            when = "after any exit" if policy in RESTARTING else "after a non-zero exit (the guard's SIGKILL)"
+            lines.append(f"{label} runs the engine (pid {pid}) with --restart {policy}: {runtime} starts it "
+                         f"again {when} at once, with no memory gate, before the memory is back")
+            fixes.append(f"{runtime} update --restart no {name or cid[:12]}, and let sparkguard start it "
+                         f"(engine.command: [{runtime}, run, ...], docs/containers.md)")
+        else:
+            lines.append(f"{label} runs the engine (pid {pid}), restart policy {policy}")
+    return Check("engine_restart_policy", worst, "; ".join(lines), "; ".join(fixes) or None, data)
 
 
 def check_nvidia(ctx: Context) -> Check:
