@@ -191,3 +191,66 @@ def test_doctor_warns_of_a_restart_policy_that_restarts_the_engine_behind_the_gu
             assert f"--restart {policy}" in c["message"] and f"docker update --restart no {tag}" in c["fix"], c
     finally:
         _remove(d, tag)
+
+
+def test_a_stopped_container_left_with_the_engines_name_is_removed_before_the_start(tmp_path, docker_env):
+    d = docker_env
+    tag, port = unique_name(), free_port()
+    stale = d.docker("create", "--name", tag, "--label", f"sgtest={tag}", d.image, "true").stdout.strip()
+    argv = d.fake_run(tag, *SMALL, "--port", str(port), name=tag, run_opts=("--label", f"sgtest={tag}"))
+    sg = Daemon(tmp_path, engine_config(tmp_path, tag, argv, port))
+    try:
+        sg.wait_control()
+        sg.wait_ready(timeout=60)
+        sg.wait_line(rf"removed the stopped container {tag} \({stale[:12]}\)", 1)
+        assert _inspect(d, stale) is None and len(_containers(d, tag)) == 1
+    finally:
+        sg.stop()
+        _remove(d, tag)
+
+
+# ---- the command line, without Docker ----------------------------------------------------------
+
+RECIPE = ["docker", "run", "--gpus", "all", "--network", "host", "--ipc", "host", "--shm-size", "16g",
+          "-v", "/models:/models", "-e", "NCCL_SOCKET_IFNAME=enp1s0f0np0", "-it", "--rm",
+          "vllm/vllm-openai:latest", "vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
+
+
+def test_prepare_adds_cidfile_name_and_the_shutdown_timeout_after_run(tmp_path):
+    from sparkguard.supervisor import container
+    argv, launch = container.prepare(RECIPE, {"DOCKER_HOST": "unix:///x.sock"}, str(tmp_path / "c"), 8)
+    assert argv[:2] == ["docker", "run"] and argv[-len(RECIPE) + 2:] == RECIPE[2:]
+    added = argv[2:len(argv) - len(RECIPE) + 2]
+    assert added[:2] == ["--cidfile", launch.cidfile] and launch.cidfile.startswith(str(tmp_path / "c") + "/")
+    assert added[2:4] == ["--name", launch.name] and launch.name.startswith("sparkguard-engine-")
+    assert added[4:] == ["-e", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=8"]
+    assert launch.env["DOCKER_HOST"] == "unix:///x.sock" and launch.user_name is None
+    assert container.inner(RECIPE) == ["vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("opts,user_name,shutdown_env", [
+    (["--name", "glm"], "glm", True), (["--name=glm"], "glm", True),
+    (["-e", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=3"], None, False),
+])
+def test_prepare_keeps_what_the_user_gave(tmp_path, opts, user_name, shutdown_env):
+    from sparkguard.supervisor import container
+    cmd = RECIPE[:2] + opts + RECIPE[2:]
+    argv, launch = container.prepare(cmd, {}, str(tmp_path), 8)
+    assert launch.user_name == user_name and (launch.name is None) == (user_name is not None)
+    assert argv.count("--name") + sum(a.startswith("--name=") for a in argv) == 1
+    assert ("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=8" in argv) == shutdown_env
+
+
+@pytest.mark.parametrize("bad,why", [(["-d"], "-d detaches"), (["-dit"], "-d detaches"), (["--detach"], "-d detaches"),
+                                     (["--sig-proxy=false"], "--sig-proxy=false"), (["--cidfile", "/x"], "--cidfile")])
+def test_prepare_refuses_what_would_hide_the_engine(tmp_path, bad, why):
+    from sparkguard.supervisor import container
+    with pytest.raises(ValueError, match=re.escape(why)):
+        container.prepare(RECIPE[:2] + bad + RECIPE[2:], {}, str(tmp_path))
+
+
+def test_not_a_container_command_is_left_alone(tmp_path):
+    from sparkguard.supervisor import container
+    for argv in (["vllm", "serve", "m"], ["docker", "exec", "x", "vllm"], ["/usr/bin/python3", "docker", "run"]):
+        assert container.prepare(argv, {}, str(tmp_path)) == (argv, None)
+    assert container.runtime_of(["/usr/bin/podman", "run", "img"]) == "/usr/bin/podman"

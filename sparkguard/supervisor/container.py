@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass
 
 from sparkguard import proctree
-from sparkguard.config import is_vllm
+from sparkguard.config import is_vllm, vllm_shutdown_timeout
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -64,12 +64,14 @@ class Launch:
         cidfile: str, the path the client writes the container id to.
         name: str | None, the ``--name`` sparkguard added (None: the user named it).
         env: dict, the client's environment (used for sparkguard's own CLI calls too).
+        user_name: str | None, the ``--name`` the user gave.
     """
 
     runtime: str
     cidfile: str
     name: str | None
     env: dict
+    user_name: str | None = None
 
 
 @dataclass
@@ -87,6 +89,10 @@ class Container:
     pid: int
     starttime: int
     cgroup: str | None
+
+    def as_dict(self) -> dict:
+        """``{"id", "name", "pid", "cgroup"}`` (incident reports, the state file)."""
+        return {"id": self.id, "name": self.name, "pid": self.pid, "cgroup": self.cgroup}
 
     def label(self) -> str:
         """``"container 0123456789ab (name)"``: how logs and incidents name it."""
@@ -169,14 +175,51 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
     cidfile = os.path.join(rundir, f"engine-{tag}.cid")
     extra = ["--cidfile", cidfile]
     name = None
-    if "--name" not in flags:
+    user_name = _value(opts, "--name")
+    if user_name is None:
         name = NAME_PREFIX + tag
         extra += ["--name", name]
     cmd = inner(argv)
     if (is_vllm(cmd) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
             and (SHUTDOWN_ENV in env or shutdown is not None)):
         extra += ["-e", f"{SHUTDOWN_ENV}={env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
-    return [argv[0], "run", *extra, *argv[2:]], Launch(rt, cidfile, name, dict(env))
+    return [argv[0], "run", *extra, *argv[2:]], Launch(rt, cidfile, name, dict(env), user_name)
+
+
+def _value(opts: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in :func:`_options`' list (``--flag V`` or ``--flag=V``), None if absent."""
+    for i, o in enumerate(opts):
+        if o == flag and i + 1 < len(opts):
+            return opts[i + 1]
+        if o.startswith(flag + "="):
+            return o.split("=", 1)[1]
+    return None
+
+
+def clear_stale(launch: Launch) -> str | None:
+    """Before a start: remove a container that is not running and carries the user's ``--name``
+    (left by a run whose cleanup did not happen: sparkguard was killed), which would make the
+    client fail with a name conflict.  A running one is left alone (someone else's, or an engine
+    that outlived its daemon): the start then fails with docker's own message.
+
+    Returns:
+        str, what was done (for the log), or None when there was nothing to do.
+    """
+    if launch.user_name is None:
+        return None
+    info = inspect(launch, launch.user_name)
+    if info is None:
+        return None
+    if (info.get("State") or {}).get("Running"):
+        return (f"a container named {launch.user_name} ({str(info.get('Id'))[:12]}) already runs: "
+                f"{launch.runtime} run will refuse the name")
+    try:
+        r = cli(launch, "rm", launch.user_name)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot remove the stopped container {launch.user_name}: {e}"
+    if r.returncode != 0:
+        return f"cannot remove the stopped container {launch.user_name}: {r.stderr.strip()[-200:]}"
+    return f"removed the stopped container {launch.user_name} ({str(info.get('Id'))[:12]}) left by an earlier run"
 
 
 def cli(launch: Launch, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
@@ -435,3 +478,15 @@ def retitle(target) -> None:
         name = next((n for cid, n in _names.items() if cid.startswith(m.group(1)) and n), None)
     if name:
         target.title = f"{target.title[:m.start()]}[container {m.group(1)} ({name})]"
+
+
+def for_engine(argv: list[str], env: dict, ecfg, grace: float) -> tuple[list[str], Launch | None]:
+    """The supervisor's one call before a spawn: :func:`prepare` with the cidfiles beside
+    ``engine.state_file`` (:func:`rundir`) and vLLM's shutdown timeout as ``lanes.command`` picks it
+    (``engine.shutdown_timeout``, else ``config.vllm_shutdown_timeout(guard.grace)``), then
+    :func:`clear_stale` (logged).  Raises ValueError, OSError as :func:`prepare` does."""
+    shutdown = ecfg.shutdown_timeout if ecfg.shutdown_timeout is not None else vllm_shutdown_timeout(grace)
+    argv, launch = prepare(argv, env, rundir(ecfg.state_file), shutdown)
+    if launch is not None and (said := clear_stale(launch)):
+        log.warning("engine: %s", said)
+    return argv, launch

@@ -28,7 +28,6 @@ import threading
 import time
 from typing import Callable
 
-from sparkguard import config as cm
 from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import cluster, container, health, lanes, nodes, output, process, reports
@@ -283,9 +282,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         argv, env = lanes.command(self.cfg, self.lane)
         reason = self.next_reason
         try:
-            argv, launch = container.prepare(argv, env, container.rundir(e.state_file), e.shutdown_timeout
-                                             if e.shutdown_timeout is not None else
-                                             cm.vllm_shutdown_timeout(self.cfg.guard.grace))
+            argv, launch = container.for_engine(argv, env, e, self.cfg.guard.grace)
             proc = process.spawn(argv, env, e.cwd, e.user)
         except (OSError, ValueError) as ex:
             log.error("engine: cannot start %s: %s", argv, ex)
@@ -349,6 +346,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             run.container = ctr
             self._history("container", f"{ctr.label()}: init pid {ctr.pid}, cgroup {ctr.cgroup or '(not found)'}")
             process.refresh_members(run)
+            self._write_state()
         self._post(found)
 
     def _supervise(self) -> None:

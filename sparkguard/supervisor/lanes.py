@@ -63,6 +63,8 @@ def write_state(ecfg, lane: str | None, run) -> None:
     if run is not None:
         st["engine"] = {"pid": run.pid, "pgid": run.pgid, "starttime": run.starttime,
                         "members": {str(k): v for k, v in dict(run.members).items()}}
+        if run.container is not None:     # a docker|podman run engine: what names its container
+            st["engine"]["container"] = run.container.as_dict()
     path = ecfg.state_file
     try:
         atomic_write(path, json.dumps(st))

@@ -90,14 +90,18 @@ class StatusViews:
 
     def _engine_info(self, run: Run | None, exit_: dict | None = None) -> dict:
         """The engine part of an incident report: the state now and ``run``'s own pid, lane,
-        command, exit (``exit_``, :meth:`_exit_of`), last output lines; the restart counters now."""
+        command, exit (``exit_``, :meth:`_exit_of`), last output lines, its container (only for a
+        container engine: ``{"id", "name", "pid", "cgroup"}``); the restart counters now."""
         state, detail = self.state, self.detail
         if run is not None and exit_ is not None and self.run is run and state in ("starting", "ready", "stopping"):
             state, detail = "sweeping", f"pid {run.pid} exited; sweeping what is left of its tree"
-        return {"state": state, "detail": detail, "lane": run.lane if run else self.lane,
+        info = {"state": state, "detail": detail, "lane": run.lane if run else self.lane,
                 "pid": run.pid if run else None, "command": run.argv if run else None, "exit": exit_,
                 "restarts": dict(self.restarts),
                 "last_lines": run.lines.current()[-self.ecfg.log_lines:] if run else []}
+        if run is not None and run.container is not None:     # a docker|podman run engine: its container
+            info["container"] = run.container.as_dict()
+        return info
 
     def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None,
                views=()) -> None:
