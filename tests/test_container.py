@@ -8,6 +8,7 @@ on the host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -50,20 +51,33 @@ def _inspect(d, ref: str) -> dict | None:
     return json.loads(r.stdout)[0] if r.returncode == 0 else None
 
 
-def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container(tmp_path, docker_env):
-    d = docker_env
-    tag, port = unique_name(), free_port()
-    argv = d.fake_run(tag, *SMALL, "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
-    sg = Daemon(tmp_path, engine_config(tmp_path, tag, argv, port))
+@contextlib.contextmanager
+def supervised(d, tmp_path, tag: str, *opts: str, name: str | None = None, guard: dict | None = None):
+    """A ``sparkguard run`` supervising ``docker run ... fake vllm serve TAG OPTS`` (labelled
+    ``sgtest=TAG``), ready: yields ``(daemon, status, container id, its init's host pid)``; the
+    daemon is stopped and the test's containers removed afterwards."""
+    port = free_port()
+    argv = d.fake_run(tag, *SMALL, *opts, "--port", str(port), name=name, run_opts=("--label", f"sgtest={tag}"))
+    cfg = engine_config(tmp_path, tag, argv, port)
+    cfg["guard"].update(guard or {})
+    sg = Daemon(tmp_path, cfg)
     try:
         sg.wait_control()
         st = sg.wait_ready(timeout=60)
         [cid] = _containers(d, tag)
+        yield sg, st, cid, _inspect(d, cid)["State"]["Pid"]
+    finally:
+        sg.stop()
+        _remove(d, tag)
+
+
+def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container(tmp_path, docker_env):
+    d, tag = docker_env, unique_name()
+    with supervised(d, tmp_path, tag) as (sg, st, cid, init):
         info = _inspect(d, cid)
         assert info["State"]["Running"] and info["Name"].startswith("/sparkguard-engine-")
         found = _history(st, "container")
-        assert found and cid[:12] in found[0] and f"init pid {info['State']['Pid']}" in found[0], st["history"]
-        init = info["State"]["Pid"]
+        assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
         mark = sg.mark()
         r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
         assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
@@ -72,24 +86,13 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
         assert _containers(d, tag) == []
         st = sg.status()
         assert st["state"] == "stopped" and not _history(st, "sigkill"), st["history"]
-    finally:
-        sg.stop()
-        _remove(d, tag)
 
 
 def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarted(tmp_path, docker_env):
-    d = docker_env
-    tag, port = unique_name(), free_port()
+    d, tag = docker_env, unique_name()
     # the user's own --name and no --rm: sparkguard must remove it, or the restart's --name conflicts
-    argv = d.fake_run(tag, *SMALL, "--port", str(port), name=tag, run_opts=("--label", f"sgtest={tag}"))
-    sg = Daemon(tmp_path, engine_config(tmp_path, tag, argv, port))
-    try:
-        sg.wait_control()
-        st = sg.wait_ready(timeout=60)
-        [cid] = _containers(d, tag)
-        init = _inspect(d, cid)["State"]["Pid"]
-        client = st["pid"]
-        fd = os.pidfd_open(client)
+    with supervised(d, tmp_path, tag, name=tag) as (sg, st, cid, init):
+        fd = os.pidfd_open(st["pid"])           # the docker client
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
         finally:
@@ -99,38 +102,25 @@ def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarte
         assert _inspect(d, cid) is None, "the dead client's container was not removed"
         [cid2] = _containers(d, tag)
         assert cid2 != cid and _inspect(d, cid2)["Name"] == f"/{tag}"
-        [ex] = [h for h in _history(st, "exit")][-1:]
+        ex = _history(st, "exit")[-1]
         assert "SIGKILL" in ex and f"container {cid[:12]}" in ex and "removed" in ex, ex
-    finally:
-        sg.stop()
-        _remove(d, tag)
 
 
 def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_env):
-    d = docker_env
-    tag, port = unique_name(), free_port()
+    d, tag = docker_env, unique_name()
     # the engine inside fills 600 MiB once ready; the guard's line is 320 MiB below MemAvailable now
     fill = ("--fill-size", "600MiB", "--fill-rate", "300MiB", "--fill-delay", "1")
-    argv = d.fake_run(tag, *SMALL, *fill, "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
-    cfg = engine_config(tmp_path, tag, argv, port)
-    cfg["guard"].update({"term_below": mem_available() - 320 * MiB, "grace": "10s", "recovery_wait": "2s"})
-    sg = Daemon(tmp_path, cfg)
-    try:
-        sg.wait_control()
-        sg.wait_ready(timeout=60)
-        [cid] = _containers(d, tag)
-        init = _inspect(d, cid)["State"]["Pid"]
+    guard = {"term_below": mem_available() - 320 * MiB, "grace": "10s", "recovery_wait": "2s"}
+    with supervised(d, tmp_path, tag, *fill, guard=guard) as (sg, st, cid, init):
         mark = sg.mark()
         inc = sg.incident("memory", start=mark, timeout=60)
-        ev = [e for e in inc["timeline"] if e["event"] == "sigterm"]
-        assert ev, inc["timeline"]
+        assert [e for e in inc["timeline"] if e["event"] == "sigterm"], inc["timeline"]
         assert init in {row["pid"] for row in inc["target"]["tree"]}, inc["target"]   # the tree covers the container
         sg.wait_line(r"EngineCore received SIGTERM", 10, start=mark)
         assert wait_gone([init], 15) == []
         assert not any(e["event"] == "sigkill" for e in inc["timeline"]), inc["timeline"]
-    finally:
-        sg.stop()
-        _remove(d, tag)
+        assert inc["engine"]["container"]["id"] == cid, inc["engine"]
+        assert any("fake-vllm: ready" in ln for ln in inc["engine"]["last_lines"]), inc["engine"]["last_lines"]
 
 
 def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
@@ -194,19 +184,11 @@ def test_doctor_warns_of_a_restart_policy_that_restarts_the_engine_behind_the_gu
 
 
 def test_a_stopped_container_left_with_the_engines_name_is_removed_before_the_start(tmp_path, docker_env):
-    d = docker_env
-    tag, port = unique_name(), free_port()
+    d, tag = docker_env, unique_name()
     stale = d.docker("create", "--name", tag, "--label", f"sgtest={tag}", d.image, "true").stdout.strip()
-    argv = d.fake_run(tag, *SMALL, "--port", str(port), name=tag, run_opts=("--label", f"sgtest={tag}"))
-    sg = Daemon(tmp_path, engine_config(tmp_path, tag, argv, port))
-    try:
-        sg.wait_control()
-        sg.wait_ready(timeout=60)
+    with supervised(d, tmp_path, tag, name=tag) as (sg, st, cid, init):
         sg.wait_line(rf"removed the stopped container {tag} \({stale[:12]}\)", 1)
-        assert _inspect(d, stale) is None and len(_containers(d, tag)) == 1
-    finally:
-        sg.stop()
-        _remove(d, tag)
+        assert cid != stale and _inspect(d, stale) is None
 
 
 # ---- the command line, without Docker ----------------------------------------------------------
