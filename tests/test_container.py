@@ -104,6 +104,9 @@ def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarte
         assert cid2 != cid and _inspect(d, cid2)["Name"] == f"/{tag}"
         ex = _history(st, "exit")[-1]
         assert "SIGKILL" in ex and f"container {cid[:12]}" in ex and "removed" in ex, ex
+        init2 = _inspect(d, cid2)["State"]["Pid"]
+        assert sg.stop() == 0                   # the daemon's own stop: the engine's container goes with it
+        assert wait_gone([init2], 10) == [] and _containers(d, tag) == []
 
 
 def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_env):
