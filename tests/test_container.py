@@ -121,7 +121,9 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
         assert init in {row["pid"] for row in inc["target"]["tree"]}, inc["target"]   # the tree covers the container
         sg.wait_line(r"EngineCore received SIGTERM", 10, start=mark)
         assert wait_gone([init], 15) == []
-        assert not any(e["event"] == "sigkill" for e in inc["timeline"]), inc["timeline"]
+        # the SIGTERM alone stopped it: the engine's clean exit, through the client.  (A SIGKILL may
+        # still follow in the timeline when other users of this machine keep MemAvailable under the line.)
+        sg.wait_line(r"engine: exit: pid \d+ exit code 0 ", 15, start=mark)
         assert inc["engine"]["container"]["id"] == cid, inc["engine"]
         assert any("fake-vllm: ready" in ln for ln in inc["engine"]["last_lines"]), inc["engine"]["last_lines"]
 
