@@ -90,7 +90,7 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
 
 def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarted(tmp_path, docker_env):
     d, tag = docker_env, unique_name()
-    # the user's own --name and no --rm: sparkguard must remove it, or the restart's --name conflicts
+    # the user's own --name: the dead client's container must be gone, or the restart's --name conflicts
     with supervised(d, tmp_path, tag, name=tag) as (sg, st, cid, init):
         fd = os.pidfd_open(st["pid"])           # the docker client
         try:
@@ -210,7 +210,7 @@ def test_prepare_adds_cidfile_name_and_the_shutdown_timeout_after_run(tmp_path):
     added = argv[2:len(argv) - len(RECIPE) + 2]
     assert added[:2] == ["--cidfile", launch.cidfile] and launch.cidfile.startswith(str(tmp_path / "c") + "/")
     assert added[2:4] == ["--name", launch.name] and launch.name.startswith("sparkguard-engine-")
-    assert added[4:] == ["-e", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=8"]
+    assert added[4:] == ["-e", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=8"]     # RECIPE has its own --rm
     assert launch.env["DOCKER_HOST"] == "unix:///x.sock" and launch.user_name is None
     assert container.inner(RECIPE) == ["vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
 
@@ -226,10 +226,20 @@ def test_prepare_keeps_what_the_user_gave(tmp_path, opts, user_name, shutdown_en
     assert launch.user_name == user_name and (launch.name is None) == (user_name is not None)
     assert argv.count("--name") + sum(a.startswith("--name=") for a in argv) == 1
     assert ("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=8" in argv) == shutdown_env
+    assert argv.count("--rm") == 1
+
+
+def test_prepare_adds_rm_unless_given(tmp_path):
+    from sparkguard.supervisor import container
+    cmd = [a for a in RECIPE if a != "--rm"]
+    argv, _ = container.prepare(cmd, {}, str(tmp_path), 8)
+    assert argv.count("--rm") == 1 and argv.index("--rm") < argv.index("vllm/vllm-openai:latest")
 
 
 @pytest.mark.parametrize("bad,why", [(["-d"], "-d detaches"), (["-dit"], "-d detaches"), (["--detach"], "-d detaches"),
-                                     (["--sig-proxy=false"], "--sig-proxy=false"), (["--cidfile", "/x"], "--cidfile")])
+                                     (["--sig-proxy=false"], "--sig-proxy=false"), (["--cidfile", "/x"], "--cidfile"),
+                                     (["--restart", "unless-stopped"], "--restart unless-stopped"),
+                                     (["--restart=always"], "--restart always")])
 def test_prepare_refuses_what_would_hide_the_engine(tmp_path, bad, why):
     from sparkguard.supervisor import container
     with pytest.raises(ValueError, match=re.escape(why)):

@@ -11,9 +11,10 @@ attached client; the engine runs under containerd-shim (or conmon), outside the 
 This module makes the container part of the run:
 
 * :func:`prepare` adds ``--cidfile`` (in a runtime directory) so the client writes the container's
-  id, and ``--name sparkguard-engine-<hex>`` only when the user gave no ``--name``; it refuses
-  ``-d``/``--detach`` (the client would exit at once) and ``--sig-proxy=false`` (the SIGTERM sent
-  to the client must reach the engine).
+  id, ``--name sparkguard-engine-<hex>`` only when the user gave no ``--name``, ``--rm`` unless
+  given; it refuses ``-d``/``--detach`` (the client would exit at once), ``--sig-proxy=false`` (the
+  SIGTERM sent to the client must reach the engine) and ``--restart`` (the runtime would restart
+  the engine behind sparkguard).
 * :func:`discover` (the run's ``sg-engine-ctr`` thread) reads the cidfile, then ``docker inspect``
   until the container runs: its id, name and init pid (:class:`Container`).
 * :func:`members` lists the container's processes from the cgroup of its init
@@ -146,14 +147,16 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
             ``lanes.command``).  rundir: a directory for the cidfile (created 0700).
     Returns:
         ``(argv, None)`` unchanged when it is no ``docker|podman run``; else the argv with
-        ``--cidfile``, ``--name`` (only when none was given) and, when the command inside is vLLM
+        ``--cidfile``, ``--name`` (only when none was given), ``--rm`` (unless given: the container
+        lives as long as the run, and the runtime removes it even when sparkguard cannot) and, when the command inside is vLLM
         (``config.is_vllm``) and neither it nor the options mention ``--shutdown-timeout`` or
         :data:`SHUTDOWN_ENV`, ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after ``run``
         (N: the client environment's value, else ``shutdown`` seconds; the container does not
         inherit the client's environment, and without it vLLM SIGKILLs its workers at once on
         SIGTERM: FIELD-NOTES).
     Raises:
-        ValueError: ``-d``/``--detach`` or ``--sig-proxy=false`` (the message says why).
+        ValueError: ``-d``/``--detach``, ``--sig-proxy=false``, ``--cidfile`` or a ``--restart`` policy
+            other than ``no`` (the message says why).
         OSError: rundir cannot be created.
     """
     rt = runtime_of(argv)
@@ -170,6 +173,10 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
                          "engine; remove it")
     if any(o.startswith("--cidfile") for o in opts):
         raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
+    restart = _value(opts, "--restart")
+    if restart not in (None, "no"):
+        raise ValueError(f"{rt} run --restart {restart}: {rt} would start the engine again behind sparkguard, with "
+                         "no memory gate; sparkguard restarts it (engine.backoff_*): remove --restart")
     os.makedirs(rundir, mode=0o700, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     cidfile = os.path.join(rundir, f"engine-{tag}.cid")
@@ -179,6 +186,8 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
     if user_name is None:
         name = NAME_PREFIX + tag
         extra += ["--name", name]
+    if "--rm" not in flags:
+        extra += ["--rm"]
     cmd = inner(argv)
     if (is_vllm(cmd) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
             and (SHUTDOWN_ENV in env or shutdown is not None)):
