@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import re
 import subprocess
 import threading
@@ -125,11 +126,16 @@ def _options(argv: list[str]) -> list[str]:
     return out
 
 
-#: docker-run(1) / podman-run(1) options that take no value (the rest of its options take one)
+#: docker-run(1) / podman-run(1) options that take no value (the rest of their options take one);
+#: an option missing here that takes no value makes the image look like its value (assumption: the
+#: recipes' command lines use only these)
 BOOL_FLAGS = frozenset({
     "-d", "--detach", "-i", "--interactive", "-t", "--tty", "--rm", "--init", "--privileged",
     "-P", "--publish-all", "--read-only", "--no-healthcheck", "--oom-kill-disable", "--sig-proxy",
-    "--disable-content-trust", "-q", "--quiet", "--help", "--replace", "--rmi",
+    "--disable-content-trust", "-q", "--quiet", "--help",
+    # podman's own
+    "--replace", "--rmi", "--env-host", "--http-proxy", "--no-hosts", "--read-only-tmpfs", "--rootfs",
+    "--tls-verify", "--unsetenv-all", "--passwd",
 })
 BOOL_SHORT = frozenset("ditPq")
 
@@ -147,13 +153,14 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
             ``lanes.command``).  rundir: a directory for the cidfile (created 0700).
     Returns:
         ``(argv, None)`` unchanged when it is no ``docker|podman run``; else the argv with
-        ``--cidfile``, ``--name`` (only when none was given), ``--rm`` (unless given: the container
-        lives as long as the run, and the runtime removes it even when sparkguard cannot) and, when the command inside is vLLM
-        (``config.is_vllm``) and neither it nor the options mention ``--shutdown-timeout`` or
-        :data:`SHUTDOWN_ENV`, ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after ``run``
-        (N: the client environment's value, else ``shutdown`` seconds; the container does not
-        inherit the client's environment, and without it vLLM SIGKILLs its workers at once on
-        SIGTERM: FIELD-NOTES).
+        ``--cidfile``, ``--name`` (only when none was given), ``--rm`` (unless given: the
+        container lives as long as the run, and the runtime removes it even when sparkguard
+        cannot) and, when the command inside is vLLM (``config.is_vllm``) and neither it nor the
+        options mention ``--shutdown-timeout`` or :data:`SHUTDOWN_ENV`,
+        ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after ``run`` (N: the client
+        environment's value, else ``shutdown`` seconds; the container does not inherit the
+        client's environment, and without it vLLM SIGKILLs its workers at once on SIGTERM:
+        FIELD-NOTES).
     Raises:
         ValueError: ``-d``/``--detach``, ``--sig-proxy=false``, ``--cidfile`` or a ``--restart`` policy
             other than ``no`` (the message says why).
@@ -493,9 +500,14 @@ def for_engine(argv: list[str], env: dict, ecfg, grace: float) -> tuple[list[str
     """The supervisor's one call before a spawn: :func:`prepare` with the cidfiles beside
     ``engine.state_file`` (:func:`rundir`) and vLLM's shutdown timeout as ``lanes.command`` picks it
     (``engine.shutdown_timeout``, else ``config.vllm_shutdown_timeout(guard.grace)``), then
-    :func:`clear_stale` (logged).  Raises ValueError, OSError as :func:`prepare` does."""
+    :func:`clear_stale` (logged).  With ``engine.user`` the cidfile directory is that user's (the
+    client runs as it).  Raises ValueError, OSError as :func:`prepare` does; KeyError: no such user."""
     shutdown = ecfg.shutdown_timeout if ecfg.shutdown_timeout is not None else vllm_shutdown_timeout(grace)
-    argv, launch = prepare(argv, env, rundir(ecfg.state_file), shutdown)
+    where = rundir(ecfg.state_file)
+    argv, launch = prepare(argv, env, where, shutdown)
+    if launch is not None and ecfg.user is not None:     # the client runs as engine.user and writes the cidfile
+        pw = pwd.getpwuid(int(ecfg.user)) if ecfg.user.isdigit() else pwd.getpwnam(ecfg.user)
+        os.chown(where, pw.pw_uid, pw.pw_gid)
     if launch is not None and (said := clear_stale(launch)):
         log.warning("engine: %s", said)
     return argv, launch
