@@ -171,7 +171,7 @@ class Armed:
             self.ambiguous = ambiguous
             self.target = target
             self.procs = {pid: procs[pid] for pid in target.pids if pid in procs}
-            self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid)
+            self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid, term=target.term_pid)
 
     def take(self):
         """At the crossing: ``(target, tree, procs)`` if the armed root is still alive and the

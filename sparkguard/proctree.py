@@ -62,6 +62,8 @@ class Target:
         rank: int, index of the pattern in ``targets.match`` (``len(match)`` for the fallback).
         launcher: bool, the root only mentions the engine (another matching root below it);
             :func:`find_targets` puts launchers after the real engines of the same rank.
+        term_pid: int | None, the member that gets the SIGTERM instead of the root (a supervised
+            ``docker run`` engine: the container's init, the root being the client), None: the root.
     """
 
     root_pid: int
@@ -73,6 +75,7 @@ class Target:
     tree: list[dict] = field(default_factory=list)
     rank: int = 0
     launcher: bool = False
+    term_pid: int | None = None
 
 
 FALLBACK_PATTERN = "fallback:oom_score"

@@ -65,10 +65,14 @@ class Tree:
             changed before pidfd_open is a recycled pid and is dropped.
         root: the pid that gets SIGTERM; default ``pids[0]``.  Given explicitly, so that a
             root left out of ``pids`` (protected) is never replaced by one of its children.
+        term: a member that gets the SIGTERM instead of the root while it lives (a ``docker run``
+            engine: the container's init; the root, the client, would forward a second one); None: the root.
     """
 
-    def __init__(self, pids: list[int], starttimes: dict[int, int], root: int | None = None):
+    def __init__(self, pids: list[int], starttimes: dict[int, int], root: int | None = None,
+                 term: int | None = None):
         self.root = root if root is not None else (pids[0] if pids else None)
+        self.term = term
         self.fds: dict[int, int] = {}
         self.starttimes: dict[int, int] = {}
         self.add(pids, starttimes)
@@ -125,7 +129,10 @@ class Tree:
             return False
 
     def term_root(self) -> bool:
-        """SIGTERM the root of the tree; False if it was already gone."""
+        """SIGTERM the root of the tree (or ``term``, when that member is still tracked); False if
+        it was already gone."""
+        if self.term is not None and self.term in self.fds and self.send(self.term, signal.SIGTERM):
+            return True
         return self.root is not None and self.send(self.root, signal.SIGTERM)
 
     def sweep(self) -> list[int]:

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -81,6 +82,7 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
         mark = sg.mark()
         r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
         assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
+        sg.wait_line(rf"SIGTERM pid {st['pid']} \(to its container's init, pid {init}\)", 5, start=mark)
         sg.wait_line(r"EngineCore received SIGTERM", 5, start=mark)     # the SIGTERM reached the engine inside
         assert wait_gone([init], 10) == []
         assert _containers(d, tag) == []
@@ -162,6 +164,7 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
             sg.stop()
         _remove(d, tag)
         engine.wait(30)
+        engine.stdout.close()
 
 
 @pytest.mark.parametrize("policy,status", [("unless-stopped", "WARN"), ("no", "PASS")])
@@ -251,3 +254,23 @@ def test_not_a_container_command_is_left_alone(tmp_path):
     for argv in (["vllm", "serve", "m"], ["docker", "exec", "x", "vllm"], ["/usr/bin/python3", "docker", "run"]):
         assert container.prepare(argv, {}, str(tmp_path)) == (argv, None)
     assert container.runtime_of(["/usr/bin/podman", "run", "img"]) == "/usr/bin/podman"
+
+
+def test_a_tree_with_a_term_member_sigterms_it_and_not_the_root():
+    # a supervised container engine: the root is the docker client, the SIGTERM goes to the container's init
+    from sparkguard import proctree, signals
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        client, init = (k.pid for k in kids)
+        st = {pid: proctree.read_proc(pid).starttime for pid in (client, init)}
+        tree = signals.Tree([client, init], st, root=client, term=init)
+        try:
+            assert tree.term_root()
+            assert kids[1].wait(10) == -signal.SIGTERM and kids[0].poll() is None
+            assert tree.term_root() and kids[0].wait(10) == -signal.SIGTERM   # the term member gone: the root
+        finally:
+            tree.close()
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait(10)

@@ -146,7 +146,8 @@ class Actions:
         target = self.scan_choice()[0]
         if target is None:
             return None, None, False
-        return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid), False
+        return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid,
+                                    term=target.term_pid), False
 
     def _watch(self, skip: set[int] = frozenset()) -> None:
         """Register the victim's pidfds in the loop's poll set, but those of the pids in ``skip``."""

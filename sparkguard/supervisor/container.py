@@ -24,10 +24,11 @@ This module makes the container part of the run:
 * :func:`finish` after the run: what the container's own exit status was (``docker inspect``), and
   ``docker rm -f`` so no container runs (or blocks the next start's ``--name``) behind a dead client.
 
-Signals: SIGTERM goes to the client as for any engine; an attached ``docker run`` forwards it to
-the container's init (``--sig-proxy``, default true: docker-run(1); the same ``kill -s TERM`` that
-``docker stop`` sends first).  The SIGKILL after the grace reaches the client and every process in
-the container's cgroup directly (pidfds).  ``docker``/``podman`` run with sparkguard's environment
+Signals: the SIGTERM goes to the container's init through its pidfd (what ``docker stop`` sends
+first), not to the client (``signals.Tree`` ``term``, set by :mod:`.process`): the client's
+``--sig-proxy`` would forward a second one.  Until the container is known it goes to the client,
+which forwards it (``--sig-proxy``, default true: docker-run(1)).  The SIGKILL after the grace
+reaches the client and every process in the container's cgroup directly (pidfds).  ``docker``/``podman`` run with sparkguard's environment
 (``DOCKER_HOST``, ``CONTAINER_HOST`` are honoured as the CLIs document).
 """
 

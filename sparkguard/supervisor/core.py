@@ -404,7 +404,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                 self._history("sigterm", f"{why}: pid {run.pid} is already being stopped ({esc.reason}): "
                                          "no second SIGTERM")
             elif event == "sigterm":
-                self._history("sigterm", f"{why}: SIGTERM pid {run.pid}" + ("" if esc.sent else " (already gone)"))
+                to = f" (to its container's init, pid {esc.tree.term})" if esc.tree.term is not None else ""
+                self._history("sigterm", f"{why}: SIGTERM pid {run.pid}{to}" + ("" if esc.sent else " (already gone)"))
                 if inc is not None:
                     self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})" if inc.kind == "wedged"
                                        else f"SIGTERM the engine (pid {run.pid}): {why}", [run.pid])

@@ -124,7 +124,17 @@ def target(run, procs: dict, protector, details: bool = True):
     if extra:
         kids = dict(kids)
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
-    return proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
+    t = proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
+    t.term_pid = _init(run, t.starttimes)
+    return t
+
+
+def _init(run, starttimes: dict[int, int]) -> int | None:
+    """The container's init when the run is a ``docker run`` engine whose container is known and
+    its init is in ``starttimes`` with its own start time: the member that gets the SIGTERM
+    (``signals.Tree`` ``term``), as ``docker stop`` sends it; else None (the root gets it)."""
+    ctr = run.container
+    return ctr.pid if ctr is not None and starttimes.get(ctr.pid) == ctr.starttime else None
 
 
 def signal_tree(run):
@@ -138,7 +148,8 @@ def signal_tree(run):
         run.members.setdefault(pid, procs[pid].starttime)
     if run.pid not in pids:
         pids.insert(0, run.pid)
-    return signals.Tree(pids, {pid: procs[pid].starttime for pid in pids if pid in procs})
+    starttimes = {pid: procs[pid].starttime for pid in pids if pid in procs}
+    return signals.Tree(pids, starttimes, term=_init(run, starttimes))
 
 
 def refresh_members(run) -> bool:
