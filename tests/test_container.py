@@ -22,6 +22,9 @@ from conftest import mem_available, run_sparkguard
 from dockerd import dockerd, unique_name  # noqa: F401 - the session fixture
 from supervisor_helpers import Daemon, engine_config, free_port, wait_gone
 
+from sparkguard import proctree, signals
+from sparkguard.supervisor import container, container_argv, container_cgroup
+
 MiB = 1024 ** 2
 SMALL = ("--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB", "--tp", "2")
 
@@ -207,7 +210,6 @@ RECIPE = ["docker", "run", "--gpus", "all", "--network", "host", "--ipc", "host"
 
 
 def test_prepare_adds_cidfile_name_and_the_shutdown_timeout_after_run(tmp_path):
-    from sparkguard.supervisor import container
     argv, launch = container.prepare(RECIPE, {"DOCKER_HOST": "unix:///x.sock"}, str(tmp_path / "c"), 8)
     assert argv[:2] == ["docker", "run"] and argv[-len(RECIPE) + 2:] == RECIPE[2:]
     added = argv[2:len(argv) - len(RECIPE) + 2]
@@ -215,7 +217,7 @@ def test_prepare_adds_cidfile_name_and_the_shutdown_timeout_after_run(tmp_path):
     assert added[2:4] == ["--name", launch.name] and launch.name.startswith("sparkguard-engine-")
     assert added[4:] == ["-e", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=8"]     # RECIPE has its own --rm
     assert launch.env["DOCKER_HOST"] == "unix:///x.sock" and launch.user_name is None
-    assert container.inner(RECIPE) == ["vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
+    assert container_argv.inner(RECIPE) == ["vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
 
 
 @pytest.mark.parametrize("opts,user_name,shutdown_env", [
@@ -223,7 +225,6 @@ def test_prepare_adds_cidfile_name_and_the_shutdown_timeout_after_run(tmp_path):
     (["-e", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=3"], None, False),
 ])
 def test_prepare_keeps_what_the_user_gave(tmp_path, opts, user_name, shutdown_env):
-    from sparkguard.supervisor import container
     cmd = RECIPE[:2] + opts + RECIPE[2:]
     argv, launch = container.prepare(cmd, {}, str(tmp_path), 8)
     assert launch.user_name == user_name and (launch.name is None) == (user_name is not None)
@@ -233,7 +234,6 @@ def test_prepare_keeps_what_the_user_gave(tmp_path, opts, user_name, shutdown_en
 
 
 def test_prepare_adds_rm_unless_given(tmp_path):
-    from sparkguard.supervisor import container
     cmd = [a for a in RECIPE if a != "--rm"]
     argv, _ = container.prepare(cmd, {}, str(tmp_path), 8)
     assert argv.count("--rm") == 1 and argv.index("--rm") < argv.index("vllm/vllm-openai:latest")
@@ -244,21 +244,18 @@ def test_prepare_adds_rm_unless_given(tmp_path):
                                      (["--restart", "unless-stopped"], "--restart unless-stopped"),
                                      (["--restart=always"], "--restart always")])
 def test_prepare_refuses_what_would_hide_the_engine(tmp_path, bad, why):
-    from sparkguard.supervisor import container
     with pytest.raises(ValueError, match=re.escape(why)):
         container.prepare(RECIPE[:2] + bad + RECIPE[2:], {}, str(tmp_path))
 
 
 def test_not_a_container_command_is_left_alone(tmp_path):
-    from sparkguard.supervisor import container
     for argv in (["vllm", "serve", "m"], ["docker", "exec", "x", "vllm"], ["/usr/bin/python3", "docker", "run"]):
         assert container.prepare(argv, {}, str(tmp_path)) == (argv, None)
-    assert container.runtime_of(["/usr/bin/podman", "run", "img"]) == "/usr/bin/podman"
+    assert container_argv.runtime_of(["/usr/bin/podman", "run", "img"]) == "/usr/bin/podman"
 
 
 def test_a_tree_with_a_term_member_sigterms_it_and_not_the_root():
     # a supervised container engine: the root is the docker client, the SIGTERM goes to the container's init
-    from sparkguard import proctree, signals
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:
         client, init = (k.pid for k in kids)
@@ -274,3 +271,17 @@ def test_a_tree_with_a_term_member_sigterms_it_and_not_the_root():
         for k in kids:
             k.kill()
             k.wait(10)
+
+
+@pytest.mark.parametrize("line,found", [
+    ("0::/system.slice/docker-{id}.scope", ("docker", "{id}")),          # cgroup v2, systemd driver (the Sparks)
+    ("4:memory:/docker/{id}\n0::/docker/{id}", ("docker", "{id}")),    # v1 hybrid, cgroupfs driver (here)
+    ("0::/machine.slice/libpod-{id}.scope/container", ("podman", "{id}")),
+    ("0::/user.slice/user-1000.slice/session-2.scope", None),
+])
+def test_the_container_of_a_process_is_read_from_its_cgroup(tmp_path, line, found):
+    cid = "0123456789abcdef" * 4
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_text(line.format(id=cid) + "\n")
+    want = None if found is None else (found[0], found[1].format(id=cid))
+    assert container_cgroup.container_of(42, proc=str(tmp_path)) == want

@@ -14,7 +14,7 @@ from sparkguard.host import procview
 from sparkguard.host.doctor_base import (FAIL, INFO, PASS, UNIT, UNIT_FILE, WARN, Check, Context, engine_roots,
                                          worse)
 from sparkguard.host.systemctl import query, systemd_running
-from sparkguard.supervisor import container
+from sparkguard.supervisor import container, container_cgroup
 from sparkguard.units import format_duration
 
 #: peer memory killers that act on their own lines: (program name, what it does)
@@ -208,13 +208,13 @@ RESTARTING = ("always", "unless-stopped")
 
 def check_engine_restart_policy(ctx: Context) -> Check:
     """A running engine in a docker/podman container (its root's cgroup,
-    :func:`sparkguard.supervisor.container.container_of`) whose restart policy (``docker inspect``:
+    :func:`sparkguard.supervisor.container_cgroup.container_of`) whose restart policy (``docker inspect``:
     HostConfig.RestartPolicy) is ``always`` or ``unless-stopped``: after the guard stops it, the
     container runtime starts it again at once, with no memory gate, into the memory that is not
     back yet (FIELD-NOTES: unified memory has taken 60 s or more to come back after ``docker
     kill``; the public reports describe that OOM cascade).  ``on-failure`` is named too: the
     guard's SIGKILL is a failure."""
-    found = [(pid, cmd, c) for pid, cmd in engine_roots(ctx) if (c := container.container_of(pid)) is not None]
+    found = [(pid, cmd, c) for pid, cmd in engine_roots(ctx) if (c := container_cgroup.container_of(pid)) is not None]
     data: dict = {"containers": []}
     if not found:
         return Check("engine_restart_policy", INFO, "no engine of targets.match runs in a container", None, data)

@@ -10,26 +10,29 @@ so (``[docker, run, ...]`` or ``[podman, run, ...]``), the process sparkguard sp
 attached client; the engine runs under containerd-shim (or conmon), outside the client's tree.
 This module makes the container part of the run:
 
-* :func:`prepare` adds ``--cidfile`` (in a runtime directory) so the client writes the container's
-  id, ``--name sparkguard-engine-<hex>`` only when the user gave no ``--name``, ``--rm`` unless
-  given; it refuses ``-d``/``--detach`` (the client would exit at once), ``--sig-proxy=false`` (the
-  SIGTERM sent to the client must reach the engine) and ``--restart`` (the runtime would restart
-  the engine behind sparkguard).
+* :func:`prepare` (the command line read by :mod:`.container_argv`) adds ``--cidfile`` (in a
+  runtime directory) so the client writes the container's id, ``--name sparkguard-engine-<hex>``
+  only when the user gave no ``--name``, ``--rm`` unless given; it refuses ``-d``/``--detach``
+  (the client would exit at once), ``--sig-proxy=false`` (until the container is known the SIGTERM
+  goes to the client, which must forward it) and ``--restart`` (the runtime would restart the
+  engine behind sparkguard).
 * :func:`discover` (the run's ``sg-engine-ctr`` thread) reads the cidfile, then ``docker inspect``
   until the container runs: its id, name and init pid (:class:`Container`).
 * :func:`members` lists the container's processes from the cgroup of its init
-  (``/proc/PID/cgroup`` of the init, the hierarchy found in /proc/self/mountinfo, its
-  ``cgroup.procs``; cgroup v2 and the v1 hybrid alike).  The engine's tree for the guard and the
-  escalation is the client's tree plus these.
+  (:mod:`.container_cgroup`).  The engine's tree for the guard and the escalation is the client's
+  tree plus these.
 * :func:`finish` after the run: what the container's own exit status was (``docker inspect``), and
   ``docker rm -f`` so no container runs (or blocks the next start's ``--name``) behind a dead client.
+* guard-only mode (no ``engine:``): :func:`widen` gives a matched tree whose root runs in a
+  container that container's processes and names it in the title; :func:`retitle` adds the name
+  once docker answered (never waited for on the guard's thread).
 
 Signals: the SIGTERM goes to the container's init through its pidfd (what ``docker stop`` sends
 first), not to the client (``signals.Tree`` ``term``, set by :mod:`.process`): the client's
 ``--sig-proxy`` would forward a second one.  Until the container is known it goes to the client,
 which forwards it (``--sig-proxy``, default true: docker-run(1)).  The SIGKILL after the grace
-reaches the client and every process in the container's cgroup directly (pidfds).  ``docker``/``podman`` run with sparkguard's environment
-(``DOCKER_HOST``, ``CONTAINER_HOST`` are honoured as the CLIs document).
+reaches the client and every process in the container's cgroup directly (pidfds).  The CLIs run
+with sparkguard's environment (``DOCKER_HOST``, ``CONTAINER_HOST`` are honoured as they document).
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ from dataclasses import dataclass
 
 from sparkguard import proctree
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
+from sparkguard.supervisor import container_argv, container_cgroup
 
 log = logging.getLogger("sparkguard.supervisor")
 
-RUNTIMES = ("docker", "podman")
 #: seconds one CLI call (inspect, rm) may take before it is given up
 CLI_TIMEOUT = 20.0
 #: vLLM's TERM-first shutdown variable (FIELD-NOTES; :mod:`sparkguard.supervisor.lanes` sets it for a bare engine)
@@ -102,50 +105,6 @@ class Container:
         return f"container {self.id[:12]}" + (f" ({self.name})" if self.name else "")
 
 
-def runtime_of(argv: list[str]) -> str | None:
-    """``argv[0]`` when ``argv`` is ``[docker|podman, run, ...]`` (any path to the CLI), else None."""
-    if len(argv) >= 2 and os.path.basename(argv[0]) in RUNTIMES and argv[1] == "run":
-        return argv[0]
-    return None
-
-
-def _options(argv: list[str]) -> list[str]:
-    """The ``run`` options before the image: every argument up to the first one that is not an
-    option or an option's value.  A value-taking option written ``--opt value`` is recognised by
-    docker-run(1)'s flag set being mostly value-taking: anything not in :data:`BOOL_FLAGS` takes one."""
-    out, i = [], 2
-    while i < len(argv):
-        a = argv[i]
-        if not a.startswith("-") or a == "--":
-            break
-        out.append(a)
-        if "=" not in a and a not in BOOL_FLAGS and not (len(a) > 2 and a[1] != "-" and set(a[1:]) <= BOOL_SHORT):
-            if i + 1 < len(argv):
-                out.append(argv[i + 1])
-            i += 1
-        i += 1
-    return out
-
-
-#: docker-run(1) / podman-run(1) options that take no value (the rest of their options take one);
-#: an option missing here that takes no value makes the image look like its value (assumption: the
-#: recipes' command lines use only these)
-BOOL_FLAGS = frozenset({
-    "-d", "--detach", "-i", "--interactive", "-t", "--tty", "--rm", "--init", "--privileged",
-    "-P", "--publish-all", "--read-only", "--no-healthcheck", "--oom-kill-disable", "--sig-proxy",
-    "--disable-content-trust", "-q", "--quiet", "--help",
-    # podman's own
-    "--replace", "--rmi", "--env-host", "--http-proxy", "--no-hosts", "--read-only-tmpfs", "--rootfs",
-    "--tls-verify", "--unsetenv-all", "--passwd",
-})
-BOOL_SHORT = frozenset("ditPq")
-
-
-def inner(argv: list[str]) -> list[str]:
-    """The command run inside the container: what follows the image in ``[docker, run, OPTIONS, IMAGE, ...]``."""
-    return argv[2 + len(_options(argv)) + 1:]
-
-
 def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = None) -> tuple[list[str], Launch | None]:
     """The argv to execute for ``argv``, and the :class:`Launch` when it is a container.
 
@@ -167,10 +126,10 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
             other than ``no`` (the message says why).
         OSError: rundir cannot be created.
     """
-    rt = runtime_of(argv)
+    rt = container_argv.runtime_of(argv)
     if rt is None:
         return argv, None
-    opts = _options(argv)
+    opts = container_argv.options(argv)
     flags = [o.split("=", 1)[0] for o in opts if o.startswith("-")]
     short = {c for o in opts if o.startswith("-") and not o.startswith("--") for c in o[1:]}
     if "--detach" in flags or "d" in short or any(o in ("--detach=true", "-d=true") for o in opts):
@@ -181,7 +140,7 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
                          "engine; remove it")
     if any(o.startswith("--cidfile") for o in opts):
         raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
-    restart = _value(opts, "--restart")
+    restart = container_argv.value(opts, "--restart")
     if restart not in (None, "no"):
         raise ValueError(f"{rt} run --restart {restart}: {rt} would start the engine again behind sparkguard, with "
                          "no memory gate; sparkguard restarts it (engine.backoff_*): remove --restart")
@@ -190,27 +149,17 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
     cidfile = os.path.join(rundir, f"engine-{tag}.cid")
     extra = ["--cidfile", cidfile]
     name = None
-    user_name = _value(opts, "--name")
+    user_name = container_argv.value(opts, "--name")
     if user_name is None:
         name = NAME_PREFIX + tag
         extra += ["--name", name]
     if "--rm" not in flags:
         extra += ["--rm"]
-    cmd = inner(argv)
+    cmd = container_argv.inner(argv)
     if (is_vllm(cmd) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
             and (SHUTDOWN_ENV in env or shutdown is not None)):
         extra += ["-e", f"{SHUTDOWN_ENV}={env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
     return [argv[0], "run", *extra, *argv[2:]], Launch(rt, cidfile, name, dict(env), user_name)
-
-
-def _value(opts: list[str], flag: str) -> str | None:
-    """The value of ``flag`` in :func:`_options`' list (``--flag V`` or ``--flag=V``), None if absent."""
-    for i, o in enumerate(opts):
-        if o == flag and i + 1 < len(opts):
-            return opts[i + 1]
-        if o.startswith(flag + "="):
-            return o.split("=", 1)[1]
-    return None
 
 
 def clear_stale(launch: Launch) -> str | None:
@@ -294,75 +243,12 @@ def discover(launch: Launch, done, timeout: float | None = None, interval: float
                 p = proctree.read_proc(pid)
                 if p is not None:
                     name = str(info.get("Name") or "").lstrip("/")
-                    return Container(str(info.get("Id") or cid), name, pid, p.starttime, cgroup_dir(pid))
+                    return Container(str(info.get("Id") or cid), name, pid, p.starttime,
+                                     container_cgroup.cgroup_dir(pid))
             elif info is not None and state.get("Status") in ("exited", "dead"):
                 return None
         done.wait(interval)
     return None
-
-
-def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str, str]]:
-    """Cgroup mounts as ``(fstype, root, mount point, super options)`` (proc(5): mountinfo fields
-    4 root, 5 mount point, after the ``-``: fstype, source, super options)."""
-    out = []
-    try:
-        with open(mountinfo) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        a, b = left.split(), right.split()
-        if len(a) >= 5 and len(b) >= 3 and b[0] in ("cgroup", "cgroup2"):
-            out.append((b[0], a[3], a[4].replace("\\040", " "), b[2]))
-    return out
-
-
-def cgroup_dir(pid: int, proc: str = "/proc") -> str | None:
-    """The cgroup directory of ``pid`` whose ``cgroup.procs`` lists its container's processes.
-
-    ``/proc/PID/cgroup`` (cgroups(7): ``ID:CONTROLLERS:PATH``) names one path per hierarchy; the
-    unified one (``0::``, cgroup v2 and the v1 hybrid) is tried first, then v1's ``pids``,
-    ``memory``, ``name=systemd``, then any: the first whose directory (mount point + path below
-    the mount's root) lists ``pid`` in its ``cgroup.procs``.  None when none does (no cgroup fs
-    mounted, a cgroup namespace hiding it).
-    """
-    try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    mounts = _mounts()
-    cands = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, ctrls, path = parts
-        order = 0 if hid == "0" else 1 if "pids" in ctrls.split(",") else 2 if "memory" in ctrls.split(",") else \
-            3 if ctrls == "name=systemd" else 4
-        for fstype, root, mnt, opts in mounts:
-            if (hid == "0") != (fstype == "cgroup2"):
-                continue
-            if hid != "0" and not set(ctrls.split(",")) <= set(opts.split(",")):
-                continue
-            if path != root and not path.startswith(root.rstrip("/") + "/") and root != "/":
-                continue
-            rel = path[len(root):] if root != "/" else path
-            cands.append((order, os.path.join(mnt, rel.lstrip("/"))))
-    for _, d in sorted(cands):
-        if pid in _procs(d):
-            return d
-    return None
-
-
-def _procs(cgdir: str) -> list[int]:
-    """The pids in ``cgdir/cgroup.procs`` (empty when unreadable)."""
-    try:
-        with open(os.path.join(cgdir, "cgroup.procs")) as f:
-            return [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        return []
 
 
 def members(ctr: Container | None, procs: dict | None = None) -> dict[int, int]:
@@ -372,7 +258,7 @@ def members(ctr: Container | None, procs: dict | None = None) -> dict[int, int]:
     if ctr is None or ctr.cgroup is None:
         return {}
     out = {}
-    for pid in _procs(ctr.cgroup):
+    for pid in container_cgroup.procs_of(ctr.cgroup):
         p = procs.get(pid) if procs is not None else proctree.read_proc(pid)
         if p is not None and not p.kthread:
             out[pid] = p.starttime
@@ -419,25 +305,8 @@ def rundir(state_file: str) -> str:
 
 # ---- guard-only mode: a matched engine that runs in a container ---------------------------------
 
-#: a container's cgroup path names its id: cgroupfs driver ``/docker/<id>``, systemd driver
-#: ``docker-<id>.scope``; podman ``libpod-<id>(.scope)`` / ``/libpod_parent/libpod-<id>``
-CGROUP_ID = re.compile(r"\b(docker|libpod)[-/]([0-9a-f]{64})(?:\.scope)?(?:/|$)")
 _names: dict[str, str | None] = {}      # container id -> name (None: asked, no answer yet or none)
 _names_lock = threading.Lock()
-
-
-def container_of(pid: int, proc: str = "/proc") -> tuple[str, str] | None:
-    """``(runtime, container id)`` when ``pid`` runs in a docker or podman container (read from
-    ``/proc/PID/cgroup``: :data:`CGROUP_ID`), else None."""
-    try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            text = f.read()
-    except OSError:
-        return None
-    m = CGROUP_ID.search(text)
-    if m is None:
-        return None
-    return ("docker" if m.group(1) == "docker" else "podman"), m.group(2)
 
 
 def name_of(runtime: str, cid: str) -> str | None:
@@ -470,11 +339,12 @@ def widen(target, procs: dict, protector) -> str | None:
     Returns:
         str, the container's label, or None when the root runs in no container.
     """
-    found = container_of(target.root_pid)
+    found = container_cgroup.container_of(target.root_pid)
     if found is None:
         return None
     runtime, cid = found
-    ctr = Container(cid, name_of(runtime, cid) or "", target.root_pid, 0, cgroup_dir(target.root_pid))
+    ctr = Container(cid, name_of(runtime, cid) or "", target.root_pid, 0,
+                    container_cgroup.cgroup_dir(target.root_pid))
     for pid, st in members(ctr, procs).items():
         if pid not in target.starttimes and not protector.protected(procs[pid]):
             target.pids.append(pid)
