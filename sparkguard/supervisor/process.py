@@ -3,9 +3,10 @@
 The tree of a run is the root's descendants plus every process still in its process group
 (vLLM never calls setsid, FIELD-NOTES) plus every process recorded as a member with the same
 start time (``VLLM::EngineCore`` / ``VLLM::Worker_TP*`` reparented away when the API server was
-SIGKILLed, FIELD-NOTES), plus, for a ``docker|podman run`` engine, every process in its container's
-cgroup (:mod:`.container`: they run under containerd-shim, outside the client's tree).  Signals go through pidfds (``sparkguard.signals.Tree``), so a recycled
-pid is never signalled.
+SIGKILLed, FIELD-NOTES), plus, for a ``docker|podman run`` engine, every process in its
+container's cgroup (:mod:`.container`: they run under containerd-shim, outside the client's tree;
+the SIGTERM goes to the container's init).  Signals go through pidfds (``sparkguard.signals.Tree``),
+so a recycled pid is never signalled.
 """
 
 from __future__ import annotations
