@@ -116,9 +116,10 @@ def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarte
 
 def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_env):
     d, tag = docker_env, unique_name()
-    # the engine inside fills 600 MiB once ready; the guard's line is 320 MiB below MemAvailable now
-    fill = ("--fill-size", "600MiB", "--fill-rate", "300MiB", "--fill-delay", "1")
-    guard = {"term_below": mem_available() - 320 * MiB, "grace": "10s", "recovery_wait": "2s"}
+    # the engine inside fills 640 MiB as soon as it is ready; the guard's line is 256 MiB below
+    # MemAvailable now (a short window: other users of this machine move MemAvailable too)
+    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "0.2")
+    guard = {"term_below": mem_available() - 256 * MiB, "grace": "10s", "recovery_wait": "2s"}
     with supervised(d, tmp_path, tag, *fill, guard=guard) as (sg, st, cid, init):
         mark = sg.mark()
         inc = sg.incident("memory", start=mark, timeout=60)
@@ -136,8 +137,9 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
 def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
     d = docker_env
     tag = unique_name()
-    # the engine inside fills 600 MiB 6 s after it serves; the guard's line is 320 MiB below MemAvailable now
-    fill = ("--fill-size", "600MiB", "--fill-rate", "300MiB", "--fill-delay", "6")
+    # the engine inside fills 640 MiB 3 s after it serves (the guard is started meanwhile); the
+    # guard's line is 256 MiB below MemAvailable then
+    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3")
     argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
     engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -151,7 +153,7 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
         assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
         [cid] = _containers(d, tag)
         init = _inspect(d, cid)["State"]["Pid"]
-        cfg = {"guard": {"term_below": mem_available() - 320 * MiB, "grace": "10s", "recovery_wait": "2s"},
+        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": "10s", "recovery_wait": "2s"},
                "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
                "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
         sg = Daemon(tmp_path, cfg)
