@@ -129,6 +129,17 @@ REFUSED = [
     (_set("engine.stable_for", "forever"), "engine.stable_for", "'forever'", ""),
     (_set("ssh", {"options": ["BatchMode=no"]}), "ssh.options[0]", "'BatchMode=no'", "always set"),
     (_set("ssh", {"options": ["-v"]}), "ssh.options[0]", "'-v'", "KEY=VALUE"),
+    (_set("ssh", {"options": ["ProxyJump=-oProxyCommand=x"]}), "ssh.options[0]", "'ProxyJump=-o", "KEY=VALUE"),
+    *[(_set("ssh", {"options": ["Port=22", opt]}), "ssh.options[1]", repr(opt), "not allowed here")
+      for opt in ("ProxyCommand=sh", "LocalCommand=id", "PermitLocalCommand=yes", "KnownHostsCommand=/bin/x",
+                  "HostKeyAlias=other", "SendEnv=X")],
+    (_set("ssh", {"options": ["stricthostkeychecking=no"]}), "ssh.options[0]", "'stricthostkeychecking=no'",
+     "always set"),
+    (_set("ssh", {"options": ["LogLevel=QUIET"]}), "ssh.options[0]", "'LogLevel=QUIET'", "keep ssh's error"),
+    (_set("nodes[1].name", "-oProxyCommand=x"), "nodes[1].name", "'-oProxyCommand=x'", "not starting with '-'"),
+    (_set("nodes[2].ssh", "ops@spark-2"), "nodes[2].ssh", "'ops@spark-2'", "given twice: nodes[1] (spark-2)"),
+    (_set("nodes[2].ssh", "root@spark-1"), "nodes[2].ssh", "'root@spark-1'", "given twice: nodes[0] (spark-1)"),
+    (_set("nodes[2].ssh", "Spark-2."), "nodes[2].ssh", "'Spark-2.'", "are one host"),
     (_set("name", "spark 4"), "name", "'spark 4'", "letters, digits"),
     (_set("name", KeyError), "name", "None", "missing"),
     (_set("master_port", 70000), "master_port", "70000", "from 1 to 65535"),
@@ -147,6 +158,23 @@ def test_a_wrong_cluster_file_is_refused_naming_file_key_and_value(tmp_path, cha
     assert (e.path, e.key) == (str(p), key), str(e)
     assert str(e).startswith(f"{p}: {key}: {shown}"), str(e)
     assert reason in e.reason, str(e)
+
+
+def test_two_spellings_of_one_address_are_one_address(tmp_path):
+    d = base()
+    d["nodes"][0]["addr"], d["nodes"][1]["addr"] = "fd00::1", "fd00:0::0:1"
+    p = write(tmp_path, d)
+    with pytest.raises(config.ConfigError, match=r"nodes\[1\]\.addr: 'fd00:0::0:1': given twice.*are one host"):
+        cluster_mod.load(str(p))
+
+
+def test_the_allowed_ssh_options_load(tmp_path):
+    d = base()
+    d["ssh"]["options"] = ["Port=2222", "User=ops", "IdentityFile=~/.ssh/id_spark", "IdentitiesOnly=yes",
+                           "ConnectTimeout=5", "ServerAliveInterval=5", "ServerAliveCountMax=3", "ProxyJump=bastion",
+                           "UserKnownHostsFile=~/.ssh/spark_hosts", "GlobalKnownHostsFile=/dev/null",
+                           "LogLevel=ERROR"]
+    assert cluster_mod.load(str(write(tmp_path, d))).ssh_options == tuple(d["ssh"]["options"])
 
 
 def test_a_missing_or_broken_cluster_file_names_itself(tmp_path):

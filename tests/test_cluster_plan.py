@@ -123,3 +123,18 @@ def test_the_wait_ignores_a_halted_state_left_from_before_the_start_and_stops_on
     reads = iter(seq)
     why = ops.wait_serving(c, "big", 30, lambda _c, _t: next(reads), io.StringIO(), 0.0)
     assert why.startswith("gx1 stopped trying: "), why
+
+
+def test_ssh_argv_ends_ssh_options_before_the_destination_and_refuses_one_that_is_an_option():
+    from dataclasses import replace
+    from sparkguard.cluster import ssh
+    c = cluster()
+    argv = ssh.ssh_argv(c, c.nodes[1], ["engine", "status"])
+    assert argv[-3:-1] == ["--", "root@gx1"], argv
+    assert argv.index("--") == len(argv) - 3 and all(a != "root@gx1" for a in argv[:-2])
+    bad = replace(c.nodes[1], ssh="-oProxyCommand=touch /tmp/x")
+    with pytest.raises(ValueError, match="would be read as an option"):
+        ssh.ssh_argv(c, bad, ["engine", "status"])
+    # run_all turns it into that node's failure, never an ssh run
+    r = ssh.run_all(c, [bad], ["--version"], timeout=5)["gx1"]
+    assert not r.ok and "would be read as an option" in r.error

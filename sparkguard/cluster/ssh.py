@@ -1,6 +1,6 @@
 """Run one sparkguard command on several nodes at once over the operator's OpenSSH client.
 
-Every node gets ``ssh -o BatchMode=yes -o StrictHostKeyChecking=yes [-o OPT ...] DEST --
+Every node gets ``ssh -o BatchMode=yes -o StrictHostKeyChecking=yes [-o OPT ...] -- DEST
 <remote command>`` in a thread of its own; the remote command is one string,
 ``shlex.join(cluster.remote_sparkguard + args [+ ("-c", node.config)])``, because sshd hands
 it to the remote user's shell (ssh(1): "the command is executed on the remote host" by the
@@ -89,11 +89,18 @@ def ssh_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[st
     """The local ``ssh`` argv that runs :func:`remote_argv` on ``node``.
 
     ``ConnectTimeout`` is added after the cluster's options (first value wins, so a file's own
-    ``ConnectTimeout=`` stays in force)."""
+    ``ConnectTimeout=`` stays in force).  ``ssh -o ... -- DEST COMMAND``: getopt(3) stops at
+    ``--``, so a destination is never an option.
+
+    Raises:
+        ValueError: the node's destination is empty or starts with '-'."""
     argv = [*SSH]
     for opt in (*FORCED_OPTIONS, *cluster.ssh_options, f"ConnectTimeout={CONNECT_TIMEOUT}"):
         argv += ["-o", opt]
-    argv += [node.ssh, "--", shlex.join(remote_argv(cluster, node, args))]
+    if not node.ssh or node.ssh.startswith("-"):
+        raise ValueError(f"node {node.name}: SSH destination {node.ssh!r} would be read as an option")
+    # '--' ends ssh's options: the destination and the command are never read as options
+    argv += ["--", node.ssh, shlex.join(remote_argv(cluster, node, args))]
     return argv
 
 

@@ -38,9 +38,23 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 #: ``[user@]host`` of an SSH destination: no whitespace, no leading '-' (ssh would read an option)
 _SSH_DEST = re.compile(r"[^\s-][^\s]*\Z")
-_SSH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9]*=[^\s]+\Z")
-#: ssh options the operations always set (sparkguard.cluster.ops): the file cannot weaken them
+_SSH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9]*=[^\s-][^\s]*\Z")
+#: ssh options the operations always set (sparkguard.cluster.ssh): the file cannot weaken them
 _SSH_FIXED = ("batchmode", "stricthostkeychecking")
+#: the ssh_config(5) options ``ssh.options`` may set (lower case; ssh_config keywords are
+#: case-insensitive).  None of them runs a command or changes which host keys are trusted:
+#: UserKnownHostsFile / GlobalKnownHostsFile say where the trusted keys are read from, and with
+#: StrictHostKeyChecking=yes (always given first) a host whose key is not in them is refused,
+#: never added (ssh_config(5) StrictHostKeyChecking "yes": "never automatically add host keys
+#: to the ~/.ssh/known_hosts file, and refuses to connect to hosts whose host key has changed").
+#: Options that run local commands (ProxyCommand, LocalCommand, PermitLocalCommand,
+#: KnownHostsCommand), that make another key count as the host's (HostKeyAlias) or that weaken
+#: the fixed ones are not here.
+_SSH_ALLOWED = {o.lower(): o for o in (
+    "Port", "User", "IdentityFile", "IdentitiesOnly", "ConnectTimeout", "ServerAliveInterval",
+    "ServerAliveCountMax", "ProxyJump", "UserKnownHostsFile", "GlobalKnownHostsFile", "LogLevel")}
+#: LogLevel values that keep ssh's own error lines (sparkguard.cluster.ssh.ssh_failed reads them)
+_SSH_LOGLEVELS = ("error", "info", "verbose")
 
 #: the flags derived per node, in the order they are inserted (vLLM spells them with dashes and
 #: also accepts underscores: FlexibleArgumentParser, vllm/utils/argparse_utils.py)
@@ -132,9 +146,17 @@ def _ssh(path: str, raw: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
             for i, o in enumerate(v):
                 if not isinstance(o, str) or not _SSH_OPTION.match(o):
                     raise ConfigError(path, f"ssh.options[{i}]", o, "expected KEY=VALUE (ssh_config(5)), e.g. ConnectTimeout=5")
-                if o.split("=", 1)[0].lower() in _SSH_FIXED:
+                key, value = o.split("=", 1)
+                if key.lower() in _SSH_FIXED:
                     raise ConfigError(path, f"ssh.options[{i}]", o,
                                       "BatchMode=yes and StrictHostKeyChecking=yes are always set and cannot be changed")
+                if key.lower() not in _SSH_ALLOWED:
+                    raise ConfigError(path, f"ssh.options[{i}]", o,
+                                      f"{key} is not allowed here; ssh.options may set "
+                                      + ", ".join(_SSH_ALLOWED.values()))
+                if key.lower() == "loglevel" and value.lower() not in _SSH_LOGLEVELS:
+                    raise ConfigError(path, f"ssh.options[{i}]", o,
+                                      "LogLevel must keep ssh's error lines: one of ERROR, INFO, VERBOSE")
             opts = tuple(v)
         elif k == "command":
             remote = _argv(path, "ssh.command", v)
@@ -204,15 +226,34 @@ def _addr(v: Any) -> str:
 
 
 def _ssh_dest(v: Any) -> str:
+    """An SSH destination ``[user@]host``: ssh would read one starting with '-' as an option."""
     if not isinstance(v, str) or not _SSH_DEST.match(v):
         raise ValueError("expected an SSH destination [user@]host (no spaces, not starting with '-')")
     return v
 
 
 def _node_name(v: Any) -> str:
-    if not isinstance(v, str) or not _NAME.match(v):
-        raise ValueError("expected 1-64 letters, digits, '_', '.' or '-' (the node's hostname)")
+    """A node's name: label-safe, and not starting with '-' (it is the default SSH destination)."""
+    if not isinstance(v, str) or not _NAME.match(v) or v.startswith("-"):
+        raise ValueError("expected 1-64 letters, digits, '_', '.' or '-', not starting with '-' (the node's hostname)")
     return v
+
+
+def normal_host(host: str) -> str:
+    """``host`` compared as the same machine: an IP literal in its canonical form
+    (``ipaddress.ip_address``: ``10.0.0.01``-style spellings are refused by it, ``::0:1`` becomes
+    ``::1``), a host name in lower case without a trailing dot (RFC 4343: DNS names are
+    case-insensitive)."""
+    h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        return h.lower().rstrip(".")
+
+
+def ssh_host(dest: str) -> str:
+    """The host part of an SSH destination ``[user@]host``, normalised (:func:`normal_host`)."""
+    return normal_host(dest.rsplit("@", 1)[-1])
 
 
 def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[ClusterNode, ...]:
@@ -242,9 +283,12 @@ def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[Cluste
                                   f"a lane that not every node has: node {vals['name']} adds to lane {lane}, which "
                                   f"engine.lanes does not define (it has {', '.join(shared_lanes) or 'none'})")
             _derived_in(path, f"{key}.lanes.{lane}.args", body_l.args)
+        if "ssh" not in vals:           # the default destination is the node's name: checked as one
+            vals["ssh"] = _get(path, f"{key}.name", vals["name"], _ssh_dest)
         nodes.append(vals)
     _unique(path, nodes, "name")
-    _unique(path, nodes, "addr")
+    _unique(path, nodes, "addr", normal_host)
+    _unique(path, nodes, "ssh", ssh_host)
     ranked = [k for k, n in enumerate(nodes) if "rank" in n]
     if ranked and len(ranked) != len(nodes):
         k = next(k for k, n in enumerate(nodes) if "rank" not in n)
@@ -270,20 +314,25 @@ def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[Cluste
         for k, n in enumerate(nodes):
             n["rank"] = k
     nodes.sort(key=lambda n: n["rank"])
-    return tuple(ClusterNode(name=n["name"], rank=n["rank"], addr=n["addr"], ssh=n.get("ssh", n["name"]),
+    return tuple(ClusterNode(name=n["name"], rank=n["rank"], addr=n["addr"], ssh=n["ssh"],
                              metrics_port=n.get("metrics_port", metrics_port), env=n.get("env", {}),
                              args=n.get("args", ()), lanes=n.get("lanes", {}), config=n.get("config"))
                  for n in nodes)
 
 
-def _unique(path: str, nodes: list[dict], key: str) -> None:
+def _unique(path: str, nodes: list[dict], key: str, norm=lambda v: v) -> None:
+    """ConfigError when two nodes' ``key`` are the same after ``norm`` (two spellings of one host
+    are one host: two nodes reached at one SSH destination would run every command twice on one
+    machine and never on the other)."""
     seen: dict[str, int] = {}
     for k, n in enumerate(nodes):
-        if n[key] in seen:
-            j = seen[n[key]]
+        v = norm(n[key])
+        if v in seen:
+            j = seen[v]
+            same = "" if n[key] == nodes[j][key] else f" ({nodes[j][key]!r} and {n[key]!r} are one host)"
             raise ConfigError(path, f"nodes[{k}].{key}", n[key],
-                              f"given twice: nodes[{j}] ({nodes[j]['name']}) and nodes[{k}] ({n['name']})")
-        seen[n[key]] = k
+                              f"given twice: nodes[{j}] ({nodes[j]['name']}) and nodes[{k}] ({n['name']}){same}")
+        seen[v] = k
 
 
 def _after_serve(argv: list[str] | tuple[str, ...]) -> list[str]:
