@@ -138,3 +138,12 @@ def test_ssh_argv_ends_ssh_options_before_the_destination_and_refuses_one_that_i
     # run_all turns it into that node's failure, never an ssh run
     r = ssh.run_all(c, [bad], ["--version"], timeout=5)["gx1"]
     assert not r.ok and "would be read as an option" in r.error
+
+
+def test_serving_in_wants_every_node_at_the_rank_the_file_gives_it():
+    from dataclasses import replace
+    c = cluster()
+    sts = serving(c)
+    assert serving_in(sts, "small")
+    assert not serving_in([sts[0], replace(sts[1], node_rank=0)], "small")
+    assert serving_in([sts[0], replace(sts[1], node_rank=1)], "small")

@@ -73,4 +73,4 @@ def resolve(data: dict, path: str, hostname: str | None = None) -> tuple[dict, C
     if isinstance(metrics, dict) and "listen" not in metrics:
         out["metrics"] = {**metrics, "listen": host_port(node.addr, node.metrics_port)}
     return out, ClusterConfig(file=cf.path, node=node.name, name=cf.name, nnodes=len(cf.nodes),
-                              rank=node.rank, role=node.role)
+                              rank=node.rank, role=node.role, digest=cf.digest)

@@ -12,6 +12,8 @@ The format and its rules are in docs/cluster.md.  Every error is a
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import ipaddress
 import re
 from typing import Any
@@ -80,7 +82,13 @@ def load(path: str = DEFAULT_PATH) -> ClusterFile:
         text = read_bounded(path)
     except FileNotFoundError:
         raise ConfigError(path, "(file)", None, "cluster file not found") from None
-    return from_dict(parse(text, path), path)
+    return dataclasses.replace(from_dict(parse(text, path), path), digest=digest(text))
+
+
+def digest(data: bytes) -> str:
+    """The cluster file's digest: the first 12 hex digits of the SHA-256 of its bytes (48 bits:
+    tells two versions of one file apart, it is no security check)."""
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 def from_dict(data: Any, path: str) -> ClusterFile:

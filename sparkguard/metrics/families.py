@@ -241,8 +241,8 @@ class ConfigCollector:
     """The running configuration's place in a cluster: ``sparkguard_cluster_info`` and
     ``sparkguard_engine_lanes_info``, read from the config at scrape time (a reload shows at once).
 
-    ``sparkguard_cluster_info{cluster,node,node_rank,nnodes}`` 1 only with a cluster file
-    (``cfg.cluster`` with ``.name``, ``.node``, ``.rank``, ``.nnodes``, set by
+    ``sparkguard_cluster_info{cluster,node,node_rank,nnodes,digest}`` 1 only with a cluster file
+    (``cfg.cluster`` with ``.name``, ``.node``, ``.rank``, ``.nnodes``, ``.digest``, set by
     :mod:`sparkguard.cluster.file`); ``sparkguard_engine_lanes_info{lane}`` 1 for each of
     ``engine.lanes`` (none without lanes).  Alert rules join other series to the cluster's name
     with ``* on(instance) group_left(cluster) sparkguard_cluster_info``.
@@ -260,9 +260,10 @@ class ConfigCollector:
         cl = getattr(cfg, "cluster", None)
         if getattr(cl, "name", None) is not None:       # without a cluster file every field is None
             i = InfoMetricFamily(P + "cluster", "This node's place in its cluster file: the cluster's name, "
-                                 "this node's name, its node rank and the number of nodes (value 1).")
+                                 "this node's name, its node rank, the number of nodes and the file's "
+                                 "digest (value 1).")
             i.add_metric([], {"cluster": str(cl.name), "node": str(cl.node), "node_rank": str(cl.rank),
-                              "nnodes": str(cl.nnodes)})
+                              "nnodes": str(cl.nnodes), "digest": str(getattr(cl, "digest", None) or "")})
             yield i
         engine = getattr(cfg, "engine", None)
         lanes = getattr(engine, "lanes", None) or {}
