@@ -14,9 +14,9 @@ import argparse
 import importlib
 import json
 import sys
-import time
 from typing import Any, TextIO
 
+from sparkguard import untrusted
 from sparkguard.cluster import file as cluster_file
 from sparkguard.cluster import ssh, timeline, view
 from sparkguard.cluster.model import ClusterFile, NodeStatus
@@ -99,18 +99,23 @@ STATUS_HEADER = ("NODE", "ROLE/RANK", "SPARKGUARD", "ENGINE", "LANE", "READY", "
 
 
 def _local(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
+    """Local time of a node's unix seconds; ``-`` for None, ``?`` for no showable time."""
+    return untrusted.stamp(t) if t is not None else "-"
 
 
 def status_row(st: NodeStatus) -> tuple[str, ...]:
-    """The table's columns for one node (the file's rank when the node does not say)."""
+    """The table's columns for one node (the file's rank when the node does not say); what the
+    node reported is another host's text: its control characters are replaced
+    (:func:`sparkguard.untrusted.clean`), a memory size that is no whole number shows ``?``."""
     if not st.up:
         return (st.node.name, f"{st.node.role}/{st.node.rank}", "down", "-", "-", "-", "-", "-", "-")
     rank = st.node_rank if st.node_rank is not None else st.node.rank
     inc = f"{st.last_incident[0]} {st.last_incident[1]}" if st.last_incident else "-"
-    return (st.node.name, f"{st.role or '-'}/{rank}", "up", st.state or "-", st.lane or "-",
-            "yes" if st.ready else "no", _local(st.run_start),
-            format_size(st.mem_available) if st.mem_available is not None else "-", inc)
+    mem = st.mem_available
+    mem_s = "-" if mem is None else (format_size(mem) if isinstance(mem, int) and 0 <= mem < 1 << 70 else "?")
+    cols = (st.node.name, f"{st.role or '-'}/{rank}", "up", st.state or "-", st.lane or "-",
+            "yes" if st.ready else "no", _local(st.run_start), mem_s, inc)
+    return tuple(untrusted.clean(c, 80) for c in cols)
 
 
 def status_lines(cluster: ClusterFile, statuses: list[NodeStatus]) -> tuple[list[str], str]:
@@ -121,11 +126,12 @@ def status_lines(cluster: ClusterFile, statuses: list[NodeStatus]) -> tuple[list
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     for s in statuses:
         if not s.up:
-            lines.append(f"{s.node.name}: not read at {s.node.metrics_url}: {s.error}")
+            lines.append(f"{s.node.name}: not read at {s.node.metrics_url}: {untrusted.clean(s.error)}")
         elif s.cluster is not None and s.cluster != cluster.name:
-            lines.append(f"{s.node.name}: runs with the cluster file of {s.cluster!r}, not {cluster.name!r}")
+            lines.append(f"{s.node.name}: runs with the cluster file of {untrusted.clean(repr(s.cluster))}, "
+                         f"not {cluster.name!r}")
     word, detail = view.verdict(statuses)
-    lines.append(f"{cluster.name}: {word}: {detail}")
+    lines.append(f"{cluster.name}: {word}: {untrusted.clean(detail, 4000)}")
     return lines, word
 
 
@@ -174,8 +180,9 @@ def gather_incidents(cluster: ClusterFile, timeout: float) -> tuple[list[timelin
             continue
         try:
             per_node.append((n, timeline.parse_listing(r.stdout)))
-        except ValueError as e:
-            failed.append(f"{n.name}: its 'sparkguard incidents --json' printed no incident list ({e})")
+        except Exception as e:  # noqa: BLE001 - another host's output: that node's failure, named
+            failed.append(f"{n.name}: its 'sparkguard incidents --json' printed no incident list "
+                          f"({untrusted.clean(e, 200)})")
     return timeline.merge(per_node), failed
 
 

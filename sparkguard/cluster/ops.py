@@ -5,9 +5,12 @@ The run, in order:
 
 1. Preflight: ``sparkguard engine status --json`` on every node over SSH, in parallel.  It proves
    every node reachable and its sparkguard running before anything stops, and gives each node's
-   own view (state, lane, the lanes its config has, its run and the head's run it joined).  A
-   node that fails here is named with how it failed (unreachable over SSH with ssh's line, or
-   the remote exit status and message); exit 1, nothing stopped.
+   own view (state, lane, the lanes its config has, its run and the head's run it joined, its
+   place in its cluster file).  A node that fails here is named with how it failed (unreachable
+   over SSH with ssh's line, or the remote exit status and message); exit 1, nothing stopped.
+   A node that answers as another node (its cluster file's cluster name, node name or rank is
+   not what the operator's file gives that destination), or runs another version of the file
+   (another digest), is refused: exit 2, nothing stopped, the node and what differs named.
 2. The plan (pure): refused (exit 2) for a lane some node lacks; nothing to do (exit 0) when
    every node is ready in the lane and joined the head's run.
 3. Its steps: ``engine stop`` on every node, all awaited; ``engine lane NAME --no-wait`` (or
@@ -30,7 +33,6 @@ file or the action refused.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -38,6 +40,7 @@ from typing import Callable
 
 from sparkguard.cluster import file as cluster_file
 from sparkguard.cluster import plan as planner
+from sparkguard import untrusted
 from sparkguard.cluster import ssh, view
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
 from sparkguard.config import ConfigError
@@ -62,28 +65,67 @@ Reader = Callable[[ClusterFile, float], list]
 def from_engine_status(node: ClusterNode, resp: dict) -> NodeStatus:
     """The :class:`NodeStatus` of ``node`` from its ``sparkguard engine status --json`` answer
     (``{"ok": true, "status": Supervisor.status()}``, sparkguard/supervisor/state.py
-    ``_status``).  Raises ValueError when it is not such an answer."""
+    ``_status``).  The answer is another host's: every field's type is checked
+    (:mod:`sparkguard.untrusted`).  Raises ValueError when it is not such an answer."""
     st = resp.get("status") if isinstance(resp, dict) else None
-    if not isinstance(st, dict) or "state" not in st:
-        raise ValueError(f"not an engine status: {str(resp)[:200]}")
-    role = st.get("role") or {}
-    return NodeStatus(node=node, up=True, role=role.get("role"), node_rank=role.get("node_rank"),
-                      state=st.get("state"), lane=st.get("lane"), lanes=tuple(st.get("lanes") or ()),
-                      ready=bool(st.get("ready")), run_start=st.get("run_start"),
-                      joined_run_start=st.get("joined"), given_up=bool(st.get("given_up")))
+    if not isinstance(st, dict) or not isinstance(st.get("state"), str):
+        raise ValueError(f"not an engine status: {untrusted.clean(repr(resp), 200)}")
+    role = untrusted.opt_dict(st.get("role"), "role")
+    place = untrusted.opt_dict(st.get("cluster"), "cluster")
+    rank = untrusted.opt_int(role.get("node_rank"), "role.node_rank")
+    if rank is None:
+        rank = untrusted.opt_int(place.get("rank"), "cluster.rank")
+    return NodeStatus(node=node, up=True, role=untrusted.opt_str(role.get("role"), "role.role"), node_rank=rank,
+                      state=st["state"], lane=untrusted.opt_str(st.get("lane"), "lane"),
+                      lanes=untrusted.str_tuple(st.get("lanes"), "lanes"),
+                      ready=st.get("ready") is True, run_start=untrusted.opt_time(st.get("run_start"), "run_start"),
+                      joined_run_start=untrusted.opt_time(st.get("joined"), "joined"),
+                      given_up=st.get("given_up") is True,
+                      cluster=untrusted.opt_str(place.get("name"), "cluster.name"),
+                      node_name=untrusted.opt_str(place.get("node"), "cluster.node"),
+                      nnodes=untrusted.opt_int(place.get("nnodes"), "cluster.nnodes"),
+                      digest=untrusted.opt_str(place.get("digest"), "cluster.digest"))
+
+
+def identity(cluster: ClusterFile, statuses: list[NodeStatus]) -> list[str]:
+    """One line per node that did not answer as itself: ``"<node> (ssh DEST): reports rank 1, the
+    cluster file gives 0"`` (each difference named).
+
+    A node answers as itself when its own cluster file (its ``engine status --json``'s
+    ``cluster``) has this cluster's name, gives it the node name and rank the operator's file
+    gives that SSH destination, the same number of nodes and (when both are known) the same
+    digest.  Anything else means the destination reaches another machine than the file says, or
+    a node runs another version of the file: acting on it could stop the wrong engine."""
+    out = []
+    for s in statuses:
+        n = s.node
+        if s.cluster is None:
+            out.append(f"{n.name} (ssh {n.ssh}): its sparkguard runs without a cluster file")
+            continue
+        diff = []
+        for what, got, want in (("cluster", s.cluster, cluster.name), ("node", s.node_name, n.name),
+                                ("rank", s.node_rank, n.rank), ("nnodes", s.nnodes, len(cluster.nodes))):
+            if got != want:
+                diff.append(f"reports {what} {got!r}, the cluster file gives {want!r}")
+        if not diff and cluster.digest and s.digest and s.digest != cluster.digest:
+            diff.append(f"it runs the cluster file with digest {s.digest}, this one is {cluster.digest} "
+                        "(copy the file to every node and reload)")
+        if diff:
+            out.append(f"{n.name} (ssh {n.ssh}): " + "; ".join(diff))
+    return out
 
 
 def preflight(cluster: ClusterFile) -> tuple[list[NodeStatus], list[str]]:
     """Every node's own status over SSH: ``(statuses, failures)``; ``failures`` one line per node
     that could not be asked (``"<node>: <how>"``), ``statuses`` complete only when it is empty."""
     got, failures = ssh.collect(cluster, cluster.nodes, ["engine", "status", "--json"], QUICK_TIMEOUT,
-                                json.loads, "'engine status --json'")
+                                lambda text: untrusted.loads(text), "'engine status --json'")
     statuses = []
     for n, resp in got:
         try:
             statuses.append(from_engine_status(n, resp))
-        except ValueError as e:
-            failures.append(f"{n.name}: unreadable 'engine status --json': {e}")
+        except Exception as e:  # noqa: BLE001 - whatever a node answers is that node's failure
+            failures.append(f"{n.name}: unreadable 'engine status --json': {untrusted.clean(e)}")
     return statuses, failures
 
 
@@ -92,7 +134,7 @@ def progress(statuses: list[NodeStatus], elapsed: float) -> str:
     parts = []
     for s in statuses:
         what = (f"{s.state or '?'}" + (f" lane {s.lane}" if s.lane else "")) if s.up else f"down ({s.error})"
-        parts.append(f"{s.node.name} {s.node.role} {what}")
+        parts.append(f"{s.node.name} {s.node.role} {untrusted.clean(what)}")
     return f"{elapsed:.0f} s: " + "; ".join(parts)
 
 
@@ -166,6 +208,12 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
                 print(f"{me}: {f}", file=err)
             print(f"{me}: failed before anything was stopped", file=err)
             return EXIT_FAILED
+        wrong = identity(cluster, statuses)
+        if wrong:
+            for w in wrong:
+                print(f"{me}: refused: {w}", file=err)
+            print(f"{me}: refused: nothing was stopped", file=err)
+            return EXIT_REFUSED
     try:
         p = planner.plan(cluster, action, statuses, lane, STOP_TIMEOUT)
     except planner.Refused as e:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from sparkguard import untrusted
 from sparkguard.cluster.model import ClusterFile, ClusterNode
 
 #: the ssh client's argv prefix (looked up on PATH); the tests prefix ``nsenter --net=NS --``
@@ -221,7 +222,9 @@ def collect(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...], time
     Returns:
         ``(parsed, failures)``: ``[(node, parse(stdout)), ...]`` in the order of ``nodes``, and one
         line per node that failed (``"<node>: <error>"``, or ``"<node>: unreadable <what>: ..."``
-        when ``parse`` raised ValueError).
+        when ``parse`` raised: the output is another host's, so any exception of ``parse`` is that
+        node's failure, never the caller's crash).  Every line is printable text
+        (:func:`sparkguard.untrusted.clean`).
     """
     nodes = list(nodes)
     res = run_all(cluster, nodes, args, timeout)
@@ -233,12 +236,13 @@ def collect(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...], time
             continue
         try:
             parsed.append((n, parse(r.stdout)))
-        except ValueError as e:
-            failures.append(f"{n.name}: unreadable {what}: {e}")
+        except Exception as e:  # noqa: BLE001 - see Returns
+            failures.append(f"{n.name}: unreadable {what}: {untrusted.clean(e)}")
     return parsed, failures
 
 
 def describe(r: RemoteResult) -> str:
-    """One line for a person: ``"<node>: ok (1.2 s)"`` or ``"<node>: <error>"``."""
-    return f"{r.node}: ok ({r.seconds:.1f} s)" if r.ok else f"{r.node}: {r.error}"
+    """One line for a person: ``"<node>: ok (1.2 s)"`` or ``"<node>: <error>"`` (the error's
+    remote text with its control characters replaced, :func:`sparkguard.untrusted.clean`)."""
+    return f"{r.node}: ok ({r.seconds:.1f} s)" if r.ok else f"{r.node}: {untrusted.clean(r.error)}"
 

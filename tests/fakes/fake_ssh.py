@@ -1,0 +1,24 @@
+"""A stand-in for the ``ssh`` client in tests of untrusted answers (tests/test_cluster_untrusted.py):
+``fake_ssh.py DIR [-o OPT ...] -- DEST COMMAND`` prints the file ``DIR/DEST`` (what that node
+"answers" to every command) and exits 0.  It reaches no host; it checks that the argv has the
+shape sparkguard.cluster.ssh.ssh_argv gives it (``--`` right before the destination) and exits
+255 with an ``ssh: `` line otherwise, as ssh does for a bad command line (assumption: the exact
+message of OpenSSH's usage error is not needed here).
+"""
+
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    base, rest = Path(argv[1]), argv[2:]
+    if "--" not in rest or len(rest) != rest.index("--") + 3:
+        print(f"ssh: bad command line: {rest}", file=sys.stderr)
+        return 255
+    dest = rest[rest.index("--") + 1]
+    sys.stdout.write((base / dest).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
