@@ -124,6 +124,20 @@ REFUSED = [
     (_set("engine.peers", ["http://10.0.0.1:8799/metrics"]), "engine.peers", "['http://10.0.0.1:8799/metrics']",
      "derived for each node"),
     (_set("engine.health_url", "http://10.10.0.1:8001/health"), "engine.health_url", "'http://", "derived"),
+    (_set("nodes[1].args", ["--port", "9000"]), "nodes[1].args", "'--port'", "--port is the whole cluster's"),
+    (_set("nodes[1].args", ["--host=10.10.0.2"]), "nodes[1].args", "'--host=10.10.0.2'", "not one node's"),
+    (_set("nodes[1].args", ["-tp", "8"]), "nodes[1].args", "'-tp'", "-tp is the whole cluster's"),
+    (_set("nodes[1].lanes", {"1m": {"args": ["--pipeline_parallel_size", "2"]}}), "nodes[1].lanes.1m.args",
+     "'--pipeline_parallel_size'", "--pipeline-parallel-size is the whole cluster's"),
+    (_set("engine.lanes.1m.args", ["--tensor-parallel-size", "6"]), "engine.lanes.1m.args",
+     "'--tensor-parallel-size 6'", "6 rank(s) (tensor-parallel x pipeline-parallel) cannot span 4 nodes "
+     "(node spark-1 in lane 1m)"),
+    (_set("engine.lanes.1m.args", ["--port", "9000"]), "engine.lanes.1m.args", "'--port 9000'",
+     "node spark-1 in lane 1m would serve on port 9000, the cluster's API port (engine.command --port) is 8001"),
+    (_set("engine.lanes.1m.args", ["--host", "127.0.0.1"]), "engine.lanes.1m.args", "'--host 127.0.0.1'",
+     "would bind the API to 127.0.0.1"),
+    (_set("engine.command", ["vllm", "serve", "m", "--tensor-parallel-size", "4", "--host", "10.10.0.2"]),
+     "engine.command", "'--host 10.10.0.2'", "the shared command would bind the API to 10.10.0.2"),
     (_set("engine.lane", "2m"), "engine.lane", "'2m'", "no such lane; engine.lanes has 200k, 1m"),
     (_set("engine.lanes.1m.args", "--x"), "engine.lanes.1m.args", "'--x'", "expected a list"),
     (_set("engine.stable_for", "forever"), "engine.stable_for", "'forever'", ""),
@@ -168,6 +182,14 @@ def test_two_spellings_of_one_address_are_one_address(tmp_path):
         cluster_mod.load(str(p))
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.10.0.1"])
+def test_a_shared_host_may_be_a_wildcard_or_the_heads_address(tmp_path, host):
+    d = base()
+    d["engine"]["command"] += ["--host", host]
+    d["engine"]["lanes"]["1m"]["args"] += ["--port", "8001"]      # the cluster's port again: allowed
+    assert cluster_mod.load(str(write(tmp_path, d))).api_port == 8001
+
+
 def test_the_allowed_ssh_options_load(tmp_path):
     d = base()
     d["ssh"]["options"] = ["Port=2222", "User=ops", "IdentityFile=~/.ssh/id_spark", "IdentitiesOnly=yes",
@@ -204,7 +226,9 @@ def test_each_node_derives_its_flags_lanes_env_peers_and_head_url(tmp_path):
     write(tmp_path, d)
     head = config.from_dict(node_cfg(tmp_path, "spark-1"), "sg.yaml", MEM)
     assert head.cluster == config.ClusterConfig(file=str(tmp_path / "cluster.yaml"), node="spark-1",
-                                                name="spark4", nnodes=4, rank=0, role="head")
+                                                name="spark4", nnodes=4, rank=0, role="head",
+                                                digest=cluster_mod.load(str(tmp_path / "cluster.yaml")).digest)
+    assert re.fullmatch(r"[0-9a-f]{12}", head.cluster.digest)
     assert head.engine.command == ("vllm", "serve", "/models/m", "--nnodes", "4", "--node-rank", "0",
                                    "--master-addr", "10.10.0.1", "--master-port", "29501",
                                    "--tensor-parallel-size", "4", "--port", "8001")
