@@ -236,7 +236,7 @@ def test_each_node_derives_its_flags_lanes_env_peers_and_head_url(tmp_path):
     assert head.engine.peers == tuple(f"http://10.10.0.{k}:8799/metrics" for k in (2, 3, 4))
     assert head.metrics.listen == ("10.10.0.1", 8799) and head.engine.lane == "200k"
     assert head.engine.env == {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "10.10.0.1"}
-    r2 = config.from_dict(node_cfg(tmp_path, "spark-3", metrics={"listen": "127.0.0.1:9000"}), "sg.yaml", MEM)
+    r2 = config.from_dict(node_cfg(tmp_path, "spark-3", metrics={"listen": "0.0.0.0:8799"}), "sg.yaml", MEM)
     assert (r2.cluster.rank, r2.cluster.role) == (2, "headless")
     assert r2.engine.command[3:12] == ("--nnodes", "4", "--node-rank", "2", "--master-addr", "10.10.0.1",
                                        "--master-port", "29501", "--headless")
@@ -246,8 +246,23 @@ def test_each_node_derives_its_flags_lanes_env_peers_and_head_url(tmp_path):
     assert r2.engine.lanes["1m"] == config.LaneConfig(args=("--max-model-len", "1000000", "--enforce-eager"),
                                                       env={"NCCL_IB_HCA": "mlx5_1"})
     assert r2.engine.lanes["200k"] == config.LaneConfig(args=("--max-model-len", "200000"))
-    assert r2.metrics.listen == ("127.0.0.1", 9000)            # sparkguard.yaml's own metrics.listen wins
+    assert r2.metrics.listen == ("0.0.0.0", 8799)              # sparkguard.yaml's own metrics.listen wins
     assert r2.engine.drop_caches is False
+
+
+@pytest.mark.parametrize("listen,ok", [("10.10.0.3:8799", True), ("[::]:8799", True), ("0.0.0.0:8799", True),
+                                       ("127.0.0.1:8799", False), ("10.10.0.3:9000", False), ("0.0.0.0:9000", False),
+                                       ("10.10.0.1:8799", False), ("off", False)])
+def test_a_nodes_own_metrics_listen_must_stay_where_the_cluster_file_says(tmp_path, listen, ok):
+    write(tmp_path, base())
+    doc = node_cfg(tmp_path, "spark-3", metrics={"listen": listen})
+    if ok:
+        assert config.from_dict(doc, "sg.yaml", MEM).metrics.listen[1] == 8799
+        return
+    with pytest.raises(config.ConfigError) as ei:
+        config.from_dict(doc, "sg.yaml", MEM)
+    assert (ei.value.path, ei.value.key) == ("sg.yaml", "metrics.listen"), str(ei.value)
+    assert "10.10.0.3:8799" in ei.value.reason, str(ei.value)
 
 
 @pytest.mark.parametrize("key,value", [("command", ["vllm", "serve", "x"]), ("lanes", {}), ("lane", "1m"),
@@ -356,12 +371,17 @@ def test_a_reload_with_a_broken_cluster_file_keeps_the_running_config(tmp_path):
     the head waits for it, which is not under test).  The engine's lanes show which config runs."""
     model = unique("sgcf")
     cmd = fake_cmd(model, None, "--tensor-parallel-size", "2")
-    d = {"name": "pair", "nodes": [{"name": "a", "addr": "127.0.0.1"}, {"name": "b", "addr": "127.0.0.2"}],
+    with socket.socket() as s:                  # a free port for the node's metrics (the file's metrics_port)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = {"name": "pair", "metrics_port": port,
+         "nodes": [{"name": "a", "addr": "127.0.0.1"}, {"name": "b", "addr": "127.0.0.2"}],
          "engine": {"command": cmd, "lanes": {"small": None, "big": None}, "quiesce_timeout": "1h"}}
     write(tmp_path, d)
     local = engine_config(tmp_path, model, cmd, None)
     for k in ("command", "health_url"):
         local["engine"].pop(k, None)
+    local.pop("metrics", None)                  # a cluster node serves its metrics where the file says
     local["cluster"] = {"file": str(tmp_path / "cluster.yaml"), "node": "a"}
     daemon = Daemon(tmp_path, local)
     try:
