@@ -406,6 +406,18 @@ def test_a_reload_with_a_broken_cluster_file_keeps_the_running_config(tmp_path):
         daemon.wait_line(r"reloaded .*sparkguard.yaml", 20, start=mark)
         r = daemon.ctl("lane", lane="none")
         assert "engine.lanes has small, big, huge" in r["error"], r
+        # the cluster file's engine.lane changed: this node keeps its lane and says how to switch the cluster
+        lane = daemon.status()["lane"]
+        assert lane == "small", daemon.status()
+        broken["engine"]["lane"] = "big"
+        write(tmp_path, broken)
+        mark = daemon.mark()
+        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.wait_line(r"engine.lane changed from small to big in the cluster file .*cluster.yaml: a cluster node "
+                         r"does not switch lanes alone .* it stays in lane small; 'sparkguard cluster lane big' "
+                         r"switches the whole cluster", 20, start=mark)
+        daemon.wait_line(r"reloaded .*sparkguard.yaml", 20, start=mark)
+        assert daemon.status()["lane"] == "small" and daemon.status()["want"] == "run", daemon.status()
     finally:
         daemon.cleanup()
 
