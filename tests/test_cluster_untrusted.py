@@ -101,12 +101,35 @@ def test_incidents_with_hostile_records_are_listed_with_question_marks_and_no_co
         in text, text
     assert "not read: n2: its 'sparkguard incidents --json' printed no incident list (expected a JSON list" \
         in text, text
-    # one report by id: shown (or said it cannot be), never a traceback
-    for suffix in "0bcde":
+    # one report by id (NODE:ID asks that node only): shown (or said it cannot be), never a traceback
+    for r in recs:
+        (tmp_path / "n0").write_text(json.dumps(r))
         out = io.StringIO()
-        assert cli.show_incidents(cf, "n0:" + ID[:-1] + suffix, 0, False, 10, out=out) == 1   # n1 not read
+        assert cli.show_incidents(cf, "n0:" + r["id"], 0, False, 10, out=out) == 0
         assert out.getvalue().startswith("Node: n0 (rank 0, n0)\n"), out.getvalue()
         assert not CONTROL.search(out.getvalue().replace("\n", "")), out.getvalue()
+        assert (tmp_path / "n0.cmd").read_text().splitlines()[-1].endswith(f"incidents {r['id']} --json")
+    assert ID not in (tmp_path / "n1.cmd").read_text()               # the other nodes were not asked
+
+
+def test_incidents_passes_the_operators_limit_to_every_node(tmp_path, monkeypatch):
+    cf = answering(tmp_path, monkeypatch, {"n0": json.dumps([record()]), "n1": "[]"})
+    assert cli.show_incidents(cf, None, 7, False, 10, out=io.StringIO()) == 0
+    for n in ("n0", "n1"):
+        assert (tmp_path / f"{n}.cmd").read_text().splitlines() == ["sparkguard incidents --json --limit 7"]
+
+
+def test_a_long_listing_is_kept_up_to_the_incidents_cap_and_a_longer_one_named(tmp_path, monkeypatch):
+    big = [record(id=f"20261201T1010{k // 60:02d}Z-{k:06x}", summary="x" * 2000) for k in range(400)]
+    text = json.dumps(big)
+    assert len(text) > ssh.MAX_OUTPUT                                  # more than ssh's default cap
+    cf = answering(tmp_path, monkeypatch, {"n0": text, "n1": "[]"})
+    entries, failed = cli.gather_incidents(cf, 10)
+    assert failed == [] and len(entries) == 400
+    monkeypatch.setattr(cli, "INCIDENTS_OUTPUT", 1 << 20)
+    (tmp_path / "n0").write_text(json.dumps(big * 2))
+    entries, failed = cli.gather_incidents(cf, 10)
+    assert failed == ["n0: its 'sparkguard incidents --json' printed more than 1 MiB (cut); use --limit or an ID"]
 
 
 def test_status_rows_of_a_hostile_node_are_printable(tmp_path):

@@ -27,6 +27,9 @@ DEFAULT_CLUSTER = "/etc/sparkguard/cluster.yaml"
 #: seconds per node: a metrics read (status), one ssh with its remote command (incidents)
 STATUS_TIMEOUT = 3.0
 INCIDENTS_TIMEOUT = 30.0
+#: bytes of one node's ``sparkguard incidents --json`` kept (a record is a few KiB to a few
+#: hundred with its timeline; ssh's default cap, 256 KiB, cuts a long listing)
+INCIDENTS_OUTPUT = 32 << 20
 
 
 def add_common(p: argparse.ArgumentParser, timeout: float) -> None:
@@ -168,15 +171,26 @@ def _status(args: argparse.Namespace) -> int:
 
 # --- incidents ------------------------------------------------------------------------------
 
-def gather_incidents(cluster: ClusterFile, timeout: float) -> tuple[list[timeline.Entry], list[str]]:
-    """Every node's incidents over SSH, merged (:func:`timeline.merge`), and one line per node that
-    could not be read (``"gx2: unreachable over SSH: ..."``)."""
-    results = ssh.run_all(cluster, cluster.nodes, ["incidents", "--json", "--limit", "0"], timeout)
+def _cut(r: ssh.RemoteResult) -> str | None:
+    """The failure line of a node whose output was longer than :data:`INCIDENTS_OUTPUT`."""
+    if r.truncated:
+        return (f"{r.node}: its 'sparkguard incidents --json' printed more than {INCIDENTS_OUTPUT >> 20} MiB "
+                "(cut); use --limit or an ID")
+    return None
+
+
+def gather_incidents(cluster: ClusterFile, timeout: float, limit: int = 0) -> tuple[list[timeline.Entry], list[str]]:
+    """Every node's newest ``limit`` incidents (0: all) over SSH (``sparkguard incidents --json
+    --limit N`` on each: the newest N of the cluster are among them), merged
+    (:func:`timeline.merge`), and one line per node that could not be read (``"gx2: unreachable
+    over SSH: ..."``)."""
+    results = ssh.run_all(cluster, cluster.nodes, ["incidents", "--json", "--limit", str(limit)], timeout,
+                          INCIDENTS_OUTPUT)
     per_node, failed = [], []
     for n in cluster.nodes:
         r = results[n.name]
-        if not r.ok:
-            failed.append(ssh.describe(r))
+        if not r.ok or r.truncated:
+            failed.append(_cut(r) or ssh.describe(r))
             continue
         try:
             per_node.append((n, timeline.parse_listing(r.stdout)))
@@ -186,26 +200,69 @@ def gather_incidents(cluster: ClusterFile, timeout: float) -> tuple[list[timelin
     return timeline.merge(per_node), failed
 
 
+def gather_one(cluster: ClusterFile, wanted: str, timeout: float) -> tuple[list[timeline.Entry], list[str], list[str]]:
+    """The incident ``wanted`` (an id or a unique prefix; ``NODE:ID`` asks that node only):
+    ``sparkguard incidents ID --json`` on each node asked.
+
+    Returns:
+        ``(found, ambiguous, failed)``: the entries found (one per node that has it), one line per
+        node where the prefix matches several (that node's own message), one line per node that
+        could not be read.  A node that answers "no incident" (exit 1) has none.
+    """
+    node, sep, iid = wanted.partition(":")
+    nodes = [n for n in cluster.nodes if n.name == node] if sep else list(cluster.nodes)
+    if sep and not nodes:
+        return [], [], [f"{node}: no such node in {cluster.path} (its nodes: {', '.join(n.name for n in cluster.nodes)})"]
+    key = iid if sep else wanted
+    results = ssh.run_all(cluster, nodes, ["incidents", key, "--json"], timeout, INCIDENTS_OUTPUT)
+    found, ambiguous, failed = [], [], []
+    for n in nodes:
+        r = results[n.name]
+        if r.rc == 1 and not r.ssh_error and "no incident " in r.stderr:
+            continue
+        if r.rc == 1 and not r.ssh_error and " matches " in r.stderr:
+            ambiguous.append(f"{n.name}: " + untrusted.clean(r.error.split(": ", 1)[-1], 400))
+            continue
+        if not r.ok or r.truncated:
+            failed.append(_cut(r) or ssh.describe(r))
+            continue
+        try:
+            rec = untrusted.loads(r.stdout)
+            if not isinstance(rec, dict) or not timeline.valid_id(rec.get("id")):
+                raise ValueError("expected one incident record with an id")
+            found.append(timeline.Entry(n, rec))
+        except Exception as e:  # noqa: BLE001 - another host's output: that node's failure, named
+            failed.append(f"{n.name}: its 'sparkguard incidents {key} --json' printed no incident "
+                          f"({untrusted.clean(e, 200)})")
+    return found, ambiguous, failed
+
+
 def show_incidents(cluster: ClusterFile, wanted: str | None, limit: int, as_json: bool, timeout: float,
                    out: TextIO = sys.stdout) -> int:
-    """List the timeline (or show the incident ``wanted``); 0 when every node was read and the
-    incident found, 1 otherwise."""
-    entries, failed = gather_incidents(cluster, timeout)
-    rc = 1 if failed else 0
+    """List the newest ``limit`` of the timeline (0: all), or show the incident ``wanted``; 0
+    when every node was read and the incident found, 1 otherwise."""
     if wanted is not None:
-        found = timeline.find(entries, wanted)
-        if len(found) == 1:
+        found, ambiguous, failed = gather_one(cluster, wanted, timeout)
+        rc = 1 if failed else 0
+        exact = [e for e in found if e.id == wanted.partition(":")[2] or e.id == wanted]
+        found = exact or found
+        if len(found) == 1 and not ambiguous:
             e = found[0]
             out.write(json.dumps({"node": e.node.name, **e.record}, indent=2, default=str) + "\n" if as_json
                       else timeline.report(e))
-        elif not found:
+        elif not found and not ambiguous:
             _err(f"no incident {wanted!r} on the nodes read")
             rc = 1
         else:
-            _err(f"{wanted!r} matches {len(found)} incidents: " +
-                 ", ".join(f"{e.node.name}:{e.id}" for e in found[:10]))
+            _err(f"{wanted!r} matches more than one incident: " +
+                 "; ".join([f"{e.node.name}:{e.id}" for e in found[:10]] + ambiguous))
             rc = 1
-    elif as_json:
+        for line in failed:
+            (sys.stderr if as_json else out).write(f"not read: {line}\n")
+        return rc
+    entries, failed = gather_incidents(cluster, timeout, limit)
+    rc = 1 if failed else 0
+    if as_json:
         out.write(json.dumps(timeline.as_json(entries[:limit] if limit else entries), indent=2, default=str) + "\n")
     elif entries:
         out.write("\n".join(timeline.table(entries, limit)) + "\n")

@@ -49,13 +49,14 @@ class RemoteResult:
         node: str, the node's name.
         rc: int or None, ssh's exit status (the remote command's, or 255 for ssh's own error);
             None when ssh did not exit (timed out and killed) or could not be started.
-        stdout: str, the remote command's output (first MAX_OUTPUT bytes, decoded with
-            replacement).
+        stdout: str, the remote command's output (its first ``max_output`` bytes, default
+            MAX_OUTPUT, decoded with replacement).
         stderr: str, its error output, with ssh's own messages mixed in.
         error: str or None, None when the remote command ran and exited 0; otherwise one
             sentence: ``"unreachable over SSH: <ssh's line>"``, ``"timed out after N s"``,
             ``"cannot run ssh: ..."`` or ``"exit status N: <last stderr line>"``.
         seconds: float, wall time of the ssh, seconds.
+        truncated: bool, stdout was longer than what was kept.
     """
 
     node: str
@@ -64,6 +65,7 @@ class RemoteResult:
     stderr: str
     error: str | None
     seconds: float
+    truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -124,25 +126,29 @@ def ssh_failed(rc: int | None, stderr: str) -> str | None:
 
 
 def _drain(stream, box: list, limit: int) -> None:
-    """Read ``stream`` to its end, keeping the first ``limit`` bytes in ``box[0]``."""
+    """Read ``stream`` to its end, keeping the first ``limit`` bytes in ``box[0]``; ``box[1]``
+    is True when more came."""
     kept = bytearray()
+    more = False
     try:
         while True:
             chunk = stream.read(65536)
             if not chunk:
                 break
-            if len(kept) < limit:
-                kept += chunk[:limit - len(kept)]
+            room = limit - len(kept)
+            more = more or len(chunk) > room
+            kept += chunk[:max(room, 0)]
     except (OSError, ValueError):
         pass
-    box.append(bytes(kept))
+    box.extend((bytes(kept), more))
 
 
 def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str, ...],
-            timeout: float) -> RemoteResult:
+            timeout: float, max_output: int = MAX_OUTPUT) -> RemoteResult:
     """Run ``args`` on ``node`` over ssh, waiting at most ``timeout`` seconds (then ssh is
-    killed: SIGKILL to the ssh process this call started).  Never raises for a failure of ssh
-    or of the remote command: see :class:`RemoteResult`."""
+    killed: SIGKILL to the ssh process this call started), keeping ``max_output`` bytes of
+    stdout (stderr: MAX_OUTPUT).  Never raises for a failure of ssh or of the remote command:
+    see :class:`RemoteResult`."""
     t0 = time.monotonic()
     argv = ssh_argv(cluster, node, args)
     try:
@@ -152,7 +158,7 @@ def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str
         return RemoteResult(node.name, None, "", "", f"cannot run ssh: {e.strerror or e}", time.monotonic() - t0)
     out: list = []
     err: list = []
-    readers = [threading.Thread(target=_drain, args=(p.stdout, out, MAX_OUTPUT), daemon=True),
+    readers = [threading.Thread(target=_drain, args=(p.stdout, out, max_output), daemon=True),
                threading.Thread(target=_drain, args=(p.stderr, err, MAX_OUTPUT), daemon=True)]
     for r in readers:
         r.start()
@@ -172,23 +178,24 @@ def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str
             pass
     stdout = (out[0] if out else b"").decode(errors="replace")
     stderr = (err[0] if err else b"").decode(errors="replace")
+    truncated = bool(out and out[1])
     seconds = time.monotonic() - t0
     if timed_out:
-        return RemoteResult(node.name, None, stdout, stderr, f"timed out after {timeout:g} s", seconds)
+        return RemoteResult(node.name, None, stdout, stderr, f"timed out after {timeout:g} s", seconds, truncated)
     rc = p.returncode
     why = ssh_failed(rc, stderr)
     if why is not None:
-        return RemoteResult(node.name, rc, stdout, stderr, f"unreachable over SSH: {why}", seconds)
+        return RemoteResult(node.name, rc, stdout, stderr, f"unreachable over SSH: {why}", seconds, truncated)
     if rc != 0:
         last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
         if not last:
             last = next((ln.strip() for ln in reversed(stdout.splitlines()) if ln.strip()), "no message")
-        return RemoteResult(node.name, rc, stdout, stderr, f"exit status {rc}: {last}", seconds)
-    return RemoteResult(node.name, rc, stdout, stderr, None, seconds)
+        return RemoteResult(node.name, rc, stdout, stderr, f"exit status {rc}: {last}", seconds, truncated)
+    return RemoteResult(node.name, rc, stdout, stderr, None, seconds, truncated)
 
 
 def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
-            timeout: float) -> dict[str, RemoteResult]:
+            timeout: float, max_output: int = MAX_OUTPUT) -> dict[str, RemoteResult]:
     """Run ``args`` on every node of ``nodes`` (ClusterNode values) in parallel, each bounded
     by ``timeout`` seconds; ``{node name: RemoteResult}`` in the order of ``nodes``.  Returns
     once every ssh has finished or been killed (about ``timeout`` + 5 s; at most ``timeout`` + 15 s,
@@ -199,7 +206,7 @@ def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
 
     def one(n: ClusterNode) -> None:
         try:
-            r = run_one(cluster, n, args, timeout)
+            r = run_one(cluster, n, args, timeout, max_output)
         except Exception as e:  # noqa: BLE001 - every failure is a result
             r = RemoteResult(n.name, None, "", "", f"cannot run ssh: {e}", 0.0)
         with lock:

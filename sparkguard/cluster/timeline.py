@@ -15,7 +15,7 @@ from typing import Iterable
 from sparkguard import untrusted
 from sparkguard.cluster.model import ClusterNode
 from sparkguard.incidents.render import list_line, render
-from sparkguard.incidents.store import valid_id
+from sparkguard.incidents.store import valid_id  # noqa: F401 - also the cluster CLI's check of one record
 from sparkguard.model import number
 
 HEADER = ("NODE", "ID", "STARTED", "KIND", "OUTCOME", "TARGET", "MIN AVAIL", "DURATION")

@@ -1,6 +1,7 @@
 """A stand-in for the ``ssh`` client in tests of untrusted answers (tests/test_cluster_untrusted.py):
 ``fake_ssh.py DIR [-o OPT ...] -- DEST COMMAND`` prints the file ``DIR/DEST`` (what that node
-"answers" to every command) and exits 0.  It reaches no host; it checks that the argv has the
+"answers" to every command), appends COMMAND as one line to ``DIR/DEST.cmd`` (what it was asked)
+and exits 0.  It reaches no host; it checks that the argv has the
 shape sparkguard.cluster.ssh.ssh_argv gives it (``--`` right before the destination) and exits
 255 with an ``ssh: `` line otherwise, as ssh does for a bad command line (assumption: the exact
 message of OpenSSH's usage error is not needed here).
@@ -15,7 +16,9 @@ def main(argv: list[str]) -> int:
     if "--" not in rest or len(rest) != rest.index("--") + 3:
         print(f"ssh: bad command line: {rest}", file=sys.stderr)
         return 255
-    dest = rest[rest.index("--") + 1]
+    dest, command = rest[rest.index("--") + 1:]
+    with open(base / f"{dest}.cmd", "a") as f:
+        f.write(command + "\n")
     sys.stdout.write((base / dest).read_text())
     return 0
 
