@@ -2,8 +2,9 @@
 ``lane``/``stop``/``start``/``restart`` from :mod:`sparkguard.cluster.ops` when it is installed.
 
 ``status`` reads every node's metrics endpoint over HTTP (:mod:`sparkguard.cluster.view`; no
-SSH); ``incidents`` runs ``sparkguard incidents --json --limit 0`` on every node over the
-operator's SSH (:mod:`sparkguard.cluster.ssh`) and merges them (:mod:`sparkguard.cluster.timeline`).
+SSH); ``incidents`` runs ``sparkguard incidents --json --limit N`` (or ``incidents ID --json``)
+on every node over the operator's SSH (:mod:`sparkguard.cluster.ssh`) and merges them
+(:mod:`sparkguard.cluster.timeline`).
 Exit status: 0 serving / every node read; 1 otherwise; 2 the cluster file is unusable.
 Usage: docs/cluster-status.md.
 """
@@ -57,9 +58,10 @@ def register(subparsers: Any) -> None:
     add_common(s, STATUS_TIMEOUT)
     s.set_defaults(func=_status)
     i = csub.add_parser("incidents", help="every node's incidents as one timeline, or one report",
-                        description="Run 'sparkguard incidents --json --limit 0' on every node over SSH "
+                        description="Run 'sparkguard incidents --json --limit N' on every node over SSH "
                                     "and list them newest first with a NODE column, or show one by id "
-                                    "(ID, a unique prefix, or NODE:ID). Exit 1 when a node cannot be read.")
+                                    "(ID, a unique prefix, or NODE:ID; 'sparkguard incidents ID --json' on "
+                                    "each node). Exit 1 when a node cannot be read.")
     i.add_argument("id", nargs="?", metavar="ID", help="incident id, a unique prefix of one, or NODE:ID")
     i.add_argument("--limit", type=int, default=20, metavar="N", help="list at most N (default 20; 0 lists all)")
     add_common(i, INCIDENTS_TIMEOUT)
