@@ -290,11 +290,16 @@ def test_a_switch_that_cannot_form_the_group_stops_every_node_and_fails(tmp_path
         with Sampler(c, hub_reader(c.hub), cf) as smp:
             rc, out, err = run("lane", "big", timeout=15)
         assert rc == 1, out + err
-        assert "sparkguard cluster lane big: not serving within 15 s: " in err, err
-        assert "node1 headless" in err.split("not serving within 15 s: ")[1], err
+        # either the wait ran out or node1's supervisor gave up first (its restarts are refused by
+        # the head's rendezvous; which comes first depends on the machine's speed)
+        m = re.search(r"^sparkguard cluster lane big: (not serving within 15 s|node1 stopped trying): (.*)$", err, re.M)
+        assert m, err
+        assert "node1 headless" in m.group(2), err
         # progress while it waited: elapsed time, each node's role, state and lane
         assert re.search(r"^sparkguard cluster: \d+ s: node0 head \w+ lane big; node1 headless \w+ lane big$", err, re.M), err
         assert "stopping every node again so that no mix of lanes serves" in err, err
         assert "sparkguard cluster lane big: every node's engine is stopped" in err, err
-        assert all(d.status()["state"] == "stopped" for d in ds)
+        # nothing runs: stopped, or given up (node1 when it gave up first: a stop leaves that state)
+        assert all(d.status()["state"] in ("stopped", "given_up") and not d.status()["up"] for d in ds), \
+            [d.status()["state"] for d in ds]
         assert smp.mixed() == [], smp.mixed()[:5]

@@ -242,6 +242,7 @@ class ConfigCollector:
     ``sparkguard_engine_lanes_info``, read from the config at scrape time (a reload shows at once).
 
     ``sparkguard_cluster_info{cluster,node,node_rank,nnodes,digest}`` 1 only with a cluster file
+    and ``sparkguard_cluster_nodes`` (its ``nnodes`` as a value, for alert arithmetic)
     (``cfg.cluster`` with ``.name``, ``.node``, ``.rank``, ``.nnodes``, ``.digest``, set by
     :mod:`sparkguard.cluster.file`); ``sparkguard_engine_lanes_info{lane}`` 1 for each of
     ``engine.lanes`` (none without lanes).  Alert rules join other series to the cluster's name
@@ -265,6 +266,10 @@ class ConfigCollector:
             i.add_metric([], {"cluster": str(cl.name), "node": str(cl.node), "node_rank": str(cl.rank),
                               "nnodes": str(cl.nnodes), "digest": str(getattr(cl, "digest", None) or "")})
             yield i
+            g = GaugeMetricFamily(P + "cluster_nodes", "The number of nodes in this node's cluster file: what "
+                                  "the cluster alert compares the nodes that report with.")
+            g.add_metric([], float(cl.nnodes))
+            yield g
         engine = getattr(cfg, "engine", None)
         lanes = getattr(engine, "lanes", None) or {}
         if lanes and getattr(engine, "enabled", True):
