@@ -147,3 +147,29 @@ def test_serving_in_wants_every_node_at_the_rank_the_file_gives_it():
     assert serving_in(sts, "small")
     assert not serving_in([sts[0], replace(sts[1], node_rank=0)], "small")
     assert serving_in([sts[0], replace(sts[1], node_rank=1)], "small")
+
+
+def test_the_wait_fails_early_when_a_node_stays_unreadable(monkeypatch):
+    import io
+    import time
+    monkeypatch.setattr(ops, "POLL", 0.01)
+    monkeypatch.setattr(ops, "UNREADABLE_FOR", 0.3)
+    c = cluster()
+    gone = NodeStatus(node=c.nodes[1], up=False, error="no answer: [Errno 113] No route to host")
+    flaky = iter([gone, gone, st(c, 1, "big", ready=False, state="waiting_for_head")] + [gone] * 10_000)
+    t = time.monotonic()
+    why = ops.wait_serving(c, "big", 1800, lambda _c, _t: [st(c, 0, "big", ready=False, state="starting"),
+                                                           next(flaky)], io.StringIO(), t)
+    assert time.monotonic() - t < 30, "waited for the whole timeout"
+    assert why.startswith("gx1 unreadable for 0 s (no answer: [Errno 113] No route to host): "), why
+
+
+def test_every_ssh_keeps_alive_unless_the_file_says():
+    from dataclasses import replace
+    from sparkguard.cluster import ssh
+    c = cluster()
+    argv = ssh.ssh_argv(c, c.nodes[0], ["engine", "status"])
+    assert "ServerAliveInterval=15" in argv and "ServerAliveCountMax=3" in argv
+    c2 = replace(c, ssh_options=("ServerAliveInterval=5",))
+    argv = ssh.ssh_argv(c2, c2.nodes[0], ["engine", "status"])
+    assert argv.index("ServerAliveInterval=5") < argv.index("ServerAliveInterval=15")   # the first one wins

@@ -202,3 +202,55 @@ def test_status_url_of_a_hostile_endpoint_shows_question_marks_and_no_control_ch
     assert not CONTROL.search(text.replace("\n", "")), text
     assert "run started ?" in text and "up ?" in text, text
     assert "last incident ? (? ago)" in text, text
+
+
+INTERRUPTED = """\
+import sys
+from sparkguard.cluster import ops, ssh
+from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+ssh.SSH = (sys.executable, sys.argv[1], sys.argv[2])
+nodes = tuple(ClusterNode(name=n, rank=k, addr=f"10.0.0.{k + 1}", ssh=n, metrics_port=8799)
+              for k, n in enumerate(("n0", "n1")))
+cf = ClusterFile(path="<test>", name="c", nodes=nodes, engine={})
+read = lambda c, t: [NodeStatus(node=n, up=True, state="stopping", lane="small") for n in c.nodes]
+sys.exit(ops.execute(cf, "restart", read=read))
+"""
+
+
+def test_ctrl_c_ends_the_ssh_children_and_says_what_state_the_cluster_is_left_in(tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import time
+    from conftest import sg_env
+    for k, n in enumerate(("n0", "n1")):
+        (tmp_path / n).write_text(status_answer(cluster={"name": "c", "node": n, "rank": k, "nnodes": 2},
+                                                role={"role": "headless" if k else "head", "node_rank": k}))
+        (tmp_path / f"{n}.hang").write_text("engine stop")     # the stop never returns
+    script = tmp_path / "run.py"
+    script.write_text(INTERRUPTED)
+    p = subprocess.Popen([sys.executable, str(script), str(FAKE_SSH), str(tmp_path)], env=sg_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{n}.hung").exists() for n in ("n0", "n1")):   # both stops running
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+            time.sleep(0.05)
+        hung = [int((tmp_path / f"{n}.hung").read_text()) for n in ("n0", "n1")]
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == ops.EXIT_INTERRUPTED, err
+    assert "Traceback" not in err, err
+    assert "sparkguard cluster restart: interrupted during 'stop' on n0, n1; 2 ssh command(s) ended" in err, err
+    assert "the cluster is left as it is: n0 head stopping lane small; n1 headless stopping lane small" in err, err
+    assert "nothing more is done" in err, err
+    for pid in hung:                               # killed: gone, or a zombie its parent did not reap
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", (pid, state)

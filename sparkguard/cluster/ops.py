@@ -58,6 +58,12 @@ QUICK_TIMEOUT = 60.0
 STOP_TIMEOUT = 300.0
 #: seconds each metrics read may take
 READ_TIMEOUT = 3.0
+#: seconds a node's metrics may go unread in a row during the wait before it fails: a node's
+#: sparkguard keeps serving metrics while its engine stops and loads, so a minute without an
+#: answer is a node (or its link) gone, not a slow load (assumption: no source; a choice)
+UNREADABLE_FOR = 60.0
+#: exit status after the operator's Ctrl-C (128 + SIGINT, the shell's convention)
+EXIT_INTERRUPTED = 130
 
 Reader = Callable[[ClusterFile, float], list]
 
@@ -141,16 +147,27 @@ def progress(statuses: list[NodeStatus], elapsed: float) -> str:
 def wait_serving(cluster: ClusterFile, lane: str | None, timeout: float, read: Reader, err,
                  t0: float) -> str | None:
     """Wait until :func:`plan.serving_in` holds for ``lane`` on the statuses ``read`` returns;
-    None, or why not (a node gave up, timed out).  Progress on ``err`` every
-    :data:`PROGRESS_EVERY` seconds (``t0``: monotonic time of the first stop)."""
+    None, or why not (a node gave up, a node unread for :data:`UNREADABLE_FOR` seconds in a row,
+    timed out).  Progress on ``err`` every :data:`PROGRESS_EVERY` seconds (``t0``: monotonic
+    time of the first stop)."""
     deadline = time.monotonic() + timeout
     last = 0.0
     moved: set[str] = set()     # nodes seen in another state than a halted one since the starts
+    down_since: dict[str, float] = {}   # node -> monotonic time of its first failed read in a row
     while True:
         sts = read(cluster, READ_TIMEOUT)
         if planner.serving_in(sts, lane):
             return None
         now = time.monotonic()
+        for s in sts:
+            if s.up:
+                down_since.pop(s.node.name, None)
+            else:
+                down_since.setdefault(s.node.name, now)
+        gone = [s for s in sts if not s.up and now - down_since[s.node.name] >= UNREADABLE_FOR]
+        if gone:
+            return (", ".join(f"{s.node.name} unreadable for {now - down_since[s.node.name]:.0f} s "
+                              f"({untrusted.clean(s.error)})" for s in gone) + ": " + progress(sts, now - t0))
         # a node halted before the command may still say so until its supervisor takes the start
         moved |= {s.node.name for s in sts if s.up and s.state not in HALTED}
         gave = [s.node.name for s in sts if s.up and s.state in HALTED and s.node.name in moved]
@@ -194,6 +211,34 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
     err = err or sys.stderr
     read = read or view.read
     me = f"sparkguard cluster {action}" + (f" {lane}" if lane else "")
+    phase = ["the preflight"]
+    try:
+        return _execute(cluster, action, lane, timeout, dry_run, out, err, read, me, phase)
+    except KeyboardInterrupt:
+        return interrupted(cluster, me, phase[0], read, err)
+
+
+def interrupted(cluster: ClusterFile, me: str, phase: str, read: Reader, err) -> int:
+    """After the operator's Ctrl-C: end every ssh this command started (:func:`ssh.kill_all`),
+    read every node once and say in what state the cluster is left; no traceback.  Returns
+    :data:`EXIT_INTERRUPTED`."""
+    killed = ssh.kill_all()
+    print(f"\n{me}: interrupted during {phase}" + (f"; {len(killed)} ssh command(s) ended (what they started "
+          "on a node may still finish there)" if killed else ""), file=err, flush=True)
+    try:
+        sts = read(cluster, READ_TIMEOUT)
+        word, detail = view.verdict(sts)
+        print(f"{me}: the cluster is left as it is: {progress(sts, 0).split(': ', 1)[1]}", file=err)
+        print(f"{me}: {cluster.name}: {word}: {untrusted.clean(detail, 2000)}", file=err)
+    except KeyboardInterrupt:
+        print(f"{me}: the cluster's state was not read; run 'sparkguard cluster status'", file=err)
+    print(f"{me}: nothing more is done; run the command again, or 'sparkguard cluster stop'", file=err, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _execute(cluster: ClusterFile, action: str, lane: str | None, timeout: float, dry_run: bool, out, err,
+             read: Reader, me: str, phase: list) -> int:
+    """:func:`execute`'s body; ``phase[0]`` names what runs now (for an interruption)."""
     if dry_run:
         statuses = read(cluster, READ_TIMEOUT)
         down = [s for s in statuses if not s.up]
@@ -227,6 +272,7 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
         return EXIT_OK
     t0 = time.monotonic()
     for step in p.steps:
+        phase[0] = f"'{step.what}' on {', '.join(step.nodes)}"
         nodes = [cluster.node(n) for n in step.nodes]
         budget = STOP_TIMEOUT + 30 if step.what == "stop" else QUICK_TIMEOUT
         res = ssh.run_all(cluster, nodes, list(step.args), budget)
@@ -234,13 +280,16 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
         if bad:
             for r in bad:
                 print(f"{me}: {step.what} failed on {ssh.describe(r)}", file=err)
+            phase[0] = "the stop after a failure"
             return _fail(cluster, me, p, step, err)
         print(f"sparkguard cluster: {step.what}: {', '.join(step.nodes)} ({time.monotonic() - t0:.1f} s)",
               file=err, flush=True)
     if p.wait_ready:
+        phase[0] = "the wait for the cluster to serve"
         why = wait_serving(cluster, p.lane, timeout, read, err, t0)
         if why:
             print(f"{me}: {why}", file=err)
+            phase[0] = "the stop after a failure"
             return _fail(cluster, me, p, None, err)
     took = time.monotonic() - t0
     if p.wait_ready:

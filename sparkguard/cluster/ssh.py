@@ -39,6 +39,14 @@ SSH_ERROR = 255
 MAX_OUTPUT = 256 * 1024
 #: ssh's own ConnectTimeout when the cluster file sets none, seconds
 CONNECT_TIMEOUT = 10
+#: keepalives when the cluster file sets none: ssh gives up on a node that stopped answering
+#: after ServerAliveInterval x ServerAliveCountMax seconds (ssh_config(5)) instead of hanging
+#: until the command's own timeout (a 330 s stop)
+SERVER_ALIVE = ("ServerAliveInterval=15", "ServerAliveCountMax=3")
+
+#: the ssh processes running now (run_one adds and removes them): what :func:`kill_all` ends
+_live: set = set()
+_live_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -91,14 +99,14 @@ def remote_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple
 def ssh_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str, ...]) -> list[str]:
     """The local ``ssh`` argv that runs :func:`remote_argv` on ``node``.
 
-    ``ConnectTimeout`` is added after the cluster's options (first value wins, so a file's own
-    ``ConnectTimeout=`` stays in force).  ``ssh -o ... -- DEST COMMAND``: getopt(3) stops at
+    ``ConnectTimeout`` and :data:`SERVER_ALIVE` are added after the cluster's options (first value
+    wins, so a file's own ``ConnectTimeout=`` or ``ServerAliveInterval=`` stays in force).  ``ssh -o ... -- DEST COMMAND``: getopt(3) stops at
     ``--``, so a destination is never an option.
 
     Raises:
         ValueError: the node's destination is empty or starts with '-'."""
     argv = [*SSH]
-    for opt in (*FORCED_OPTIONS, *cluster.ssh_options, f"ConnectTimeout={CONNECT_TIMEOUT}"):
+    for opt in (*FORCED_OPTIONS, *cluster.ssh_options, f"ConnectTimeout={CONNECT_TIMEOUT}", *SERVER_ALIVE):
         argv += ["-o", opt]
     if not node.ssh or node.ssh.startswith("-"):
         raise ValueError(f"node {node.name}: SSH destination {node.ssh!r} would be read as an option")
@@ -156,6 +164,36 @@ def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str
                              start_new_session=True)
     except OSError as e:
         return RemoteResult(node.name, None, "", "", f"cannot run ssh: {e.strerror or e}", time.monotonic() - t0)
+    with _live_lock:
+        _live.add(p)
+    try:
+        return _finish(p, node, timeout, max_output, t0)
+    finally:
+        with _live_lock:
+            _live.discard(p)
+
+
+def kill_all() -> list[int]:
+    """SIGKILL every ssh process :func:`run_one` started that still runs (an operator's Ctrl-C:
+    they run in sessions of their own, so the terminal's SIGINT does not reach them) and reap
+    them; returns their pids.  The remote commands may still run to their end on the nodes."""
+    with _live_lock:
+        procs = list(_live)
+    for p in procs:
+        try:
+            p.kill()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    return [p.pid for p in procs]
+
+
+def _finish(p: subprocess.Popen, node: ClusterNode, timeout: float, max_output: int, t0: float) -> RemoteResult:
+    """Wait for the ssh ``p`` of :func:`run_one` (its output read by two threads) and make its result."""
     out: list = []
     err: list = []
     readers = [threading.Thread(target=_drain, args=(p.stdout, out, max_output), daemon=True),
