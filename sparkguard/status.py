@@ -108,6 +108,31 @@ def is_local_url(url: str) -> bool:
 MAX_SCRAPE = 4 << 20
 
 
+def is_loopback_url(url: str) -> bool:
+    """Whether ``url``'s host is a loopback address or ``localhost``: such a URL may reach this
+    host's endpoint or, through a tunnel (``ssh -L 8799:node:8799``), another host's.  Never raises."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def same_host(d: dict) -> bool:
+    """Whether the endpoint that answered with the :func:`read_daemon` dict ``d`` runs on this
+    host: its ``sparkguard_build_info{hostname}`` is this host's name (``socket.gethostname()``).
+    An endpoint that does not answer is taken as this host's (nothing to mistake for it); one
+    that answers without a hostname (an older sparkguard, or not sparkguard) is not."""
+    if not d.get("running"):
+        return True
+    return d.get("hostname") is not None and d["hostname"] == socketlib.gethostname()
+
+
 def port_holder(url: str) -> dict | None:
     """Who listens on the port of ``url`` when the guard's endpoint does not answer as itself.
 
@@ -177,11 +202,11 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         return out
     one: dict[str, float] = {}
     by: dict[str, dict[str, float]] = {}
-    version = None
+    version = hostname = None
     for fam in fams:
         for s in fam.samples:
             if s.name == "sparkguard_build_info":
-                version = s.labels.get("version")
+                version, hostname = s.labels.get("version"), s.labels.get("hostname")
             elif s.labels:
                 key = next(iter(s.labels.values()))
                 by.setdefault(s.name, {})[key] = s.value
@@ -207,6 +232,7 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
     out.update({
         "running": True,
         "version": version,
+        "hostname": hostname,
         "state": next((k for k, v in states.items() if v == 1), None),
         "dry_run": None if dry is None else bool(dry),
         "available_bytes": num("sparkguard_memory_available_bytes", int),
@@ -346,7 +372,8 @@ def gather_remote(url: str) -> dict:
 def render_remote(st: dict) -> str:
     """The screen for a :func:`gather_remote` dict: the endpoint's memory, lines, state and engine."""
     d, now = st["daemon"], st["timestamp"]
-    L = [f"sparkguard status of {st['url']}",
+    host = d.get("hostname")
+    L = [f"sparkguard status of {st['url']}" + (f" (host {host})" if host else ""),
          "  another host's endpoint: only what it reports is shown (this host's memory, targets, swap,",
          "  PSI and engine socket are not that node's; run `sparkguard status` there for them)", ""]
     if d.get("running"):
@@ -546,7 +573,11 @@ def render_engine(e: dict) -> list[str]:
 def handler(args: argparse.Namespace) -> int:
     """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid (it is not read
     for another host's ``--url``)."""
-    if args.url and not is_local_url(args.url):
+    remote = bool(args.url) and not is_local_url(args.url)
+    if args.url and not remote and is_loopback_url(args.url):
+        # a loopback URL is this host's only if the endpoint says it runs here (a tunnel's is not)
+        remote = not same_host(read_daemon(args.url, local=False))
+    if remote:
         st, show = gather_remote(args.url), render_remote
     else:
         try:

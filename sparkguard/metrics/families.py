@@ -13,6 +13,7 @@ the output (tests/test_metrics.py runs it).
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -74,8 +75,10 @@ class GuardCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield the metric families for one scrape (prometheus_client Collector protocol)."""
-        info = InfoMetricFamily(P + "build", "sparkguard version running (value 1).")
-        info.add_metric([], {"version": __version__})
+        info = InfoMetricFamily(P + "build", "sparkguard version running and the host it runs on (value 1).")
+        # the host's name: `sparkguard status --url` tells this host's endpoint from another's
+        # reached through a loopback address (an ssh -L tunnel)
+        info.add_metric([], {"version": __version__, "hostname": socket.gethostname()})
         yield info
         try:
             snap = self._snapshot() or {}
