@@ -94,6 +94,16 @@ def test_given_up_is_named():
     assert word == "given up" and "gx2 (rank 1)" in detail
 
 
+def test_a_cluster_stopped_on_purpose_is_stopped_not_degraded():
+    sts = [replace(s, state="stopped", ready=False, run_start=None, joined_run_start=None)
+           for s in serving_statuses(3)]
+    assert view.verdict(sts) == ("stopped", "every node's engine is stopped (3 nodes); "
+                                            "'sparkguard cluster start' starts them")
+    # one node still running, or one not answering: degraded, named
+    assert view.verdict(sts[:2] + [serving_statuses(3)[2]])[0] == "degraded"
+    assert view.verdict(sts[:2] + [replace(sts[2], up=False, error="refused")])[0] == "degraded"
+
+
 def test_nodes_on_different_cluster_files_are_named_by_digest():
     sts = serving_statuses(3)
     sts = [replace(s, digest=d) for s, d in zip(sts, ("aaaaaaaaaaaa", "bbbbbbbbbbbb", "aaaaaaaaaaaa"))]

@@ -112,6 +112,8 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
         ``"cluster file differs"``: the nodes that answer report different cluster file digests
         (``sparkguard_cluster_info{digest}``; detail names each digest's nodes);
         ``"given up"``: a node's supervisor stopped restarting (detail names it);
+        ``"stopped"``: every node answers and its engine is stopped (``sparkguard cluster stop``,
+        or ``engine stop`` on each: on purpose, not a fault);
         ``"degraded"``: a node is down, the head is not ready, a headless rank has not joined
         the head's current run (``joined_run_start != head.run_start``) or is not ready, or a node
         reports another rank than the file gives it (detail lists each);
@@ -137,6 +139,8 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
     gave = [s for s in up if s.given_up]
     if gave:
         return "given up", ", ".join(_name(s) for s in gave) + " gave up restarting (sparkguard engine start clears it)"
+    if len(up) == len(statuses) and all(s.state == "stopped" for s in up):
+        return "stopped", f"every node's engine is stopped ({len(statuses)} nodes); 'sparkguard cluster start' starts them"
     why = []
     head = next((s for s in statuses if s.node.rank == HEAD_RANK), None)
     for s in statuses:
