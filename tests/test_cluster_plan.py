@@ -173,3 +173,26 @@ def test_every_ssh_keeps_alive_unless_the_file_says():
     c2 = replace(c, ssh_options=("ServerAliveInterval=5",))
     argv = ssh.ssh_argv(c2, c2.nodes[0], ["engine", "status"])
     assert argv.index("ServerAliveInterval=5") < argv.index("ServerAliveInterval=15")   # the first one wins
+
+
+def test_the_preflight_identity_check_names_what_differs():
+    from dataclasses import replace
+    c = replace(cluster(3), digest="aaaaaaaaaaaa")
+    me = [NodeStatus(node=n, up=True, state="ready", cluster="c", node_name=n.name, node_rank=n.rank, nnodes=3,
+                     digest="aaaaaaaaaaaa") for n in c.nodes]
+    assert ops.identity(c, me) == []
+    bad = [me[0], replace(me[1], node_name="gx2", node_rank=2), replace(me[2], digest="bbbbbbbbbbbb")]
+    assert ops.identity(c, bad) == [
+        "gx1 (ssh root@gx1): reports node 'gx2', the cluster file gives 'gx1'; reports rank 2, the cluster file gives 1",
+        "gx2 (ssh root@gx2): it runs the cluster file with digest bbbbbbbbbbbb, this one is aaaaaaaaaaaa "
+        "(copy the file to every node and reload)"]
+    assert ops.identity(c, [replace(me[0], cluster=None)] + me[1:]) == [
+        "gx0 (ssh root@gx0): its sparkguard runs without a cluster file"]
+    assert ops.identity(c, [replace(me[0], cluster="other", nnodes=2)] + me[1:]) == [
+        "gx0 (ssh root@gx0): reports cluster 'other', the cluster file gives 'c'; reports nnodes 2, the cluster "
+        "file gives 3"]
+    # without the operator's digest the nodes must still agree
+    c0 = replace(c, digest=None)
+    assert ops.identity(c0, me[:2] + [replace(me[2], digest="bbbbbbbbbbbb")]) == [
+        "the nodes run different cluster files: gx0 digest aaaaaaaaaaaa; gx1 digest aaaaaaaaaaaa; "
+        "gx2 digest bbbbbbbbbbbb"]

@@ -118,6 +118,10 @@ def identity(cluster: ClusterFile, statuses: list[NodeStatus]) -> list[str]:
                         "(copy the file to every node and reload)")
         if diff:
             out.append(f"{n.name} (ssh {n.ssh}): " + "; ".join(diff))
+    digests = {s.digest for s in statuses if s.digest}
+    if not out and not cluster.digest and len(digests) > 1:     # a ClusterFile not read from a file
+        out.append("the nodes run different cluster files: " + "; ".join(
+            f"{s.node.name} digest {s.digest}" for s in statuses if s.digest))
     return out
 
 
@@ -125,7 +129,7 @@ def preflight(cluster: ClusterFile) -> tuple[list[NodeStatus], list[str]]:
     """Every node's own status over SSH: ``(statuses, failures)``; ``failures`` one line per node
     that could not be asked (``"<node>: <how>"``), ``statuses`` complete only when it is empty."""
     got, failures = ssh.collect(cluster, cluster.nodes, ["engine", "status", "--json"], QUICK_TIMEOUT,
-                                lambda text: untrusted.loads(text), "'engine status --json'")
+                                untrusted.loads, "'engine status --json'")
     statuses = []
     for n, resp in got:
         try:
