@@ -22,6 +22,7 @@ import pytest
 from sparkguard import status, untrusted
 from sparkguard.cluster import cli, ops, ssh, timeline
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
+from test_cluster_view_logic import _Page
 
 FAKE_SSH = Path(__file__).parent / "fakes" / "fake_ssh.py"
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -175,16 +176,9 @@ sparkguard_build_info{{version="9{ESC.replace(chr(7), '').replace(chr(27), '')}"
 """
 
 
-class _Hostile(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
-        body = HOSTILE_PAGE.replace("\\u001b", "\x1b").encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
+class _Hostile(_Page):
+    def page(self) -> bytes:
+        return HOSTILE_PAGE.replace("\\u001b", "\x1b").encode()
 
 
 def test_status_url_of_a_hostile_endpoint_shows_question_marks_and_no_control_characters():

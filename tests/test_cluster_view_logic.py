@@ -173,8 +173,13 @@ def test_parse_reads_every_field_of_the_status():
 
 
 class _Page(http.server.BaseHTTPRequestHandler):
+    """Serves :meth:`page` (EXPOSITION) to every GET."""
+
+    def page(self) -> bytes:
+        return EXPOSITION.encode()
+
     def do_GET(self):  # noqa: N802 - http.server's name
-        body = EXPOSITION.encode()
+        body = self.page()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
