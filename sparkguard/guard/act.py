@@ -172,6 +172,7 @@ class Actions:
         # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
         self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
         self.tree = self.esc.tree
+        sent = False
         if dry:
             rec.event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
@@ -187,7 +188,7 @@ class Actions:
         container.retitle(target)     # after the signal: the container's name, if docker answered meanwhile
         if retry:
             self.policy.target_found(now)
-        if joined:
+        if joined or sent:      # the grace runs from the SIGTERM, not from the sample that crossed
             self.policy.term_sent_at(self.esc.t_term)
         if not dry:
             rec.event(t_sig, value, "sigterm", [target.root_pid],
