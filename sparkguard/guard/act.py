@@ -123,7 +123,10 @@ class Actions:
                 return None, procs, False
             target = targets[0]
             ambiguous = proctree.ambiguous(targets)
-            container.widen(target, procs, self.protector)     # an engine in a container: its cgroup, its name
+            try:        # an engine in a container: its cgroup's processes and its name
+                container.widen(target, procs, self.protector)
+            except Exception:  # noqa: BLE001 - the container's extras never cost the SIGTERM
+                log.exception("reading the target's container failed; signalling its process tree")
         # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
         # are gone within milliseconds; one tree's reads cost about a millisecond
         proctree.add_details(target, procs)
