@@ -221,17 +221,22 @@ def test_the_engine_is_in_its_cgroup_before_it_runs_and_an_escaped_child_stays_a
 
 @pytest.mark.parametrize("has_kill", [True, False], ids=["cgroup.kill", "pidfd-fallback"])
 def test_the_tree_sigkill_reaches_the_escaped_child(cg_parent, has_kill):
-    """process.signal_tree of a run with a cgroup: SIGTERM the root, then the tree's SIGKILL kills
-    the escaped grandchild (which ignores SIGTERM), by cgroup.kill or by a pidfd per member."""
+    """The guard's target and process.signal_tree of a run with a cgroup hold the escaped
+    grandchild; SIGTERM the root, then the tree's SIGKILL kills the grandchild (which ignores
+    SIGTERM), by cgroup.kill or by a pidfd per member."""
     cg = cgroup.EngineCgroup.create(cgroup.Placement(cgroup.CGROUP, cg_parent, "test"), 7.0)
     cg.has_kill = has_kill and cg.has_kill
     proc, esc, st = _spawn_escaper(cg)
 
-    class R:           # the fields of supervisor.run.Run that process.signal_tree reads
+    class R:           # the fields of supervisor.run.Run that process.target / signal_tree read
         pid = pgid = proc.pid
-        members = {proc.pid: proctree.read_proc(proc.pid).starttime}
+        starttime = proctree.read_proc(proc.pid).starttime
+        members = {proc.pid: starttime}
         cgroup = cg
     try:
+        # the memory guard's view of the supervised engine (Supervisor.target) has it too
+        t = process.target(R, proctree.scan(), proctree.Protector([]))
+        assert t is not None and esc in t.pids, t
         tree = process.signal_tree(R)
         assert isinstance(tree, cgroup.CgroupTree) and esc in tree.fds
         tree.term_root()
