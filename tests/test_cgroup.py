@@ -330,3 +330,21 @@ def test_without_a_usable_cgroup_the_supervisor_says_process_group(tmp_path, mon
     finally:
         d.cleanup()
         kill_pids(esc)
+
+
+def test_an_engine_of_another_user_is_moved_in_by_the_daemon(cg_parent):
+    """engine.user: the engine could not move itself (it may not write the daemon's cgroup), so
+    the daemon moves it while sh waits for its "go" line; it runs as that user, in the cgroup."""
+    cg = cgroup.EngineCgroup.create(cgroup.Placement(cgroup.CGROUP, cg_parent, "test"), 9.0)
+    proc = process.spawn(["/bin/sh", "-c", "echo in; exec sleep 30"], {"PATH": "/usr/bin:/bin"}, "/", "nobody",
+                         cgroup=cg)
+    try:
+        assert select.select([proc.stdout.raw], [], [], 10.0)[0] and proc.stdout.raw.readline() == b"in\n"
+        assert cg.entered and cg.pids() == [proc.pid]
+        uid = next(ln.split()[1] for ln in open(f"/proc/{proc.pid}/status") if ln.startswith("Uid:"))
+        assert int(uid) == process.passwd("nobody").pw_uid
+        assert cg.kill() and cg.wait_empty(10.0)
+    finally:
+        kill_pids({proc.pid: proctree.read_proc(proc.pid).starttime} if proctree.read_proc(proc.pid) else {})
+        _reap(proc)
+    assert cg.remove()
