@@ -151,10 +151,11 @@ class Policy:
         self.state, self.t_term = TERM_SENT, now
 
     def term_sent_at(self, t: float) -> None:
-        """The victim's SIGTERM went out at ``t`` (monotonic s), before this policy's TERM: the
-        caller joined a running escalation of the same tree (:mod:`sparkguard.guard.escalation`),
-        so the grace runs from that first SIGTERM."""
-        self.t_term = min(self.t_term, t)
+        """The victim's first SIGTERM went out at ``t`` (monotonic s): the grace runs from it.
+        Later than TERM's ``now`` when choosing and signalling the victim took time (the engine
+        still gets the whole grace); earlier when the caller joined a running escalation of the
+        same tree (:mod:`sparkguard.guard.escalation`), whose first SIGTERM it keeps."""
+        self.t_term = t
 
     def watch_line(self) -> int | None:
         """The memory line (bytes) whose crossing would change the decision now, so the caller

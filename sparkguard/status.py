@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import ipaddress
 import os
 import socket as socketlib
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkguard import config, control, linkwatch, meminfo, portowner, proctree, sysinfo
+from sparkguard import config, control, linkwatch, meminfo, portowner, proctree, sysinfo, untrusted
 from sparkguard.host import procview
 from sparkguard.supervisor.render import describe
 from sparkguard.units import format_duration as fd
@@ -107,6 +108,31 @@ def is_local_url(url: str) -> bool:
 MAX_SCRAPE = 4 << 20
 
 
+def is_loopback_url(url: str) -> bool:
+    """Whether ``url``'s host is a loopback address or ``localhost``: such a URL may reach this
+    host's endpoint or, through a tunnel (``ssh -L 8799:node:8799``), another host's.  Never raises."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def same_host(d: dict) -> bool:
+    """Whether the endpoint that answered with the :func:`read_daemon` dict ``d`` runs on this
+    host: its ``sparkguard_build_info{hostname}`` is this host's name (``socket.gethostname()``).
+    An endpoint that does not answer is taken as this host's (nothing to mistake for it); one
+    that answers without a hostname (an older sparkguard, or not sparkguard) is not."""
+    if not d.get("running"):
+        return True
+    return d.get("hostname") is not None and d["hostname"] == socketlib.gethostname()
+
+
 def port_holder(url: str) -> dict | None:
     """Who listens on the port of ``url`` when the guard's endpoint does not answer as itself.
 
@@ -176,11 +202,11 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         return out
     one: dict[str, float] = {}
     by: dict[str, dict[str, float]] = {}
-    version = None
+    version = hostname = None
     for fam in fams:
         for s in fam.samples:
             if s.name == "sparkguard_build_info":
-                version = s.labels.get("version")
+                version, hostname = s.labels.get("version"), s.labels.get("hostname")
             elif s.labels:
                 key = next(iter(s.labels.values()))
                 by.setdefault(s.name, {})[key] = s.value
@@ -192,14 +218,21 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         return out
 
     def num(name: str, cast=float):
+        # another host's endpoint may serve NaN, inf or 1e300: no number to show, not a crash
         v = one.get(name)
-        return None if v is None else cast(v)
+        if v is None or not math.isfinite(v) or (cast is int and abs(v) >= 2.0 ** 63):
+            return None
+        return cast(v)
+
+    def count(v: float) -> int | str:
+        return int(v) if math.isfinite(v) and abs(v) < 2.0 ** 63 else "?"
 
     states = by.get("sparkguard_guard_state", {})
     dry = num("sparkguard_dry_run")
     out.update({
         "running": True,
         "version": version,
+        "hostname": hostname,
         "state": next((k for k, v in states.items() if v == 1), None),
         "dry_run": None if dry is None else bool(dry),
         "available_bytes": num("sparkguard_memory_available_bytes", int),
@@ -207,9 +240,9 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         "term_below_bytes": num("sparkguard_term_below_bytes", int),
         "kill_below_bytes": num("sparkguard_kill_below_bytes", int),
         "grace_seconds": num("sparkguard_grace_seconds"),
-        "signals": {k: int(v) for k, v in by.get("sparkguard_signals_total", {}).items()},
-        "incidents": {k: int(v) for k, v in by.get("sparkguard_incidents_total", {}).items()},
-        "config_reloads": {k: int(v) for k, v in by.get("sparkguard_config_reloads_total", {}).items()},
+        "signals": {k: count(v) for k, v in by.get("sparkguard_signals_total", {}).items()},
+        "incidents": {k: count(v) for k, v in by.get("sparkguard_incidents_total", {}).items()},
+        "config_reloads": {k: count(v) for k, v in by.get("sparkguard_config_reloads_total", {}).items()},
         "last_incident_timestamp": num("sparkguard_last_incident_timestamp_seconds"),
         "last_poll_timestamp": num("sparkguard_last_poll_timestamp_seconds"),
         "start_time": num("sparkguard_start_time_seconds"),
@@ -341,10 +374,12 @@ def gather_remote(url: str) -> dict:
 def render_remote(st: dict) -> str:
     """The screen for a :func:`gather_remote` dict: the endpoint's memory, lines, state and engine."""
     d, now = st["daemon"], st["timestamp"]
-    L = [f"sparkguard status of {st['url']}",
+    host = d.get("hostname")
+    L = [f"sparkguard status of {st['url']}" + (f" (host {host})" if host else ""),
          "  another host's endpoint: only what it reports is shown (this host's memory, targets, swap,",
          "  PSI and engine socket are not that node's; run `sparkguard status` there for them)", ""]
     if d.get("running"):
+        # every value and label is the other host's: shown through untrusted (no control characters)
         L.append("Memory (as the endpoint reports it)")
         L.append(f"  MemTotal      {fs(d.get('total_bytes')):>11}")
         L.append(f"  MemAvailable  {fs(d.get('available_bytes')):>11}")
@@ -363,12 +398,12 @@ def render_remote(st: dict) -> str:
     if e is not None:
         L.append("")
         L.append("Engine   (from the endpoint's metrics)")
-        run = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["run_start"])) if e.get("run_start") else "none"
+        run = untrusted.stamp(e["run_start"]) if e.get("run_start") else "none"
         L.append(f"  state {e.get('state') or '?'}, ready {'yes' if e.get('ready') else 'no'}"
                  + (f", lane {e['lane']}" if e.get("lane") else "") + f", run started {run}"
                  + (f", tracked by {e['tracking']}" if e.get("tracking") else "")
                  + ("  [GIVEN UP: sparkguard engine start clears it]" if e.get("given_up") else ""))
-    return "\n".join(L) + "\n"
+    return "\n".join(untrusted.clean(ln, 2000) for ln in L) + "\n"
 
 def render(st: dict) -> str:
     """The human screen for a :func:`gather` dict."""
@@ -483,8 +518,10 @@ def render_daemon(d: dict, now: float) -> list[str]:
             L.append(f"  {d['error']}")
         L += render_holder(d.get("holder"))
     else:
-        up = fd(now - d["start_time"]) if d.get("start_time") else "?"
-        last = fd(max(0.0, now - d["last_poll_timestamp"])) + " ago" if d.get("last_poll_timestamp") else "?"
+        # a time that is no real time (NaN, negative, year > 2200: another host's page) shows "?"
+        up = fd(now - d["start_time"]) if untrusted.stamp(d.get("start_time")) != "?" else "?"
+        last = fd(max(0.0, now - d["last_poll_timestamp"])) + " ago" \
+            if untrusted.stamp(d.get("last_poll_timestamp")) != "?" else "?"
         L.append(f"  running (sparkguard {d.get('version') or '?'}), state {d.get('state') or '?'}"
                  f"{'  [DRY RUN: signals nothing]' if d.get('dry_run') else ''}")
         L.append(f"  up {up}, last poll {last}, {d.get('polls') or 0} polls"
@@ -495,8 +532,9 @@ def render_daemon(d: dict, now: float) -> list[str]:
         inc = ", ".join(f"{k} {v}" for k, v in sorted(d["incidents"].items())) or "none"
         L.append(f"  signals sent: {sig};  incidents: {inc}")
         if d.get("last_incident_timestamp"):
-            ago = fd(max(0.0, now - d["last_incident_timestamp"]))
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_incident_timestamp"]))
+            ago = fd(max(0.0, now - d["last_incident_timestamp"])) \
+                if untrusted.stamp(d["last_incident_timestamp"]) != "?" else "?"
+            stamp = untrusted.stamp(d["last_incident_timestamp"])
             L.append(f"  last incident {stamp} ({ago} ago); see `sparkguard incidents`")
     return L
 
@@ -538,7 +576,11 @@ def render_engine(e: dict) -> list[str]:
 def handler(args: argparse.Namespace) -> int:
     """Run ``sparkguard status``: 0 normally, 2 when the configuration is invalid (it is not read
     for another host's ``--url``)."""
-    if args.url and not is_local_url(args.url):
+    remote = bool(args.url) and not is_local_url(args.url)
+    if args.url and not remote and is_loopback_url(args.url):
+        # a loopback URL is this host's only if the endpoint says it runs here (a tunnel's is not)
+        remote = not same_host(read_daemon(args.url, local=False))
+    if remote:
         st, show = gather_remote(args.url), render_remote
     else:
         try:

@@ -94,6 +94,10 @@ def test_promtool_test_rules(tmp_path):
     ("count by (cluster, lane)", "count by (lane)", "SparkguardClusterLaneMismatch"),
     # a rank in its head's run (lab2) must not count as not joined
     ("!= on (cluster) group_left", "== on (cluster) group_left", "SparkguardClusterNotServing"),
+    # a node gone: its failed scrape, and fewer nodes reporting than the file has
+    ("(up == 0)", "(up == 2)", "SparkguardClusterNotServing"),
+    ("count by (cluster) (sparkguard_cluster_info)\n", "count by (cluster) (sparkguard_cluster_info) * 2\n",
+     "SparkguardClusterNotServing"),
     # the head's restarts for its rank (peer) name the rank, not the head
     ('reason=~"exit|guard|wedged|not_ready|link"', 'reason=~"exit|guard|wedged|not_ready|link|peer"',
      "SparkguardClusterRankRestarting"),

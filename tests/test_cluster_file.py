@@ -124,11 +124,36 @@ REFUSED = [
     (_set("engine.peers", ["http://10.0.0.1:8799/metrics"]), "engine.peers", "['http://10.0.0.1:8799/metrics']",
      "derived for each node"),
     (_set("engine.health_url", "http://10.10.0.1:8001/health"), "engine.health_url", "'http://", "derived"),
+    (_set("nodes[1].args", ["--port", "9000"]), "nodes[1].args", "'--port'", "--port is the whole cluster's"),
+    (_set("nodes[1].args", ["--host=10.10.0.2"]), "nodes[1].args", "'--host=10.10.0.2'", "not one node's"),
+    (_set("nodes[1].args", ["-tp", "8"]), "nodes[1].args", "'-tp'", "-tp is the whole cluster's"),
+    (_set("nodes[1].lanes", {"1m": {"args": ["--pipeline_parallel_size", "2"]}}), "nodes[1].lanes.1m.args",
+     "'--pipeline_parallel_size'", "--pipeline-parallel-size is the whole cluster's"),
+    (_set("engine.lanes.1m.args", ["--tensor-parallel-size", "6"]), "engine.lanes.1m.args",
+     "'--tensor-parallel-size 6'", "6 rank(s) (tensor-parallel x pipeline-parallel) cannot span 4 nodes "
+     "(node spark-1 in lane 1m)"),
+    (_set("engine.lanes.1m.args", ["--port", "9000"]), "engine.lanes.1m.args", "'--port 9000'",
+     "node spark-1 in lane 1m would serve on port 9000, the cluster's API port (engine.command --port) is 8001"),
+    (_set("engine.lanes.1m.args", ["--host", "127.0.0.1"]), "engine.lanes.1m.args", "'--host 127.0.0.1'",
+     "would bind the API to 127.0.0.1"),
+    (_set("engine.command", ["vllm", "serve", "m", "--tensor-parallel-size", "4", "--host", "10.10.0.2"]),
+     "engine.command", "'--host 10.10.0.2'", "the shared command would bind the API to 10.10.0.2"),
     (_set("engine.lane", "2m"), "engine.lane", "'2m'", "no such lane; engine.lanes has 200k, 1m"),
     (_set("engine.lanes.1m.args", "--x"), "engine.lanes.1m.args", "'--x'", "expected a list"),
     (_set("engine.stable_for", "forever"), "engine.stable_for", "'forever'", ""),
     (_set("ssh", {"options": ["BatchMode=no"]}), "ssh.options[0]", "'BatchMode=no'", "always set"),
     (_set("ssh", {"options": ["-v"]}), "ssh.options[0]", "'-v'", "KEY=VALUE"),
+    (_set("ssh", {"options": ["ProxyJump=-oProxyCommand=x"]}), "ssh.options[0]", "'ProxyJump=-o", "KEY=VALUE"),
+    *[(_set("ssh", {"options": ["Port=22", opt]}), "ssh.options[1]", repr(opt), "not allowed here")
+      for opt in ("ProxyCommand=sh", "LocalCommand=id", "PermitLocalCommand=yes", "KnownHostsCommand=/bin/x",
+                  "HostKeyAlias=other", "SendEnv=X")],
+    (_set("ssh", {"options": ["stricthostkeychecking=no"]}), "ssh.options[0]", "'stricthostkeychecking=no'",
+     "always set"),
+    (_set("ssh", {"options": ["LogLevel=QUIET"]}), "ssh.options[0]", "'LogLevel=QUIET'", "keep ssh's error"),
+    (_set("nodes[1].name", "-oProxyCommand=x"), "nodes[1].name", "'-oProxyCommand=x'", "not starting with '-'"),
+    (_set("nodes[2].ssh", "ops@spark-2"), "nodes[2].ssh", "'ops@spark-2'", "given twice: nodes[1] (spark-2)"),
+    (_set("nodes[2].ssh", "root@spark-1"), "nodes[2].ssh", "'root@spark-1'", "given twice: nodes[0] (spark-1)"),
+    (_set("nodes[2].ssh", "Spark-2."), "nodes[2].ssh", "'Spark-2.'", "are one host"),
     (_set("name", "spark 4"), "name", "'spark 4'", "letters, digits"),
     (_set("name", KeyError), "name", "None", "missing"),
     (_set("master_port", 70000), "master_port", "70000", "from 1 to 65535"),
@@ -147,6 +172,31 @@ def test_a_wrong_cluster_file_is_refused_naming_file_key_and_value(tmp_path, cha
     assert (e.path, e.key) == (str(p), key), str(e)
     assert str(e).startswith(f"{p}: {key}: {shown}"), str(e)
     assert reason in e.reason, str(e)
+
+
+def test_two_spellings_of_one_address_are_one_address(tmp_path):
+    d = base()
+    d["nodes"][0]["addr"], d["nodes"][1]["addr"] = "fd00::1", "fd00:0::0:1"
+    p = write(tmp_path, d)
+    with pytest.raises(config.ConfigError, match=r"nodes\[1\]\.addr: 'fd00:0::0:1': given twice.*are one host"):
+        cluster_mod.load(str(p))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.10.0.1"])
+def test_a_shared_host_may_be_a_wildcard_or_the_heads_address(tmp_path, host):
+    d = base()
+    d["engine"]["command"] += ["--host", host]
+    d["engine"]["lanes"]["1m"]["args"] += ["--port", "8001"]      # the cluster's port again: allowed
+    assert cluster_mod.load(str(write(tmp_path, d))).api_port == 8001
+
+
+def test_the_allowed_ssh_options_load(tmp_path):
+    d = base()
+    d["ssh"]["options"] = ["Port=2222", "User=ops", "IdentityFile=~/.ssh/id_spark", "IdentitiesOnly=yes",
+                           "ConnectTimeout=5", "ServerAliveInterval=5", "ServerAliveCountMax=3", "ProxyJump=bastion",
+                           "UserKnownHostsFile=~/.ssh/spark_hosts", "GlobalKnownHostsFile=/dev/null",
+                           "LogLevel=ERROR"]
+    assert cluster_mod.load(str(write(tmp_path, d))).ssh_options == tuple(d["ssh"]["options"])
 
 
 def test_a_missing_or_broken_cluster_file_names_itself(tmp_path):
@@ -176,7 +226,9 @@ def test_each_node_derives_its_flags_lanes_env_peers_and_head_url(tmp_path):
     write(tmp_path, d)
     head = config.from_dict(node_cfg(tmp_path, "spark-1"), "sg.yaml", MEM)
     assert head.cluster == config.ClusterConfig(file=str(tmp_path / "cluster.yaml"), node="spark-1",
-                                                name="spark4", nnodes=4, rank=0, role="head")
+                                                name="spark4", nnodes=4, rank=0, role="head",
+                                                digest=cluster_mod.load(str(tmp_path / "cluster.yaml")).digest)
+    assert re.fullmatch(r"[0-9a-f]{12}", head.cluster.digest)
     assert head.engine.command == ("vllm", "serve", "/models/m", "--nnodes", "4", "--node-rank", "0",
                                    "--master-addr", "10.10.0.1", "--master-port", "29501",
                                    "--tensor-parallel-size", "4", "--port", "8001")
@@ -184,7 +236,7 @@ def test_each_node_derives_its_flags_lanes_env_peers_and_head_url(tmp_path):
     assert head.engine.peers == tuple(f"http://10.10.0.{k}:8799/metrics" for k in (2, 3, 4))
     assert head.metrics.listen == ("10.10.0.1", 8799) and head.engine.lane == "200k"
     assert head.engine.env == {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "10.10.0.1"}
-    r2 = config.from_dict(node_cfg(tmp_path, "spark-3", metrics={"listen": "127.0.0.1:9000"}), "sg.yaml", MEM)
+    r2 = config.from_dict(node_cfg(tmp_path, "spark-3", metrics={"listen": "0.0.0.0:8799"}), "sg.yaml", MEM)
     assert (r2.cluster.rank, r2.cluster.role) == (2, "headless")
     assert r2.engine.command[3:12] == ("--nnodes", "4", "--node-rank", "2", "--master-addr", "10.10.0.1",
                                        "--master-port", "29501", "--headless")
@@ -194,8 +246,23 @@ def test_each_node_derives_its_flags_lanes_env_peers_and_head_url(tmp_path):
     assert r2.engine.lanes["1m"] == config.LaneConfig(args=("--max-model-len", "1000000", "--enforce-eager"),
                                                       env={"NCCL_IB_HCA": "mlx5_1"})
     assert r2.engine.lanes["200k"] == config.LaneConfig(args=("--max-model-len", "200000"))
-    assert r2.metrics.listen == ("127.0.0.1", 9000)            # sparkguard.yaml's own metrics.listen wins
+    assert r2.metrics.listen == ("0.0.0.0", 8799)              # sparkguard.yaml's own metrics.listen wins
     assert r2.engine.drop_caches is False
+
+
+@pytest.mark.parametrize("listen,ok", [("10.10.0.3:8799", True), ("[::]:8799", True), ("0.0.0.0:8799", True),
+                                       ("127.0.0.1:8799", False), ("10.10.0.3:9000", False), ("0.0.0.0:9000", False),
+                                       ("10.10.0.1:8799", False), ("off", False)])
+def test_a_nodes_own_metrics_listen_must_stay_where_the_cluster_file_says(tmp_path, listen, ok):
+    write(tmp_path, base())
+    doc = node_cfg(tmp_path, "spark-3", metrics={"listen": listen})
+    if ok:
+        assert config.from_dict(doc, "sg.yaml", MEM).metrics.listen[1] == 8799
+        return
+    with pytest.raises(config.ConfigError) as ei:
+        config.from_dict(doc, "sg.yaml", MEM)
+    assert (ei.value.path, ei.value.key) == ("sg.yaml", "metrics.listen"), str(ei.value)
+    assert "10.10.0.3:8799" in ei.value.reason, str(ei.value)
 
 
 @pytest.mark.parametrize("key,value", [("command", ["vllm", "serve", "x"]), ("lanes", {}), ("lane", "1m"),
@@ -304,12 +371,17 @@ def test_a_reload_with_a_broken_cluster_file_keeps_the_running_config(tmp_path):
     the head waits for it, which is not under test).  The engine's lanes show which config runs."""
     model = unique("sgcf")
     cmd = fake_cmd(model, None, "--tensor-parallel-size", "2")
-    d = {"name": "pair", "nodes": [{"name": "a", "addr": "127.0.0.1"}, {"name": "b", "addr": "127.0.0.2"}],
+    with socket.socket() as s:                  # a free port for the node's metrics (the file's metrics_port)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = {"name": "pair", "metrics_port": port,
+         "nodes": [{"name": "a", "addr": "127.0.0.1"}, {"name": "b", "addr": "127.0.0.2"}],
          "engine": {"command": cmd, "lanes": {"small": None, "big": None}, "quiesce_timeout": "1h"}}
     write(tmp_path, d)
     local = engine_config(tmp_path, model, cmd, None)
     for k in ("command", "health_url"):
         local["engine"].pop(k, None)
+    local.pop("metrics", None)                  # a cluster node serves its metrics where the file says
     local["cluster"] = {"file": str(tmp_path / "cluster.yaml"), "node": "a"}
     daemon = Daemon(tmp_path, local)
     try:
@@ -334,6 +406,18 @@ def test_a_reload_with_a_broken_cluster_file_keeps_the_running_config(tmp_path):
         daemon.wait_line(r"reloaded .*sparkguard.yaml", 20, start=mark)
         r = daemon.ctl("lane", lane="none")
         assert "engine.lanes has small, big, huge" in r["error"], r
+        # the cluster file's engine.lane changed: this node keeps its lane and says how to switch the cluster
+        lane = daemon.status()["lane"]
+        assert lane == "small", daemon.status()
+        broken["engine"]["lane"] = "big"
+        write(tmp_path, broken)
+        mark = daemon.mark()
+        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.wait_line(r"engine.lane changed from small to big in the cluster file .*cluster.yaml: a cluster node "
+                         r"does not switch lanes alone .* it stays in lane small; 'sparkguard cluster lane big' "
+                         r"switches the whole cluster", 20, start=mark)
+        daemon.wait_line(r"reloaded .*sparkguard.yaml", 20, start=mark)
+        assert daemon.status()["lane"] == "small" and daemon.status()["want"] == "run", daemon.status()
     finally:
         daemon.cleanup()
 

@@ -123,3 +123,76 @@ def test_the_wait_ignores_a_halted_state_left_from_before_the_start_and_stops_on
     reads = iter(seq)
     why = ops.wait_serving(c, "big", 30, lambda _c, _t: next(reads), io.StringIO(), 0.0)
     assert why.startswith("gx1 stopped trying: "), why
+
+
+def test_ssh_argv_ends_ssh_options_before_the_destination_and_refuses_one_that_is_an_option():
+    from dataclasses import replace
+    from sparkguard.cluster import ssh
+    c = cluster()
+    argv = ssh.ssh_argv(c, c.nodes[1], ["engine", "status"])
+    assert argv[-3:-1] == ["--", "root@gx1"], argv
+    assert argv.index("--") == len(argv) - 3 and all(a != "root@gx1" for a in argv[:-2])
+    bad = replace(c.nodes[1], ssh="-oProxyCommand=touch /tmp/x")
+    with pytest.raises(ValueError, match="would be read as an option"):
+        ssh.ssh_argv(c, bad, ["engine", "status"])
+    # run_all turns it into that node's failure, never an ssh run
+    r = ssh.run_all(c, [bad], ["--version"], timeout=5)["gx1"]
+    assert not r.ok and "would be read as an option" in r.error
+
+
+def test_serving_in_wants_every_node_at_the_rank_the_file_gives_it():
+    from dataclasses import replace
+    c = cluster()
+    sts = serving(c)
+    assert serving_in(sts, "small")
+    assert not serving_in([sts[0], replace(sts[1], node_rank=0)], "small")
+    assert serving_in([sts[0], replace(sts[1], node_rank=1)], "small")
+
+
+def test_the_wait_fails_early_when_a_node_stays_unreadable(monkeypatch):
+    import io
+    import time
+    monkeypatch.setattr(ops, "POLL", 0.01)
+    monkeypatch.setattr(ops, "UNREADABLE_FOR", 0.3)
+    c = cluster()
+    gone = NodeStatus(node=c.nodes[1], up=False, error="no answer: [Errno 113] No route to host")
+    flaky = iter([gone, gone, st(c, 1, "big", ready=False, state="waiting_for_head")] + [gone] * 10_000)
+    t = time.monotonic()
+    why = ops.wait_serving(c, "big", 1800, lambda _c, _t: [st(c, 0, "big", ready=False, state="starting"),
+                                                           next(flaky)], io.StringIO(), t)
+    assert time.monotonic() - t < 30, "waited for the whole timeout"
+    assert why.startswith("gx1 unreadable for 0 s (no answer: [Errno 113] No route to host): "), why
+
+
+def test_every_ssh_keeps_alive_unless_the_file_says():
+    from dataclasses import replace
+    from sparkguard.cluster import ssh
+    c = cluster()
+    argv = ssh.ssh_argv(c, c.nodes[0], ["engine", "status"])
+    assert "ServerAliveInterval=15" in argv and "ServerAliveCountMax=3" in argv
+    c2 = replace(c, ssh_options=("ServerAliveInterval=5",))
+    argv = ssh.ssh_argv(c2, c2.nodes[0], ["engine", "status"])
+    assert argv.index("ServerAliveInterval=5") < argv.index("ServerAliveInterval=15")   # the first one wins
+
+
+def test_the_preflight_identity_check_names_what_differs():
+    from dataclasses import replace
+    c = replace(cluster(3), digest="aaaaaaaaaaaa")
+    me = [NodeStatus(node=n, up=True, state="ready", cluster="c", node_name=n.name, node_rank=n.rank, nnodes=3,
+                     digest="aaaaaaaaaaaa") for n in c.nodes]
+    assert ops.identity(c, me) == []
+    bad = [me[0], replace(me[1], node_name="gx2", node_rank=2), replace(me[2], digest="bbbbbbbbbbbb")]
+    assert ops.identity(c, bad) == [
+        "gx1 (ssh root@gx1): reports node 'gx2', the cluster file gives 'gx1'; reports rank 2, the cluster file gives 1",
+        "gx2 (ssh root@gx2): it runs the cluster file with digest bbbbbbbbbbbb, this one is aaaaaaaaaaaa "
+        "(copy the file to every node and reload)"]
+    assert ops.identity(c, [replace(me[0], cluster=None)] + me[1:]) == [
+        "gx0 (ssh root@gx0): its sparkguard runs without a cluster file"]
+    assert ops.identity(c, [replace(me[0], cluster="other", nnodes=2)] + me[1:]) == [
+        "gx0 (ssh root@gx0): reports cluster 'other', the cluster file gives 'c'; reports nnodes 2, the cluster "
+        "file gives 3"]
+    # without the operator's digest the nodes must still agree
+    c0 = replace(c, digest=None)
+    assert ops.identity(c0, me[:2] + [replace(me[2], digest="bbbbbbbbbbbb")]) == [
+        "the nodes run different cluster files: gx0 digest aaaaaaaaaaaa; gx1 digest aaaaaaaaaaaa; "
+        "gx2 digest bbbbbbbbbbbb"]

@@ -94,6 +94,26 @@ def test_given_up_is_named():
     assert word == "given up" and "gx2 (rank 1)" in detail
 
 
+def test_a_cluster_stopped_on_purpose_is_stopped_not_degraded():
+    sts = [replace(s, state="stopped", ready=False, run_start=None, joined_run_start=None)
+           for s in serving_statuses(3)]
+    assert view.verdict(sts) == ("stopped", "every node's engine is stopped (3 nodes); "
+                                            "'sparkguard cluster start' starts them")
+    # one node still running, or one not answering: degraded, named
+    assert view.verdict(sts[:2] + [serving_statuses(3)[2]])[0] == "degraded"
+    assert view.verdict(sts[:2] + [replace(sts[2], up=False, error="refused")])[0] == "degraded"
+
+
+def test_nodes_on_different_cluster_files_are_named_by_digest():
+    sts = serving_statuses(3)
+    sts = [replace(s, digest=d) for s, d in zip(sts, ("aaaaaaaaaaaa", "bbbbbbbbbbbb", "aaaaaaaaaaaa"))]
+    word, detail = view.verdict(sts)
+    assert word == "cluster file differs", (word, detail)
+    assert detail == "digest aaaaaaaaaaaa: gx1, gx3; digest bbbbbbbbbbbb: gx2", detail
+    # a node that does not say (an older sparkguard) is no difference
+    assert view.verdict([replace(s, digest=None) if k == 1 else s for k, s in enumerate(sts[:2])])[0] == "serving"
+
+
 def test_a_node_with_another_rank_than_the_file_is_degraded():
     sts = serving_statuses(2)
     sts[1] = replace(sts[1], node_rank=3)
@@ -107,7 +127,7 @@ EXPOSITION = """\
 sparkguard_memory_available_bytes 1.2345e+11
 # HELP sparkguard_cluster_info The cluster
 # TYPE sparkguard_cluster_info gauge
-sparkguard_cluster_info{cluster="lab",node="gx2",node_rank="1",nnodes="2"} 1.0
+sparkguard_cluster_info{cluster="lab",node="gx2",node_rank="1",nnodes="2",digest="0123456789ab"} 1.0
 # HELP sparkguard_engine_role_info role
 # TYPE sparkguard_engine_role_info gauge
 sparkguard_engine_role_info{nnodes="2",node_rank="1",role="headless"} 1.0
@@ -143,6 +163,7 @@ sparkguard_last_incident_info{id="20261201T101010Z-memory-1",kind="memory"} 1.0
 def test_parse_reads_every_field_of_the_status():
     st = view.parse(node(1), EXPOSITION)
     assert st.up and st.error is None
+    assert (st.node_name, st.nnodes, st.digest) == ("gx2", 2, "0123456789ab")
     assert (st.cluster, st.role, st.node_rank, st.state) == ("lab", "headless", 1, "ready")
     assert st.lane == "500k" and st.lanes == ("200k", "500k")
     assert st.ready and not st.given_up
@@ -152,8 +173,13 @@ def test_parse_reads_every_field_of_the_status():
 
 
 class _Page(http.server.BaseHTTPRequestHandler):
+    """Serves :meth:`page` (EXPOSITION) to every GET."""
+
+    def page(self) -> bytes:
+        return EXPOSITION.encode()
+
     def do_GET(self):  # noqa: N802 - http.server's name
-        body = EXPOSITION.encode()
+        body = self.page()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

@@ -304,3 +304,14 @@ def test_merge_keeps_the_last_journal_report_of_an_id():
     assert rec["summary"] == "engine restarted" and src == "journal"
     [(rec, src)] = merge([dict(first, summary="file")], [first, later])
     assert rec["summary"] == "file" and src == "file+journal"
+
+
+@pytest.mark.parametrize("t", [float("nan"), 1e300, -5.0, float("inf")])
+def test_a_stored_record_with_no_real_time_lists_and_renders(t):
+    """A record from disk or another node may hold any number as a time: the listing and the
+    report show '?' instead of raising (time.localtime raises OverflowError/ValueError on these)."""
+    from sparkguard.incidents.render import list_line, render
+    rec = {"id": "20261201T000000-x", "started_at": t, "kind": "memory",
+           "timeline": [{"event": "crossed", "t": 0.0, "at": t}]}
+    assert list_line(rec)[1] == "?"
+    assert "20261201T000000-x" in render(rec)

@@ -119,7 +119,7 @@ def test_scrape_over_http_carries_the_snapshot_and_passes_promtool(server):
     assert v[("sparkguard_last_incident_timestamp_seconds", ())] == pytest.approx(snap["last_incident_timestamp"])
     assert v[("sparkguard_last_poll_timestamp_seconds", ())] == pytest.approx(snap["last_poll_timestamp"])
     assert v[("sparkguard_start_time_seconds", ())] == pytest.approx(snap["started_timestamp"])
-    assert v[("sparkguard_build_info", (("version", __version__),))] == 1
+    assert v[("sparkguard_build_info", (("hostname", socket.gethostname()), ("version", __version__)))] == 1
     # kill_below is off: the metric is absent, not 0 (0 would read as "a floor at 0 bytes")
     assert not any(k[0] == "sparkguard_kill_below_bytes" for k in v)
     # the process collector of this process
@@ -210,7 +210,7 @@ def test_snapshot_failure_still_answers_with_kernel_metrics(server, caplog):
     text = scrape(srv.url)
     v = samples(text)
     assert not any(k[0].startswith("sparkguard_memory_") for k in v)
-    assert ("sparkguard_build_info", (("version", __version__),)) in v
+    assert ("sparkguard_build_info", (("hostname", socket.gethostname()), ("version", __version__))) in v
     assert ("process_resident_memory_bytes", ()) in v
     assert "guard not started" in caplog.text
     assert promtool(text).returncode == 0
@@ -411,7 +411,7 @@ def test_sparkguard_run_serves_metrics_end_to_end(tmp_path):
         assert v[("sparkguard_dry_run", ())] == 1
         assert v[("sparkguard_signals_total", (("signal", "SIGTERM"),))] == 0
         assert time.time() - v[("sparkguard_last_poll_timestamp_seconds", ())] < 10
-        assert v[("sparkguard_build_info", (("version", __version__),))] == 1
+        assert v[("sparkguard_build_info", (("hostname", socket.gethostname()), ("version", __version__)))] == 1
         with open(f"/proc/{proc.pid}/status") as f:
             rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
         assert abs(v[("process_resident_memory_bytes", ())] - rss) < 16 * 1024**2  # the daemon's own RSS

@@ -27,7 +27,7 @@ SCRAPE_TIME_ONLY = re.compile(r"sparkguard_(last_incident_timestamp_seconds|last
 #: file's info); the single-node daemon here cannot show them: tests/test_cluster_logic.py reads
 #: them back from the real exposition, tests/test_cluster.py from nodes in network namespaces, the
 #: last test here serves the cluster file's info
-CLUSTER_ONLY = re.compile(r"sparkguard_engine_(group|joined)_run_start_timestamp_seconds|sparkguard_cluster_info")
+CLUSTER_ONLY = re.compile(r"sparkguard_engine_(group|joined)_run_start_timestamp_seconds|sparkguard_cluster_(info|nodes)")
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="(?:[^"\\]|\\.)*"')
@@ -172,7 +172,7 @@ def test_the_configurations_cluster_and_lanes_are_documented_and_follow_a_reload
     """:class:`metrics.ConfigCollector` over real HTTP: a config with a cluster and two lanes, then
     one without either (what a reload that drops them serves)."""
     rows = doc_rows()
-    place = SimpleNamespace(name="lab", node="gx2", rank=1, nnodes=2)
+    place = SimpleNamespace(name="lab", node="gx2", rank=1, nnodes=2, digest="0123456789ab")
     with_cluster = SimpleNamespace(cluster=place, engine=SimpleNamespace(enabled=True, lanes={"200k": 1, "1m": 2}))
     current = [with_cluster]
     reg = CollectorRegistry()
@@ -186,7 +186,8 @@ def test_the_configurations_cluster_and_lanes_are_documented_and_follow_a_reload
         srv.stop()
     fams = served(text)
     assert not mismatches(fams, rows), "\n".join(mismatches(fams, rows))
-    assert sorted(fams) == ["sparkguard_cluster_info", "sparkguard_engine_lanes_info"]
-    assert 'sparkguard_cluster_info{cluster="lab",nnodes="2",node="gx2",node_rank="1"} 1.0' in text
+    assert sorted(fams) == ["sparkguard_cluster_info", "sparkguard_cluster_nodes", "sparkguard_engine_lanes_info"]
+    assert "sparkguard_cluster_nodes 2.0" in text
+    assert 'sparkguard_cluster_info{cluster="lab",digest="0123456789ab",nnodes="2",node="gx2",node_rank="1"} 1.0' in text
     assert 'sparkguard_engine_lanes_info{lane="200k"} 1.0' in text and 'lane="1m"' in text
     assert served(after) == {}

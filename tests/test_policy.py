@@ -142,6 +142,15 @@ def test_a_victim_that_cannot_die_is_given_up_and_the_next_crossing_chooses_agai
     assert p.step(31.2, LINE - 1) == (P.CROSSED, P.TERM)
 
 
+def test_the_grace_runs_from_the_sigterm_not_from_the_crossing_sample():
+    # choosing and signalling the victim took 80 ms after the sample that crossed
+    p = mk(grace=2.0)
+    assert p.step(100.0, LINE - 1) == (P.CROSSED, P.TERM)
+    p.term_sent_at(100.08)
+    assert p.step(102.05, LINE - 100) == ()
+    assert p.step(102.08, LINE - 100) == (P.KILL,)
+
+
 def test_a_joined_escalation_keeps_the_first_sigterms_grace():
     # the guard joined the supervisor's escalation: its SIGTERM went out 4 s before the crossing
     p = mk(grace=10.0)

@@ -297,3 +297,31 @@ def test_status_url_of_another_node_shows_only_what_its_endpoint_reports(root_on
         finally:
             srv.stdin.close()
             srv.wait(10)
+
+
+def test_a_loopback_url_of_another_hosts_endpoint_is_remote(root_only, daemon_endpoint):
+    """A tunnel (``ssh -L``) makes another host's endpoint answer on this host's loopback: the
+    endpoint's ``sparkguard_build_info{hostname}`` says whose it is.  The other host is an
+    endpoint in a UTS namespace of its own (another hostname), on this loopback."""
+    code = ("import socket, sys, json; from sparkguard import metrics\n"
+            f"snap = json.loads({json.dumps(json.dumps(REMOTE_SNAPSHOT))})\n"
+            "srv = metrics.start_server(('127.0.0.1', 0), lambda: snap)\n"
+            "print(srv.url, socket.gethostname(), flush=True); sys.stdin.read()\n")
+    other = "sgtunnel-" + secrets.token_hex(3)
+    srv = subprocess.Popen(["unshare", "--uts", "--", "sh", "-c", f'hostname {other} && exec "$0" -c "$1"',
+                            sys.executable, code], env=sg_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        url, host = srv.stdout.readline().split()
+        assert host == other and status.is_local_url(url)
+        r = run_sparkguard("status", "--url", url, "--config", "/nonexistent/sparkguard.yaml")
+        assert r.returncode == 0, r.stderr
+        assert f"sparkguard status of {url} (host {other})" in r.stdout and "another host's endpoint" in r.stdout
+        assert f"MemAvailable  {format_size(7 * GiB):>11}" in r.stdout
+        assert "Targets (" not in r.stdout
+        # this host's own endpoint on loopback stays local (the whole screen, this host's config read)
+        r = run_sparkguard("status", "--url", daemon_endpoint.url, "--config", "/nonexistent/sparkguard.yaml")
+        assert r.returncode == 2 and "/nonexistent/sparkguard.yaml" in r.stderr, r.stdout + r.stderr
+    finally:
+        srv.stdin.close()
+        srv.wait(10)

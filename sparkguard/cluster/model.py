@@ -80,6 +80,9 @@ class ClusterFile:
             overridden here).
         remote_sparkguard: tuple of str, the command that runs sparkguard on a node over SSH
             (e.g. ``("sudo", "-n", "sparkguard")`` for an operator who is not root there).
+        digest: str or None, the first 12 hex digits of the SHA-256 of the file's bytes (what
+            every node reports in ``sparkguard_cluster_info{digest}``: one file everywhere is one
+            digest); None for a ClusterFile not read from a file.
     """
 
     path: str
@@ -90,6 +93,7 @@ class ClusterFile:
     api_port: int = 8000
     ssh_options: tuple[str, ...] = ()
     remote_sparkguard: tuple[str, ...] = ("sparkguard",)
+    digest: str | None = None
 
     @property
     def head(self) -> ClusterNode:
@@ -130,6 +134,9 @@ class NodeStatus:
         mem_available: int or None, MemAvailable in bytes.
         last_incident: tuple (id, kind) or None.
         given_up: bool, its supervisor stopped restarting (``sparkguard_engine_given_up``).
+        node_name: str or None, the node name its cluster file gives it (``sparkguard_cluster_info{node}``).
+        nnodes: int or None, the number of nodes of its cluster file.
+        digest: str or None, its cluster file's digest (:attr:`ClusterFile.digest`).
     """
 
     node: ClusterNode
@@ -147,3 +154,6 @@ class NodeStatus:
     mem_available: int | None = None
     last_incident: tuple[str, str] | None = None
     given_up: bool = False
+    node_name: str | None = None
+    nnodes: int | None = None
+    digest: str | None = None

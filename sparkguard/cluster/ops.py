@@ -5,9 +5,12 @@ The run, in order:
 
 1. Preflight: ``sparkguard engine status --json`` on every node over SSH, in parallel.  It proves
    every node reachable and its sparkguard running before anything stops, and gives each node's
-   own view (state, lane, the lanes its config has, its run and the head's run it joined).  A
-   node that fails here is named with how it failed (unreachable over SSH with ssh's line, or
-   the remote exit status and message); exit 1, nothing stopped.
+   own view (state, lane, the lanes its config has, its run and the head's run it joined, its
+   place in its cluster file).  A node that fails here is named with how it failed (unreachable
+   over SSH with ssh's line, or the remote exit status and message); exit 1, nothing stopped.
+   A node that answers as another node (its cluster file's cluster name, node name or rank is
+   not what the operator's file gives that destination), or runs another version of the file
+   (another digest), is refused: exit 2, nothing stopped, the node and what differs named.
 2. The plan (pure): refused (exit 2) for a lane some node lacks; nothing to do (exit 0) when
    every node is ready in the lane and joined the head's run.
 3. Its steps: ``engine stop`` on every node, all awaited; ``engine lane NAME --no-wait`` (or
@@ -30,7 +33,6 @@ file or the action refused.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -38,6 +40,7 @@ from typing import Callable
 
 from sparkguard.cluster import file as cluster_file
 from sparkguard.cluster import plan as planner
+from sparkguard import untrusted
 from sparkguard.cluster import ssh, view
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
 from sparkguard.config import ConfigError
@@ -55,6 +58,12 @@ QUICK_TIMEOUT = 60.0
 STOP_TIMEOUT = 300.0
 #: seconds each metrics read may take
 READ_TIMEOUT = 3.0
+#: seconds a node's metrics may go unread in a row during the wait before it fails: a node's
+#: sparkguard keeps serving metrics while its engine stops and loads, so a minute without an
+#: answer is a node (or its link) gone, not a slow load (assumption: no source; a choice)
+UNREADABLE_FOR = 60.0
+#: exit status after the operator's Ctrl-C (128 + SIGINT, the shell's convention)
+EXIT_INTERRUPTED = 130
 
 Reader = Callable[[ClusterFile, float], list]
 
@@ -62,28 +71,71 @@ Reader = Callable[[ClusterFile, float], list]
 def from_engine_status(node: ClusterNode, resp: dict) -> NodeStatus:
     """The :class:`NodeStatus` of ``node`` from its ``sparkguard engine status --json`` answer
     (``{"ok": true, "status": Supervisor.status()}``, sparkguard/supervisor/state.py
-    ``_status``).  Raises ValueError when it is not such an answer."""
+    ``_status``).  The answer is another host's: every field's type is checked
+    (:mod:`sparkguard.untrusted`).  Raises ValueError when it is not such an answer."""
     st = resp.get("status") if isinstance(resp, dict) else None
-    if not isinstance(st, dict) or "state" not in st:
-        raise ValueError(f"not an engine status: {str(resp)[:200]}")
-    role = st.get("role") or {}
-    return NodeStatus(node=node, up=True, role=role.get("role"), node_rank=role.get("node_rank"),
-                      state=st.get("state"), lane=st.get("lane"), lanes=tuple(st.get("lanes") or ()),
-                      ready=bool(st.get("ready")), run_start=st.get("run_start"),
-                      joined_run_start=st.get("joined"), given_up=bool(st.get("given_up")))
+    if not isinstance(st, dict) or not isinstance(st.get("state"), str):
+        raise ValueError(f"not an engine status: {untrusted.clean(repr(resp), 200)}")
+    role = untrusted.opt_dict(st.get("role"), "role")
+    place = untrusted.opt_dict(st.get("cluster"), "cluster")
+    rank = untrusted.opt_int(role.get("node_rank"), "role.node_rank")
+    if rank is None:
+        rank = untrusted.opt_int(place.get("rank"), "cluster.rank")
+    return NodeStatus(node=node, up=True, role=untrusted.opt_str(role.get("role"), "role.role"), node_rank=rank,
+                      state=st["state"], lane=untrusted.opt_str(st.get("lane"), "lane"),
+                      lanes=untrusted.str_tuple(st.get("lanes"), "lanes"),
+                      ready=st.get("ready") is True, run_start=untrusted.opt_time(st.get("run_start"), "run_start"),
+                      joined_run_start=untrusted.opt_time(st.get("joined"), "joined"),
+                      given_up=st.get("given_up") is True,
+                      cluster=untrusted.opt_str(place.get("name"), "cluster.name"),
+                      node_name=untrusted.opt_str(place.get("node"), "cluster.node"),
+                      nnodes=untrusted.opt_int(place.get("nnodes"), "cluster.nnodes"),
+                      digest=untrusted.opt_str(place.get("digest"), "cluster.digest"))
+
+
+def identity(cluster: ClusterFile, statuses: list[NodeStatus]) -> list[str]:
+    """One line per node that did not answer as itself: ``"<node> (ssh DEST): reports rank 1, the
+    cluster file gives 0"`` (each difference named).
+
+    A node answers as itself when its own cluster file (its ``engine status --json``'s
+    ``cluster``) has this cluster's name, gives it the node name and rank the operator's file
+    gives that SSH destination, the same number of nodes and (when both are known) the same
+    digest.  Anything else means the destination reaches another machine than the file says, or
+    a node runs another version of the file: acting on it could stop the wrong engine."""
+    out = []
+    for s in statuses:
+        n = s.node
+        if s.cluster is None:
+            out.append(f"{n.name} (ssh {n.ssh}): its sparkguard runs without a cluster file")
+            continue
+        diff = []
+        for what, got, want in (("cluster", s.cluster, cluster.name), ("node", s.node_name, n.name),
+                                ("rank", s.node_rank, n.rank), ("nnodes", s.nnodes, len(cluster.nodes))):
+            if got != want:
+                diff.append(f"reports {what} {got!r}, the cluster file gives {want!r}")
+        if not diff and cluster.digest and s.digest and s.digest != cluster.digest:
+            diff.append(f"it runs the cluster file with digest {s.digest}, this one is {cluster.digest} "
+                        "(copy the file to every node and reload)")
+        if diff:
+            out.append(f"{n.name} (ssh {n.ssh}): " + "; ".join(diff))
+    digests = {s.digest for s in statuses if s.digest}
+    if not out and not cluster.digest and len(digests) > 1:     # a ClusterFile not read from a file
+        out.append("the nodes run different cluster files: " + "; ".join(
+            f"{s.node.name} digest {s.digest}" for s in statuses if s.digest))
+    return out
 
 
 def preflight(cluster: ClusterFile) -> tuple[list[NodeStatus], list[str]]:
     """Every node's own status over SSH: ``(statuses, failures)``; ``failures`` one line per node
     that could not be asked (``"<node>: <how>"``), ``statuses`` complete only when it is empty."""
     got, failures = ssh.collect(cluster, cluster.nodes, ["engine", "status", "--json"], QUICK_TIMEOUT,
-                                json.loads, "'engine status --json'")
+                                untrusted.loads, "'engine status --json'")
     statuses = []
     for n, resp in got:
         try:
             statuses.append(from_engine_status(n, resp))
-        except ValueError as e:
-            failures.append(f"{n.name}: unreadable 'engine status --json': {e}")
+        except Exception as e:  # noqa: BLE001 - whatever a node answers is that node's failure
+            failures.append(f"{n.name}: unreadable 'engine status --json': {untrusted.clean(e)}")
     return statuses, failures
 
 
@@ -92,23 +144,34 @@ def progress(statuses: list[NodeStatus], elapsed: float) -> str:
     parts = []
     for s in statuses:
         what = (f"{s.state or '?'}" + (f" lane {s.lane}" if s.lane else "")) if s.up else f"down ({s.error})"
-        parts.append(f"{s.node.name} {s.node.role} {what}")
+        parts.append(f"{s.node.name} {s.node.role} {untrusted.clean(what)}")
     return f"{elapsed:.0f} s: " + "; ".join(parts)
 
 
 def wait_serving(cluster: ClusterFile, lane: str | None, timeout: float, read: Reader, err,
                  t0: float) -> str | None:
     """Wait until :func:`plan.serving_in` holds for ``lane`` on the statuses ``read`` returns;
-    None, or why not (a node gave up, timed out).  Progress on ``err`` every
-    :data:`PROGRESS_EVERY` seconds (``t0``: monotonic time of the first stop)."""
+    None, or why not (a node gave up, a node unread for :data:`UNREADABLE_FOR` seconds in a row,
+    timed out).  Progress on ``err`` every :data:`PROGRESS_EVERY` seconds (``t0``: monotonic
+    time of the first stop)."""
     deadline = time.monotonic() + timeout
     last = 0.0
     moved: set[str] = set()     # nodes seen in another state than a halted one since the starts
+    down_since: dict[str, float] = {}   # node -> monotonic time of its first failed read in a row
     while True:
         sts = read(cluster, READ_TIMEOUT)
         if planner.serving_in(sts, lane):
             return None
         now = time.monotonic()
+        for s in sts:
+            if s.up:
+                down_since.pop(s.node.name, None)
+            else:
+                down_since.setdefault(s.node.name, now)
+        gone = [s for s in sts if not s.up and now - down_since[s.node.name] >= UNREADABLE_FOR]
+        if gone:
+            return (", ".join(f"{s.node.name} unreadable for {now - down_since[s.node.name]:.0f} s "
+                              f"({untrusted.clean(s.error)})" for s in gone) + ": " + progress(sts, now - t0))
         # a node halted before the command may still say so until its supervisor takes the start
         moved |= {s.node.name for s in sts if s.up and s.state not in HALTED}
         gave = [s.node.name for s in sts if s.up and s.state in HALTED and s.node.name in moved]
@@ -152,6 +215,34 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
     err = err or sys.stderr
     read = read or view.read
     me = f"sparkguard cluster {action}" + (f" {lane}" if lane else "")
+    phase = ["the preflight"]
+    try:
+        return _execute(cluster, action, lane, timeout, dry_run, out, err, read, me, phase)
+    except KeyboardInterrupt:
+        return interrupted(cluster, me, phase[0], read, err)
+
+
+def interrupted(cluster: ClusterFile, me: str, phase: str, read: Reader, err) -> int:
+    """After the operator's Ctrl-C: end every ssh this command started (:func:`ssh.kill_all`),
+    read every node once and say in what state the cluster is left; no traceback.  Returns
+    :data:`EXIT_INTERRUPTED`."""
+    killed = ssh.kill_all()
+    print(f"\n{me}: interrupted during {phase}" + (f"; {len(killed)} ssh command(s) ended (what they started "
+          "on a node may still finish there)" if killed else ""), file=err, flush=True)
+    try:
+        sts = read(cluster, READ_TIMEOUT)
+        word, detail = view.verdict(sts)
+        print(f"{me}: the cluster is left as it is: {progress(sts, 0).split(': ', 1)[1]}", file=err)
+        print(f"{me}: {cluster.name}: {word}: {untrusted.clean(detail, 2000)}", file=err)
+    except KeyboardInterrupt:
+        print(f"{me}: the cluster's state was not read; run 'sparkguard cluster status'", file=err)
+    print(f"{me}: nothing more is done; run the command again, or 'sparkguard cluster stop'", file=err, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _execute(cluster: ClusterFile, action: str, lane: str | None, timeout: float, dry_run: bool, out, err,
+             read: Reader, me: str, phase: list) -> int:
+    """:func:`execute`'s body; ``phase[0]`` names what runs now (for an interruption)."""
     if dry_run:
         statuses = read(cluster, READ_TIMEOUT)
         down = [s for s in statuses if not s.up]
@@ -166,6 +257,12 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
                 print(f"{me}: {f}", file=err)
             print(f"{me}: failed before anything was stopped", file=err)
             return EXIT_FAILED
+        wrong = identity(cluster, statuses)
+        if wrong:
+            for w in wrong:
+                print(f"{me}: refused: {w}", file=err)
+            print(f"{me}: refused: nothing was stopped", file=err)
+            return EXIT_REFUSED
     try:
         p = planner.plan(cluster, action, statuses, lane, STOP_TIMEOUT)
     except planner.Refused as e:
@@ -179,6 +276,7 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
         return EXIT_OK
     t0 = time.monotonic()
     for step in p.steps:
+        phase[0] = f"'{step.what}' on {', '.join(step.nodes)}"
         nodes = [cluster.node(n) for n in step.nodes]
         budget = STOP_TIMEOUT + 30 if step.what == "stop" else QUICK_TIMEOUT
         res = ssh.run_all(cluster, nodes, list(step.args), budget)
@@ -186,13 +284,16 @@ def execute(cluster: ClusterFile, action: str, lane: str | None = None, *, timeo
         if bad:
             for r in bad:
                 print(f"{me}: {step.what} failed on {ssh.describe(r)}", file=err)
+            phase[0] = "the stop after a failure"
             return _fail(cluster, me, p, step, err)
         print(f"sparkguard cluster: {step.what}: {', '.join(step.nodes)} ({time.monotonic() - t0:.1f} s)",
               file=err, flush=True)
     if p.wait_ready:
+        phase[0] = "the wait for the cluster to serve"
         why = wait_serving(cluster, p.lane, timeout, read, err, t0)
         if why:
             print(f"{me}: {why}", file=err)
+            phase[0] = "the stop after a failure"
             return _fail(cluster, me, p, None, err)
     took = time.monotonic() - t0
     if p.wait_ready:

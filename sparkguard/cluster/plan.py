@@ -60,8 +60,12 @@ class Plan:
 
 def serving_in(statuses: list[NodeStatus], lane: str | None) -> bool:
     """Every node up and ready in ``lane`` (any lane when None, but the same on every node),
-    the head's run known, and every headless rank joined that run."""
+    running as the rank the cluster file gives it (a node that does not say is taken at its
+    word, as :func:`sparkguard.cluster.view.verdict` does), the head's run known, and every
+    headless rank joined that run."""
     if not statuses or not all(s.up and s.ready for s in statuses):
+        return False
+    if any(s.node_rank is not None and s.node_rank != s.node.rank for s in statuses):
         return False
     lanes = {s.lane for s in statuses}
     if len(lanes) != 1 or (lane is not None and lanes != {lane}):

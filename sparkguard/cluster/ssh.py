@@ -1,6 +1,6 @@
 """Run one sparkguard command on several nodes at once over the operator's OpenSSH client.
 
-Every node gets ``ssh -o BatchMode=yes -o StrictHostKeyChecking=yes [-o OPT ...] DEST --
+Every node gets ``ssh -o BatchMode=yes -o StrictHostKeyChecking=yes [-o OPT ...] -- DEST
 <remote command>`` in a thread of its own; the remote command is one string,
 ``shlex.join(cluster.remote_sparkguard + args [+ ("-c", node.config)])``, because sshd hands
 it to the remote user's shell (ssh(1): "the command is executed on the remote host" by the
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from sparkguard import untrusted
 from sparkguard.cluster.model import ClusterFile, ClusterNode
 
 #: the ssh client's argv prefix (looked up on PATH); the tests prefix ``nsenter --net=NS --``
@@ -38,6 +39,14 @@ SSH_ERROR = 255
 MAX_OUTPUT = 256 * 1024
 #: ssh's own ConnectTimeout when the cluster file sets none, seconds
 CONNECT_TIMEOUT = 10
+#: keepalives when the cluster file sets none: ssh gives up on a node that stopped answering
+#: after ServerAliveInterval x ServerAliveCountMax seconds (ssh_config(5)) instead of hanging
+#: until the command's own timeout (a 330 s stop)
+SERVER_ALIVE = ("ServerAliveInterval=15", "ServerAliveCountMax=3")
+
+#: the ssh processes running now (run_one adds and removes them): what :func:`kill_all` ends
+_live: set = set()
+_live_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,14 @@ class RemoteResult:
         node: str, the node's name.
         rc: int or None, ssh's exit status (the remote command's, or 255 for ssh's own error);
             None when ssh did not exit (timed out and killed) or could not be started.
-        stdout: str, the remote command's output (first MAX_OUTPUT bytes, decoded with
-            replacement).
+        stdout: str, the remote command's output (its first ``max_output`` bytes, default
+            MAX_OUTPUT, decoded with replacement).
         stderr: str, its error output, with ssh's own messages mixed in.
         error: str or None, None when the remote command ran and exited 0; otherwise one
             sentence: ``"unreachable over SSH: <ssh's line>"``, ``"timed out after N s"``,
             ``"cannot run ssh: ..."`` or ``"exit status N: <last stderr line>"``.
         seconds: float, wall time of the ssh, seconds.
+        truncated: bool, stdout was longer than what was kept.
     """
 
     node: str
@@ -63,6 +73,7 @@ class RemoteResult:
     stderr: str
     error: str | None
     seconds: float
+    truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -88,12 +99,19 @@ def remote_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple
 def ssh_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str, ...]) -> list[str]:
     """The local ``ssh`` argv that runs :func:`remote_argv` on ``node``.
 
-    ``ConnectTimeout`` is added after the cluster's options (first value wins, so a file's own
-    ``ConnectTimeout=`` stays in force)."""
+    ``ConnectTimeout`` and :data:`SERVER_ALIVE` are added after the cluster's options (first value
+    wins, so a file's own ``ConnectTimeout=`` or ``ServerAliveInterval=`` stays in force).  ``ssh -o ... -- DEST COMMAND``: getopt(3) stops at
+    ``--``, so a destination is never an option.
+
+    Raises:
+        ValueError: the node's destination is empty or starts with '-'."""
     argv = [*SSH]
-    for opt in (*FORCED_OPTIONS, *cluster.ssh_options, f"ConnectTimeout={CONNECT_TIMEOUT}"):
+    for opt in (*FORCED_OPTIONS, *cluster.ssh_options, f"ConnectTimeout={CONNECT_TIMEOUT}", *SERVER_ALIVE):
         argv += ["-o", opt]
-    argv += [node.ssh, "--", shlex.join(remote_argv(cluster, node, args))]
+    if not node.ssh or node.ssh.startswith("-"):
+        raise ValueError(f"node {node.name}: SSH destination {node.ssh!r} would be read as an option")
+    # '--' ends ssh's options: the destination and the command are never read as options
+    argv += ["--", node.ssh, shlex.join(remote_argv(cluster, node, args))]
     return argv
 
 
@@ -116,25 +134,29 @@ def ssh_failed(rc: int | None, stderr: str) -> str | None:
 
 
 def _drain(stream, box: list, limit: int) -> None:
-    """Read ``stream`` to its end, keeping the first ``limit`` bytes in ``box[0]``."""
+    """Read ``stream`` to its end, keeping the first ``limit`` bytes in ``box[0]``; ``box[1]``
+    is True when more came."""
     kept = bytearray()
+    more = False
     try:
         while True:
             chunk = stream.read(65536)
             if not chunk:
                 break
-            if len(kept) < limit:
-                kept += chunk[:limit - len(kept)]
+            room = limit - len(kept)
+            more = more or len(chunk) > room
+            kept += chunk[:max(room, 0)]
     except (OSError, ValueError):
         pass
-    box.append(bytes(kept))
+    box.extend((bytes(kept), more))
 
 
 def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str, ...],
-            timeout: float) -> RemoteResult:
+            timeout: float, max_output: int = MAX_OUTPUT) -> RemoteResult:
     """Run ``args`` on ``node`` over ssh, waiting at most ``timeout`` seconds (then ssh is
-    killed: SIGKILL to the ssh process this call started).  Never raises for a failure of ssh
-    or of the remote command: see :class:`RemoteResult`."""
+    killed: SIGKILL to the ssh process this call started), keeping ``max_output`` bytes of
+    stdout (stderr: MAX_OUTPUT).  Never raises for a failure of ssh or of the remote command:
+    see :class:`RemoteResult`."""
     t0 = time.monotonic()
     argv = ssh_argv(cluster, node, args)
     try:
@@ -142,9 +164,39 @@ def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str
                              start_new_session=True)
     except OSError as e:
         return RemoteResult(node.name, None, "", "", f"cannot run ssh: {e.strerror or e}", time.monotonic() - t0)
+    with _live_lock:
+        _live.add(p)
+    try:
+        return _finish(p, node, timeout, max_output, t0)
+    finally:
+        with _live_lock:
+            _live.discard(p)
+
+
+def kill_all() -> list[int]:
+    """SIGKILL every ssh process :func:`run_one` started that still runs (an operator's Ctrl-C:
+    they run in sessions of their own, so the terminal's SIGINT does not reach them) and reap
+    them; returns their pids.  The remote commands may still run to their end on the nodes."""
+    with _live_lock:
+        procs = list(_live)
+    for p in procs:
+        try:
+            p.kill()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    return [p.pid for p in procs]
+
+
+def _finish(p: subprocess.Popen, node: ClusterNode, timeout: float, max_output: int, t0: float) -> RemoteResult:
+    """Wait for the ssh ``p`` of :func:`run_one` (its output read by two threads) and make its result."""
     out: list = []
     err: list = []
-    readers = [threading.Thread(target=_drain, args=(p.stdout, out, MAX_OUTPUT), daemon=True),
+    readers = [threading.Thread(target=_drain, args=(p.stdout, out, max_output), daemon=True),
                threading.Thread(target=_drain, args=(p.stderr, err, MAX_OUTPUT), daemon=True)]
     for r in readers:
         r.start()
@@ -164,23 +216,24 @@ def run_one(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str
             pass
     stdout = (out[0] if out else b"").decode(errors="replace")
     stderr = (err[0] if err else b"").decode(errors="replace")
+    truncated = bool(out and out[1])
     seconds = time.monotonic() - t0
     if timed_out:
-        return RemoteResult(node.name, None, stdout, stderr, f"timed out after {timeout:g} s", seconds)
+        return RemoteResult(node.name, None, stdout, stderr, f"timed out after {timeout:g} s", seconds, truncated)
     rc = p.returncode
     why = ssh_failed(rc, stderr)
     if why is not None:
-        return RemoteResult(node.name, rc, stdout, stderr, f"unreachable over SSH: {why}", seconds)
+        return RemoteResult(node.name, rc, stdout, stderr, f"unreachable over SSH: {why}", seconds, truncated)
     if rc != 0:
         last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
         if not last:
             last = next((ln.strip() for ln in reversed(stdout.splitlines()) if ln.strip()), "no message")
-        return RemoteResult(node.name, rc, stdout, stderr, f"exit status {rc}: {last}", seconds)
-    return RemoteResult(node.name, rc, stdout, stderr, None, seconds)
+        return RemoteResult(node.name, rc, stdout, stderr, f"exit status {rc}: {last}", seconds, truncated)
+    return RemoteResult(node.name, rc, stdout, stderr, None, seconds, truncated)
 
 
 def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
-            timeout: float) -> dict[str, RemoteResult]:
+            timeout: float, max_output: int = MAX_OUTPUT) -> dict[str, RemoteResult]:
     """Run ``args`` on every node of ``nodes`` (ClusterNode values) in parallel, each bounded
     by ``timeout`` seconds; ``{node name: RemoteResult}`` in the order of ``nodes``.  Returns
     once every ssh has finished or been killed (about ``timeout`` + 5 s; at most ``timeout`` + 15 s,
@@ -191,7 +244,7 @@ def run_all(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...],
 
     def one(n: ClusterNode) -> None:
         try:
-            r = run_one(cluster, n, args, timeout)
+            r = run_one(cluster, n, args, timeout, max_output)
         except Exception as e:  # noqa: BLE001 - every failure is a result
             r = RemoteResult(n.name, None, "", "", f"cannot run ssh: {e}", 0.0)
         with lock:
@@ -214,7 +267,9 @@ def collect(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...], time
     Returns:
         ``(parsed, failures)``: ``[(node, parse(stdout)), ...]`` in the order of ``nodes``, and one
         line per node that failed (``"<node>: <error>"``, or ``"<node>: unreadable <what>: ..."``
-        when ``parse`` raised ValueError).
+        when ``parse`` raised: the output is another host's, so any exception of ``parse`` is that
+        node's failure, never the caller's crash).  Every line is printable text
+        (:func:`sparkguard.untrusted.clean`).
     """
     nodes = list(nodes)
     res = run_all(cluster, nodes, args, timeout)
@@ -226,12 +281,13 @@ def collect(cluster: ClusterFile, nodes, args: list[str] | tuple[str, ...], time
             continue
         try:
             parsed.append((n, parse(r.stdout)))
-        except ValueError as e:
-            failures.append(f"{n.name}: unreadable {what}: {e}")
+        except Exception as e:  # noqa: BLE001 - see Returns
+            failures.append(f"{n.name}: unreadable {what}: {untrusted.clean(e)}")
     return parsed, failures
 
 
 def describe(r: RemoteResult) -> str:
-    """One line for a person: ``"<node>: ok (1.2 s)"`` or ``"<node>: <error>"``."""
-    return f"{r.node}: ok ({r.seconds:.1f} s)" if r.ok else f"{r.node}: {r.error}"
+    """One line for a person: ``"<node>: ok (1.2 s)"`` or ``"<node>: <error>"`` (the error's
+    remote text with its control characters replaced, :func:`sparkguard.untrusted.clean`)."""
+    return f"{r.node}: ok ({r.seconds:.1f} s)" if r.ok else f"{r.node}: {untrusted.clean(r.error)}"
 

@@ -8,14 +8,14 @@ the table ``sparkguard cluster incidents`` prints.  The columns after NODE are t
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from sparkguard import untrusted
 from sparkguard.cluster.model import ClusterNode
 from sparkguard.incidents.render import list_line, render
-from sparkguard.incidents.store import valid_id
+from sparkguard.incidents.store import valid_id  # noqa: F401 - also the cluster CLI's check of one record
 from sparkguard.model import number
 
 HEADER = ("NODE", "ID", "STARTED", "KIND", "OUTCOME", "TARGET", "MIN AVAIL", "DURATION")
@@ -43,9 +43,10 @@ def parse_listing(text: str) -> list[dict]:
     id is dropped.
 
     Raises:
-        ValueError: the text is not a JSON list (the message says what it is).
+        ValueError: the text is not a JSON list (the message says what it is), or JSON nested
+            too deeply (:func:`sparkguard.untrusted.loads`).
     """
-    data = json.loads(text)
+    data = untrusted.loads(text)
     if not isinstance(data, list):
         raise ValueError(f"expected a JSON list of incidents, got {type(data).__name__}")
     return [r for r in data if isinstance(r, dict) and valid_id(r.get("id"))]
@@ -79,7 +80,7 @@ def table(entries: list[Entry], limit: int = 0) -> list[str]:
     """The timeline's lines: a header and one row per entry (the first ``limit``; 0: all), columns
     aligned; a last line says how many are not shown."""
     shown = entries[:limit] if limit else entries
-    rows = [HEADER] + [(e.node.name, *list_line(e.record)) for e in shown]
+    rows = [HEADER] + [(e.node.name, *row(e)) for e in shown]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     if len(entries) > len(shown):
@@ -87,10 +88,29 @@ def table(entries: list[Entry], limit: int = 0) -> list[str]:
     return lines
 
 
+def row(e: Entry) -> tuple[str, ...]:
+    """The columns after NODE of one entry (:func:`list_line`), each printable
+    (:func:`sparkguard.untrusted.clean`); a record list_line cannot format (it is another host's)
+    shows its id and ``?`` in the others."""
+    try:
+        cols = list_line(e.record)
+    except Exception:  # noqa: BLE001 - a remote record of any shape is shown, never a crash
+        cols = (e.id,) + ("?",) * (len(HEADER) - 2)
+    if e.record.get("started_at") is not None and untrusted.stamp(e.record.get("started_at")) == "?":
+        cols = (cols[0], "?", *cols[2:])
+    return tuple(untrusted.clean(c, 80) for c in cols)
+
+
 def report(entry: Entry) -> str:
     """One incident's readable report (:func:`sparkguard.incidents.render.render`), under a line
-    naming the node it happened on."""
-    return f"Node: {entry.node.name} (rank {entry.node.rank}, {entry.node.ssh})\n" + render(entry.record)
+    naming the node it happened on; control characters of the remote record replaced (line
+    breaks kept); a record the renderer cannot format is said to be so."""
+    try:
+        body = render(entry.record)
+    except Exception as e:  # noqa: BLE001 - another host's record
+        body = f"this record cannot be shown ({untrusted.clean(repr(e), 200)}); --json prints it\n"
+    body = "\n".join(untrusted.clean(ln, 10_000) for ln in body.split("\n"))
+    return f"Node: {entry.node.name} (rank {entry.node.rank}, {entry.node.ssh})\n" + body
 
 
 def as_json(entries: list[Entry]) -> list[dict]:

@@ -32,14 +32,17 @@ def parse(node: ClusterNode, text: str) -> NodeStatus:
         sparkguard.peers.PeerError: the text does not parse or is no sparkguard's.
     """
     v = nodes.parse(node.metrics_url, text)
-    cluster = lane = kind = None
+    cluster = lane = kind = node_name = nnodes = digest = None
     lanes: list[str] = []
     for fam in peers.select(text, EXTRA):
         for s in fam.samples:
             if not math.isfinite(s.value) or s.value != 1.0:
                 continue
             if s.name == "sparkguard_cluster_info":
-                cluster = s.labels.get("cluster")
+                cluster, node_name = s.labels.get("cluster"), s.labels.get("node")
+                digest = s.labels.get("digest") or None
+                n = s.labels.get("nnodes", "")
+                nnodes = int(n) if n.isdigit() and len(n) < 6 else None
             elif s.name == "sparkguard_engine_lane_info":
                 lane = s.labels.get("lane")
             elif s.name == "sparkguard_engine_lanes_info" and "lane" in s.labels:
@@ -50,7 +53,8 @@ def parse(node: ClusterNode, text: str) -> NodeStatus:
         node=node, up=True, cluster=cluster, role=v.role, node_rank=v.node_rank, state=v.state, lane=lane,
         lanes=tuple(lanes), ready=v.ready, run_start=v.run, joined_run_start=v.joined,
         mem_available=v.available_bytes,
-        last_incident=(v.last_incident, kind or "?") if v.last_incident else None, given_up=v.given_up)
+        last_incident=(v.last_incident, kind or "?") if v.last_incident else None, given_up=v.given_up,
+        node_name=node_name, nnodes=nnodes, digest=digest)
 
 
 def read_one(node: ClusterNode, timeout: float = 3.0) -> NodeStatus:
@@ -105,7 +109,11 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
         ``"down"``: no node answers;
         ``"lane mismatch"``: the nodes that answer do not all run the same lane (detail names
         each lane's nodes);
+        ``"cluster file differs"``: the nodes that answer report different cluster file digests
+        (``sparkguard_cluster_info{digest}``; detail names each digest's nodes);
         ``"given up"``: a node's supervisor stopped restarting (detail names it);
+        ``"stopped"``: every node answers and its engine is stopped (``sparkguard cluster stop``,
+        or ``engine stop`` on each: on purpose, not a fault);
         ``"degraded"``: a node is down, the head is not ready, a headless rank has not joined
         the head's current run (``joined_run_start != head.run_start``) or is not ready, or a node
         reports another rank than the file gives it (detail lists each);
@@ -122,9 +130,17 @@ def verdict(statuses: list[NodeStatus]) -> tuple[str, str]:
         by_lane.setdefault(s.lane or "(none)", []).append(s.node.name)
     if len(by_lane) > 1:
         return "lane mismatch", "; ".join(f"{lane}: {', '.join(names)}" for lane, names in by_lane.items())
+    by_digest: dict[str, list[str]] = {}
+    for s in up:
+        if s.digest is not None:
+            by_digest.setdefault(s.digest, []).append(s.node.name)
+    if len(by_digest) > 1:
+        return "cluster file differs", "; ".join(f"digest {d}: {', '.join(names)}" for d, names in by_digest.items())
     gave = [s for s in up if s.given_up]
     if gave:
         return "given up", ", ".join(_name(s) for s in gave) + " gave up restarting (sparkguard engine start clears it)"
+    if len(up) == len(statuses) and all(s.state == "stopped" for s in up):
+        return "stopped", f"every node's engine is stopped ({len(statuses)} nodes); 'sparkguard cluster start' starts them"
     why = []
     head = next((s for s in statuses if s.node.rank == HEAD_RANK), None)
     for s in statuses:

@@ -15,12 +15,41 @@ from typing import Any
 from sparkguard.cluster.model import host_port
 from sparkguard.config.clusterfile import find_node, load, node_engine
 from sparkguard.config.errors import ConfigError
-from sparkguard.config.parsers import abs_path, optional_str
+from sparkguard.config.clusterfile import normal_host
+from sparkguard.config.parsers import abs_path, listen_address, optional_str
 from sparkguard.config.schema import ClusterConfig
 
 #: engine keys set by the cluster file only (shared or derived per node)
 CLUSTER_KEYS = ("command", "lanes", "lane", "peers", "head_url", "health_url")
 _KEYS = {"file": abs_path, "node": optional_str}
+
+
+#: bind addresses that include the node's addr (every address of the host)
+_WILDCARDS = ("0.0.0.0", "::")
+
+
+def _check_listen(path: str, raw: Any, node) -> None:
+    """A node's own ``metrics.listen`` must still serve where the cluster file says the node's
+    metrics are (``http://<addr>:<metrics_port>/metrics``: its peers' recovery and ``sparkguard
+    cluster status`` read there): the node's ``metrics_port`` on its ``addr`` or a wildcard.
+
+    Raises:
+        ConfigError: at ``metrics.listen`` of ``path`` (off, another port or another host).
+    """
+    try:
+        listen = listen_address(raw)
+    except ValueError:
+        return                      # the metrics section's own parser names this error
+    want = host_port(node.addr, node.metrics_port)
+    if listen is None:
+        raise ConfigError(path, "metrics.listen", raw, f"a cluster node serves its metrics (the others read them at "
+                          f"{want}); remove metrics.listen or give {want}")
+    host, port = listen
+    if port != node.metrics_port or (host not in _WILDCARDS and normal_host(host) != normal_host(node.addr)):
+        raise ConfigError(path, "metrics.listen", raw,
+                          f"the cluster file gives node {node.name}'s metrics at {want}: listen there "
+                          f"(or on 0.0.0.0:{node.metrics_port} / [::]:{node.metrics_port}), or change the cluster "
+                          "file's metrics_port/addr")
 
 
 def resolve(data: dict, path: str, hostname: str | None = None) -> tuple[dict, ClusterConfig]:
@@ -72,5 +101,7 @@ def resolve(data: dict, path: str, hostname: str | None = None) -> tuple[dict, C
     metrics = out.get("metrics") or {}
     if isinstance(metrics, dict) and "listen" not in metrics:
         out["metrics"] = {**metrics, "listen": host_port(node.addr, node.metrics_port)}
+    elif isinstance(metrics, dict):
+        _check_listen(path, metrics["listen"], node)
     return out, ClusterConfig(file=cf.path, node=node.name, name=cf.name, nnodes=len(cf.nodes),
-                              rank=node.rank, role=node.role)
+                              rank=node.rank, role=node.role, digest=cf.digest)

@@ -12,6 +12,8 @@ The format and its rules are in docs/cluster.md.  Every error is a
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import ipaddress
 import re
 from typing import Any
@@ -38,13 +40,35 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 #: ``[user@]host`` of an SSH destination: no whitespace, no leading '-' (ssh would read an option)
 _SSH_DEST = re.compile(r"[^\s-][^\s]*\Z")
-_SSH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9]*=[^\s]+\Z")
-#: ssh options the operations always set (sparkguard.cluster.ops): the file cannot weaken them
+_SSH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9]*=[^\s-][^\s]*\Z")
+#: ssh options the operations always set (sparkguard.cluster.ssh): the file cannot weaken them
 _SSH_FIXED = ("batchmode", "stricthostkeychecking")
+#: the ssh_config(5) options ``ssh.options`` may set (lower case; ssh_config keywords are
+#: case-insensitive).  None of them runs a command or changes which host keys are trusted:
+#: UserKnownHostsFile / GlobalKnownHostsFile say where the trusted keys are read from, and with
+#: StrictHostKeyChecking=yes (always given first) a host whose key is not in them is refused,
+#: never added (ssh_config(5) StrictHostKeyChecking "yes": "never automatically add host keys
+#: to the ~/.ssh/known_hosts file, and refuses to connect to hosts whose host key has changed").
+#: Options that run local commands (ProxyCommand, LocalCommand, PermitLocalCommand,
+#: KnownHostsCommand), that make another key count as the host's (HostKeyAlias) or that weaken
+#: the fixed ones are not here.
+_SSH_ALLOWED = {o.lower(): o for o in (
+    "Port", "User", "IdentityFile", "IdentitiesOnly", "ConnectTimeout", "ServerAliveInterval",
+    "ServerAliveCountMax", "ProxyJump", "UserKnownHostsFile", "GlobalKnownHostsFile", "LogLevel")}
+#: LogLevel values that keep ssh's own error lines (sparkguard.cluster.ssh.ssh_failed reads them)
+_SSH_LOGLEVELS = ("error", "info", "verbose")
 
 #: the flags derived per node, in the order they are inserted (vLLM spells them with dashes and
 #: also accepts underscores: FlexibleArgumentParser, vllm/utils/argparse_utils.py)
 DERIVED_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+#: flags one node may not set on its own (``nodes[k].args``, ``nodes[k].lanes.*.args``): the API
+#: address and port are the cluster's (the head's health URL, every rank's head URL are built
+#: from them), the parallel sizes the whole group's (every rank must agree on the world size)
+SHARED_FLAGS = ("--port", "--host", "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                "--data-parallel-size", "-dp")
+#: ``--host`` values a shared command may give (besides none): a wildcard (every address, vLLM's
+#: default is all of them: vllm/entrypoints/openai/cli_args.py ``FrontendArgs.host`` None)
+_WILDCARD_HOSTS = ("0.0.0.0", "::")
 #: engine keys the cluster file derives for every node; neither it nor a node's sparkguard.yaml sets them
 DERIVED_KEYS = ("peers", "head_url", "health_url")
 _TOP_KEYS = ("name", "metrics_port", "master_port", "ssh", "nodes", "engine")
@@ -66,7 +90,13 @@ def load(path: str = DEFAULT_PATH) -> ClusterFile:
         text = read_bounded(path)
     except FileNotFoundError:
         raise ConfigError(path, "(file)", None, "cluster file not found") from None
-    return from_dict(parse(text, path), path)
+    return dataclasses.replace(from_dict(parse(text, path), path), digest=digest(text))
+
+
+def digest(data: bytes) -> str:
+    """The cluster file's digest: the first 12 hex digits of the SHA-256 of its bytes (48 bits:
+    tells two versions of one file apart, it is no security check)."""
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 def from_dict(data: Any, path: str) -> ClusterFile:
@@ -94,10 +124,47 @@ def from_dict(data: Any, path: str) -> ClusterFile:
     ssh_options, remote = _ssh(path, data.get("ssh"))
     engine = _engine(path, data["engine"])
     nodes = _nodes(path, data["nodes"], metrics_port, engine)
-    _check_ranks_span(path, engine["command"], len(nodes))
-    return ClusterFile(path=path, name=name, nodes=nodes, engine=engine, master_port=master_port,
-                       api_port=_api_port(path, engine["command"]), ssh_options=ssh_options,
-                       remote_sparkguard=remote)
+    _check_ranks_span(path, "engine.command", engine["command"], len(nodes))
+    cf = ClusterFile(path=path, name=name, nodes=nodes, engine=engine, master_port=master_port,
+                     api_port=_api_port(path, engine["command"]), ssh_options=ssh_options,
+                     remote_sparkguard=remote)
+    _check_final(cf)
+    return cf
+
+
+def _check_final(cf: ClusterFile) -> None:
+    """Every (node, lane)'s final argv (what that node runs in that lane: :func:`node_engine`'s
+    command and lane args) spans the nodes, serves the API on :attr:`ClusterFile.api_port` and
+    binds the API to no other host than the head's address or a wildcard.
+
+    Raises:
+        ConfigError: at ``engine.lanes.L.args`` (or ``engine.command``), naming the node and lane.
+    """
+    _check_host(cf, "engine.command", cf.engine["command"], "the shared command")
+    for node in cf.nodes:
+        e = node_engine(cf, node)
+        lanes = e.get("lanes") or {}
+        for lane in (lanes or {None: None}):
+            argv = list(e["command"]) + (list((lanes[lane] or {}).get("args") or []) if lane else [])
+            key = f"engine.lanes.{lane}.args" if lane else "engine.command"
+            where = f"node {node.name}" + (f" in lane {lane}" if lane else "")
+            _check_ranks_span(cf.path, key, argv, len(cf.nodes), where)
+            port = _api_port(cf.path, argv, key)
+            if port != cf.api_port:
+                raise ConfigError(cf.path, key, f"--port {port}",
+                                  f"{where} would serve on port {port}, the cluster's API port (engine.command "
+                                  f"--port) is {cf.api_port}: the head's health URL is built from it")
+            _check_host(cf, key, argv, where)
+
+
+def _check_host(cf: ClusterFile, key: str, argv: list[str], where: str) -> None:
+    """ConfigError when ``argv`` binds the API (``--host``) to another address than the head's
+    or a wildcard: the head's health is read at its ``addr`` (:func:`head_health_url`)."""
+    host = flag_value(_after_serve(argv), ("--host",))
+    if host is not None and host not in _WILDCARD_HOSTS and normal_host(host) != normal_host(cf.head.addr):
+        raise ConfigError(cf.path, key, f"--host {host}",
+                          f"{where} would bind the API to {host}: give no --host, a wildcard (0.0.0.0, ::) "
+                          f"or the head's addr ({cf.head.addr}), where health is read")
 
 
 def _get(path: str, key: str, raw: Any, parser) -> Any:
@@ -132,9 +199,17 @@ def _ssh(path: str, raw: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
             for i, o in enumerate(v):
                 if not isinstance(o, str) or not _SSH_OPTION.match(o):
                     raise ConfigError(path, f"ssh.options[{i}]", o, "expected KEY=VALUE (ssh_config(5)), e.g. ConnectTimeout=5")
-                if o.split("=", 1)[0].lower() in _SSH_FIXED:
+                key, value = o.split("=", 1)
+                if key.lower() in _SSH_FIXED:
                     raise ConfigError(path, f"ssh.options[{i}]", o,
                                       "BatchMode=yes and StrictHostKeyChecking=yes are always set and cannot be changed")
+                if key.lower() not in _SSH_ALLOWED:
+                    raise ConfigError(path, f"ssh.options[{i}]", o,
+                                      f"{key} is not allowed here; ssh.options may set "
+                                      + ", ".join(_SSH_ALLOWED.values()))
+                if key.lower() == "loglevel" and value.lower() not in _SSH_LOGLEVELS:
+                    raise ConfigError(path, f"ssh.options[{i}]", o,
+                                      "LogLevel must keep ssh's error lines: one of ERROR, INFO, VERBOSE")
             opts = tuple(v)
         elif k == "command":
             remote = _argv(path, "ssh.command", v)
@@ -144,9 +219,9 @@ def _ssh(path: str, raw: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _is_flag(a: str, flag: str) -> bool:
-    """``a`` is ``flag`` or ``flag=value``, with dashes or vLLM's underscores."""
+    """``a`` is ``flag`` or ``flag=value``, with dashes or vLLM's underscores (a long flag's)."""
     a = a.split("=", 1)[0]
-    return a == flag or a == "--" + flag[2:].replace("-", "_")
+    return a == flag or (flag.startswith("--") and a == "--" + flag[2:].replace("-", "_"))
 
 
 def _derived_in(path: str, key: str, argv: tuple[str, ...]) -> None:
@@ -155,6 +230,15 @@ def _derived_in(path: str, key: str, argv: tuple[str, ...]) -> None:
         for f in DERIVED_FLAGS:
             if _is_flag(a, f):
                 raise ConfigError(path, key, a, f"{f} is derived for each node from the cluster file's nodes; remove it")
+
+
+def _shared_in(path: str, key: str, argv: tuple[str, ...]) -> None:
+    """ConfigError when one node's ``argv`` carries one of :data:`SHARED_FLAGS`."""
+    for a in argv:
+        for f in SHARED_FLAGS:
+            if _is_flag(a, f):
+                raise ConfigError(path, key, a, f"{f} is the whole cluster's (engine.command or a shared lane), "
+                                  "not one node's; remove it")
 
 
 def _engine(path: str, raw: Any) -> dict:
@@ -204,15 +288,34 @@ def _addr(v: Any) -> str:
 
 
 def _ssh_dest(v: Any) -> str:
+    """An SSH destination ``[user@]host``: ssh would read one starting with '-' as an option."""
     if not isinstance(v, str) or not _SSH_DEST.match(v):
         raise ValueError("expected an SSH destination [user@]host (no spaces, not starting with '-')")
     return v
 
 
 def _node_name(v: Any) -> str:
-    if not isinstance(v, str) or not _NAME.match(v):
-        raise ValueError("expected 1-64 letters, digits, '_', '.' or '-' (the node's hostname)")
+    """A node's name: label-safe, and not starting with '-' (it is the default SSH destination)."""
+    if not isinstance(v, str) or not _NAME.match(v) or v.startswith("-"):
+        raise ValueError("expected 1-64 letters, digits, '_', '.' or '-', not starting with '-' (the node's hostname)")
     return v
+
+
+def normal_host(host: str) -> str:
+    """``host`` compared as the same machine: an IP literal in its canonical form
+    (``ipaddress.ip_address``: ``10.0.0.01``-style spellings are refused by it, ``::0:1`` becomes
+    ``::1``), a host name in lower case without a trailing dot (RFC 4343: DNS names are
+    case-insensitive)."""
+    h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        return h.lower().rstrip(".")
+
+
+def ssh_host(dest: str) -> str:
+    """The host part of an SSH destination ``[user@]host``, normalised (:func:`normal_host`)."""
+    return normal_host(dest.rsplit("@", 1)[-1])
 
 
 def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[ClusterNode, ...]:
@@ -236,15 +339,20 @@ def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[Cluste
             if k not in vals:
                 raise ConfigError(path, f"{key}.{k}", None, "missing")
         _derived_in(path, f"{key}.args", vals.get("args", ()))
+        _shared_in(path, f"{key}.args", vals.get("args", ()))
         for lane, body_l in (vals.get("lanes") or {}).items():
             if lane not in shared_lanes:
                 raise ConfigError(path, f"{key}.lanes.{lane}", body.get("lanes", {}).get(lane),
                                   f"a lane that not every node has: node {vals['name']} adds to lane {lane}, which "
                                   f"engine.lanes does not define (it has {', '.join(shared_lanes) or 'none'})")
             _derived_in(path, f"{key}.lanes.{lane}.args", body_l.args)
+            _shared_in(path, f"{key}.lanes.{lane}.args", body_l.args)
+        if "ssh" not in vals:           # the default destination is the node's name: checked as one
+            vals["ssh"] = _get(path, f"{key}.name", vals["name"], _ssh_dest)
         nodes.append(vals)
     _unique(path, nodes, "name")
-    _unique(path, nodes, "addr")
+    _unique(path, nodes, "addr", normal_host)
+    _unique(path, nodes, "ssh", ssh_host)
     ranked = [k for k, n in enumerate(nodes) if "rank" in n]
     if ranked and len(ranked) != len(nodes):
         k = next(k for k, n in enumerate(nodes) if "rank" not in n)
@@ -270,37 +378,43 @@ def _nodes(path: str, raw: Any, metrics_port: int, engine: dict) -> tuple[Cluste
         for k, n in enumerate(nodes):
             n["rank"] = k
     nodes.sort(key=lambda n: n["rank"])
-    return tuple(ClusterNode(name=n["name"], rank=n["rank"], addr=n["addr"], ssh=n.get("ssh", n["name"]),
+    return tuple(ClusterNode(name=n["name"], rank=n["rank"], addr=n["addr"], ssh=n["ssh"],
                              metrics_port=n.get("metrics_port", metrics_port), env=n.get("env", {}),
                              args=n.get("args", ()), lanes=n.get("lanes", {}), config=n.get("config"))
                  for n in nodes)
 
 
-def _unique(path: str, nodes: list[dict], key: str) -> None:
+def _unique(path: str, nodes: list[dict], key: str, norm=lambda v: v) -> None:
+    """ConfigError when two nodes' ``key`` are the same after ``norm`` (two spellings of one host
+    are one host: two nodes reached at one SSH destination would run every command twice on one
+    machine and never on the other)."""
     seen: dict[str, int] = {}
     for k, n in enumerate(nodes):
-        if n[key] in seen:
-            j = seen[n[key]]
+        v = norm(n[key])
+        if v in seen:
+            j = seen[v]
+            same = "" if n[key] == nodes[j][key] else f" ({nodes[j][key]!r} and {n[key]!r} are one host)"
             raise ConfigError(path, f"nodes[{k}].{key}", n[key],
-                              f"given twice: nodes[{j}] ({nodes[j]['name']}) and nodes[{k}] ({n['name']})")
-        seen[n[key]] = k
+                              f"given twice: nodes[{j}] ({nodes[j]['name']}) and nodes[{k}] ({n['name']}){same}")
+        seen[v] = k
 
 
 def _after_serve(argv: list[str] | tuple[str, ...]) -> list[str]:
     return list(argv[list(argv).index("serve") + 1:])
 
 
-def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int) -> int:
+def _int_flag(path: str, argv: list[str], names: tuple[str, ...], default: int, key: str = "engine.command") -> int:
     v = flag_value(argv, names)
     if v is None:
         return default
     if not v.isdigit() or int(v) < 1:
-        raise ConfigError(path, "engine.command", f"{names[0]} {v}", "expected a whole number of at least 1")
+        raise ConfigError(path, key, f"{names[0]} {v}", "expected a whole number of at least 1")
     return int(v)
 
 
-def _check_ranks_span(path: str, command: list[str], n: int) -> None:
-    """The engine's ranks spread evenly over the ``n`` nodes.
+def _check_ranks_span(path: str, key: str, command: list[str], n: int, where: str = "") -> None:
+    """The engine's ranks (``command``'s, a node's final argv; ConfigError at ``key``, naming
+    ``where`` when given) spread evenly over the ``n`` nodes.
 
     Source: vllm/config/parallel.py ``ParallelConfig``: ``world_size`` "is TPxPP" and, without data
     parallelism, ``local_world_size = world_size // nnodes``: the ranks each node starts.
@@ -309,24 +423,25 @@ def _check_ranks_span(path: str, command: list[str], n: int) -> None:
     is refused here, before minutes of loading.
     """
     args = _after_serve(command)
-    tp = _int_flag(path, args, ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"), 1)
-    pp = _int_flag(path, args, ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp"), 1)
+    tp = _int_flag(path, args, ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"), 1, key)
+    pp = _int_flag(path, args, ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp"), 1, key)
     if (tp * pp) % n:
-        raise ConfigError(path, "engine.command", f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}"
+        raise ConfigError(path, key, f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}"
                           if pp != 1 else ""),
-                          f"{tp * pp} rank(s) (tensor-parallel x pipeline-parallel) cannot span {n} nodes: "
-                          f"--tensor-parallel-size must make it a multiple of {n}")
+                          f"{tp * pp} rank(s) (tensor-parallel x pipeline-parallel) cannot span {n} nodes"
+                          + (f" ({where})" if where else "")
+                          + f": --tensor-parallel-size must make it a multiple of {n}")
 
 
-def _api_port(path: str, command: list[str]) -> int:
-    """The shared command's ``--port`` (vLLM's default 8000 without one)."""
+def _api_port(path: str, command: list[str], key: str = "engine.command") -> int:
+    """The command's ``--port`` (vLLM's default 8000 without one).  ConfigError at ``key``."""
     v = flag_value(_after_serve(command), ("--port",))
     if v is None:
         return DEFAULT_API_PORT
     try:
         return _port(int(v) if v.isdigit() else v)
     except ValueError:
-        raise ConfigError(path, "engine.command", f"--port {v}", "expected a port 1-65535") from None
+        raise ConfigError(path, key, f"--port {v}", "expected a port 1-65535") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ class ClusterConfig:
     Without a ``cluster:`` section every field is None.  ``file``: str, the cluster file's absolute
     path; ``node``: str, this node's name in it; ``name``: str, the cluster's name; ``nnodes``:
     int, its number of nodes; ``rank``: int, this node's ``--node-rank``; ``role``: ``"head"`` or
-    ``"headless"``.
+    ``"headless"``; ``digest``: str, the cluster file's digest (first 12 hex digits of the SHA-256
+    of its bytes).
     """
 
     file: str | None = None
@@ -111,6 +112,7 @@ class ClusterConfig:
     nnodes: int | None = None
     rank: int | None = None
     role: str | None = None
+    digest: str | None = None
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ class Actions:
         # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
         self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
         self.tree = self.esc.tree
+        sent = False
         if dry:
             rec.event(now, value, "would_term", [target.root_pid], f"dry run: would SIGTERM {target.title}")
         else:
@@ -183,7 +184,7 @@ class Actions:
             proctree.refresh_details(target)
         if retry:
             self.policy.target_found(now)
-        if joined:
+        if joined or sent:      # the grace runs from the SIGTERM, not from the sample that crossed
             self.policy.term_sent_at(self.esc.t_term)
         if not dry:
             rec.event(t_sig, value, "sigterm", [target.root_pid],

@@ -7,20 +7,24 @@ Both read the JSON record (a dict: from the store, the journal, or
 from __future__ import annotations
 
 import shlex
-import time
 from typing import Any
 
+from sparkguard import untrusted
 from sparkguard.model import available_at_crossing, duration, min_available, number, summary, target_label
 from sparkguard.units import format_duration, format_size
 
 
 def _local(t: Any, with_ms: bool = False) -> str:
+    """Unix seconds ``t`` as local time with its zone; ``-`` when absent, ``?`` when no time this
+    host can show (NaN, 1e300, negative: a stored record may hold anything)."""
     if number(t) is None:
         return "-"
-    s = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    s = untrusted.stamp(t)
+    if s == "?":
+        return s
     if with_ms:
         s += f".{int((t % 1) * 1000):03d}"
-    return s + time.strftime(" %Z", time.localtime(t))
+    return s + untrusted.stamp(t, " %Z")
 
 
 # --- the readable report ---------------------------------------------------------------

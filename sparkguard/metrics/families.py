@@ -13,6 +13,7 @@ the output (tests/test_metrics.py runs it).
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -74,8 +75,10 @@ class GuardCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield the metric families for one scrape (prometheus_client Collector protocol)."""
-        info = InfoMetricFamily(P + "build", "sparkguard version running (value 1).")
-        info.add_metric([], {"version": __version__})
+        info = InfoMetricFamily(P + "build", "sparkguard version running and the host it runs on (value 1).")
+        # the host's name: `sparkguard status --url` tells this host's endpoint from another's
+        # reached through a loopback address (an ssh -L tunnel)
+        info.add_metric([], {"version": __version__, "hostname": socket.gethostname()})
         yield info
         try:
             snap = self._snapshot() or {}
@@ -241,8 +244,9 @@ class ConfigCollector:
     """The running configuration's place in a cluster: ``sparkguard_cluster_info`` and
     ``sparkguard_engine_lanes_info``, read from the config at scrape time (a reload shows at once).
 
-    ``sparkguard_cluster_info{cluster,node,node_rank,nnodes}`` 1 only with a cluster file
-    (``cfg.cluster`` with ``.name``, ``.node``, ``.rank``, ``.nnodes``, set by
+    ``sparkguard_cluster_info{cluster,node,node_rank,nnodes,digest}`` 1 only with a cluster file
+    and ``sparkguard_cluster_nodes`` (its ``nnodes`` as a value, for alert arithmetic)
+    (``cfg.cluster`` with ``.name``, ``.node``, ``.rank``, ``.nnodes``, ``.digest``, set by
     :mod:`sparkguard.cluster.file`); ``sparkguard_engine_lanes_info{lane}`` 1 for each of
     ``engine.lanes`` (none without lanes).  Alert rules join other series to the cluster's name
     with ``* on(instance) group_left(cluster) sparkguard_cluster_info``.
@@ -260,10 +264,15 @@ class ConfigCollector:
         cl = getattr(cfg, "cluster", None)
         if getattr(cl, "name", None) is not None:       # without a cluster file every field is None
             i = InfoMetricFamily(P + "cluster", "This node's place in its cluster file: the cluster's name, "
-                                 "this node's name, its node rank and the number of nodes (value 1).")
+                                 "this node's name, its node rank, the number of nodes and the file's "
+                                 "digest (value 1).")
             i.add_metric([], {"cluster": str(cl.name), "node": str(cl.node), "node_rank": str(cl.rank),
-                              "nnodes": str(cl.nnodes)})
+                              "nnodes": str(cl.nnodes), "digest": str(getattr(cl, "digest", None) or "")})
             yield i
+            g = GaugeMetricFamily(P + "cluster_nodes", "The number of nodes in this node's cluster file: what "
+                                  "the cluster alert compares the nodes that report with.")
+            g.add_metric([], float(cl.nnodes))
+            yield g
         engine = getattr(cfg, "engine", None)
         lanes = getattr(engine, "lanes", None) or {}
         if lanes and getattr(engine, "enabled", True):

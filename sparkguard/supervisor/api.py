@@ -141,7 +141,12 @@ class ControlApi:
         next started); so does a current lane that ``engine.lanes`` no longer has.  The state file
         is written by the supervisor thread once it switched; until then it still names the old
         ``config_lane``, so a daemon restart meanwhile also starts in the new ``engine.lane``
-        (:func:`lanes.initial_lane`).  The control socket path needs a daemon restart."""
+        (:func:`lanes.initial_lane`).  The control socket path needs a daemon restart.
+
+        A node of a cluster file (``cfg.cluster.name`` set) does not switch for a changed
+        ``engine.lane``: its ranks would run two lanes until every node reloaded, and a TP group
+        with mixed lanes does not form (docs/cluster.md).  It logs that ``sparkguard cluster lane
+        NAME`` switches the cluster (every rank down, then up in the lane) and keeps its lane."""
         with self.cv:
             if cfg.engine.control_socket != self.ecfg.control_socket:
                 log.warning("engine.control_socket changed to %s: takes effect after a restart",
@@ -153,7 +158,15 @@ class ControlApi:
             self.give_up.after, self.give_up.window = cfg.engine.give_up_after, cfg.engine.give_up_window
             new_cfg_lane = lanes.config_lane(cfg.engine)
             why = None
-            if new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane:
+            clustered = getattr(getattr(cfg, "cluster", None), "name", None) is not None
+            if new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane and clustered:
+                msg = (f"engine.lane changed from {old_cfg_lane} to {new_cfg_lane} in the cluster file "
+                       f"{cfg.cluster.file}: a cluster node does not switch lanes alone (its ranks would mix "
+                       f"lanes); it stays in lane {self.lane}; 'sparkguard cluster lane {new_cfg_lane}' switches "
+                       "the whole cluster")
+                log.warning("%s", msg)
+                self._history("lane", msg)
+            elif new_cfg_lane != old_cfg_lane and new_cfg_lane != self.lane:
                 why = f"engine.lane changed from {old_cfg_lane} to {new_cfg_lane} in {cfg.path}"
             elif self.lane is not None and self.lane not in cfg.engine.lanes:
                 why = f"lane {self.lane} is not in engine.lanes of {cfg.path} any more"

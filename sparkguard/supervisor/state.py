@@ -60,6 +60,7 @@ class StatusViews:
             "group": {str(k): v for k, v in run.group.items()} if alive and role.role == "head" else {},
             "given_up": self.state == "given_up",
             "nodes": [v.as_dict() for v in self.node_views],
+            "cluster": _cluster_place(getattr(self, "cfg", None)),
         })
         return st
 
@@ -113,3 +114,14 @@ class StatusViews:
         req = self.request
         lane = req[1] if req is not None and req[0] == "lane" else self.lane
         lanes.write_state(self.ecfg, lane, self.run)
+
+
+def _cluster_place(cfg) -> dict | None:
+    """This node's place in its cluster file (``cfg.cluster``, sparkguard.config.cluster):
+    ``{"name", "node", "rank", "nnodes", "digest"}``, None without a cluster file.  What
+    ``sparkguard cluster`` compares with the operator's file (sparkguard.cluster.ops)."""
+    cl = getattr(cfg, "cluster", None)
+    if getattr(cl, "name", None) is None:
+        return None
+    return {"name": cl.name, "node": cl.node, "rank": cl.rank, "nnodes": cl.nnodes,
+            "digest": getattr(cl, "digest", None)}
