@@ -348,3 +348,25 @@ def test_an_engine_of_another_user_is_moved_in_by_the_daemon(cg_parent):
         kill_pids({proc.pid: proctree.read_proc(proc.pid).starttime} if proctree.read_proc(proc.pid) else {})
         _reap(proc)
     assert cg.remove()
+
+
+def test_place_under_a_delegated_systemd_unit_and_after_the_move(tmp_path):
+    """A unit cgroup systemd marked delegated (trusted.delegate, module doc) is the parent, also
+    once the daemon runs in its guard/ leaf; describe() of a run without a cgroup says process group."""
+    root = tmp_path / "cg"
+    unit = fake_cgroup(root / "system.slice" / "sparkguard.service", [os.getpid()])
+    (root / "cgroup.procs").write_text("")
+    (root / "cgroup.max.depth").write_text("max\n")
+    try:
+        os.setxattr(unit, "trusted.delegate", b"1")
+    except OSError as e:
+        pytest.skip(f"no trusted.* xattrs on {tmp_path}: {e}")
+    mi, pc = tmp_path / "mountinfo", tmp_path / "cgroup"
+    mi.write_text(f"41 31 0:38 / {root} rw - cgroup2 cgroup2 rw\n")
+    for own in ("/system.slice/sparkguard.service", "/system.slice/sparkguard.service/guard"):
+        pc.write_text(f"0::{own}\n")
+        p = cgroup.place(str(mi), str(pc), env={}, move_self=False)
+        assert (p.mode, p.parent) == (cgroup.CGROUP, str(unit)), p
+        assert "delegated by systemd unit sparkguard.service" in p.reason
+    assert cgroup.describe(p).startswith(f"cgroup under {unit} (")
+    assert cgroup.describe(p, run=True).startswith("process group (its cgroup under")

@@ -439,11 +439,18 @@ class CgroupTree(signals.Tree):
         return killed + rest
 
 
-def describe(placement: Placement, cg: EngineCgroup | None = None) -> str:
-    """One line for the log and status: the mode in force and where, or why process group."""
+def describe(placement: Placement, cg: EngineCgroup | None = None, run: bool = False) -> str:
+    """One line for the log and status: the mode in force and where, or why process group.
+
+    Args:
+        cg: the run's cgroup, if it has one; run: describe a run (one without ``cg`` is tracked
+            by process group even where the placement offers cgroups: its cgroup could not be
+            made or entered, logged then).
+    """
     if cg is not None:
         return f"cgroup {cg.path}" + ("" if cg.has_kill else " (no cgroup.kill: SIGKILL through pidfds)")
-    if placement.mode == CGROUP:
-        return f"cgroup under {placement.parent} ({placement.reason})"
-    return f"process group ({placement.reason})"
-
+    if placement.mode != CGROUP:
+        return f"process group ({placement.reason})"
+    if run:
+        return f"process group (its cgroup under {placement.parent} could not be made or entered; see the log)"
+    return f"cgroup under {placement.parent} ({placement.reason})"

@@ -238,12 +238,13 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
     def _status(self) -> dict:
         st = super()._status()
         run = self.run
-        cg = run.cgroup if run is not None and run.exit is None else None
+        cg = run.cgroup if run is not None else None
         pl = self.placement or cgroups.Placement(cgroups.PGROUP, None, "not decided yet")
-        st["tracking"] = {"mode": cgroups.CGROUP if cg is not None or (run is None and pl.mode == cgroups.CGROUP)
-                          else cgroups.PGROUP,
+        # the current run's mode; between runs, the mode the next start will use
+        in_cgroup = cg is not None if run is not None else pl.mode == cgroups.CGROUP
+        st["tracking"] = {"mode": cgroups.CGROUP if in_cgroup else cgroups.PGROUP,
                           "cgroup": cg.path if cg is not None else None, "parent": pl.parent,
-                          "detail": cgroups.describe(pl, cg)}
+                          "detail": cgroups.describe(pl, cg, run=run is not None)}
         return st
 
     # ---- the supervisor thread --------------------------------------------------------------
@@ -340,7 +341,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                 self.detail = f"waiting for {e.health_url} to answer 200" if e.health_url else ""
             self._history("start", f"pid {run.pid}" + (f" lane {run.lane}" if run.lane else "")
                           + (f" (restart: {reason})" if reason else "")
-                          + f", tracked by {cgroups.describe(self.placement, cg)}: " + " ".join(argv)[:300])
+                          + f", tracked by {cgroups.describe(self.placement, cg, run=True)}: " + " ".join(argv)[:300])
             self.cv.notify_all()
         self._write_state()
         try:
@@ -534,9 +535,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         cg = run.cgroup
         if cg is None:
             return
-        if cg.wait_empty(2.0) and cg.remove():
-            run.cgroup = None
-        else:
+        if not (cg.wait_empty(2.0) and cg.remove()):
             self._history("sweep", f"cgroup {cg.path} is not empty yet; kept for the next sweep")
 
     def _sweep_previous(self) -> None:
