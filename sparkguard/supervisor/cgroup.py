@@ -165,9 +165,6 @@ class Placement:
     parent: str | None
     reason: str
 
-    def as_dict(self) -> dict:
-        return {"mode": self.mode, "parent": self.parent, "reason": self.reason}
-
 
 def _fallback(reason: str) -> Placement:
     return Placement(PGROUP, None, reason)
