@@ -370,3 +370,22 @@ def test_place_under_a_delegated_systemd_unit_and_after_the_move(tmp_path):
         assert "delegated by systemd unit sparkguard.service" in p.reason
     assert cgroup.describe(p).startswith(f"cgroup under {unit} (")
     assert cgroup.describe(p, run=True).startswith("process group (its cgroup under")
+
+
+def test_remove_stale_takes_only_old_empty_engine_cgroups(cg_parent):
+    """Old and empty: removed.  Populated (a live engine), young (another daemon's start) or
+    not an engine's: kept."""
+    for name in ("engine-100.000", "engine-100.000-2", "engine-200.000", "engine-5000.000", "other"):
+        os.mkdir(os.path.join(cg_parent, name))
+    busy = cgroup.EngineCgroup(os.path.join(cg_parent, "engine-200.000"))
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert busy.enter(proc.pid)
+        got = cgroup.remove_stale(cg_parent, 1000.0)
+        assert sorted(os.path.basename(p) for p in got) == ["engine-100.000", "engine-100.000-2"]
+        left = {e.name for e in os.scandir(cg_parent) if e.is_dir()}
+        assert left == {"engine-200.000", "engine-5000.000", "other"}, left
+        assert os.path.isdir(busy.path)
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -436,6 +436,28 @@ class CgroupTree(signals.Tree):
         return killed + rest
 
 
+def remove_stale(parent: str, before: float) -> list[str]:
+    """rmdir the empty ``engine-<run id>`` cgroups under ``parent`` made before unix time
+    ``before`` (a daemon that died without removing its run's cgroup); populated ones are left
+    (a live engine: a later daemon may adopt it) and so are younger ones (another daemon's run
+    being started beside this one).  Returns the paths removed; never raises."""
+    removed = []
+    try:
+        with os.scandir(parent) as it:
+            names = [e.name for e in it if e.is_dir(follow_symlinks=False) and e.name.startswith("engine-")]
+    except OSError:
+        return removed
+    for name in names:
+        try:
+            made = float(name[len("engine-"):].split("-")[0])
+        except ValueError:
+            continue
+        path = os.path.join(parent, name)
+        if made < before and populated(path) is False and EngineCgroup(path).remove():
+            removed.append(path)
+    return removed
+
+
 def describe(placement: Placement, cg: EngineCgroup | None = None, run: bool = False) -> str:
     """One line for the log and status: the mode in force and where, or why process group.
 

@@ -44,6 +44,7 @@ from sparkguard.units import format_size
 log = logging.getLogger("sparkguard.supervisor")
 
 HISTORY = 50             # status history entries kept
+STALE_CGROUP_AGE = 60.0  # seconds: an empty engine-<run id> cgroup older than this at start is removed
 
 
 class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
@@ -135,6 +136,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         if self.placement is None:
             self.placement = cgroups.place()
         log.info("engine: tracked by %s", cgroups.describe(self.placement))
+        if self.placement.parent:
+            for path in cgroups.remove_stale(self.placement.parent, time.time() - STALE_CGROUP_AGE):
+                log.info("engine: removed the empty cgroup %s a previous run left", path)
         self.thread = threading.Thread(target=self._main, name="sg-supervisor", daemon=True)
         self.thread.start()
 
