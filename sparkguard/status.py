@@ -261,7 +261,8 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
 
 def _engine_from_metrics(one: dict[str, float], by: dict[str, dict[str, float]]) -> dict | None:
     """The engine as the endpoint's ``sparkguard_engine_*`` metrics show it (docs/metrics.md):
-    ``{"state", "lane", "ready", "given_up", "run_start"}``; None without an engine."""
+    ``{"state", "lane", "ready", "given_up", "run_start", "tracking"}`` (tracking: ``cgroup`` or
+    ``process-group``, None from a daemon without the metric); None without an engine."""
     states = by.get("sparkguard_engine_state", {})
     if not states and "sparkguard_engine_up" not in one:
         return None
@@ -269,7 +270,8 @@ def _engine_from_metrics(one: dict[str, float], by: dict[str, dict[str, float]])
             "lane": next(iter(by.get("sparkguard_engine_lane_info", {})), None),
             "ready": one.get("sparkguard_engine_ready") == 1.0,
             "given_up": one.get("sparkguard_engine_given_up") == 1.0,
-            "run_start": one.get("sparkguard_engine_run_start_timestamp_seconds")}
+            "run_start": one.get("sparkguard_engine_run_start_timestamp_seconds"),
+            "tracking": next(iter(by.get("sparkguard_engine_tracking_info", {})), None)}
 
 
 def read_engine(cfg, socket: str | None = None, timeout: float = 3.0) -> dict:
@@ -399,6 +401,7 @@ def render_remote(st: dict) -> str:
         run = untrusted.stamp(e["run_start"]) if e.get("run_start") else "none"
         L.append(f"  state {e.get('state') or '?'}, ready {'yes' if e.get('ready') else 'no'}"
                  + (f", lane {e['lane']}" if e.get("lane") else "") + f", run started {run}"
+                 + (f", tracked by {e['tracking']}" if e.get("tracking") else "")
                  + ("  [GIVEN UP: sparkguard engine start clears it]" if e.get("given_up") else ""))
     return "\n".join(untrusted.clean(ln, 2000) for ln in L) + "\n"
 

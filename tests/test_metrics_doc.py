@@ -122,7 +122,8 @@ def test_the_daemon_serves_the_documented_metrics_and_only_those(tmp_path):
         url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + 60
         while True:
-            fams = served(scrape(url))
+            text = scrape(url)
+            fams = served(text)
             done = (fams.get("sparkguard_engine_time_to_ready_seconds") and
                     (fams.get("sparkguard_link_rx_errors_total") or {}).get("labels"))
             if done or time.monotonic() > deadline:
@@ -131,6 +132,8 @@ def test_the_daemon_serves_the_documented_metrics_and_only_those(tmp_path):
     finally:
         g.stop()
     assert not mismatches(fams, rows), "\n".join(mismatches(fams, rows))
+    # the tracking mode in force, one of the two documented (cgroup here, as root with cgroup2)
+    assert re.search(r'^sparkguard_engine_tracking_info\{mode="(cgroup|process-group)"\} 1\.0$', text, re.M), text
     missing = sorted(n for n in rows if n not in fams and not SCRAPE_TIME_ONLY.fullmatch(n)
                      and not CLUSTER_ONLY.fullmatch(n))
     assert not missing, f"listed in {DOC.name} but not served: {missing}"

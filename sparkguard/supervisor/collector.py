@@ -13,7 +13,8 @@ class EngineCollector:
     ``sparkguard_engine_up``, ``_ready`` (0/1), ``sparkguard_engine_restarts_total{reason}``,
     ``sparkguard_engine_lane_info{lane}``, ``sparkguard_engine_time_to_ready_seconds`` (last start;
     absent until one was ready), ``sparkguard_engine_quiesce_wait_seconds`` (last start),
-    ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none).
+    ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none),
+    ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group).
 
     Args:
         sup: anything with ``status() -> dict`` shaped like :meth:`Supervisor.status`.
@@ -47,6 +48,13 @@ class EngineCollector:
         yield GaugeMetricFamily(P + "restart_backoff_seconds", "Delay before the pending automatic restart "
                                 "(grows in a crash loop), 0 when none.",
                                 value=float(s["backoff"] if s["state"] == "backoff" else 0.0))
+        t = s.get("tracking")
+        if t:
+            i = InfoMetricFamily(P + "tracking", "How the engine's processes are tracked: mode cgroup (a cgroup of "
+                                 "its own per run) or process-group (process group, descendants, recorded members).",
+                                 labels=None)
+            i.add_metric([], {"mode": t["mode"]})
+            yield i
         # what the other nodes of a TP cluster read (sparkguard.supervisor.cluster, nodes)
         r = s["role"]
         i = InfoMetricFamily(P + "role", "The engine's part in a TP cluster, from its command line: role "

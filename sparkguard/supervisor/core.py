@@ -30,6 +30,7 @@ from typing import Callable
 
 from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
+from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import cluster, container, health, lanes, nodes, output, process, reports
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
@@ -43,6 +44,7 @@ from sparkguard.units import format_size
 log = logging.getLogger("sparkguard.supervisor")
 
 HISTORY = 50             # status history entries kept
+STALE_CGROUP_AGE = 60.0  # seconds: an empty engine-<run id> cgroup older than this at start is removed
 
 
 class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
@@ -55,6 +57,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             opens an incident of its own (``wedged``, ``exit``, ``peer``, ``head``, ``given_up``),
             so the daemon's incident counters and last incident include it.
         start_control: serve the control socket (``engine.control_socket``).
+        placement: :class:`cgroup.Placement` of the engines' cgroups; None: decided at
+            :meth:`start` (:func:`cgroup.place`, which may move the daemon into a leaf cgroup).
     Raises (from :meth:`start`):
         OSError: the control socket cannot be created (another daemon owns it, no permission).
 
@@ -75,8 +79,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
     """
 
     def __init__(self, cfg, reporter=None, count_incident: Callable[[str, float, str], None] | None = None,
-                 start_control: bool = True):
+                 start_control: bool = True, placement: cgroups.Placement | None = None):
         self.cfg = cfg
+        self.placement = placement
         self.ecfg = cfg.engine
         self.reports = reports.EngineIncidents(reporter, count_incident)
         self.start_control = start_control
@@ -128,6 +133,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             self.control = control.ControlServer(self.ecfg.control_socket, self.handle)
             self.control.start()
         self.previous_state = lanes.read_state(self.ecfg.state_file)
+        if self.placement is None:
+            self.placement = cgroups.place()
+        log.info("engine: tracked by %s", cgroups.describe(self.placement))
+        if self.placement.parent:
+            for path in cgroups.remove_stale(self.placement.parent, time.time() - STALE_CGROUP_AGE):
+                log.info("engine: removed the empty cgroup %s a previous run left", path)
         self.thread = threading.Thread(target=self._main, name="sg-supervisor", daemon=True)
         self.thread.start()
 
@@ -224,9 +235,21 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             self.cv.notify_all()
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
-               group_ok: bool = True) -> list[int]:
+               group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None) -> list[int]:
         return process.sweep(pgid, members, self.cfg.guard.grace, self.cfg.targets.protect, self._history,
-                             exclude=exclude, group_ok=group_ok)
+                             exclude=exclude, group_ok=group_ok, cgroup=cgroup)
+
+    def _status(self) -> dict:
+        st = super()._status()
+        run = self.run
+        cg = run.cgroup if run is not None else None
+        pl = self.placement or cgroups.Placement(cgroups.PGROUP, None, "not decided yet")
+        # the current run's mode; between runs, the mode the next start will use
+        in_cgroup = cg is not None if run is not None else pl.mode == cgroups.CGROUP
+        st["tracking"] = {"mode": cgroups.CGROUP if in_cgroup else cgroups.PGROUP,
+                          "cgroup": cg.path if cg is not None else None, "parent": pl.parent,
+                          "detail": cgroups.describe(pl, cg, run=run is not None)}
+        return st
 
     # ---- the supervisor thread --------------------------------------------------------------
 
@@ -281,10 +304,14 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         e = self.ecfg
         argv, env = lanes.command(self.cfg, self.lane)
         reason = self.next_reason
+        wall = time.time()
+        cg = cgroups.EngineCgroup.create(self.placement, round(wall, 3)) if self.placement else None
         try:
             argv, launch = container.for_engine(argv, env, e, self.cfg.guard.grace)
-            proc = process.spawn(argv, env, e.cwd, e.user)
+            proc = process.spawn(argv, env, e.cwd, e.user, cgroup=cg)
         except (OSError, ValueError) as ex:
+            if cg is not None:
+                cg.remove()
             log.error("engine: cannot start %s: %s", argv, ex)
             with self.cv:
                 self.last_exit = {"code": None, "signal": None, "at": time.time(), "uptime": 0.0,
@@ -295,8 +322,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                     self._schedule_restart("exit", failure=True, uptime=0.0)
             return
         role = cluster.role_of(argv)
-        run = Run(proc, self.lane, argv, reason, e.log_lines, role)
+        if cg is not None and not cg.entered:
+            cg.remove()
+            cg = None
+        run = Run(proc, self.lane, argv, reason, e.log_lines, role, wall_spawn=wall)
         run.launch = launch
+        run.cgroup = cg
         if role.role == "head":
             run.group = {v.node_rank: v.run for v in self.start_views if cluster.waiting_for_head(v)}
         p = proctree.read_proc(run.pid)
@@ -315,7 +346,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                 self.state = "starting"
                 self.detail = f"waiting for {e.health_url} to answer 200" if e.health_url else ""
             self._history("start", f"pid {run.pid}" + (f" lane {run.lane}" if run.lane else "")
-                          + (f" (restart: {reason})" if reason else "") + ": " + " ".join(argv)[:300])
+                          + (f" (restart: {reason})" if reason else "")
+                          + f", tracked by {cgroups.describe(self.placement, cg, run=True)}: " + " ".join(argv)[:300])
             self.cv.notify_all()
         self._write_state()
         try:
@@ -425,12 +457,13 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
         if run.launch is not None:
             process.refresh_members(run)    # the container's processes, also when its client died
-        swept = self._sweep(run.pgid, run.members, exclude=run.pid)
+        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup)
         ctr_detail = container.finish(run.launch, run.container) if run.launch is not None else ""
         try:
             run.proc.wait(timeout=5)   # reap the root only now: its pgid stayed reserved meanwhile
         except Exception:  # noqa: BLE001
             pass
+        self._remove_cgroup(run)
         for t in run.threads:
             if t is not threading.current_thread():
                 t.join(2.0)
@@ -522,7 +555,17 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         prev = self.last_run
         if prev is not None:
             self._set("sweeping", "checking for leftovers of the previous run")
-            self._sweep(prev.pgid, prev.members, group_ok=False)
+            self._sweep(prev.pgid, prev.members, group_ok=False, cgroup=prev.cgroup)
+            self._remove_cgroup(prev)
+
+    def _remove_cgroup(self, run: Run) -> None:
+        """The run's cgroup, once empty (``populated 0``, awaited up to 2 s), is removed; one that
+        cannot be (still populated: a D-state process) is kept for the sweep before the next start."""
+        cg = run.cgroup
+        if cg is None:
+            return
+        if not (cg.wait_empty(2.0) and cg.remove()):
+            self._history("sweep", f"cgroup {cg.path} is not empty yet; kept for the next sweep")
 
     def _sweep_previous(self) -> None:
         """At daemon start: stop what a previous daemon's engine left behind (same boot only).

@@ -6,7 +6,9 @@ start time (``VLLM::EngineCore`` / ``VLLM::Worker_TP*`` reparented away when the
 SIGKILLed, FIELD-NOTES), plus, for a ``docker|podman run`` engine, every process in its
 container's cgroup (:mod:`.container`: they run under containerd-shim, outside the client's tree;
 the SIGTERM goes to the container's init).  Signals go through pidfds (``sparkguard.signals.Tree``),
-so a recycled pid is never signalled.
+so a recycled pid is never signalled.  Where the run has a cgroup of its own (:mod:`.cgroup`), its
+members are in the tree too (whatever reparented or setsid'd itself away), its SIGKILL is the
+cgroup's, and the sweep waits for the cgroup to empty.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import os
 import pwd
 import select
 import subprocess
+import time
 from typing import Callable
 
 from sparkguard import proctree, signals
 from sparkguard.guard import escalation
+from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import container
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -29,6 +33,13 @@ ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LIS
 #: sh resets the oom_score_adj inherited from the daemon (-1000 would make the engine unkillable by
 #: the kernel and protected from the guard), then execs the engine: same pid, cmdline intact.
 WRAPPER = ("/bin/sh", "-c", 'echo 0 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"', "sparkguard-engine")
+#: the same, for an engine that runs in a cgroup of its own: sh first waits for the daemon's "go"
+#: line on stdin (a pipe), written once the daemon has moved sh into the run's cgroup (it can move
+#: a pid of another user, which the engine's user could not do itself: cgroup-v2.rst, "Delegation
+#: Containment"), so no process of the engine ever runs outside it; EOF (the daemon died) exits 70.
+#: stdin is /dev/null for the engine, as without a cgroup.
+WRAPPER_CGROUP = ("/bin/sh", "-c", 'read -r go; [ "$go" = go ] || exit 70; '
+                  'echo 0 > /proc/self/oom_score_adj 2>/dev/null; exec "$@" </dev/null', "sparkguard-engine")
 
 
 def passwd(user: str):
@@ -36,10 +47,12 @@ def passwd(user: str):
     return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
 
 
-def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | None):
+def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | None,
+          cgroup: cgroups.EngineCgroup | None = None):
     """Start the engine: own session and process group, stdin /dev/null, stdout/stderr pipes,
     oom_score_adj 0 (:data:`WRAPPER`), nice 0 (the guard's raised priority is not inherited), as
-    ``user`` (uid, gid and its groups) when given.
+    ``user`` (uid, gid and its groups) when given; in ``cgroup`` before it executes
+    (:data:`WRAPPER_CGROUP`; ``cgroup.entered`` False: it could not be moved and runs outside).
 
     Returns:
         ``subprocess.Popen`` (its pid is also its pgid and sid).
@@ -54,9 +67,20 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | Non
     # inherit it and compete with the guard or outrank sshd; nice(1) execs, the pid stays the engine's
     prio = os.getpriority(os.PRIO_PROCESS, 0)
     renice = ["nice", "-n", str(-prio)] if prio < 0 else []
-    return subprocess.Popen(list(WRAPPER) + renice + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    if cgroup is None:
+        return subprocess.Popen(list(WRAPPER) + renice + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
+                                close_fds=True, **kw)
+    proc = subprocess.Popen(list(WRAPPER_CGROUP) + renice + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                             close_fds=True, **kw)
+    cgroup.enter(proc.pid)
+    try:
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+    except OSError:         # sh already gone (cannot happen before it read): its exit is seen as usual
+        pass
+    return proc
 
 
 def proc_state(pid: int) -> str | None:
@@ -102,14 +126,22 @@ def poll_exit(pid: int) -> tuple[int | None, int | None] | None:
     return (info.si_status, None) if info.si_code == os.CLD_EXITED else (None, info.si_status)
 
 
-def _outside(procs: dict, tree, pgid: int, members: dict[int, int], ctr=None) -> list[int]:
+def _outside(procs: dict, tree, pgid: int, members: dict[int, int], ctr=None,
+             cg_pids=frozenset()) -> list[int]:
     """Processes not in ``tree`` that still belong to the run: its process group, a recorded
-    member with the same start time, or a process of its container (``ctr``,
-    :class:`container.Container`); never a kernel thread."""
+    member with the same start time, a process of its container (``ctr``,
+    :class:`container.Container`) or a member of its cgroup (``cg_pids``); never a kernel thread."""
     inside = container.members(ctr, procs)
     return [p.pid for p in procs.values()
             if p.pid not in tree and not p.kthread
-            and (p.pgrp == pgid or members.get(p.pid) == p.starttime or inside.get(p.pid) == p.starttime)]
+            and (p.pgrp == pgid or members.get(p.pid) == p.starttime or inside.get(p.pid) == p.starttime
+                 or p.pid in cg_pids)]
+
+
+def cgroup_pids(run) -> frozenset[int]:
+    """Members of the run's cgroup (empty without one): :meth:`cgroup.EngineCgroup.pids`."""
+    cg = getattr(run, "cgroup", None)
+    return frozenset(cg.pids()) if cg is not None else frozenset()
 
 
 def target(run, procs: dict, protector, details: bool = True):
@@ -121,7 +153,8 @@ def target(run, procs: dict, protector, details: bool = True):
     if root is None or (run.starttime and root.starttime != run.starttime) or proc_state(run.pid) in ("Z", None):
         return None
     kids = proctree.children_map(procs)
-    extra = _outside(procs, set(proctree.descendants([run.pid], kids)), run.pgid, run.members, run.container)
+    extra = _outside(procs, set(proctree.descendants([run.pid], kids)), run.pgid, run.members, run.container,
+                     cgroup_pids(run))
     if extra:
         kids = dict(kids)
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
@@ -139,18 +172,21 @@ def _init(run, starttimes: dict[int, int]) -> int | None:
 
 
 def signal_tree(run):
-    """pidfd ``signals.Tree`` of the run (root first, then live members and process-group
-    members); every process found is recorded in ``run.members``."""
+    """pidfd ``signals.Tree`` of the run (root first, then live members, process-group members
+    and cgroup members; a :class:`cgroup.CgroupTree` when the run has a cgroup); every process
+    found is recorded in ``run.members``."""
     procs = proctree.scan()
     kids = proctree.children_map(procs)
     pids = [pid for pid in proctree.descendants([run.pid], kids) if pid in procs]
-    pids += _outside(procs, set(pids), run.pgid, run.members, run.container)
+    pids += _outside(procs, set(pids), run.pgid, run.members, run.container, cgroup_pids(run))
     for pid in pids:
         run.members.setdefault(pid, procs[pid].starttime)
     if run.pid not in pids:
         pids.insert(0, run.pid)
-    starttimes = {pid: procs[pid].starttime for pid in pids if pid in procs}
-    return signals.Tree(pids, starttimes, term=_init(run, starttimes))
+    starts = {pid: procs[pid].starttime for pid in pids if pid in procs}
+    if getattr(run, "cgroup", None) is not None:
+        return cgroups.CgroupTree(pids, starts, run.cgroup, term=_init(run, starts))
+    return signals.Tree(pids, starts, term=_init(run, starts))
 
 
 def refresh_members(run) -> bool:
@@ -159,7 +195,8 @@ def refresh_members(run) -> bool:
     procs = proctree.scan()
     kids = proctree.children_map(procs)
     found = [procs[pid] for pid in proctree.descendants([run.pid], kids) if pid in procs]
-    found += [p for p in procs.values() if p.pgrp == run.pgid]
+    cg = cgroup_pids(run)
+    found += [p for p in procs.values() if p.pgrp == run.pgid or p.pid in cg]
     found += [procs[pid] for pid in container.members(run.container, procs)]
     changed = False
     for p in found:
@@ -170,27 +207,31 @@ def refresh_members(run) -> bool:
 
 
 def leftovers(pgid: int | None, members: dict[int, int], exclude: int | None = None,
-              group_ok: bool = True) -> dict[int, int]:
-    """Live (non-zombie) processes in process group ``pgid`` (when ``group_ok``) or recorded in
-    ``members`` with the same starttime; never sparkguard itself, pid 1 or a kernel thread.
-    Returns {pid: starttime}."""
+              group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None) -> dict[int, int]:
+    """Live (non-zombie) processes in process group ``pgid`` (when ``group_ok``), recorded in
+    ``members`` with the same starttime, or in ``cgroup``; never sparkguard itself, pid 1 or a
+    kernel thread.  Returns {pid: starttime}."""
     procs = proctree.scan()
     me = os.getpid()
+    cg = frozenset(cgroup.pids()) if cgroup is not None else frozenset()
     out = {}
     for p in procs.values():
         if p.pid in (me, exclude) or p.kthread or p.pid <= 1:
             continue
-        if (group_ok and pgid and p.pgrp == pgid) or members.get(p.pid) == p.starttime:
+        if (group_ok and pgid and p.pgrp == pgid) or members.get(p.pid) == p.starttime or p.pid in cg:
             if proc_state(p.pid) not in ("Z", "X", None):
                 out[p.pid] = p.starttime
     return out
 
 
 def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note: Callable[[str, str], None],
-          exclude: int | None = None, group_ok: bool = True) -> list[int]:
+          exclude: int | None = None, group_ok: bool = True,
+          cgroup: cgroups.EngineCgroup | None = None) -> list[int]:
     """SIGTERM every :func:`leftovers` process, wait ``grace`` seconds for all, SIGKILL (and
     process_mrelease) the rest, wait up to 10 s more: one escalation of
-    :mod:`sparkguard.guard.escalation` on the leftovers (blocks the calling thread).
+    :mod:`sparkguard.guard.escalation` on the leftovers (blocks the calling thread).  With the
+    run's ``cgroup``: its members count, the SIGKILL is ``cgroup.kill`` (:class:`cgroup.CgroupTree`)
+    and "gone" is the cgroup emptied (``populated 0``) as well as every pidfd readable.
 
     Args:
         protect: ``targets.protect`` patterns (never SIGKILLed).
@@ -198,7 +239,7 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
     Returns:
         list[int], the pids found (empty: nothing was left).
     """
-    left = leftovers(pgid, members, exclude, group_ok)
+    left = leftovers(pgid, members, exclude, group_ok, cgroup)
     if not left:
         return []
     pids = sorted(left)
@@ -207,11 +248,16 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
         p = proctree.read_proc(pid)
         titles.append(f"{pid} {p.cmdline[:40] if p else '?'}")
     note("sweep", f"{len(pids)} leftover processes of the engine: " + ", ".join(titles))
-    tree = signals.Tree(pids, left)
+    tree = signals.Tree(pids, left) if cgroup is None else cgroups.CgroupTree(pids, left, cgroup)
+    wait = None
+    if cgroup is not None:
+        def wait(seconds: float) -> bool:
+            t_end = time.monotonic() + seconds
+            return cgroup.wait_empty(seconds) and escalation.wait_gone(tree, max(0.0, t_end - time.monotonic()))
 
     def noted(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
         if event == "sigkill":
             note("sweep", f"SIGKILL {len(killed)} leftovers still alive after {grace:g} s")
-    escalation.OWNER.stop(tree, "sweep", grace, protector=proctree.Protector(protect), term_all=True,
+    escalation.OWNER.stop(tree, "sweep", grace, wait, protector=proctree.Protector(protect), term_all=True,
                           note=noted)
     return pids

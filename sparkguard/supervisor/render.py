@@ -38,6 +38,8 @@ def describe(state: dict | None) -> list[str]:
     out = [head]
     if s.get("command"):
         out.append("  command: " + " ".join(s["command"])[:200])
+    if s.get("tracking"):
+        out.append(f"  tracking: {s['tracking'].get('detail') or s['tracking'].get('mode')}")
     if s.get("lanes"):
         out.append("  lanes: " + ", ".join(("*" if ln == s.get("lane") else "") + ln for ln in s["lanes"]))
     r = {k: v for k, v in (s.get("restarts") or {}).items() if v}

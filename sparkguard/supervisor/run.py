@@ -20,13 +20,15 @@ class Run:
         argv: list[str], what was executed (after the oom_score_adj wrapper).
         reason: str | None, why this start happened (a restart reason; None: first start).
         role: :class:`cluster.Role` of the command (single, head, headless).
+        wall_spawn: unix seconds of the spawn when the caller took them before it (the run's
+            cgroup is named after its run id before the engine starts); default now.
     Times ``t_*`` are ``time.monotonic()`` seconds, ``wall_spawn`` is unix seconds; ``run_id``
     is ``wall_spawn`` to the millisecond: the name other nodes know this run by
     (``sparkguard_engine_run_start_timestamp_seconds``).
     """
 
     def __init__(self, proc, lane: str | None, argv: list[str], reason: str | None, log_lines: int = 200,
-                 role: Role = Role()):
+                 role: Role = Role(), wall_spawn: float | None = None):
         self.proc = proc
         self.pid: int = proc.pid
         self.pgid: int = proc.pid            # start_new_session: pid == pgid == sid
@@ -34,7 +36,7 @@ class Run:
         self.argv = argv
         self.reason = reason                 # why this start happened (None: first start)
         self.t_spawn = time.monotonic()
-        self.wall_spawn = time.time()
+        self.wall_spawn = time.time() if wall_spawn is None else wall_spawn
         self.run_id = round(self.wall_spawn, 3)
         self.role = role
         self.group: dict[int, float] = {}   # head: node rank -> the run of each rank it started with
@@ -52,6 +54,7 @@ class Run:
         self.guard_hit = False              # the guard signalled it
         self.done = threading.Event()       # the run is over: threads stop
         self.members: dict[int, int] = {}   # pid -> starttime, every process seen in its tree
+        self.cgroup = None                  # cgroup.EngineCgroup the run lives in (None: process-group tracking)
         self.starttime = 0
         self.probe_failures = 0
         self.head_seen = False

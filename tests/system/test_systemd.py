@@ -362,3 +362,39 @@ def test_stop_is_quick_and_leaves_the_engine_running(machine):
     # It handled SIGTERM itself and exited 0 (CLD_EXITED), rather than dying of the signal.
     assert (p["ExecMainCode"], p["ExecMainStatus"]) == ("1", "0"), f"{p}\n{guard_journal(c)}"
     assert all(alive(c, pid) for pid in engine["pids"]), "stopping the guard took the engine down"
+
+
+def test_a_supervised_engine_runs_in_a_cgroup_of_its_own_under_the_unit(machine):
+    """The production unit (Delegate=yes, its own cgroup writable under ProtectControlGroups=yes):
+    the daemon moves into <unit>/guard, the engine run into <unit>/engine-<run id>; a grandchild
+    that double-forked and called setsid is in that cgroup, and `sparkguard engine stop` takes it
+    down with the engine (SIGKILL of the cgroup after the grace) and removes the cgroup."""
+    from test_cgroup import ESCAPER
+    tag = uuid.uuid4().hex[:10]
+    engine = {"command": [PY, "-c", ESCAPER.replace("MARK", f"sgtest-{tag}")], "drop_caches": False,
+              "start_above": "64MiB", "stable_for": "0s", "quiesce_timeout": "60s", "health_interval": "100ms"}
+    c = machine(config=config("64MiB", tag, grace="1s") + "engine: " + json.dumps(engine) + "\n")
+    p = c.show(UNIT, "ControlGroup", "MainPID", "Delegate")
+    assert p["Delegate"] == "yes", p
+    unit_cg = "/sys/fs/cgroup" + p["ControlGroup"]
+
+    def cgroup2_of(pid) -> str:   # the 0:: line (the host's v1 hierarchies show up too, see nspawn.py)
+        return next(ln for ln in c.run("cat", f"/proc/{pid}/cgroup").stdout.splitlines() if ln.startswith("0::"))
+    assert cgroup2_of(p["MainPID"]) == f"0::{p['ControlGroup']}/guard"
+
+    def escaped():
+        m = re.search(r"escaped pid=(\d+)", guard_journal(c))
+        return int(m.group(1)) if m else None
+    pid = wait_for("the engine's escaped grandchild", escaped, timeout=60)
+    status = c.run(PY, "-m", "sparkguard", "engine", "status").stdout
+    m = re.search(r"tracking: cgroup (\S+)", status)
+    assert m and m.group(1).startswith(unit_cg + "/engine-"), status
+    cg = m.group(1)
+    assert cgroup2_of(pid) == "0::" + cg[len("/sys/fs/cgroup"):]
+    assert str(pid) in c.run("cat", f"{cg}/cgroup.procs").stdout.split()
+    c.run(PY, "-m", "sparkguard", "engine", "stop", timeout=30)
+    wait_for("the escaped grandchild to be gone", lambda: not alive(c, pid), timeout=30)
+    wait_for("the run's cgroup to be removed", lambda: c.run("test", "-e", cg, check=False).returncode != 0,
+             timeout=30)
+    journal = guard_journal(c)
+    assert re.search(r"sweep: 1 leftover processes of the engine: " + str(pid), journal), journal
