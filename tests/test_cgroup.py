@@ -233,6 +233,7 @@ def test_the_tree_sigkill_reaches_the_escaped_child(cg_parent, has_kill):
         starttime = proctree.read_proc(proc.pid).starttime
         members = {proc.pid: starttime}
         cgroup = cg
+        container = None       # not a docker run engine
     try:
         # the memory guard's view of the supervised engine (Supervisor.target) has it too
         t = process.target(R, proctree.scan(), proctree.Protector([]))
