@@ -99,14 +99,16 @@ def remote_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple
 def ssh_argv(cluster: ClusterFile, node: ClusterNode, args: list[str] | tuple[str, ...]) -> list[str]:
     """The local ``ssh`` argv that runs :func:`remote_argv` on ``node``.
 
-    ``ConnectTimeout`` and :data:`SERVER_ALIVE` are added after the cluster's options (first value
-    wins, so a file's own ``ConnectTimeout=`` or ``ServerAliveInterval=`` stays in force).  ``ssh -o ... -- DEST COMMAND``: getopt(3) stops at
-    ``--``, so a destination is never an option.
+    ``ConnectTimeout`` and :data:`SERVER_ALIVE` are added after the cluster's options unless the
+    file sets them.  ``ssh -o ... -- DEST COMMAND``: getopt(3) stops at ``--``, so a destination
+    is never an option.
 
     Raises:
         ValueError: the node's destination is empty or starts with '-'."""
     argv = [*SSH]
-    for opt in (*FORCED_OPTIONS, *cluster.ssh_options, f"ConnectTimeout={CONNECT_TIMEOUT}", *SERVER_ALIVE):
+    given = {o.split("=", 1)[0].strip().lower() for o in cluster.ssh_options}
+    defaults = [o for o in (f"ConnectTimeout={CONNECT_TIMEOUT}", *SERVER_ALIVE) if o.split("=", 1)[0].lower() not in given]
+    for opt in (*FORCED_OPTIONS, *cluster.ssh_options, *defaults):
         argv += ["-o", opt]
     if not node.ssh or node.ssh.startswith("-"):
         raise ValueError(f"node {node.name}: SSH destination {node.ssh!r} would be read as an option")
