@@ -253,6 +253,32 @@ def test_the_tree_sigkill_reaches_the_escaped_child(cg_parent, has_kill):
     assert cg.remove()
 
 
+def test_cgroup_kill_does_not_count_members_outside_the_cgroup_as_killed(cg_parent):
+    """A container engine's tree holds processes of another cgroup (docker's) beside the run
+    cgroup's: after the cgroup.kill write those still get their SIGKILL by pidfd."""
+    cg = cgroup.EngineCgroup.create(cgroup.Placement(cgroup.CGROUP, cg_parent, "test"), 9.0)
+    proc, esc, st = _spawn_escaper(cg)
+    outside = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"])
+    try:
+        if not cg.has_kill:
+            pytest.skip("no cgroup.kill here (Linux < 5.14)")
+        starts = {p: proctree.read_proc(p).starttime for p in (proc.pid, outside.pid)}
+        tree = cgroup.CgroupTree([proc.pid, outside.pid], starts, cg)
+        killed = tree.kill_all()
+        assert outside.pid in killed
+        assert outside.wait(timeout=5) == -signal.SIGKILL
+        assert cg.wait_empty(10.0)
+        tree.close()
+    finally:
+        if outside.poll() is None:
+            outside.kill()
+            outside.wait()
+        kill_pids({esc: st})
+        _reap(proc)
+    assert cg.remove()
+
+
 def test_the_sweep_finds_cgroup_members_and_waits_for_the_cgroup_to_empty(cg_parent):
     cg = cgroup.EngineCgroup.create(cgroup.Placement(cgroup.CGROUP, cg_parent, "test"), 8.0)
     proc, esc, st = _spawn_escaper(cg)

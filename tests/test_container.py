@@ -280,6 +280,8 @@ def test_a_tree_with_a_term_member_sigterms_it_and_not_the_root():
     ("4:memory:/docker/{id}\n0::/docker/{id}", ("docker", "{id}")),    # v1 hybrid, cgroupfs driver (here)
     ("0::/machine.slice/libpod-{id}.scope/container", ("podman", "{id}")),
     ("0::/user.slice/user-1000.slice/session-2.scope", None),
+    # pure v1, or a hybrid whose unified line is not the container's: the id on an earlier line
+    ("12:pids:/docker/{id}\n4:memory:/docker/{id}\n0::/system.slice/containerd.service", ("docker", "{id}")),
 ])
 def test_the_container_of_a_process_is_read_from_its_cgroup(tmp_path, line, found):
     cid = "0123456789abcdef" * 4

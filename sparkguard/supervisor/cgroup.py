@@ -421,8 +421,9 @@ class CgroupTree(signals.Tree):
         guarded = protector is not None and any(
             (p := proctree.read_proc(pid)) is not None and protector.protected(p) for pid in live)
         killed: list[int] = []
-        if not guarded and self.cg.kill():
-            killed = live
+        in_cgroup = set(self.cg.pids())        # cgroup.kill reaches these, not members elsewhere
+        if not guarded and self.cg.kill():     # (a container engine's processes: docker's cgroup)
+            killed = [pid for pid in live if pid in in_cgroup]
             self._release(killed)
             self.add_members()                 # forked before the write: already SIGKILLed too
         for _ in range(KILL_ROUNDS):

@@ -240,11 +240,19 @@ def discover(launch: Launch, done, timeout: float | None = None, interval: float
             state = (info or {}).get("State") or {}
             pid = int(state.get("Pid") or 0)
             if pid > 0:
+                full = str(info.get("Id") or cid)
+                # State.Pid names a process of this host only when the runtime shares its pid
+                # namespace (not a remote DOCKER_HOST, not docker-in-docker): the pid's own cgroup
+                # must name this container, else the pid is someone else's and is never signalled
+                seen = container_cgroup.container_of(pid)
+                if seen is None or seen[1] != full:
+                    log.warning("container %s: its init pid %d is not in the container's cgroup here "
+                                "(a runtime in another pid namespace?); tracking the client only", full[:12], pid)
+                    return None
                 p = proctree.read_proc(pid)
                 if p is not None:
                     name = str(info.get("Name") or "").lstrip("/")
-                    return Container(str(info.get("Id") or cid), name, pid, p.starttime,
-                                     container_cgroup.cgroup_dir(pid))
+                    return Container(full, name, pid, p.starttime, container_cgroup.cgroup_dir(pid))
             elif info is not None and state.get("Status") in ("exited", "dead"):
                 return None
         done.wait(interval)

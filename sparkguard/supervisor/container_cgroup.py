@@ -14,7 +14,7 @@ import re
 
 #: a container's cgroup path names its id: cgroupfs driver ``/docker/<id>``, systemd driver
 #: ``docker-<id>.scope``; podman ``libpod-<id>(.scope)`` / ``/libpod_parent/libpod-<id>``
-CGROUP_ID = re.compile(r"\b(docker|libpod)[-/]([0-9a-f]{64})(?:\.scope)?(?:/|$)")
+CGROUP_ID = re.compile(r"\b(docker|libpod)[-/]([0-9a-f]{64})(?:\.scope)?(?:/|$)", re.M)
 
 
 def container_of(pid: int, proc: str = "/proc") -> tuple[str, str] | None:
