@@ -91,7 +91,7 @@ def test_a_huge_peer_answer_is_refused_without_parsing_it(hostile):
     t0 = time.monotonic()
     with pytest.raises(peers.PeerError, match="longer than"):
         peers.read_available(h.url, timeout=10.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0          # refused at the cap, long before the 10 s deadline
 
 
 def test_a_dripping_health_endpoint_fails_the_check_at_the_deadline(hostile):
