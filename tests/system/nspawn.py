@@ -76,6 +76,8 @@ from pathlib import Path
 #: it (procps is Priority: important; ubuntu-minimal depends on it).
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "procps")
 SUITE = "bookworm"
+#: Debian 13, for the package test's second root (:func:`deb_root`).
+TRIXIE = "trixie"
 #: Where cached roots live; override with SPARKGUARD_TEST_CACHE.
 CACHE_DIR = Path(os.environ.get("SPARKGUARD_TEST_CACHE", "/var/cache/sparkguard-tests"))
 #: The venv inside the root that sparkguard is installed into.
@@ -281,16 +283,18 @@ def _clean_stale(prefix: str) -> None:
         remove_tree(p)
 
 
-def base_root(log=print) -> Path:
-    """The cached debootstrap root (minbase + :data:`PACKAGES`), built if missing.
+def base_root(log=print, suite: str = SUITE) -> Path:
+    """The cached debootstrap root (minbase + :data:`PACKAGES`) of Debian ``suite``, built if missing.
 
+    Args:
+        suite: Debian suite name for debootstrap (default :data:`SUITE`; :data:`TRIXIE` too).
     Returns:
         Path of ``CACHE_DIR/rootfs-<hash>``; never modified after it is renamed into place.
     Raises:
         subprocess.CalledProcessError: debootstrap failed (the temporary tree is removed).
     """
     mirror = debian_mirror()
-    key = _key(SUITE, sorted(PACKAGES), mirror, platform.machine())
+    key = _key(suite, sorted(PACKAGES), mirror, platform.machine())
     final = CACHE_DIR / f"rootfs-{key}"
     if final.is_dir():
         return final
@@ -302,7 +306,7 @@ def base_root(log=print) -> Path:
         log(f"building {final} with debootstrap from {mirror} (about a minute)")
         try:
             subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES),
-                            SUITE, str(tmp), mirror], check=True, capture_output=True, text=True,
+                            suite, str(tmp), mirror], check=True, capture_output=True, text=True,
                            timeout=900)
             os.rename(tmp, final)
         except BaseException:
@@ -387,6 +391,52 @@ def cached_root(log=print) -> Path:
                       "; rm -rf /var/tmp/wheels")
             run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
                                "-M", f"sgbuild-{uuid.uuid4().hex[:8]}", "-D", str(tmp),
+                               "/bin/sh", "-c", script], timeout=600)
+            os.rename(tmp, final)
+        except BaseException:
+            remove_tree(tmp)
+            raise
+    return final
+
+
+def deb_depends() -> list[str]:
+    """The Debian packages the sparkguard package depends on, from the checkout's debian/control
+    (the ``Depends:`` of ``Package: sparkguard``, without ``${...}`` substitutions)."""
+    text = (CHECKOUT / "debian/control").read_text()
+    stanza = text[text.index("Package: sparkguard"):]
+    m = re.search(r"^Depends:(.*?)(?=^\S)", stanza + "\nEnd:", re.S | re.M)
+    names = [d.strip().split()[0] for d in m.group(1).split(",") if d.strip()] if m else []
+    return [n for n in names if not n.startswith("$")]
+
+
+def deb_root(log=print, suite: str = SUITE) -> Path:
+    """A cached root for installing the sparkguard .deb offline: :func:`base_root` of ``suite``
+    with apt's package lists and the ``.deb`` files of :func:`deb_depends` in apt's cache.
+
+    Booted containers have no network (``--private-network``), so ``apt install ./sparkguard.deb``
+    inside must find every dependency in /var/cache/apt/archives; it still resolves them itself
+    (``apt-get install --download-only`` here, the real install in the test).  The downloads run
+    in a non-booted systemd-nspawn that shares the host's network; the root's own sources.list
+    (written by debootstrap) names the mirror.  Keyed by the base root and the dependency list.
+    """
+    base = base_root(log, suite)
+    deps = deb_depends()
+    key = _key(base.name, "deb", deps)
+    final = CACHE_DIR / f"debroot-{key}"
+    if final.is_dir():
+        return final
+    with _lock(f"debroot-{key}"):
+        if final.is_dir():
+            return final
+        _clean_stale(f"debroot-{key}")
+        tmp = CACHE_DIR / f".tmp-debroot-{key}-{os.getpid()}"
+        log(f"building {final}: {suite} with {deps} downloaded for apt")
+        try:
+            subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(tmp)], check=True, timeout=300)
+            script = ("set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
+                      "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(deps))
+            run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
+                               "-M", f"sgdeb-{uuid.uuid4().hex[:8]}", "-D", str(tmp),
                                "/bin/sh", "-c", script], timeout=600)
             os.rename(tmp, final)
         except BaseException:
@@ -596,6 +646,15 @@ class Container:
         link = self.root / "usr/local/bin/sparkguard"
         if not link.exists() and not link.is_symlink():
             link.symlink_to(f"{VENV}/bin/sparkguard")
+
+    def copy_in(self, src: Path, path: str, mode: int = 0o644) -> None:
+        """Copy the host file ``src`` to ``path`` inside the root (before or after boot)."""
+        p = self.root / path.lstrip("/")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".sgtmp")
+        shutil.copyfile(src, tmp)
+        tmp.chmod(mode)
+        os.rename(tmp, p)
 
     # -- boot
 
