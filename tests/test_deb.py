@@ -164,3 +164,15 @@ def test_package_life_cycle_on_debian_12(bookworm, debs):
     c.run(*APT, "purge", "sparkguard", timeout=120)
     for path in ("/etc/sparkguard", "/var/lib/sparkguard"):
         assert c.run("test", "-e", path, check=False).returncode == 1, f"{path} left after purge"
+
+
+def test_lintian_reports_nothing_unexplained(debs):
+    """lintian on the built package: every tag is fixed or overridden with a reason
+    (debian/sparkguard.lintian-overrides)."""
+    if shutil.which("lintian", path=BUILD_PATH) is None:
+        pytest.skip("lintian not found (tests/install-deps installs it)")
+    deb = debs[0]
+    r = subprocess.run(["lintian", "--fail-on", "error,warning", str(deb)], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PATH=BUILD_PATH))
+    tags = [line for line in r.stdout.splitlines() if re.match(r"^[EWI]: ", line)]
+    assert r.returncode == 0 and not tags, f"lintian (rc {r.returncode}):\n{r.stdout}{r.stderr}"
