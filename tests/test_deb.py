@@ -1,12 +1,13 @@
-"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into a booted Debian 12.
+"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into booted Debian 12 and 13.
 
 One session builds the package twice from a copy of the checkout (the version in debian/changelog
-and a bumped one, for the upgrade), and one container is booted for the whole life cycle a Spark
-owner goes through: ``apt install ./sparkguard_*.deb`` (dependencies resolved by apt from Debian's
-archive, pre-downloaded into the cached root because booted containers have no network), nothing
-started or enabled by the install, ``systemctl enable --now sparkguard`` reaching READY, ``sparkguard
-doctor``, an upgrade that keeps an edited /etc/sparkguard/sparkguard.yaml and restarts the guard,
-``apt remove`` stopping it, ``apt purge`` removing configuration and state.
+and a bumped one, for the upgrade), and one container per suite (bookworm, trixie) is booted for
+the whole life cycle a Spark owner goes through: ``apt install ./sparkguard_*.deb`` (dependencies
+resolved by apt from Debian's archive, pre-downloaded into the cached root because booted
+containers have no network), nothing started or enabled by the install, ``systemctl enable --now
+sparkguard`` reaching READY, ``sparkguard doctor``, an upgrade that keeps an edited
+/etc/sparkguard/sparkguard.yaml and restarts the guard, ``apt remove`` stopping it, ``apt purge``
+removing configuration and state.
 
 In a container ``sparkguard-setup.service`` (zram, sysctls) is skipped by its
 ``ConditionVirtualization=!container``; the test checks that it was skipped, not what it sets up.
@@ -86,13 +87,14 @@ def debs(tmp_path_factory) -> tuple[Path, Path]:
     return first, second
 
 
-@pytest.fixture(scope="session")
-def bookworm(debs):
-    """A booted Debian 12 machine on the cached root with the package's dependencies downloaded."""
+@pytest.fixture(scope="session", params=[nspawn.SUITE, nspawn.TRIXIE])
+def debian(request, debs):
+    """A booted Debian 12 (bookworm) or 13 (trixie) machine on a cached root with the package's
+    dependencies downloaded; one per suite for the session."""
     reason = nspawn.unavailable_reason()
     if reason:
         pytest.skip(f"booted-systemd test impossible here: {reason}")
-    root = nspawn.deb_root(log=lambda m: print(f"[deb] {m}", flush=True))
+    root = nspawn.deb_root(log=lambda m: print(f"[deb] {m}", flush=True), suite=request.param)
     c = nspawn.Container(root)
     try:
         c.boot()
@@ -109,8 +111,8 @@ def metric(c: nspawn.Container, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def test_package_life_cycle_on_debian_12(bookworm, debs):
-    c = bookworm
+def test_package_life_cycle(debian, debs):
+    c = debian
     first, second = debs
     c.copy_in(first, f"/var/tmp/{first.name}")
     c.copy_in(second, f"/var/tmp/{second.name}")
