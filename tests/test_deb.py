@@ -111,6 +111,25 @@ def metric(c: nspawn.Container, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def notify_reload(c: nspawn.Container) -> None:
+    """Debian 13 (systemd 257) only: the guard under ``Type=notify-reload`` (systemd >= 253) reloads an
+    edited config on ``systemctl reload``.  The shipped unit keeps Type=notify: Debian 12 has systemd
+    252, which does not know notify-reload.  The drop-in is removed again afterwards."""
+    dropin = "/etc/systemd/system/sparkguard.service.d/notify-reload.conf"
+    c.write(dropin, "[Service]\nType=notify-reload\nExecReload=\n")
+    try:
+        c.run("systemctl", "daemon-reload")
+        c.run("systemctl", "restart", UNIT, timeout=90)
+        assert c.show(UNIT, "Type")["Type"] == "notify-reload"
+        c.sh(f"sed -i 's/^  term_below: .*/  term_below: 384MiB/' {CONFIG}")
+        c.run("systemctl", "reload", UNIT, timeout=60)
+        assert metric(c, "sparkguard_term_below_bytes") == 384 * 1024**2
+    finally:
+        c.run("rm", "-rf", "/etc/systemd/system/sparkguard.service.d", check=False)
+        c.run("systemctl", "daemon-reload", check=False)
+        c.run("systemctl", "restart", UNIT, check=False, timeout=90)
+
+
 def test_package_life_cycle(debian, debs):
     c = debian
     first, second = debs
@@ -155,6 +174,9 @@ def test_package_life_cycle(debian, debs):
     assert props["ActiveState"] == "active" and props["MainPID"] not in (old_pid, "0"), \
         f"guard not restarted by the upgrade (pid {old_pid} -> {props})"
     assert metric(c, "sparkguard_term_below_bytes") == 512 * 1024**2
+
+    if c.run("cat", "/etc/debian_version").stdout.startswith("13"):
+        notify_reload(c)
 
     # Remove stops the guard and keeps the configuration; purge removes configuration and state.
     assert c.run("test", "-d", "/var/lib/sparkguard", check=False).returncode == 0
