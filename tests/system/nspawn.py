@@ -362,41 +362,64 @@ def download_wheels(reqs: list[str], dest: Path, pyver: str, glibc: tuple[int, i
                 raise RuntimeError(f"cannot get a wheel for {req}:\n{r.stdout}\n{r.stderr}")
 
 
-def cached_root(log=print) -> Path:
-    """The cached root that containers start from: :func:`base_root` plus a venv at :data:`VENV`
-    holding sparkguard's dependencies (not sparkguard itself; each test run installs the checkout).
+def derived_root(base: Path, kind: str, key: str, what: str, fill, log=print) -> Path:
+    """``CACHE_DIR/<kind>-<key>``: a copy of the cached root ``base`` changed by ``fill(tmp)``, built once.
 
-    Keyed by the base root and :func:`dependencies`; built into a temporary copy of the base
-    root and renamed into place.  Wheels come from the host (:func:`download_wheels`) and are
-    installed with ``pip --no-index`` by the root's own python3 in a non-booted systemd-nspawn.
+    Built into ``.tmp-<kind>-<key>-<pid>`` under :func:`_lock` and renamed into place
+    (``rename(2)`` is atomic), so an interrupted build is never used; a failed one is removed.
+
+    Args:
+        base: the root to copy (:func:`base_root`).
+        kind: name prefix of the cached tree (``venvroot``, ``debroot``).
+        key: hash of everything the tree depends on (:func:`_key`).
+        what: said in the log line when it is built.
+        fill: callable(Path) that completes the copy; raises on failure.
     """
-    base = base_root(log)
-    deps = dependencies()
-    key = _key(base.name, deps)
-    final = CACHE_DIR / f"venvroot-{key}"
+    final = CACHE_DIR / f"{kind}-{key}"
     if final.is_dir():
         return final
-    with _lock(f"venvroot-{key}"):
+    with _lock(f"{kind}-{key}"):
         if final.is_dir():
             return final
-        _clean_stale(f"venvroot-{key}")
-        tmp = CACHE_DIR / f".tmp-venvroot-{key}-{os.getpid()}"
-        log(f"building {final}: venv with {deps}")
+        _clean_stale(f"{kind}-{key}")
+        tmp = CACHE_DIR / f".tmp-{kind}-{key}-{os.getpid()}"
+        log(f"building {final}: {what}")
         try:
             subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(tmp)], check=True, timeout=300)
-            download_wheels(deps, tmp / "var/tmp/wheels", root_python_version(tmp), root_glibc_version(tmp))
-            script = (f"set -e; python3 -m venv {VENV}; "
-                      f"{VENV}/bin/pip install --quiet --disable-pip-version-check --no-index "
-                      "--find-links /var/tmp/wheels " + " ".join(f"'{d}'" for d in deps) +
-                      "; rm -rf /var/tmp/wheels")
-            run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
-                               "-M", f"sgbuild-{uuid.uuid4().hex[:8]}", "-D", str(tmp),
-                               "/bin/sh", "-c", script], timeout=600)
+            fill(tmp)
             os.rename(tmp, final)
         except BaseException:
             remove_tree(tmp)
             raise
     return final
+
+
+def nspawn_script(root: Path, script: str, timeout: float = 600) -> None:
+    """Run the shell ``script`` in ``root`` with a non-booted systemd-nspawn (host network); raise on failure."""
+    run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
+                       "-M", f"sgbuild-{uuid.uuid4().hex[:8]}", "-D", str(root),
+                       "/bin/sh", "-c", script], timeout=timeout)
+
+
+def cached_root(log=print) -> Path:
+    """The cached root that containers start from: :func:`base_root` plus a venv at :data:`VENV`
+    holding sparkguard's dependencies (not sparkguard itself; each test run installs the checkout).
+
+    Keyed by the base root and :func:`dependencies` (:func:`derived_root`).  Wheels come from the
+    host (:func:`download_wheels`) and are installed with ``pip --no-index`` by the root's own
+    python3 in a non-booted systemd-nspawn.
+    """
+    base = base_root(log)
+    deps = dependencies()
+
+    def fill(tmp: Path) -> None:
+        download_wheels(deps, tmp / "var/tmp/wheels", root_python_version(tmp), root_glibc_version(tmp))
+        nspawn_script(tmp, f"set -e; python3 -m venv {VENV}; "
+                           f"{VENV}/bin/pip install --quiet --disable-pip-version-check --no-index "
+                           "--find-links /var/tmp/wheels " + " ".join(f"'{d}'" for d in deps) +
+                           "; rm -rf /var/tmp/wheels")
+
+    return derived_root(base, "venvroot", _key(base.name, deps), f"venv with {deps}", fill, log)
 
 
 def deb_depends() -> list[str]:
@@ -421,28 +444,10 @@ def deb_root(log=print, suite: str = SUITE) -> Path:
     """
     base = base_root(log, suite)
     deps = deb_depends()
-    key = _key(base.name, "deb", deps)
-    final = CACHE_DIR / f"debroot-{key}"
-    if final.is_dir():
-        return final
-    with _lock(f"debroot-{key}"):
-        if final.is_dir():
-            return final
-        _clean_stale(f"debroot-{key}")
-        tmp = CACHE_DIR / f".tmp-debroot-{key}-{os.getpid()}"
-        log(f"building {final}: {suite} with {deps} downloaded for apt")
-        try:
-            subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(tmp)], check=True, timeout=300)
-            script = ("set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
-                      "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(deps))
-            run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
-                               "-M", f"sgdeb-{uuid.uuid4().hex[:8]}", "-D", str(tmp),
-                               "/bin/sh", "-c", script], timeout=600)
-            os.rename(tmp, final)
-        except BaseException:
-            remove_tree(tmp)
-            raise
-    return final
+    script = ("set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
+              "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(deps))
+    return derived_root(base, "debroot", _key(base.name, "deb", deps), f"{suite} with {deps} downloaded for apt",
+                        lambda tmp: nspawn_script(tmp, script), log)
 
 
 class OwnCgroup:
