@@ -32,6 +32,8 @@ pytestmark = pytest.mark.system
 BUILD_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 CONFIG = "/etc/sparkguard/sparkguard.yaml"
 UNIT = "sparkguard.service"
+#: the first MESSAGE_ID in sparkguard/data/catalog/sparkguard.catalog
+CATALOG_ID = "664d84b2b89942f2ac3a8c34e6254450"
 APT = ("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q")
 
 
@@ -147,6 +149,10 @@ def test_package_life_cycle(debian, debs):
         state = c.run("systemctl", "is-enabled", unit, check=False).stdout.strip()
         assert state == want, f"{unit} is {state!r} after install"
         assert c.show(unit, "ActiveState")["ActiveState"] == "inactive", unit
+    # The journal catalog is compiled by systemd's dpkg trigger on /usr/lib/systemd/catalog
+    # (journalctl --update-catalog): the first incident id of sparkguard.catalog is known.
+    catalog = c.run("journalctl", "--list-catalog", CATALOG_ID).stdout
+    assert CATALOG_ID in catalog.replace("-", ""), f"catalog entry {CATALOG_ID} missing: {catalog!r}"
     conffiles = c.run("dpkg-query", "-W", "-f=${Conffiles}", "sparkguard").stdout
     assert CONFIG in conffiles, f"{CONFIG} is not a conffile: {conffiles!r}"
 
