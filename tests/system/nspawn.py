@@ -76,6 +76,8 @@ from pathlib import Path
 #: it (procps is Priority: important; ubuntu-minimal depends on it).
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "procps")
 SUITE = "bookworm"
+#: Debian 13, for the package test's second root (:func:`deb_root`).
+TRIXIE = "trixie"
 #: Where cached roots live; override with SPARKGUARD_TEST_CACHE.
 CACHE_DIR = Path(os.environ.get("SPARKGUARD_TEST_CACHE", "/var/cache/sparkguard-tests"))
 #: The venv inside the root that sparkguard is installed into.
@@ -281,16 +283,18 @@ def _clean_stale(prefix: str) -> None:
         remove_tree(p)
 
 
-def base_root(log=print) -> Path:
-    """The cached debootstrap root (minbase + :data:`PACKAGES`), built if missing.
+def base_root(log=print, suite: str = SUITE) -> Path:
+    """The cached debootstrap root (minbase + :data:`PACKAGES`) of Debian ``suite``, built if missing.
 
+    Args:
+        suite: Debian suite name for debootstrap (default :data:`SUITE`; :data:`TRIXIE` too).
     Returns:
         Path of ``CACHE_DIR/rootfs-<hash>``; never modified after it is renamed into place.
     Raises:
         subprocess.CalledProcessError: debootstrap failed (the temporary tree is removed).
     """
     mirror = debian_mirror()
-    key = _key(SUITE, sorted(PACKAGES), mirror, platform.machine())
+    key = _key(suite, sorted(PACKAGES), mirror, platform.machine())
     final = CACHE_DIR / f"rootfs-{key}"
     if final.is_dir():
         return final
@@ -302,7 +306,7 @@ def base_root(log=print) -> Path:
         log(f"building {final} with debootstrap from {mirror} (about a minute)")
         try:
             subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES),
-                            SUITE, str(tmp), mirror], check=True, capture_output=True, text=True,
+                            suite, str(tmp), mirror], check=True, capture_output=True, text=True,
                            timeout=900)
             os.rename(tmp, final)
         except BaseException:
@@ -358,41 +362,92 @@ def download_wheels(reqs: list[str], dest: Path, pyver: str, glibc: tuple[int, i
                 raise RuntimeError(f"cannot get a wheel for {req}:\n{r.stdout}\n{r.stderr}")
 
 
-def cached_root(log=print) -> Path:
-    """The cached root that containers start from: :func:`base_root` plus a venv at :data:`VENV`
-    holding sparkguard's dependencies (not sparkguard itself; each test run installs the checkout).
+def derived_root(base: Path, kind: str, key: str, what: str, fill, log=print) -> Path:
+    """``CACHE_DIR/<kind>-<key>``: a copy of the cached root ``base`` changed by ``fill(tmp)``, built once.
 
-    Keyed by the base root and :func:`dependencies`; built into a temporary copy of the base
-    root and renamed into place.  Wheels come from the host (:func:`download_wheels`) and are
-    installed with ``pip --no-index`` by the root's own python3 in a non-booted systemd-nspawn.
+    Built into ``.tmp-<kind>-<key>-<pid>`` under :func:`_lock` and renamed into place
+    (``rename(2)`` is atomic), so an interrupted build is never used; a failed one is removed.
+
+    Args:
+        base: the root to copy (:func:`base_root`).
+        kind: name prefix of the cached tree (``venvroot``, ``debroot``).
+        key: hash of everything the tree depends on (:func:`_key`).
+        what: said in the log line when it is built.
+        fill: callable(Path) that completes the copy; raises on failure.
     """
-    base = base_root(log)
-    deps = dependencies()
-    key = _key(base.name, deps)
-    final = CACHE_DIR / f"venvroot-{key}"
+    final = CACHE_DIR / f"{kind}-{key}"
     if final.is_dir():
         return final
-    with _lock(f"venvroot-{key}"):
+    with _lock(f"{kind}-{key}"):
         if final.is_dir():
             return final
-        _clean_stale(f"venvroot-{key}")
-        tmp = CACHE_DIR / f".tmp-venvroot-{key}-{os.getpid()}"
-        log(f"building {final}: venv with {deps}")
+        _clean_stale(f"{kind}-{key}")
+        tmp = CACHE_DIR / f".tmp-{kind}-{key}-{os.getpid()}"
+        log(f"building {final}: {what}")
         try:
             subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(tmp)], check=True, timeout=300)
-            download_wheels(deps, tmp / "var/tmp/wheels", root_python_version(tmp), root_glibc_version(tmp))
-            script = (f"set -e; python3 -m venv {VENV}; "
-                      f"{VENV}/bin/pip install --quiet --disable-pip-version-check --no-index "
-                      "--find-links /var/tmp/wheels " + " ".join(f"'{d}'" for d in deps) +
-                      "; rm -rf /var/tmp/wheels")
-            run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
-                               "-M", f"sgbuild-{uuid.uuid4().hex[:8]}", "-D", str(tmp),
-                               "/bin/sh", "-c", script], timeout=600)
+            fill(tmp)
             os.rename(tmp, final)
         except BaseException:
             remove_tree(tmp)
             raise
     return final
+
+
+def nspawn_script(root: Path, script: str, timeout: float = 600) -> None:
+    """Run the shell ``script`` in ``root`` with a non-booted systemd-nspawn (host network); raise on failure."""
+    run_in_own_cgroup(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit",
+                       "-M", f"sgbuild-{uuid.uuid4().hex[:8]}", "-D", str(root),
+                       "/bin/sh", "-c", script], timeout=timeout)
+
+
+def cached_root(log=print) -> Path:
+    """The cached root that containers start from: :func:`base_root` plus a venv at :data:`VENV`
+    holding sparkguard's dependencies (not sparkguard itself; each test run installs the checkout).
+
+    Keyed by the base root and :func:`dependencies` (:func:`derived_root`).  Wheels come from the
+    host (:func:`download_wheels`) and are installed with ``pip --no-index`` by the root's own
+    python3 in a non-booted systemd-nspawn.
+    """
+    base = base_root(log)
+    deps = dependencies()
+
+    def fill(tmp: Path) -> None:
+        download_wheels(deps, tmp / "var/tmp/wheels", root_python_version(tmp), root_glibc_version(tmp))
+        nspawn_script(tmp, f"set -e; python3 -m venv {VENV}; "
+                           f"{VENV}/bin/pip install --quiet --disable-pip-version-check --no-index "
+                           "--find-links /var/tmp/wheels " + " ".join(f"'{d}'" for d in deps) +
+                           "; rm -rf /var/tmp/wheels")
+
+    return derived_root(base, "venvroot", _key(base.name, deps), f"venv with {deps}", fill, log)
+
+
+def deb_depends() -> list[str]:
+    """The Debian packages the sparkguard package depends on, from the checkout's debian/control
+    (the ``Depends:`` of ``Package: sparkguard``, without ``${...}`` substitutions)."""
+    text = (CHECKOUT / "debian/control").read_text()
+    stanza = text[text.index("Package: sparkguard"):]
+    m = re.search(r"^Depends:(.*?)(?=^\S)", stanza + "\nEnd:", re.S | re.M)
+    names = [d.strip().split()[0] for d in m.group(1).split(",") if d.strip()] if m else []
+    return [n for n in names if not n.startswith("$")]
+
+
+def deb_root(log=print, suite: str = SUITE) -> Path:
+    """A cached root for installing the sparkguard .deb offline: :func:`base_root` of ``suite``
+    with apt's package lists and the ``.deb`` files of :func:`deb_depends` in apt's cache.
+
+    Booted containers have no network (``--private-network``), so ``apt install ./sparkguard.deb``
+    inside must find every dependency in /var/cache/apt/archives; it still resolves them itself
+    (``apt-get install --download-only`` here, the real install in the test).  The downloads run
+    in a non-booted systemd-nspawn that shares the host's network; the root's own sources.list
+    (written by debootstrap) names the mirror.  Keyed by the base root and the dependency list.
+    """
+    base = base_root(log, suite)
+    deps = deb_depends()
+    script = ("set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
+              "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(deps))
+    return derived_root(base, "debroot", _key(base.name, "deb", deps), f"{suite} with {deps} downloaded for apt",
+                        lambda tmp: nspawn_script(tmp, script), log)
 
 
 class OwnCgroup:
@@ -596,6 +651,15 @@ class Container:
         link = self.root / "usr/local/bin/sparkguard"
         if not link.exists() and not link.is_symlink():
             link.symlink_to(f"{VENV}/bin/sparkguard")
+
+    def copy_in(self, src: Path, path: str, mode: int = 0o644) -> None:
+        """Copy the host file ``src`` to ``path`` inside the root (before or after boot)."""
+        p = self.root / path.lstrip("/")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".sgtmp")
+        shutil.copyfile(src, tmp)
+        tmp.chmod(mode)
+        os.rename(tmp, p)
 
     # -- boot
 

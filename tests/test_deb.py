@@ -1,0 +1,208 @@
+"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into booted Debian 12 and 13.
+
+One session builds the package twice from a copy of the checkout (the version in debian/changelog
+and a bumped one, for the upgrade), and one container per suite (bookworm, trixie) is booted for
+the whole life cycle a Spark owner goes through: ``apt install ./sparkguard_*.deb`` (dependencies
+resolved by apt from Debian's archive, pre-downloaded into the cached root because booted
+containers have no network), nothing started or enabled by the install, ``systemctl enable --now
+sparkguard`` reaching READY, ``sparkguard doctor``, an upgrade that keeps an edited
+/etc/sparkguard/sparkguard.yaml and restarts the guard, ``apt remove`` stopping it, ``apt purge``
+removing configuration and state.
+
+In a container ``sparkguard-setup.service`` (zram, sysctls) is skipped by its
+``ConditionVirtualization=!container``; the test checks that it was skipped, not what it sets up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from system import nspawn
+
+pytestmark = pytest.mark.system
+
+#: PATH for dpkg-buildpackage: Debian's own python3 (pybuild builds for /usr/bin/python3*, and a
+#: pyenv python3 first on PATH lacks the `build` module pybuild runs)
+BUILD_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+CONFIG = "/etc/sparkguard/sparkguard.yaml"
+UNIT = "sparkguard.service"
+#: the first MESSAGE_ID in sparkguard/data/catalog/sparkguard.catalog
+CATALOG_ID = "664d84b2b89942f2ac3a8c34e6254450"
+APT = ("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q")
+
+
+def copy_checkout(dest: Path) -> None:
+    """Copy the checkout's tracked and untracked-but-not-ignored files to ``dest`` (no build products)."""
+    files = subprocess.run(["git", "-C", str(nspawn.CHECKOUT), "ls-files", "-z", "--cached", "--others",
+                            "--exclude-standard"], capture_output=True, check=True, timeout=60).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        src = nspawn.CHECKOUT / rel
+        if not os.path.lexists(src):
+            continue  # deleted in the worktree, not yet committed
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), out)
+        else:
+            shutil.copy2(src, out)
+
+
+def build_deb(workdir: Path, version: str | None = None) -> Path:
+    """``dpkg-buildpackage -us -uc -b`` of a copy of the checkout in ``workdir``; returns the .deb.
+
+    Args:
+        workdir: empty folder; the copy goes to ``workdir/src``, the .deb beside it.
+        version: when given, a debian/changelog entry with this version is added first (an upgrade).
+    Raises:
+        AssertionError: the build failed (its log's tail in the message).
+    """
+    src = workdir / "src"
+    copy_checkout(src)
+    if version:
+        log = src / "debian/changelog"
+        log.write_text(f"sparkguard ({version}) unstable; urgency=medium\n\n  * Test upgrade.\n\n"
+                       f" -- sparkguard tests <tests@localhost>  Tue, 01 Dec 2026 21:00:00 +0000\n\n"
+                       + log.read_text())
+    r = subprocess.run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=src, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PATH=BUILD_PATH))
+    assert r.returncode == 0, f"dpkg-buildpackage failed:\n{(r.stdout + r.stderr)[-4000:]}"
+    debs = list(workdir.glob("sparkguard_*_all.deb"))
+    assert len(debs) == 1, f"expected one .deb in {workdir}, found {debs}"
+    return debs[0]
+
+
+@pytest.fixture(scope="session")
+def debs(tmp_path_factory) -> tuple[Path, Path]:
+    """(the package of this checkout, the same with version 0.1.0+sgtest1), built once per session."""
+    missing = [t for t in ("dpkg-buildpackage", "dh", "git") if shutil.which(t, path=BUILD_PATH) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not found: tests/install-deps installs debhelper, dh-python, "
+                    "pybuild-plugin-pyproject (and the rest of the build dependencies in debian/control)")
+    first = build_deb(tmp_path_factory.mktemp("deb1"))
+    second = build_deb(tmp_path_factory.mktemp("deb2"), "0.1.0+sgtest1")
+    return first, second
+
+
+@pytest.fixture(scope="session", params=[nspawn.SUITE, nspawn.TRIXIE])
+def debian(request, debs):
+    """A booted Debian 12 (bookworm) or 13 (trixie) machine on a cached root with the package's
+    dependencies downloaded; one per suite for the session."""
+    reason = nspawn.unavailable_reason()
+    if reason:
+        pytest.skip(f"booted-systemd test impossible here: {reason}")
+    root = nspawn.deb_root(log=lambda m: print(f"[deb] {m}", flush=True), suite=request.param)
+    c = nspawn.Container(root)
+    try:
+        c.boot()
+        yield c
+    finally:
+        c.close()
+
+
+def metric(c: nspawn.Container, name: str) -> float | None:
+    """Value of the unlabelled metric ``name`` on the guard's /metrics inside (127.0.0.1:8799)."""
+    text = c.run("/usr/bin/python3", "-c", "import urllib.request as u; "
+                 "print(u.urlopen('http://127.0.0.1:8799/metrics', timeout=5).read().decode())").stdout
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def notify_reload(c: nspawn.Container) -> None:
+    """Debian 13 (systemd 257) only: the guard under ``Type=notify-reload`` (systemd >= 253) reloads an
+    edited config on ``systemctl reload``.  The shipped unit keeps Type=notify: Debian 12 has systemd
+    252, which does not know notify-reload.  The drop-in is removed again afterwards."""
+    dropin = "/etc/systemd/system/sparkguard.service.d/notify-reload.conf"
+    c.write(dropin, "[Service]\nType=notify-reload\nExecReload=\n")
+    try:
+        c.run("systemctl", "daemon-reload")
+        c.run("systemctl", "restart", UNIT, timeout=90)
+        assert c.show(UNIT, "Type")["Type"] == "notify-reload"
+        c.sh(f"sed -i 's/^  term_below: .*/  term_below: 384MiB/' {CONFIG}")
+        c.run("systemctl", "reload", UNIT, timeout=60)
+        assert metric(c, "sparkguard_term_below_bytes") == 384 * 1024**2
+    finally:
+        c.run("rm", "-rf", "/etc/systemd/system/sparkguard.service.d", check=False)
+        c.run("systemctl", "daemon-reload", check=False)
+        c.run("systemctl", "restart", UNIT, check=False, timeout=90)
+
+
+def test_package_life_cycle(debian, debs):
+    c = debian
+    first, second = debs
+    c.copy_in(first, f"/var/tmp/{first.name}")
+    c.copy_in(second, f"/var/tmp/{second.name}")
+
+    # apt resolves the Depends from Debian's archive (python3-psutil, -pyroute2, ...), offline.
+    r = c.run(*APT, "install", "--no-install-recommends", f"/var/tmp/{first.name}", timeout=300)
+    assert "sparkguard is installed but not enabled" in r.stdout, r.stdout
+    assert c.run("sparkguard", "--help").returncode == 0
+
+    # Installed disabled and not started: the install changes no kernel setting by itself.
+    # (the set-up unit has no [Install] section: "static", started only through the guard's Wants=)
+    for unit, want in ((UNIT, "disabled"), ("sparkguard-setup.service", "static")):
+        state = c.run("systemctl", "is-enabled", unit, check=False).stdout.strip()
+        assert state == want, f"{unit} is {state!r} after install"
+        assert c.show(unit, "ActiveState")["ActiveState"] == "inactive", unit
+    # The journal catalog is compiled by systemd's dpkg trigger on /usr/lib/systemd/catalog
+    # (journalctl --update-catalog): the first incident id of sparkguard.catalog is known.
+    catalog = c.run("journalctl", "--list-catalog", CATALOG_ID).stdout
+    assert CATALOG_ID in catalog.replace("-", ""), f"catalog entry {CATALOG_ID} missing: {catalog!r}"
+    conffiles = c.run("dpkg-query", "-W", "-f=${Conffiles}", "sparkguard").stdout
+    assert CONFIG in conffiles, f"{CONFIG} is not a conffile: {conffiles!r}"
+
+    # Enable: `systemctl start` of a Type=notify unit returns once READY=1 arrived.
+    c.run("systemctl", "enable", "--now", UNIT, timeout=90)
+    props = c.show(UNIT, "ActiveState", "SubState", "MainPID")
+    assert (props["ActiveState"], props["SubState"]) == ("active", "running"), props
+    setup = c.show("sparkguard-setup.service", "ConditionResult", "ActiveState")
+    assert setup["ConditionResult"] == "no", f"set-up unit ran in a container: {setup}"
+    assert metric(c, "sparkguard_term_below_bytes") == 0.75 * 1024**3
+
+    doctor = c.run("sparkguard", "doctor", check=False, timeout=60)
+    assert doctor.returncode in (0, 1) and "Traceback" not in doctor.stderr, doctor.stdout + doctor.stderr
+    assert re.search(r"^(PASS|WARN|FAIL|INFO)\s", doctor.stdout, re.M), doctor.stdout
+
+    # An edited config survives an upgrade, and the upgrade restarts the running guard with it.
+    c.sh(f"sed -i 's/^  term_below: .*/  term_below: 512MiB/' {CONFIG}")
+    edited = c.run("cat", CONFIG).stdout
+    assert "term_below: 512MiB" in edited
+    old_pid = props["MainPID"]
+    c.run(*APT, "install", "--no-install-recommends", f"/var/tmp/{second.name}", timeout=300)
+    assert c.run("dpkg-query", "-W", "-f=${Version}", "sparkguard").stdout == "0.1.0+sgtest1"
+    assert c.run("cat", CONFIG).stdout == edited, "the upgrade changed the edited config"
+    props = c.show(UNIT, "ActiveState", "MainPID")
+    assert props["ActiveState"] == "active" and props["MainPID"] not in (old_pid, "0"), \
+        f"guard not restarted by the upgrade (pid {old_pid} -> {props})"
+    assert metric(c, "sparkguard_term_below_bytes") == 512 * 1024**2
+
+    if c.run("cat", "/etc/debian_version").stdout.startswith("13"):
+        notify_reload(c)
+
+    # Remove stops the guard and keeps the configuration; purge removes configuration and state.
+    assert c.run("test", "-d", "/var/lib/sparkguard", check=False).returncode == 0
+    c.run(*APT, "remove", "sparkguard", timeout=120)
+    assert c.show(UNIT, "ActiveState")["ActiveState"] in ("inactive", "failed") or \
+        c.show(UNIT, "LoadState")["LoadState"] == "not-found"
+    assert c.run("pgrep", "-f", "sparkguard run", check=False).returncode == 1, "a guard still runs"
+    assert c.run("test", "-f", CONFIG, check=False).returncode == 0, "remove deleted the config"
+    c.run(*APT, "purge", "sparkguard", timeout=120)
+    for path in ("/etc/sparkguard", "/var/lib/sparkguard"):
+        assert c.run("test", "-e", path, check=False).returncode == 1, f"{path} left after purge"
+
+
+def test_lintian_reports_nothing_unexplained(debs):
+    """lintian on the built package: every tag is fixed or overridden with a reason
+    (debian/sparkguard.lintian-overrides)."""
+    if shutil.which("lintian", path=BUILD_PATH) is None:
+        pytest.skip("lintian not found (tests/install-deps installs it)")
+    deb = debs[0]
+    r = subprocess.run(["lintian", "--fail-on", "error,warning", str(deb)], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PATH=BUILD_PATH))
+    tags = [line for line in r.stdout.splitlines() if re.match(r"^[EWI]: ", line)]
+    assert r.returncode == 0 and not tags, f"lintian (rc {r.returncode}):\n{r.stdout}{r.stderr}"
