@@ -386,33 +386,43 @@ def main() -> int:
     sizes = [int(x) for x in args.nodes.split(",") if x]
     args.revision = revision()              # before this run rewrites a tracked results file
     stop_on_signals()
+    cases = [{"nodes": n, "fault": fault, "trial": k} for n in sizes for fault in faults for k in range(args.trials)]
+    return run_trials(cases, lambda c, tw: trial(c["nodes"], c["fault"], c["trial"], args, tw),
+                      FIELDS[3:], lambda rows: write(rows, args, Path(args.out)), "sgbench-cluster-",
+                      {"timed_out": False})
+
+
+def run_trials(cases: list[dict], run, shown: list[str], finish, prefix: str, on_error: dict | None = None) -> int:
+    """Each case (a dict of the row's key fields, e.g. ``{"nodes": 2, "trial": 0}``) through
+    ``run(case, workdir)``, which returns the row; a trial that raises is a row with ``error`` (and
+    ``on_error``'s fields) and the bench goes on; one line per row on stderr (its ``shown`` fields).
+    A signal (:func:`stop_on_signals`) ends it after the trial in progress; ``finish(rows)`` (the
+    results files) runs then too and its text is printed.  Returns the exit status (0, or 128 +
+    the signal).  Shared by this bench and bench/cluster_lane.py."""
     rows: list[dict] = []
     status = 0
-    work = Path(tempfile.mkdtemp(prefix="sgbench-cluster-"))
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        for n in sizes:
-            for fault in faults:
-                for k in range(args.trials):
-                    check_stop()
-                    tw = work / f"n{n}-{fault}-t{k}"
-                    try:
-                        row = trial(n, fault, k, args, tw)
-                    except Stopped:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - a broken trial is a row, the bench goes on
-                        row = {"nodes": n, "fault": fault, "trial": k, "timed_out": False,
-                               "error": f"{type(e).__name__}: {str(e)[:2000]}"}
-                    rows.append(row)
-                    print(f"n={n} {fault} trial {k}: " + ", ".join(f"{f}={row.get(f)}" for f in FIELDS[3:]
-                                                                  if row.get(f) not in (None, "")),
-                          file=sys.stderr, flush=True)
+        for case in cases:
+            check_stop()
+            name = "-".join(f"{v}" for v in case.values())
+            try:
+                row = run(case, work / name)
+            except Stopped:
+                raise
+            except Exception as e:  # noqa: BLE001 - a broken trial is a row, the bench goes on
+                row = {**case, **(on_error or {}), "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in case.items()) + ": " +
+                  ", ".join(f"{f}={row.get(f)}" for f in shown if row.get(f) not in (None, "")),
+                  file=sys.stderr, flush=True)
     except Stopped as e:
         status = 128 + e.signum
         print(f"stopped by {e}; {len(rows)} trial(s) written", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if rows:
-            print(write(rows, args, Path(args.out)))
+            print(finish(rows))
     return status
 
 

@@ -39,10 +39,8 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -152,30 +150,9 @@ def main() -> int:
         return 2
     args.revision = cb.revision()
     cb.stop_on_signals()
-    rows: list[dict] = []
-    status = 0
-    work = Path(tempfile.mkdtemp(prefix="sgbench-lane-"))
-    try:
-        for n in [int(x) for x in args.nodes.split(",") if x]:
-            for k in range(args.trials):
-                cb.check_stop()
-                try:
-                    row = trial(n, k, args, work / f"n{n}-t{k}")
-                except Stopped:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a broken trial is a row, the bench goes on
-                    row = {"nodes": n, "trial": k, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
-                rows.append(row)
-                print(f"n={n} trial {k}: " + ", ".join(f"{f}={row.get(f)}" for f in FIELDS[2:]
-                                                       if row.get(f) not in (None, "")), file=sys.stderr, flush=True)
-    except Stopped as e:
-        status = 128 + e.signum
-        print(f"stopped by {e}; {len(rows)} trial(s) written", file=sys.stderr)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if rows:
-            print(write(rows, args, Path(args.out)))
-    return status
+    cases = [{"nodes": n, "trial": k} for n in [int(x) for x in args.nodes.split(",") if x] for k in range(args.trials)]
+    return cb.run_trials(cases, lambda c, tw: trial(c["nodes"], c["trial"], args, tw), FIELDS[2:],
+                         lambda rows: write(rows, args, Path(args.out)), "sgbench-lane-")
 
 
 if __name__ == "__main__":
