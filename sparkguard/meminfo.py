@@ -18,7 +18,6 @@ import os
 # offset 0 is handled by :func:`field`.
 _AVAIL = b"\nMemAvailable:"
 AVAIL_LABEL = _AVAIL
-_AVAIL_VALUE_AT = len(_AVAIL)   # offset of the value from the label's start
 _AVAIL_FIRST = _AVAIL[1:]       # the label as a text's first line
 _SWAPFREE = b"\nSwapFree:"
 _SWAPTOTAL = b"\nSwapTotal:"
@@ -109,23 +108,85 @@ def read(path: str = "/proc/meminfo") -> dict[str, int]:
         return parse(f.read())
 
 
-def quick_available(buf: bytes | bytearray, n: int) -> int:
-    """MemAvailable in bytes from the first ``n`` bytes of ``buf``, read the cheapest way: the idle
-    fast path's parser (:meth:`MeminfoReader.inline_parts` gives the buffer it reads into).
+#: the MemAvailable line as the kernel lays it out: fs/proc/meminfo.c meminfo_proc_show() calls
+#: show_val_kb(m, "MemAvailable:   ", available), which prints the value right-aligned in 8
+#: columns (seq_put_decimal_ull_width(m, s, kb, 8): wider only from 10^8 kB on) and then " kB\n"
+FAST_LABEL = _AVAIL_FIRST + b"   "
+_FAST_VALUE = len(FAST_LABEL)           # offset of the value's 8 columns from the label's start
+FAST_SPAN = _FAST_VALUE + 12            # the label, 8 columns, " kB\n"
+_FAST_MAX_KB = 10**8                    # the first value wider than 8 columns
 
-    Two finds and an ``int()``: after a 200 ms sleep every line runs cold, and :func:`field`'s
-    stricter checks cost about twice as much per wake-up.  It reads the line :func:`field` reads or
-    gives up: a value it cannot parse raises, a label it does not find gives -1, and so does a text
-    whose first line is MemAvailable (field() reads that one; the kernel's first line is MemTotal).
-    The caller then reads with :meth:`MeminfoReader.sample`, which reports what is wrong.
 
-    Raises:
-        ValueError: the text after the label is not a number.
-    """
-    i = buf.find(_AVAIL, 0, n)
-    if i < 0 or buf.startswith(_AVAIL_FIRST):
+def fast_layout(buf: bytes | bytearray, n: int) -> int:
+    """Where the idle fast path finds MemAvailable in the text ``buf[:n]`` (a read of
+    /proc/meminfo): the offset of its line when that line starts with :data:`FAST_LABEL`, spans
+    :data:`FAST_SPAN` bytes at least and :func:`field` reads it, else -1 (the fast path then stays
+    off).  The
+    offset holds while MemTotal's and MemFree's values keep their widths; :func:`fast_above`
+    notices when they do not."""
+    i = buf.find(_AVAIL, 0, n) + 1
+    # a text whose first line is MemAvailable: field() reads that one (the kernel's first is MemTotal)
+    if i <= 0 or buf.startswith(_AVAIL_FIRST) or not buf.startswith(FAST_LABEL, i, n) or i + FAST_SPAN > n:
         return -1
-    return int(buf[i + _AVAIL_VALUE_AT:buf.find(_KB, i, n)]) << 10
+    try:
+        if field(buf[i - 1:n], _AVAIL) is None:
+            return -1
+    except ValueError:
+        return -1
+    return i
+
+
+def fast_floor(floor: int) -> tuple[int, bytes] | None:
+    """What :func:`fast_above` compares a read with, for a floor of ``floor`` bytes (rounded up to
+    whole kB): ``(width, pattern)``, the columns the floor's value takes (8, the kernel's minimum,
+    or 9 from 10^8 kB on) and the 12 bytes the MemAvailable line would hold after its label
+    (:data:`FAST_LABEL`) at exactly the floor (``b"%8d kB\n"``, or ``b"%9d kB"``).  None from 10^9
+    kB (954 GiB) on: the fast path stays off."""
+    kb = max(0, -(-floor // 1024))
+    if kb >= _FAST_MAX_KB * 10:
+        return None
+    width = 8 if kb < _FAST_MAX_KB else 9
+    return width, (b"%*d kB\n" % (width, kb))[:12]
+
+
+def fast_above(buf: bytes | bytearray, n: int, off: int, width: int, pattern: bytes) -> bytearray | None:
+    """The idle fast path's check: is MemAvailable in the text just read (``buf[:n]``) at or above
+    the floor that :func:`fast_floor` gave ``(width, pattern)`` for?  ``off``: :func:`fast_layout`
+    of an earlier read.
+
+    Compared as bytes, with no ``int()``: after the loop's 200 ms sleep an ``int()`` of the value
+    cost about 15-20 us per wake-up, a quarter of the whole read (bench/results/idle-parse.txt).
+    The kernel right-aligns the value in 8 columns, padded with spaces, and widens the field only
+    for a value that needs more.  The byte after the floor's ``width`` columns tells the widths
+    apart: a space there means the value is exactly as wide as the floor (or, at width 8,
+    narrower: padded with spaces, which sort below digits), and then the bytes compare as the
+    numbers do; a digit means the value is wider, so above; anything else (the ``k`` of ``kB``
+    at width 9) means it is narrower, so below.
+
+    Returns:
+        the 12 bytes after the label (the value, as the kernel printed it: :func:`fast_value`
+        reads it) when the value is at or above the floor; None when it is below, or the line is
+        not where ``off`` says, or the read is short: the caller then takes a full sample, whose
+        parser (:func:`field`) reports what is wrong.  The columns are trusted to hold digits and
+        spaces, as the kernel writes them; a file written otherwise is refused by that full
+        sample, which the loop takes at least every ``settings.FULL_PASS_EVERY`` seconds.
+    """
+    if n < off + FAST_SPAN or not buf.startswith(FAST_LABEL, off):
+        return None
+    raw = buf[off + _FAST_VALUE:off + FAST_SPAN]
+    c = raw[width]
+    if c == 32:
+        return raw if raw >= pattern else None
+    return raw if 48 <= c <= 57 else None
+
+
+def fast_value(raw: bytes | bytearray) -> int | None:
+    """MemAvailable in bytes from what :func:`fast_above` returned, or None when the 12 bytes do
+    not hold a whole value (one over 10 digits, 9.3 TiB: the caller keeps its last full sample)."""
+    parts = raw.split()
+    if len(parts) != 2 or not parts[0].isdigit() or not b"kB".startswith(parts[1]):
+        return None
+    return int(parts[0]) << 10
 
 
 class MeminfoError(RuntimeError):
@@ -202,6 +263,10 @@ class MeminfoReader:
         call the idle path avoids saves microseconds, five times a second, forever.
         """
         return self._fd, self._view, self._buf
+
+    def fast_layout(self) -> int:
+        """:func:`fast_layout` of the last :meth:`sample`."""
+        return fast_layout(self._buf, self._n)
 
     def raw(self) -> bytes:
         """The text of the last read (bytes), for snapshots and metrics."""

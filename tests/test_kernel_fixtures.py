@@ -90,18 +90,60 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if (FIXTURES / c / "proc" / "meminfo").exists()])
-def test_the_fast_path_parser_gives_the_full_parsers_value_or_gives_up(case):
-    """meminfo.quick_available (the idle fast path) on each fixture meminfo gives what the full
-    parser (meminfo.field) reads, or gives up (-1 or ValueError, which end the fast path and send
-    the guard to the full pass): never another value, so a hostile file cannot keep the guard idle."""
+def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
+    """meminfo.fast_above (the idle fast path's check, bytes against the floor's pattern) on each
+    fixture meminfo, for floors just below, at and just above the value the full parser
+    (meminfo.field) reads: it says "above" only where that value is at or above the floor, and its
+    value (fast_value) is that value; a file the full parser refuses, or one whose line is not laid
+    out as the kernel's, gives no fast path at all (fast_layout -1), so the guard takes full passes."""
     from sparkguard import meminfo
     text = (FIXTURES / case / "proc" / "meminfo").read_bytes()
     try:
         want = meminfo.field(text, meminfo.AVAIL_LABEL)
     except ValueError:
         want = None
-    try:
-        got = meminfo.quick_available(text, len(text))
-    except ValueError:
-        got = None
-    assert got in (None, -1) or got == want, (got, want)
+    at = meminfo.fast_layout(text, len(text))
+    if want is None:
+        assert at == -1
+        return
+    for floor in (want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30):
+        pattern = meminfo.fast_floor(max(0, floor))
+        if at < 0 or pattern is None:
+            continue
+        raw = meminfo.fast_above(text, len(text), at, *pattern)
+        if raw is None:
+            assert want < floor, (floor, want)
+        else:
+            assert want >= floor, (floor, want)
+            assert meminfo.fast_value(raw) in (want, None)
+
+
+@pytest.mark.parametrize("kb", [0, 7, 999, 1234567, 9999999, 12345678, 99999999, 100000000, 120586240,
+                                9999999999])
+@pytest.mark.parametrize("floor_kb", [1, 786432, 7495270, 12345678, 99999999, 100000000, 120586240, 123456789,
+                                      999999999])
+def test_the_fast_path_check_compares_as_numbers_across_widths(kb, floor_kb):
+    """The MemAvailable line as the kernel prints it (fs/proc/meminfo.c: value right-aligned in 8
+    columns, wider from 10^8 kB), after a MemFree line of another width: the byte compare gives the
+    numeric answer for values of every width, and the fast path follows the line when MemFree's
+    width changes (the old offset no longer holds the label: the check gives up)."""
+    from sparkguard import meminfo
+    text = b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers:  0 kB\n" % (
+        130000000, 5, kb)
+    at = meminfo.fast_layout(text, len(text))
+    assert at == text.index(b"MemAvailable:")
+    raw = meminfo.fast_above(text, len(text), at, *meminfo.fast_floor(floor_kb * 1024))
+    assert (raw is not None) == (kb >= floor_kb)
+    if raw is not None:
+        assert meminfo.fast_value(raw) == kb * 1024
+    wider = text.replace(b"MemFree:               5", b"MemFree:        123456789")
+    assert meminfo.fast_above(wider, len(wider), at, *meminfo.fast_floor(floor_kb * 1024)) is None
+    assert meminfo.fast_above(text, at + 20, at, *meminfo.fast_floor(floor_kb * 1024)) is None   # short read
+
+
+def test_the_fast_path_patterns_and_where_it_stays_off():
+    from sparkguard import meminfo
+    assert meminfo.fast_floor(1) == (8, b"       1 kB\n")        # rounded up to whole kB
+    assert meminfo.fast_floor(10**8 * 1024 - 1024) == (8, b"99999999 kB\n")
+    assert meminfo.fast_floor(10**8 * 1024) == (9, b"100000000 kB")
+    assert meminfo.fast_floor(10**9 * 1024) is None                 # 954 GiB: full passes only

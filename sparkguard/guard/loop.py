@@ -65,6 +65,8 @@ class Guard:
         self.avail = self.swap_free = self.value = 0
         self.poll_count = 0         # timed (full) passes; poll_sum is their total seconds
         self.fast_polls = 0         # polls on the idle fast path (untimed)
+        self.fast_raw = None        # MemAvailable as the fast path last read it (meminfo.fast_above), or None
+        self._fast_at = -1          # offset of the MemAvailable line for the fast path (meminfo.fast_layout)
         self.poll_sum = 0.0
         self.last_poll = 0.0
         self.started = time.time()
@@ -161,7 +163,7 @@ class Guard:
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
         ten seconds of polls (:meth:`_fast_budget`) take the idle fast path instead
-        (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one parse of MemAvailable, one compare,
+        (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one compare of MemAvailable's bytes with the floor's,
         the watchdog ping when it falls due, and a sleep on an empty poll set.  After 200 ms of sleep every line runs cold, and each
         registered fd costs the kernel a poll-table set-up and tear-down per wake.  Signals are
         seen on the fast path through the flag the handler sets, within one poll interval.  The
@@ -205,27 +207,28 @@ class Guard:
         (``s.idle_floor``), fails, or finds a signal flagged.  Kept to these few lines: five times
         a second, forever.
 
-        MemAvailable is read by :func:`sparkguard.meminfo.quick_available`; its answer only ever
-        ends the fast path: a value it does not parse, or does not find, is below the floor here,
-        and the full pass then reads with :meth:`meminfo.MeminfoReader.sample`, which reports the
-        error."""
+        MemAvailable is checked by :func:`sparkguard.meminfo.fast_above`, as bytes at the offset the
+        last full pass found (``_fast_at``); its answer only ever ends the fast path: a line that
+        moved, a short read or a value below the floor does, and the full pass then reads with
+        :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.  The value itself is
+        kept as the kernel printed it (``fast_raw``); :meth:`snapshot` parses it when asked."""
         fd, view, buf = self.reader.inline_parts()
-        preadv, quick, monotonic, sleep = os.preadv, meminfo.quick_available, time.monotonic, self._idle_poll
-        floor, ms, flags = s.idle_floor, s.interval * 1000.0, self._flags
+        preadv, above, monotonic, sleep = os.preadv, meminfo.fast_above, time.monotonic, self._idle_poll
+        at, (width, pattern), ms, flags = self._fast_at, s.idle_pattern, s.interval * 1000.0, self._flags
         notifier = self.notifier
         # a ping due before the next wake-up is sent at this one, on the ping schedule
         ping_at = notifier.next_ping - s.interval if notifier.watchdog_interval is not None else math.inf
         try:
             while left:
                 try:
-                    avail = quick(buf, preadv(fd, view, 0))
-                except (OSError, ValueError):   # the full pass reports it
+                    raw = above(buf, preadv(fd, view, 0), at, width, pattern)
+                except OSError:                 # the full pass reports it
                     return
-                if avail < floor or flags or self.stopping:
+                if raw is None or flags or self.stopping:
                     return
                 left -= 1
                 self.fast_polls += 1
-                self.avail = avail
+                self.fast_raw = raw
                 self.last_poll = now = monotonic()
                 if now >= ping_at:              # WATCHDOG=1 from the loop itself, never late
                     notifier.watchdog(max(now, notifier.next_ping))
@@ -240,7 +243,7 @@ class Guard:
         signal flagged, reads succeeding); else ``s.budget`` (the fast path sends the watchdog
         pings that fall due meanwhile)."""
         if timeout < s.interval or self.policy.state is not policy.OK or self.avail < s.idle_floor or self._flags \
-                or self._fail_since is not None:
+                or self._fail_since is not None or self._fast_at < 0 or s.idle_pattern is None:
             return 0
         return s.budget
 
@@ -256,6 +259,8 @@ class Guard:
         else:
             value = avail + swap_free if s.use_swap else avail
             self.avail, self.swap_free, self.value = avail, swap_free, value
+            self.fast_raw = None
+            self._fast_at = self.reader.fast_layout()
             if self._fail_since is not None:
                 self._read_back(t0)             # its STATUS= shows this sample
             headroom = value - pol.thresholds.term_below
@@ -460,11 +465,13 @@ class Guard:
         swap_total = self.reader.swap_total if self.reader else 0
         victim = self.actions.target      # read once: the loop may clear it between two reads
         rec = self.recorder
+        raw = self.fast_raw               # the idle fast path's last read, newer than self.avail
+        avail = (raw is not None and meminfo.fast_value(raw)) or self.avail
         return {
-            "available_bytes": self.avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
+            "available_bytes": avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
             "swap_total_bytes": swap_total, "signal": g.signal,
-            # the idle fast path refreshes avail only: with signal "available" it is the value
-            "signal_bytes": self.avail if g.signal == "available" else self.value,
+            # the idle fast path refreshes MemAvailable only: with signal "available" it is the value
+            "signal_bytes": avail if g.signal == "available" else self.value,
             "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below, "grace_seconds": g.grace,
             "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
             "signals_sent": dict(self.actions.signals_sent),

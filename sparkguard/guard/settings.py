@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from sparkguard import config, policy, proctree
+from sparkguard import config, meminfo, policy, proctree
 
 FULL_PASS_EVERY = 10.0      # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
@@ -19,6 +19,7 @@ class LoopSettings(NamedTuple):
     far: int            # bytes of headroom beyond which the full interval is safe at policy.FILL_RATE
     idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above term_below + far
     budget: int         # fast polls allowed between two full passes
+    idle_pattern: tuple[int, bytes] | None  # idle_floor as meminfo.fast_above compares it (None: no fast path)
 
 
 def loop_settings(cfg) -> LoopSettings:
@@ -26,11 +27,13 @@ def loop_settings(cfg) -> LoopSettings:
     and a reload run beside ``config.load``.
 
     Returns:
-        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget)``: the signal includes SwapFree (bool);
+        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_pattern)``: the signal includes SwapFree (bool);
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
         at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
         bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
-        (policy, STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int).
+        (policy, STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int);
+        the floor as the fast path compares it (:func:`sparkguard.meminfo.fast_floor`:
+        ``(width, pattern)``, or None from 954 GiB on, where the fast path stays off).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.
@@ -57,8 +60,9 @@ def loop_settings(cfg) -> LoopSettings:
     if g.signal not in ("available", "available+swap"):
         raise bad("signal", g.signal, "expected available or available+swap")
     far = int(iv * policy.FILL_RATE)
-    return LoopSettings(g.signal == "available+swap", float(iv), far, g.term_below + far,
-                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
+    floor = g.term_below + far
+    return LoopSettings(g.signal == "available+swap", float(iv), far, floor,
+                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_floor(floor))
 
 
 def prepare(cfg):
