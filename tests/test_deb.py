@@ -37,22 +37,6 @@ CATALOG_ID = "664d84b2b89942f2ac3a8c34e6254450"
 APT = ("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q")
 
 
-def copy_checkout(dest: Path) -> None:
-    """Copy the checkout's tracked and untracked-but-not-ignored files to ``dest`` (no build products)."""
-    files = subprocess.run(["git", "-C", str(nspawn.CHECKOUT), "ls-files", "-z", "--cached", "--others",
-                            "--exclude-standard"], capture_output=True, check=True, timeout=60).stdout
-    for rel in filter(None, files.decode().split("\0")):
-        src = nspawn.CHECKOUT / rel
-        if not os.path.lexists(src):
-            continue  # deleted in the worktree, not yet committed
-        out = dest / rel
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            os.symlink(os.readlink(src), out)
-        else:
-            shutil.copy2(src, out)
-
-
 def build_deb(workdir: Path, version: str | None = None) -> Path:
     """``dpkg-buildpackage -us -uc -b`` of a copy of the checkout in ``workdir``; returns the .deb.
 
@@ -63,7 +47,7 @@ def build_deb(workdir: Path, version: str | None = None) -> Path:
         AssertionError: the build failed (its log's tail in the message).
     """
     src = workdir / "src"
-    copy_checkout(src)
+    nspawn.copy_checkout(src)
     if version:
         log = src / "debian/changelog"
         log.write_text(f"sparkguard ({version}) unstable; urgency=medium\n\n  * Test upgrade.\n\n"
