@@ -136,3 +136,19 @@ def test_a_foreign_file_or_pipx_link_is_never_replaced_nor_removed(tmp_path):
     link.symlink_to("/bin/true")
     assert pathlink.ensure(Changes(), str(root), script, m) == "kept"
     assert pathlink.remove(Changes(), str(root), m) is False and os.readlink(link) == "/bin/true"
+
+
+def test_man_page_is_written_and_removed_with_the_rest(tmp_path):
+    pytest.importorskip("argparse_manpage", reason="argparse-manpage missing: pip install '.[man]'")
+    from sparkguard.host import install
+    from sparkguard import docgen
+
+    m = Manifest(str(tmp_path))
+    assert install.install_man_page(Changes(), str(tmp_path), m, force=False) == "created"
+    page = tmp_path / install.MAN_PATH.lstrip("/")
+    assert page.read_text() == docgen.manpage() and install.MAN_PATH in m.files
+    assert install.install_man_page(Changes(), str(tmp_path), m, force=False) == "unchanged"
+    m.save("test")
+    r = run_sparkguard("uninstall", "--root", str(tmp_path))
+    assert r.returncode == 0 and f"removed       {install.MAN_PATH}" in r.stdout, r.stdout
+    assert not page.exists()
