@@ -138,17 +138,21 @@ def test_a_foreign_file_or_pipx_link_is_never_replaced_nor_removed(tmp_path):
     assert pathlink.remove(Changes(), str(root), m) is False and os.readlink(link) == "/bin/true"
 
 
-def test_man_page_is_written_and_removed_with_the_rest(tmp_path):
+def test_man_page_and_completion_are_written_and_removed_with_the_rest(tmp_path):
     pytest.importorskip("argparse_manpage", reason="argparse-manpage missing: pip install '.[man]'")
+    pytest.importorskip("shtab", reason="shtab missing: pip install '.[man]'")
     from sparkguard.host import install
     from sparkguard import docgen
 
     m = Manifest(str(tmp_path))
-    assert install.install_man_page(Changes(), str(tmp_path), m, force=False) == "created"
+    paths = (install.MAN_PATH, install.BASH_COMPLETION)
+    assert install.install_generated(Changes(), str(tmp_path), m, force=False) == dict.fromkeys(paths, "created")
     page = tmp_path / install.MAN_PATH.lstrip("/")
-    assert page.read_text() == docgen.manpage() and install.MAN_PATH in m.files
-    assert install.install_man_page(Changes(), str(tmp_path), m, force=False) == "unchanged"
+    completion = tmp_path / install.BASH_COMPLETION.lstrip("/")
+    assert page.read_text() == docgen.manpage() and completion.read_text() == docgen.completion("bash")
+    assert set(paths) <= set(m.files)
+    assert install.install_generated(Changes(), str(tmp_path), m, force=False) == dict.fromkeys(paths, "unchanged")
     m.save("test")
     r = run_sparkguard("uninstall", "--root", str(tmp_path))
-    assert r.returncode == 0 and f"removed       {install.MAN_PATH}" in r.stdout, r.stdout
-    assert not page.exists()
+    assert r.returncode == 0 and all(f"removed       {p}" in r.stdout for p in paths), r.stdout
+    assert not page.exists() and not completion.exists()
