@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from sparkguard.host.files import Changes, HostError, Manifest, in_root
+from sparkguard.host.files import Changes, HostError, Manifest, in_root, remove_file
 
 #: the link ``sparkguard install`` makes (path on the target)
 LINK = "/usr/local/bin/sparkguard"
@@ -107,10 +107,4 @@ def remove(ch: Changes, root: str, manifest: Manifest) -> bool:
         if os.path.lexists(full):
             ch.note("kept", LINK, "replaced since sparkguard linked it; not sparkguard's")
         return False
-    if not ch.dry_run:
-        try:
-            os.unlink(full)
-        except OSError as e:
-            raise HostError(f"cannot remove {full}: {e.strerror}") from None
-    ch.note("removed", LINK)
-    return True
+    return remove_file(ch, root, LINK)
