@@ -31,6 +31,8 @@ COMMANDS = {
     "engine": "sparkguard.control",      # engine status|start|stop|restart|lane
     "drill": "sparkguard.drill",
     "cluster": "sparkguard.cluster.cli",  # cluster status|incidents|lane|stop|start|restart
+    "completion": "sparkguard.docgen",    # completion bash|zsh (shtab)
+    "man": "sparkguard.docgen",           # the man page sparkguard(8) (argparse-manpage)
 }
 #: modules that provide sub-commands, in help order
 COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkguard import config, control, linkwatch, meminfo, portowner, proctree, sysinfo, untrusted
+from sparkguard import config, control, linkcompat, linkwatch, meminfo, portowner, proctree, sysinfo, untrusted
 from sparkguard.host import procview
 from sparkguard.supervisor.render import describe
 from sparkguard.units import format_duration as fd
@@ -351,7 +351,10 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     else:
         daemon = read_daemon(url)
     links, links_error = {}, None
-    if cfg.link.interfaces:
+    unavailable = linkcompat.unavailable_reason() if cfg.link.interfaces else None
+    if unavailable:   # pyroute2 < 0.9 also reads link messages differently: no reading at all
+        links_error = f"link watch unavailable: {unavailable}; {linkcompat.FIX}"
+    elif cfg.link.interfaces:
         try:
             links = linkwatch.read_links(cfg.link.interfaces)
         except OSError as e:

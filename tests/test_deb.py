@@ -35,22 +35,7 @@ UNIT = "sparkguard.service"
 #: the first MESSAGE_ID in sparkguard/data/catalog/sparkguard.catalog
 CATALOG_ID = "664d84b2b89942f2ac3a8c34e6254450"
 APT = ("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q")
-
-
-def copy_checkout(dest: Path) -> None:
-    """Copy the checkout's tracked and untracked-but-not-ignored files to ``dest`` (no build products)."""
-    files = subprocess.run(["git", "-C", str(nspawn.CHECKOUT), "ls-files", "-z", "--cached", "--others",
-                            "--exclude-standard"], capture_output=True, check=True, timeout=60).stdout
-    for rel in filter(None, files.decode().split("\0")):
-        src = nspawn.CHECKOUT / rel
-        if not os.path.lexists(src):
-            continue  # deleted in the worktree, not yet committed
-        out = dest / rel
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            os.symlink(os.readlink(src), out)
-        else:
-            shutil.copy2(src, out)
+DROPIN = "/etc/systemd/system/sparkguard.service.d/notify-reload.conf"
 
 
 def build_deb(workdir: Path, version: str | None = None) -> Path:
@@ -63,7 +48,7 @@ def build_deb(workdir: Path, version: str | None = None) -> Path:
         AssertionError: the build failed (its log's tail in the message).
     """
     src = workdir / "src"
-    copy_checkout(src)
+    nspawn.copy_checkout(src)
     if version:
         log = src / "debian/changelog"
         log.write_text(f"sparkguard ({version}) unstable; urgency=medium\n\n  * Test upgrade.\n\n"
@@ -113,23 +98,20 @@ def metric(c: nspawn.Container, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def notify_reload(c: nspawn.Container) -> None:
-    """Debian 13 (systemd 257) only: the guard under ``Type=notify-reload`` (systemd >= 253) reloads an
-    edited config on ``systemctl reload``.  The shipped unit keeps Type=notify: Debian 12 has systemd
-    252, which does not know notify-reload.  The drop-in is removed again afterwards."""
-    dropin = "/etc/systemd/system/sparkguard.service.d/notify-reload.conf"
-    c.write(dropin, "[Service]\nType=notify-reload\nExecReload=\n")
-    try:
-        c.run("systemctl", "daemon-reload")
-        c.run("systemctl", "restart", UNIT, timeout=90)
-        assert c.show(UNIT, "Type")["Type"] == "notify-reload"
-        c.sh(f"sed -i 's/^  term_below: .*/  term_below: 384MiB/' {CONFIG}")
-        c.run("systemctl", "reload", UNIT, timeout=60)
-        assert metric(c, "sparkguard_term_below_bytes") == 384 * 1024**2
-    finally:
-        c.run("rm", "-rf", "/etc/systemd/system/sparkguard.service.d", check=False)
-        c.run("systemctl", "daemon-reload", check=False)
-        c.run("systemctl", "restart", UNIT, check=False, timeout=90)
+def reload_as_the_unit_says(c: nspawn.Container) -> None:
+    """The guard's unit type is what the package chose for this systemd, and ``systemctl reload``
+    applies an edited config: Debian 13 (systemd 257) gets ``Type=notify-reload`` through the
+    drop-in the postinst links where systemd >= 253 (debian/notify-reload.conf); Debian 12
+    (systemd 252, which does not know notify-reload) keeps ``Type=notify`` with ExecReload=."""
+    new = c.run("cat", "/etc/debian_version").stdout.startswith("13")
+    link = c.run("readlink", DROPIN, check=False).stdout.strip()
+    assert link == ("/usr/share/sparkguard/systemd/notify-reload.conf" if new else ""), link
+    assert c.show(UNIT, "Type")["Type"] == ("notify-reload" if new else "notify")
+    c.sh(f"sed -i 's/^  term_below: .*/  term_below: 384MiB/' {CONFIG}")
+    c.run("systemctl", "reload", UNIT, timeout=60)
+    assert metric(c, "sparkguard_term_below_bytes") == 384 * 1024**2
+    c.sh(f"sed -i 's/^  term_below: .*/  term_below: 512MiB/' {CONFIG}")
+    c.run("systemctl", "reload", UNIT, timeout=60)
 
 
 def test_package_life_cycle(debian, debs):
@@ -153,6 +135,14 @@ def test_package_life_cycle(debian, debs):
     # (journalctl --update-catalog): the first incident id of sparkguard.catalog is known.
     catalog = c.run("journalctl", "--list-catalog", CATALOG_ID).stdout
     assert CATALOG_ID in catalog.replace("-", ""), f"catalog entry {CATALOG_ID} missing: {catalog!r}"
+    # sparkguard(8) and the completion, generated at build time from the parser (sparkguard/docgen.py)
+    files = c.run("dpkg-query", "-L", "sparkguard").stdout.splitlines()
+    for f in ("/usr/share/man/man8/sparkguard.8.gz", "/usr/share/bash-completion/completions/sparkguard",
+              "/usr/share/zsh/vendor-completions/_sparkguard"):
+        assert f in files, f"{f} not in the package"
+    page = c.sh("gzip -dc /usr/share/man/man8/sparkguard.8.gz").stdout
+    assert page.startswith('.TH SPARKGUARD "8" "2') and "install\\-zram" in page, page[:300]
+    assert c.run("bash", "-n", "/usr/share/bash-completion/completions/sparkguard").returncode == 0
     conffiles = c.run("dpkg-query", "-W", "-f=${Conffiles}", "sparkguard").stdout
     assert CONFIG in conffiles, f"{CONFIG} is not a conffile: {conffiles!r}"
 
@@ -181,8 +171,7 @@ def test_package_life_cycle(debian, debs):
         f"guard not restarted by the upgrade (pid {old_pid} -> {props})"
     assert metric(c, "sparkguard_term_below_bytes") == 512 * 1024**2
 
-    if c.run("cat", "/etc/debian_version").stdout.startswith("13"):
-        notify_reload(c)
+    reload_as_the_unit_says(c)
 
     # Remove stops the guard and keeps the configuration; purge removes configuration and state.
     assert c.run("test", "-d", "/var/lib/sparkguard", check=False).returncode == 0
@@ -190,9 +179,10 @@ def test_package_life_cycle(debian, debs):
     assert c.show(UNIT, "ActiveState")["ActiveState"] in ("inactive", "failed") or \
         c.show(UNIT, "LoadState")["LoadState"] == "not-found"
     assert c.run("pgrep", "-f", "sparkguard run", check=False).returncode == 1, "a guard still runs"
+    assert c.run("test", "-L", DROPIN, check=False).returncode == 1, "remove left the notify-reload link"
     assert c.run("test", "-f", CONFIG, check=False).returncode == 0, "remove deleted the config"
     c.run(*APT, "purge", "sparkguard", timeout=120)
-    for path in ("/etc/sparkguard", "/var/lib/sparkguard"):
+    for path in ("/etc/sparkguard", "/var/lib/sparkguard", "/etc/systemd/system/sparkguard.service.d"):
         assert c.run("test", "-e", path, check=False).returncode == 1, f"{path} left after purge"
 
 

@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 
-from sparkguard import linkwatch, metrics
+from sparkguard import linkcompat, linkwatch, metrics
 
 log = logging.getLogger("sparkguard")
 
@@ -61,8 +61,15 @@ def start_linkwatch(cfg, on_incident, endpoint):
     """Watch the TP fabric links (``link.interfaces``) through netlink events, in their own thread;
     None when none are configured.  ``on_incident(inc)`` is called from that thread; the watch's
     collector is registered on the metrics ``endpoint`` (or None).  pyroute2 is imported by the
-    watch's thread only (~19 MiB of RSS, paid only when links are configured)."""
+    watch's thread only (~19 MiB of RSS, paid only when links are configured).  With a pyroute2
+    that cannot run the watch (Debian 12's 0.7: :mod:`sparkguard.linkcompat`) the guard runs
+    without it and says so once (an error line in the journal); None then too."""
     if not cfg.link.interfaces:
+        return None
+    reason = linkcompat.unavailable_reason()
+    if reason:
+        log.error("link watch unavailable: %s; %s are not watched (%s)", reason,
+                  ", ".join(cfg.link.interfaces), linkcompat.FIX)
         return None
     watch = linkwatch.LinkWatch(cfg.link.interfaces, cfg.link.down_after, on_incident=on_incident)
     watch.start()

@@ -8,7 +8,7 @@ import os
 import re
 import resource
 
-from sparkguard import linkwatch, status
+from sparkguard import linkcompat, linkwatch, status
 from sparkguard.host import procview
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, UNIT, UNIT_FILE, WARN, Check, Context, guard_pids, worse
 from sparkguard.host.files import read_text
@@ -218,6 +218,10 @@ def check_links(ctx: Context) -> Check:
     if not names:
         return Check("links", INFO, "no TP links watched (link.interfaces is empty)",
                      "list the ConnectX-7 ports under link.interfaces to have link drops reported")
+    unavailable = linkcompat.unavailable_reason()
+    if unavailable:   # pyroute2 < 0.9 also reads link messages differently: links not read
+        return Check("links", WARN, f"link watch unavailable: {unavailable}; {', '.join(names)} not watched "
+                     "nor checked", linkcompat.FIX, {"link_watch_unavailable": unavailable})
     links = linkwatch.read_links(names)
     missing = [n for n, ln in links.items() if not ln.get("present")]
     down = [n for n, ln in links.items() if ln.get("present") and not ln.get("up")]

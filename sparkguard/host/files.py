@@ -8,6 +8,7 @@ one writer of the product's files), so a crash never leaves half a unit file beh
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -42,16 +43,28 @@ class Changes:
         dry_run: bool; when True every change is printed as ``would <verb>`` and the
             caller must not perform it (callers test :attr:`dry_run` themselves).
         out: text stream for the report (default stdout).
+        quiet_unchanged: bool; when True ``unchanged`` lines are counted, not printed, so that a
+            re-run prints only what changed (``sparkguard install``).
+        show_diff: bool; when True (with ``dry_run``) :func:`install_file` prints the unified
+            diff of each file it would create or change.
     """
 
-    def __init__(self, dry_run: bool = False, out: TextIO | None = None):
+    def __init__(self, dry_run: bool = False, out: TextIO | None = None, quiet_unchanged: bool = False,
+                 show_diff: bool = False):
         self.dry_run = dry_run
         self.out = out or sys.stdout
         self.changed = 0
+        self.unchanged = 0
+        self.quiet_unchanged = quiet_unchanged
+        self.show_diff = show_diff
         self.warnings: list[str] = []
 
     def note(self, verb: str, what: str, detail: str = "") -> None:
         """Report one action: ``verb`` such as ``"created"``, ``what`` a path or device."""
+        if verb == "unchanged":
+            self.unchanged += 1
+            if self.quiet_unchanged:
+                return
         if verb in CHANGING:
             self.changed += 1
             if self.dry_run:
@@ -72,10 +85,20 @@ class Changes:
         """Print a free-form line."""
         print(message, file=self.out, flush=True)
 
+    def diff(self, path: str, old: str | None, new: str) -> None:
+        """Print the unified diff (difflib) from ``old`` (None: no file) to ``new`` of the file at
+        ``path``, after its ``would create/update`` line (``a/`` and ``b/`` prefixes as git writes
+        them, so ``patch -p1`` in / applies the output)."""
+        lines = difflib.unified_diff((old or "").splitlines(keepends=True), new.splitlines(keepends=True),
+                                     fromfile="/dev/null" if old is None else f"a{path}", tofile=f"b{path}")
+        for line in lines:
+            self.info(line.rstrip("\n") + ("" if line.endswith("\n") else "\n\\ No newline at end of file"))
+
     def summary(self) -> None:
         """Print the closing line: how many changes, or that nothing changed."""
         if self.changed == 0:
-            self.info("no changes: everything was already in place")
+            kept = f" ({self.unchanged} unchanged)" if self.quiet_unchanged and self.unchanged else ""
+            self.info(f"no changes: everything was already in place{kept}")
         elif self.dry_run:
             self.info(f"dry run: {self.changed} change(s) not made")
 
@@ -269,6 +292,8 @@ def install_file(ch: Changes, root: str, path: str, text: str, manifest: Manifes
             except OSError as e:
                 raise HostError(f"cannot write {full}: {e.strerror}") from None
         ch.note(verb, path, detail)
+        if ch.dry_run and ch.show_diff:
+            ch.diff(path, cur, text)
     else:
         ch.note("kept", path, kept_detail or f"{edited_reason(manifest, path)}; --force replaces it")
         return "kept"

@@ -12,6 +12,13 @@ install puts in place (under ``--root``, default ``/``):
 /etc/sparkguard/sparkguard.yaml.dist        the new default beside an edited config (--force)
 /etc/systemd/system/sparkguard.service.d/   the engine sandbox, when the config has an
   engine.conf                               engine command or with --engine-sandbox
+/usr/local/lib/systemd/catalog/             the journal catalog (what ``journalctl -x`` says
+  sparkguard.catalog                        about an incident); journalctl --update-catalog
+/usr/local/bin/sparkguard                   a link to a venv's sparkguard, so it is on PATH
+                                            (root / only: sparkguard/host/pathlink.py)
+/usr/local/share/man/man8/sparkguard.8      the man page and the bash completion, generated
+/usr/local/share/bash-completion/             (sparkguard/docgen.py; root / only, when
+  completions/sparkguard                    argparse-manpage and shtab are installed)
 /var/lib/sparkguard/installed.json          sha256 of what sparkguard wrote (install, tune,
                                             install-zram)
 DIR/sparkguard-rules.yml,                   with --prometheus-rules DIR / --grafana-dashboard
@@ -21,7 +28,16 @@ DIR/sparkguard-dashboard.json               DIR (absolute, on the target: also u
 A file whose text differs from the hash recorded (edited by someone) is kept and reported
 by install and uninstall: ``install --force`` replaces it (never the config: the new default
 goes to ``sparkguard.yaml.dist``), ``uninstall --purge`` removes it.  Install changes nothing
-live except ``systemctl daemon-reload`` when systemd runs this machine and the root is ``/``.
+live except, when the root is ``/`` and something changed, ``systemctl daemon-reload`` (units,
+drop-in; when systemd runs this machine) and ``journalctl --update-catalog`` (the catalog).  A re-run
+prints only what changed (``unchanged`` lines are counted, not printed), and its ``next:`` hint
+follows the guard's state (none when it is enabled, running and nothing changed);
+``install --dry-run`` prints the unified diff of every file it would create or change.
+
+The catalog goes to /usr/local/lib/systemd/catalog/, the first of the two folders journalctl reads
+(systemd src/libsystemd/sd-journal/catalog.c, ``catalog_file_dirs``: /usr/local/lib/systemd/catalog/
+and /usr/lib/systemd/catalog/); /usr/lib/systemd/catalog/ is the Debian package's
+(debian/sparkguard.install), which dpkg owns.
 """
 
 from __future__ import annotations
@@ -34,8 +50,8 @@ import sys
 import yaml
 
 import sparkguard
-from sparkguard import __version__
-from sparkguard.host import configfile, sysctl, zram, zramboot
+from sparkguard import __version__, docgen
+from sparkguard.host import configfile, pathlink, sysctl, zram, zramboot
 from sparkguard.host.files import (Changes, HostError, Manifest, MANIFEST_PATH, edited_reason, in_root,
                                    install_file, read_text, remove_empty_dirs, remove_file, shipped)
 from sparkguard.host.systemctl import query, systemctl, systemd_running
@@ -50,6 +66,14 @@ DROPIN_DIR = f"{UNIT_DIR}/sparkguard.service.d"
 ENGINE_DROPIN = f"{DROPIN_DIR}/engine.conf"
 ENGINE_DROPIN_RES = "host/systemd/sparkguard.service.d/engine.conf"
 STATE_DIR = "/var/lib/sparkguard"
+#: the journal catalog (see the module docstring for the folder)
+CATALOG_PATH = "/usr/local/lib/systemd/catalog/sparkguard.catalog"
+CATALOG_RES = "catalog/sparkguard.catalog"
+#: sparkguard(8); /usr/local/share/man is in man-db's default search path (/etc/manpath.config)
+MAN_PATH = "/usr/local/share/man/man8/sparkguard.8"
+#: bash-completion looks in $XDG_DATA_DIRS (default /usr/local/share:/usr/share)/bash-completion/completions
+#: (bash-completion's __load_completion)
+BASH_COMPLETION = "/usr/local/share/bash-completion/completions/sparkguard"
 
 #: package data the link engineer ships: (option, resource, file name it is installed as)
 EXTRAS = {
@@ -172,9 +196,66 @@ def _engine_sandbox(ch: Changes, root: str, args, manifest: Manifest) -> bool:
     return False
 
 
+def update_catalog(ch: Changes) -> None:
+    """Run ``journalctl --update-catalog`` (journalctl(1)) so that ``journalctl -x`` knows a changed
+    catalog; reported like every step.  A missing journalctl or a failure is a warning: the files are
+    in place and the next run of it (or of systemd's own trigger) picks them up."""
+    ch.note("ran", "journalctl --update-catalog")
+    if ch.dry_run:
+        return
+    exe = shutil.which("journalctl")
+    if not exe:
+        ch.warn("journalctl not found: the catalog is installed but not compiled; run journalctl --update-catalog")
+        return
+    try:
+        p = subprocess.run([exe, "--update-catalog"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ch.warn(f"journalctl --update-catalog did not finish: {e}")
+        return
+    if p.returncode != 0:
+        ch.warn(f"journalctl --update-catalog failed (exit {p.returncode}): {p.stderr.strip()}")
+
+
+def install_generated(ch: Changes, root: str, manifest: Manifest, force: bool) -> dict[str, str | None]:
+    """Write sparkguard(8) to :data:`MAN_PATH` and the bash completion to :data:`BASH_COMPLETION`
+    under ``root`` (:mod:`sparkguard.docgen`).
+
+    Only on ``/`` (install() decides): both are generated by optional libraries whose output
+    differs between their versions, so a ``--root`` tree (a package's staging area: the .deb makes
+    its own, debian/rules) stays made of shipped files only.  Without argparse-manpage or shtab
+    that file is not written and nothing is said (README "Install" says how to get them).
+    Returns ``{path: verb of install_file, or None when its library is missing}``.
+    """
+    out: dict[str, str | None] = {}
+    for path, make, detail in ((MAN_PATH, docgen.manpage, "man 8 sparkguard"),
+                               (BASH_COMPLETION, lambda: docgen.completion("bash"), "bash completion")):
+        try:
+            text = make()
+        except docgen.ToolMissing:
+            out[path] = None
+            continue
+        out[path] = install_file(ch, root, path, text, manifest, force=force, detail=detail)
+    return out
+
+
+def _next_hint(ch: Changes, live: bool, units_changed: bool) -> None:
+    """The closing ``next:`` line for an install on ``/``, from the guard's state now: restart when it
+    runs with old units, nothing when it is enabled, running and nothing changed, else enable."""
+    active = live and query("is-active", "sparkguard.service") == "active"
+    enabled = live and query("is-enabled", "sparkguard.service") == "enabled"
+    if active and units_changed:
+        ch.info("next: systemctl restart sparkguard   (the running guard still has the old unit and sandbox)")
+    elif active and enabled:
+        if ch.changed:
+            ch.info("the guard runs: `systemctl reload sparkguard` applies a changed sparkguard.yaml")
+    else:
+        ch.info("next: systemctl enable --now sparkguard   (sparkguard-setup.service applies zram and sysctls "
+                "first; `sparkguard doctor` checks the result)")
+
+
 def install(args) -> int:
     """Handler of ``sparkguard install``; returns the exit status (see README "Host set-up")."""
-    ch = Changes(args.dry_run)
+    ch = Changes(args.dry_run, quiet_unchanged=True, show_diff=args.dry_run)
     extras = _extras(args)
     python = args.python or sys.executable
     pythonpath = None if args.python else needs_pythonpath(python)
@@ -217,6 +298,13 @@ def install(args) -> int:
         install_file(ch, root, CONFIG_DIST, default, manifest, force=True,
                      detail=f"the default configuration of this sparkguard; compare: diff {CONFIG_DIST} {CONFIG_PATH}")
     units_changed |= _engine_sandbox(ch, root, args, manifest)
+    catalog = install_file(ch, root, CATALOG_PATH, shipped(CATALOG_RES), manifest, force=force,
+                           detail="what `journalctl -x` says about an incident")
+    script = pathlink.venv_script(python) if root == "/" and not args.python else None
+    if script:
+        pathlink.ensure(ch, root, script, manifest)
+    if root == "/":
+        install_generated(ch, root, manifest, force)
     for text, dest, fname in extras:
         # under --root like every other file (a package build stages the whole tree there);
         # the line names where it really went, since DIR was given as an absolute path
@@ -229,17 +317,15 @@ def install(args) -> int:
         manifest.save(__version__)
 
     live = root == "/" and systemd_running()
-    if live:
+    if live and units_changed:
         systemctl(ch, "daemon-reload")
-    elif root == "/":
+    elif root == "/" and units_changed:
         ch.info("systemd is not running this machine: skipped systemctl daemon-reload")
+    if root == "/" and catalog in ("created", "updated"):
+        update_catalog(ch)
     ch.summary()
     if root == "/":
-        if live and units_changed and query("is-active", "sparkguard.service") == "active":
-            ch.info("next: systemctl restart sparkguard   (the running guard still has the old unit and sandbox)")
-        else:
-            ch.info("next: systemctl enable --now sparkguard   (sparkguard-setup.service applies zram and sysctls "
-                    "first; `sparkguard doctor` checks the result)")
+        _next_hint(ch, live, units_changed)
     else:
         ch.info(f"next, inside {root}: systemctl enable sparkguard")
     return 0
@@ -303,14 +389,17 @@ def uninstall(args) -> int:
         systemctl(ch, "disable", "--now", "sparkguard.service", check=False)
         systemctl(ch, "stop", "sparkguard-setup.service", check=False)
 
+    pathlink.remove(ch, root, manifest)
+    catalog_removed = False
     known = [*(f"{UNIT_DIR}/{u}" for u in UNITS), ENGINE_DROPIN, sysctl.SYSCTL_FILE, zramboot.CONF_PATH,
-             CONFIG_PATH, CONFIG_DIST]
+             CONFIG_PATH, CONFIG_DIST, CATALOG_PATH, MAN_PATH, BASH_COMPLETION]
     # extras (prometheus rules, dashboards) recorded by install come after what we know by name
     for path in known + sorted(p for p in manifest.files if p not in known):
         if path == CONFIG_PATH:
             _remove_ours(ch, root, path, manifest, args.purge, kept_detail="edited by you; --purge removes it")
         else:
-            _remove_ours(ch, root, path, manifest, args.purge)
+            removed = _remove_ours(ch, root, path, manifest, args.purge)
+            catalog_removed |= removed and path == CATALOG_PATH
     zramboot.unpersist_generator(ch, root)
     remove_empty_dirs(ch, root, DROPIN_DIR)
     dropins = in_root(root, DROPIN_DIR)
@@ -319,7 +408,7 @@ def uninstall(args) -> int:
             if f"{DROPIN_DIR}/{name}" != ENGINE_DROPIN:  # ours was removed or reported above
                 ch.note("kept", f"{DROPIN_DIR}/{name}", "not written by sparkguard install; remove it yourself")
     remove_file(ch, root, MANIFEST_PATH)
-    remove_empty_dirs(ch, root, "/etc/sparkguard")
+    remove_empty_dirs(ch, root, "/etc/sparkguard", os.path.dirname(CATALOG_PATH))
 
     state = in_root(root, STATE_DIR)
     if args.purge:
@@ -334,6 +423,8 @@ def uninstall(args) -> int:
                 ch.note("kept", STATE_DIR + "/incidents/", "incident records; --purge removes them")
     if live:
         systemctl(ch, "daemon-reload")
+    if root == "/" and catalog_removed:
+        update_catalog(ch)
     ch.summary()
     if root == "/":
         ch.info("live state is left as it is: `sparkguard install-zram --remove` takes the zram swap away; "

@@ -450,6 +450,56 @@ def deb_root(log=print, suite: str = SUITE) -> Path:
                         lambda tmp: nspawn_script(tmp, script), log)
 
 
+#: what the README's install routes fetch besides the dependencies: pip's build-isolation
+#: requirements of pyproject.toml's [build-system] (setuptools>=68, wheel) and pip itself (pipx
+#: 1.1.0 upgrades pip in its shared venv)
+BUILD_REQUIREMENTS = ("setuptools>=68", "wheel", "pip")
+#: the Debian packages the routes install with apt inside (downloaded into the root's apt cache)
+ROUTE_PACKAGES = ("pipx",)
+#: where :func:`routes_root` puts the wheels; PIP_FIND_LINKS inside points here
+ROUTE_WHEELS = "/var/tmp/wheels"
+
+
+def routes_root(log=print, suite: str = SUITE) -> Path:
+    """A cached root for the README's install routes (tests/test_install_routes.py): :func:`base_root`
+    with no sparkguard and no venv, the wheels of :func:`dependencies` and
+    :data:`BUILD_REQUIREMENTS` in :data:`ROUTE_WHEELS`, and :data:`ROUTE_PACKAGES` (pipx) downloaded
+    into apt's cache.
+
+    A booted container has no network (``--private-network``), and pip inside could not reach PyPI
+    here anyway (see the module docstring), so the test runs the README's ``pip install .`` with
+    ``PIP_NO_INDEX=1 PIP_FIND_LINKS=`` :data:`ROUTE_WHEELS` (pip reads every option from
+    ``PIP_<OPTION>`` environment variables: pip's "Configuration" documentation): the same
+    command, with the index replaced by the wheels the host fetched from it.
+    """
+    base = base_root(log, suite)
+    reqs = dependencies() + list(BUILD_REQUIREMENTS)
+
+    def fill(tmp: Path) -> None:
+        download_wheels(reqs, tmp / ROUTE_WHEELS.lstrip("/"), root_python_version(tmp), root_glibc_version(tmp))
+        nspawn_script(tmp, "set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
+                           "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(ROUTE_PACKAGES))
+
+    return derived_root(base, "routesroot", _key(base.name, "routes", reqs, ROUTE_PACKAGES),
+                        f"{suite} with wheels of {reqs} and {ROUTE_PACKAGES} downloaded", fill, log)
+
+
+def copy_checkout(dest: Path) -> None:
+    """Copy the checkout's tracked and untracked-but-not-ignored files to ``dest`` (no build products)."""
+    files = subprocess.run(["git", "-C", str(CHECKOUT), "ls-files", "-z", "--cached", "--others",
+                            "--exclude-standard"], capture_output=True, check=True, timeout=60).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        src = CHECKOUT / rel
+        if not os.path.lexists(src):
+            continue  # deleted in the worktree, not yet committed
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), out)
+        else:
+            shutil.copy2(src, out)
+
+
 class OwnCgroup:
     """A fresh cgroup (in every hierarchy nspawn uses) to start one nspawn in; removed on close.
 
