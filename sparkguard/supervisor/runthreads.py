@@ -34,7 +34,10 @@ class RunThreads:
             text = output.decode(raw)
             run.lines.add(stream, text)
             self.sink.write(text, stream, run.pid, run.lane)
-        output.pump(run.proc.stdout, run.proc.stderr, line)
+        if run.streams or run.adopted:      # the run's FIFOs (output.make_fifos), re-opened if adopted
+            output.pump(run.streams.get("stdout"), run.streams.get("stderr"), line)
+        else:
+            output.pump(run.proc.stdout, run.proc.stderr, line)
 
     # MonitorHooks (sparkguard.supervisor.health), called from the monitor thread
 
@@ -51,9 +54,12 @@ class RunThreads:
             if run.exit is not None:
                 return
             run.ready = True
-            self.time_to_ready = now - run.t_spawn
             self.ready_count += 1
             self.state, self.detail = "ready", ""
+            if run.adopted:       # its start-up happened under another daemon: no new time to ready
+                self._history("ready", f"pid {run.pid} (adopted) answers: ready")
+                return
+            self.time_to_ready = now - run.t_spawn
             self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
         self._post(ready)
 
