@@ -1,0 +1,195 @@
+"""The engine outlives the daemon: a real ``sparkguard run`` supervising the real fake vLLM is
+SIGKILLed (or exits on SIGUSR2, keeping its engine), a second daemon on the same config adopts
+the engine, which keeps serving throughout; a wrong start time is refused, a changed command is
+stopped and replaced.
+
+Every engine process a daemon forwarded as "fake-vllm: ready pids=..." is SIGKILLed through a
+pidfd at the end if it still runs with the same start time; nothing else is signalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, kill_pids, unique, wait_gone
+from sparkguard import proctree
+
+pytestmark = pytest.mark.usefixtures("root_only")
+
+
+class Poller:
+    """A client asking the fake vLLM's /health every 50 ms in a thread; counts failures."""
+
+    def __init__(self, url: str):
+        self.url, self.ok, self.failures = url, 0, []
+        self.stop = threading.Event()
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            try:
+                with self.opener.open(self.url, timeout=2) as r:
+                    if r.status == 200:
+                        self.ok += 1
+                        continue
+                    self.failures.append(f"status {r.status}")
+            except OSError as e:
+                self.failures.append(str(e))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def start(tmp_path, name: str, model: str, port: int, *opts: str, **engine) -> Daemon:
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port, *opts), port, **engine)
+    d = Daemon(tmp_path, cfg, name=name)
+    d.wait_control()
+    return d
+
+
+def kill9(d: Daemon) -> None:
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    d.reader.join(10)
+
+
+def adopted_status(d: Daemon, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = d.status()
+        if st.get("adoption") and st["state"] == "ready":
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no adoption within {timeout} s: {st.get('adoption')} {st['state']}\n{d.output()}")
+        time.sleep(0.05)
+
+
+def test_sigkilled_daemon_engine_keeps_serving_and_is_adopted(tmp_path):
+    model, port = unique(), free_port()
+    a = start(tmp_path, "a", model, port)
+    b = None
+    poll = None
+    try:
+        st = a.wait_ready()
+        pid = st["pid"]
+        a.wait_line(r"fake-vllm: ready pids=")
+        seen = dict(a.engine_pids)
+        poll = Poller(f"http://127.0.0.1:{port}/health")
+        kill9(a)
+        # no daemon now: the engine's output goes into its FIFO, it keeps serving
+        time.sleep(0.5)
+        assert proctree.read_proc(pid) is not None
+        b = start(tmp_path, "b", model, port)
+        st = adopted_status(b)
+        poll.close()
+        assert st["adoption"]["result"] == "adopted", st["adoption"]
+        assert st["pid"] == pid and st["adopted"] is True and st["starts"] == 0, st
+        assert st["adoptions"]["adopted"] == 1, st["adoptions"]
+        assert any(h["event"] == "adopt" and "adopted" in h["detail"] for h in st["history"]), st["history"]
+        assert poll.ok > 5 and not poll.failures, (poll.ok, poll.failures)
+        # output is re-attached: the fake logs each request it serves; a request now shows up
+        # in the new daemon's forwarded output
+        mark = b.mark()
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+        b.wait_line(r"GET /v1/models", timeout=10, start=mark)
+        # supervision carries on: the adopted engine is stopped by command through the escalation
+        r = b.ctl("stop", sock_timeout=30)
+        assert r["ok"], r
+        left = wait_gone(list(seen), 15)
+        assert not left, f"still running after engine stop: {left}\n{b.output()}"
+        deadline = time.monotonic() + 15
+        while (st := b.status())["last_exit"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "exit status unknown" in (st["last_exit"] or {}).get("detail", ""), st["last_exit"]
+    finally:
+        if poll is not None:
+            poll.close()
+        for d in (a, b):
+            if d is not None:
+                d.cleanup()
+
+
+def test_sigusr2_exits_keeping_the_engine_and_restart_adopts_it(tmp_path):
+    model, port = unique(), free_port()
+    a = start(tmp_path, "a", model, port)
+    b = None
+    try:
+        pid = a.wait_ready()["pid"]
+        a.proc.send_signal(signal.SIGUSR2)
+        assert a.proc.wait(30) == 0, a.output()
+        a.wait_line(r"keeps running without a guard")
+        note = tmp_path / "engine-handover.json"
+        assert json.loads(note.read_text())["pid"] == pid
+        state = json.loads((tmp_path / "engine-state.json").read_text())
+        assert state["engine"]["pid"] == pid and state["engine"]["digest"] and state["engine"]["fifos"], state
+        b = start(tmp_path, "b", model, port)
+        st = adopted_status(b)
+        assert st["adoption"]["result"] == "adopted" and "kept by the previous daemon" in st["adoption"]["detail"], st
+        assert st["pid"] == pid
+        assert not note.exists(), "the handover note is consumed by the daemon that adopts"
+        # the guard's target is the adopted engine (its tree, found through the run)
+        b.stop()
+        assert wait_gone([pid], 15) == [], "SIGTERM of the adopting daemon stops the engine (no systemd)"
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.cleanup()
+        kill_pids(a.engine_pids)
+
+
+def test_wrong_start_time_is_refused_and_nothing_is_signalled(tmp_path):
+    model, port = unique(), free_port()
+    a = start(tmp_path, "a", model, port)
+    b = None
+    try:
+        pid = a.wait_ready()["pid"]
+        a.wait_line(r"fake-vllm: ready pids=")
+        kill9(a)
+        path = tmp_path / "engine-state.json"
+        state = json.loads(path.read_text())
+        state["engine"]["starttime"] += 1          # what a reused pid looks like: same pid, other process
+        state["engine"]["members"] = {}
+        path.write_text(json.dumps(state))
+        b = start(tmp_path, "b", model, free_port())      # the old engine still holds its port
+        b.wait_line(r"adoption refused: pid %d has start time" % pid, timeout=20)
+        st = b.status()
+        assert st["adoption"]["result"] == "refused" and "another process has that pid" in st["adoption"]["detail"]
+        assert proctree.read_proc(pid) is not None, "an engine that could not be verified must not be signalled"
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.cleanup()
+        kill_pids(a.engine_pids)
+
+
+def test_changed_command_is_stopped_and_the_configured_one_started(tmp_path):
+    model, port = unique(), free_port()
+    a = start(tmp_path, "a", model, port)
+    b = None
+    try:
+        pid = a.wait_ready()["pid"]
+        a.wait_line(r"fake-vllm: ready pids=")
+        old = dict(a.engine_pids)
+        kill9(a)
+        b = start(tmp_path, "b", model, port, "--load-time", "0.2")      # another command line
+        st = b.wait_ready(timeout=40)
+        assert st["adoption"]["result"] == "changed", st["adoption"]
+        assert st["pid"] != pid and st["adopted"] is False
+        assert wait_gone(list(old), 5) == [], "the old engine must be stopped before the new one starts"
+        assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.cleanup()
+        kill_pids(a.engine_pids)
