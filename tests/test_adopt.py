@@ -93,7 +93,7 @@ def test_sigkilled_daemon_engine_keeps_serving_and_is_adopted(tmp_path):
         st = adopted_status(b)
         poll.close()
         assert st["adoption"]["result"] == "adopted", st["adoption"]
-        assert st["pid"] == pid and st["adopted"] is True and st["starts"] == 0, st
+        assert st["pid"] == pid and st["adopted"] is True and st["starts"] == 1, st
         assert st["adoptions"]["adopted"] == 1, st["adoptions"]
         assert any(h["event"] == "adopt" and "adopted" in h["detail"] for h in st["history"]), st["history"]
         assert poll.ok > 5 and not poll.failures, (poll.ok, poll.failures)

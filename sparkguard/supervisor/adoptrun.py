@@ -84,6 +84,7 @@ class Adoption:
         self._adoption_result(v.result, why + ("" if run.streams else "; its output could not be re-attached"))
         with self.cv:
             self.run = run
+            self.starts += 1            # a run this daemon supervises: `engine wait ready`, restarts count it
             self.state = "starting"
             self.detail = "adopted from a previous sparkguard" + (
                 f"; waiting for {self.ecfg.health_url} to answer 200" if self.ecfg.health_url else "")
