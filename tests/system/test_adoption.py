@@ -1,0 +1,139 @@
+"""The engine outlives a restart of sparkguard, under the production unit in a booted Debian 12 (systemd 252).
+
+One boot: sparkguard supervises the fake vLLM (tests/fakes) as configured in
+/etc/sparkguard/sparkguard.yaml; a client inside polls its /health every 50 ms throughout.
+
+1. ``systemctl restart sparkguard``: the daemon asks systemd for its job (``restart``), keeps the
+   engine, the new daemon adopts it; the time from the restart to the adopted engine ready (and
+   the guard's READY=1) is measured inside the container and printed;
+2. ``kill -9`` of the main pid: systemd restarts the unit (``Restart=always``), ExecStopPost
+   leaves the engine (no stop job), the new daemon adopts it;
+3. ``systemctl stop sparkguard``: the engine is stopped with the daemon (``engine.on_daemon_stop: stop``).
+
+The client saw no failed request during 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+
+import pytest
+
+from conftest import fake_vllm
+from .conftest import CONFIG_PATH
+from .test_systemd import PY, UNIT, alive, config, guard_journal, wait_for
+
+pytestmark = pytest.mark.system
+
+FAKES = "/opt/sparkguard-tests/fakes"
+PORT = 8011
+
+#: run inside: poll URL every 50 ms, write {"ok", "fail", "errors"} to OUT after each request
+POLLER = r'''
+import json, os, sys, time, urllib.request
+url, out = sys.argv[1], sys.argv[2]
+ok, fail, errors = 0, 0, []
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+while True:
+    try:
+        with opener.open(url, timeout=2) as r:
+            ok += r.status == 200
+            if r.status != 200:
+                fail += 1; errors.append(f"status {r.status}")
+    except OSError as e:
+        fail += 1; errors.append(f"{time.time():.3f} {e}")
+    with open(out + ".tmp", "w") as f:
+        json.dump({"ok": ok, "fail": fail, "errors": errors[-20:]}, f)
+    os.replace(out + ".tmp", out)
+    time.sleep(0.05)
+'''
+
+#: run inside: `systemctl restart sparkguard`, then ask the control socket every 10 ms until the
+#: engine pid ARGV[1] is adopted and ready; prints {"restart_returned", "adopted_ready"} seconds
+MEASURE = r'''
+import json, subprocess, sys, time
+from sparkguard import control
+pid = int(sys.argv[1])
+t0 = time.monotonic()
+subprocess.run(["systemctl", "restart", "sparkguard.service"], check=True, timeout=60)
+t1 = time.monotonic()
+while time.monotonic() - t0 < 30:
+    try:
+        st = control.request("/run/sparkguard/control.sock", {"op": "status"}, timeout=2)["status"]
+    except (OSError, ValueError, KeyError):
+        time.sleep(0.01); continue
+    if st.get("adopted") and st["pid"] == pid and st["state"] == "ready":
+        print(json.dumps({"restart_returned": t1 - t0, "adopted_ready": time.monotonic() - t0}))
+        sys.exit(0)
+    time.sleep(0.01)
+print(json.dumps({"restart_returned": t1 - t0, "adopted_ready": None, "status": st}))
+sys.exit(1)
+'''
+
+
+def engine_status(c) -> dict:
+    r = c.run(PY, "-m", "sparkguard", "engine", "status", "--json", check=False, timeout=30)
+    try:
+        return json.loads(r.stdout).get("status") or {}
+    except ValueError:
+        return {}
+
+
+def adopted(c, pid: int, timeout: float = 30) -> dict:
+    return wait_for(f"pid {pid} adopted and ready",
+                    lambda: (lambda st: st if st.get("adopted") and st.get("pid") == pid and st.get("state") == "ready"
+                             else None)(engine_status(c)), timeout=timeout, interval=0.2)
+
+
+def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
+    tag = uuid.uuid4().hex[:10]
+    cmd = [PY, f"{FAKES}/vllm", "serve", f"sgtest-{tag}", "--tp", "2", "--port", str(PORT)]
+    engine = {"command": cmd, "health_url": f"http://127.0.0.1:{PORT}/health", "drop_caches": False,
+              "start_above": "64MiB", "stable_for": "0s", "quiesce_timeout": "60s", "health_interval": "200ms"}
+    c = machine(config=config("64MiB", tag, grace="2s"))
+    for name, mode in (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644)):
+        with open(os.path.join(os.path.dirname(fake_vllm.__file__), name)) as f:
+            c.write(f"{FAKES}/{name}", f.read(), mode)
+    c.write(CONFIG_PATH, config("64MiB", tag, grace="2s") + "engine: " + json.dumps(engine) + "\n")
+    c.run("systemctl", "restart", UNIT, timeout=60)      # no engine yet: a plain restart
+    st = wait_for("the engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
+                  timeout=60, interval=0.3)
+    pid = st["pid"]
+    assert st["tracking"]["mode"] == "cgroup", st["tracking"]
+    c.write("/tmp/poller.py", POLLER)
+    c.write("/tmp/measure.py", MEASURE)
+    c.run("systemd-run", "--unit=sg-poller", "--", PY, "/tmp/poller.py", f"http://127.0.0.1:{PORT}/health",
+          "/tmp/poll.json")
+    wait_for("the poller's first answers", lambda: c.run("cat", "/tmp/poll.json", check=False).returncode == 0,
+             timeout=20)
+
+    # 1. systemctl restart: kept, adopted; timed inside the container
+    r = c.run(PY, "/tmp/measure.py", str(pid), timeout=90, check=False)
+    assert r.returncode == 0, f"{r.stdout}\n{guard_journal(c)}"
+    fig = json.loads(r.stdout)
+    print(f"[adoption] systemctl restart -> returned {fig['restart_returned']:.3f} s, "
+          f"engine adopted and ready {fig['adopted_ready']:.3f} s")
+    journal = guard_journal(c)
+    assert re.search(r"keeping the engine running: systemd is restarting the unit", journal), journal
+    assert "adoption adopted: pid %d" % pid in journal, journal
+    assert alive(c, pid)
+
+    # 2. kill -9 of the daemon: restarted by systemd, ExecStopPost leaves the engine, adopted again
+    main = int(c.show(UNIT, "MainPID")["MainPID"])
+    c.run("kill", "-9", str(main))
+    wait_for("a new main pid", lambda: int(c.show(UNIT, "MainPID")["MainPID"]) not in (0, main), timeout=30)
+    adopted(c, pid)
+    journal = guard_journal(c)
+    assert re.search(r"stop-post: no stop job \(service result signal\): left for the next daemon", journal), journal
+    poll = json.loads(c.run("cat", "/tmp/poll.json").stdout)
+    assert poll["fail"] == 0 and poll["ok"] > 20, poll
+
+    # 3. systemctl stop: the engine goes with the daemon
+    c.run("systemctl", "stop", UNIT, timeout=60)
+    wait_for("the engine to be gone", lambda: not alive(c, pid), timeout=30)
+    journal = guard_journal(c)
+    assert re.search(r"stopping the engine: systemd is stopping the unit", journal), journal
+    c.run("systemctl", "stop", "sg-poller", check=False)
