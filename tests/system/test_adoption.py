@@ -103,20 +103,24 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
                   timeout=60, interval=0.3)
     pid = st["pid"]
     assert st["tracking"]["mode"] == "cgroup", st["tracking"]
-    c.write("/tmp/poller.py", POLLER)
-    c.write("/tmp/measure.py", MEASURE)
-    c.run("systemd-run", "--unit=sg-poller", "--", PY, "/tmp/poller.py", f"http://127.0.0.1:{PORT}/health",
-          "/tmp/poll.json")
-    wait_for("the poller's first answers", lambda: c.run("cat", "/tmp/poll.json", check=False).returncode == 0,
+    c.write("/opt/sparkguard-tests/poller.py", POLLER)
+    c.write("/opt/sparkguard-tests/measure.py", MEASURE)
+    c.run("systemd-run", "--unit=sg-poller", "--", PY, "/opt/sparkguard-tests/poller.py", f"http://127.0.0.1:{PORT}/health",
+          "/var/tmp/poll.json")
+    wait_for("the poller's first answers", lambda: c.run("cat", "/var/tmp/poll.json", check=False).returncode == 0,
              timeout=20)
 
     # 1. systemctl restart: kept, adopted; timed inside the container
-    r = c.run(PY, "/tmp/measure.py", str(pid), timeout=90, check=False)
+    r = c.run(PY, "/opt/sparkguard-tests/measure.py", str(pid), timeout=90, check=False)
     assert r.returncode == 0, f"{r.stdout}\n{guard_journal(c)}"
     fig = json.loads(r.stdout)
     print(f"[adoption] systemctl restart -> returned {fig['restart_returned']:.3f} s, "
           f"engine adopted and ready {fig['adopted_ready']:.3f} s")
     journal = guard_journal(c)
+    steps = [ln for ln in c.journal_text("-b", "-u", UNIT, "-o", "short-monotonic").splitlines()
+             if re.search(r"stopping \(signal\)|keeping the engine|stop-post|Stopped|Starting|Started|"
+                          r"engine control on|adoption adopted|\(adopted\) answers|stopped$", ln)]
+    print("[adoption] the restart in the unit's journal:\n  " + "\n  ".join(steps[-12:]))
     assert re.search(r"keeping the engine running: systemd is restarting the unit", journal), journal
     assert "adoption adopted: pid %d" % pid in journal, journal
     assert alive(c, pid)
@@ -128,7 +132,7 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     adopted(c, pid)
     journal = guard_journal(c)
     assert re.search(r"stop-post: no stop job \(service result signal\): left for the next daemon", journal), journal
-    poll = json.loads(c.run("cat", "/tmp/poll.json").stdout)
+    poll = json.loads(c.run("cat", "/var/tmp/poll.json").stdout)
     assert poll["fail"] == 0 and poll["ok"] > 20, poll
 
     # 3. systemctl stop: the engine goes with the daemon
