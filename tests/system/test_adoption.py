@@ -118,7 +118,7 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
           f"engine adopted and ready {fig['adopted_ready']:.3f} s")
     journal = guard_journal(c)
     steps = [ln for ln in c.journal_text("-b", "-u", UNIT, "-o", "short-monotonic").splitlines()
-             if re.search(r"stopping \(signal\)|keeping the engine|stop-post|Stopped|Starting|Started|"
+             if re.search(r"Found left-over|stopping \(signal\)|keeping the engine|stop-post|Stopped|Starting|Started|"
                           r"engine control on|adoption adopted|\(adopted\) answers|stopped$", ln)]
     print("[adoption] the restart in the unit's journal:\n  " + "\n  ".join(steps[-12:]))
     assert re.search(r"keeping the engine running: systemd is restarting the unit", journal), journal
