@@ -193,3 +193,99 @@ def test_changed_command_is_stopped_and_the_configured_one_started(tmp_path):
             if d is not None:
                 d.cleanup()
         kill_pids(a.engine_pids)
+
+
+# ---- the decisions, on real processes and files (no daemon) ------------------------------------
+
+def _ecfg(**kw):
+    from sparkguard import config
+    return config.EngineConfig(command=("x",), **kw)
+
+
+def test_decide_keep_or_stop_from_the_signal_and_systemds_job():
+    from sparkguard.supervisor import handover
+    assert handover.decide(_ecfg(), True)[0] is True                       # SIGUSR2
+    assert handover.decide(_ecfg(), False, job="restart") == (
+        True, "systemd is restarting the unit (engine.on_daemon_restart: keep)")
+    assert handover.decide(_ecfg(on_daemon_restart="stop"), False, job="restart")[0] is False
+    assert handover.decide(_ecfg(), False, job="stop")[0] is False
+    assert handover.decide(_ecfg(on_daemon_stop="keep"), False, job="stop")[0] is True
+    assert handover.decide(_ecfg(), False, job="start")[0] is False       # anything else: stop, as before
+
+
+def test_the_new_keys_are_checked_with_file_key_and_value(tmp_path):
+    from sparkguard import config
+    p = tmp_path / "c.yaml"
+    p.write_text("engine:\n  command: [x]\n  on_daemon_restart: maybe\n")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(str(p))
+    assert str(p) in str(e.value) and "engine.on_daemon_restart" in str(e.value) and "maybe" in str(e.value)
+
+
+def test_check_refuses_other_boots_unusable_records_and_reused_pids():
+    from sparkguard import sysinfo
+    from sparkguard.supervisor import adopt
+    me = proctree.read_proc(os.getpid())
+    boot = sysinfo.boot_id()
+    rec = {"pid": os.getpid(), "starttime": me.starttime, "digest": "d"}
+    assert adopt.check({}, boot, "d").result == ""
+    assert adopt.check({"boot_id": boot, "engine": {"pid": "x"}}, boot, "d").result == adopt.REFUSED
+    assert adopt.check({"boot_id": boot, "engine": ["no"]}, boot, "d").result == adopt.REFUSED
+    v = adopt.check({"boot_id": "0" * 32, "engine": rec}, boot, "d")
+    assert v.result == adopt.REFUSED and "another boot" in v.why
+    v = adopt.check({"boot_id": boot, "engine": dict(rec, starttime=me.starttime + 7)}, boot, "d")
+    assert v.result == adopt.REFUSED and "another process has that pid" in v.why
+    v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup="/nonexistent/engine-1")}, boot, "d")
+    assert v.result == adopt.REFUSED and "not in the run's cgroup" in v.why
+    v = adopt.check({"boot_id": boot, "engine": rec}, boot, "other")
+    assert v.result == adopt.CHANGED and v.pidfd is not None
+    os.close(v.pidfd)
+    v = adopt.check({"boot_id": boot, "engine": rec}, boot, "d")
+    assert v.result == adopt.ADOPTED and v.pidfd is not None
+    os.close(v.pidfd)
+
+
+def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
+    """The writer holds the FIFO read-write: with no reader left its writes still succeed (no
+    EPIPE), and a new reader opened through /proc/PID/fd/1 gets what was written meanwhile."""
+    import subprocess
+    import sys
+    from sparkguard.supervisor import output
+    paths, child, readers = output.make_fifos(str(tmp_path), "1")
+    script = "import sys, time\nfor i in range(40):\n    print('line', i, flush=True); time.sleep(0.05)\n"
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=child["stdout"], stderr=child["stderr"])
+    try:
+        for fd in child.values():
+            os.close(fd)
+        ids = {k: output.fifo_identity(v.fileno()) for k, v in readers.items()}
+        for r in readers.values():
+            r.close()                          # the daemon is gone
+        time.sleep(0.5)
+        again, why = output.reopen_fifos(p.pid, {}, ids)
+        assert why == "" and set(again) == {"stdout", "stderr"}
+        lines = []
+        output.pump(again["stdout"], again["stderr"], lambda s, raw: lines.append(raw))
+        assert p.wait(10) == 0, "the writer must not die of EPIPE while no reader is open"
+        assert lines == [b"line %d" % i for i in range(40)], lines
+    finally:
+        p.kill()
+        p.wait()
+        output.remove_fifos(paths)
+
+
+def test_stop_post_keeps_on_a_note_or_without_a_stop_job(tmp_path):
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    note = str(tmp_path / "note.json")
+    assert handover.stop_post(note, "restart", "success", str(unit))[0] == []
+    assert "left for the next daemon" in handover.stop_post(note, None, "signal", str(unit))[1]
+
+    class R:       # the running test process stands for the kept engine
+        pid = os.getpid()
+        starttime = proctree.read_proc(os.getpid()).starttime
+        cgroup = None
+    handover.write_note(note, R, "restart")
+    assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit))[1]
+    os.unlink(note)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit))[1]
