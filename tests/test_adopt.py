@@ -25,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("root_only")
 
 
 class Poller:
-    """A client asking the fake vLLM's /health every 50 ms in a thread; counts failures."""
+    """A client asking the fake vLLM's /health every 50 ms in a thread; counts the failures after
+    its first 200 (before it, the engine is still loading)."""
 
     def __init__(self, url: str):
         self.url, self.ok, self.failures = url, 0, []
@@ -41,26 +42,50 @@ class Poller:
                     if r.status == 200:
                         self.ok += 1
                         continue
-                    self.failures.append(f"status {r.status}")
+                    if self.ok:
+                        self.failures.append(f"status {r.status}")
             except OSError as e:
-                self.failures.append(str(e))
+                if self.ok:
+                    self.failures.append(str(e))
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
 
 
-def start(tmp_path, name: str, model: str, port: int, *opts: str, **engine) -> Daemon:
-    cfg = engine_config(tmp_path, model, fake_cmd(model, port, *opts), port, **engine)
-    d = Daemon(tmp_path, cfg, name=name)
-    d.wait_control()
-    return d
+@pytest.fixture
+def daemons(tmp_path):
+    """``start(name, model, port, *fake opts, **engine keys) -> Daemon`` (control socket served);
+    every daemon started is stopped at the end and every engine process any of them saw is
+    SIGKILLed (pidfd, same start time only)."""
+    made: list[Daemon] = []
+
+    def start(name: str, model: str, port: int, *opts: str, **engine) -> Daemon:
+        cfg = engine_config(tmp_path, model, fake_cmd(model, port, *opts), port, **engine)
+        d = Daemon(tmp_path, cfg, name=name)
+        made.append(d)
+        d.wait_control()
+        return d
+    yield start
+    for d in made:
+        d.cleanup()
+    for d in made:
+        kill_pids(d.engine_pids)
 
 
 def kill9(d: Daemon) -> None:
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait(10)
     d.reader.join(10)
+
+
+def ready_then_killed(start, model: str, port: int) -> tuple[Daemon, int]:
+    """A daemon whose engine is ready, then SIGKILLed; ``(daemon, engine pid)``."""
+    a = start("a", model, port)
+    pid = a.wait_ready()["pid"]
+    a.wait_line(r"fake-vllm: ready pids=")
+    kill9(a)
+    return a, pid
 
 
 def adopted_status(d: Daemon, timeout: float = 20.0) -> dict:
@@ -74,125 +99,87 @@ def adopted_status(d: Daemon, timeout: float = 20.0) -> dict:
         time.sleep(0.05)
 
 
-def test_sigkilled_daemon_engine_keeps_serving_and_is_adopted(tmp_path):
+def test_sigkilled_daemon_engine_keeps_serving_and_is_adopted(daemons):
     model, port = unique(), free_port()
-    a = start(tmp_path, "a", model, port)
-    b = None
-    poll = None
+    poll = Poller(f"http://127.0.0.1:{port}/health")
     try:
-        st = a.wait_ready()
-        pid = st["pid"]
-        a.wait_line(r"fake-vllm: ready pids=")
+        a, pid = ready_then_killed(daemons, model, port)
         seen = dict(a.engine_pids)
-        poll = Poller(f"http://127.0.0.1:{port}/health")
-        kill9(a)
         # no daemon now: the engine's output goes into its FIFO, it keeps serving
         time.sleep(0.5)
         assert proctree.read_proc(pid) is not None
-        b = start(tmp_path, "b", model, port)
+        b = daemons("b", model, port)
         st = adopted_status(b)
+        served = (poll.ok, list(poll.failures))
+    finally:
         poll.close()
-        assert st["adoption"]["result"] == "adopted", st["adoption"]
-        assert st["pid"] == pid and st["adopted"] is True and st["starts"] == 1, st
-        assert st["adoptions"]["adopted"] == 1, st["adoptions"]
-        assert any(h["event"] == "adopt" and "adopted" in h["detail"] for h in st["history"]), st["history"]
-        assert poll.ok > 5 and not poll.failures, (poll.ok, poll.failures)
-        # output is re-attached: the fake logs each request it serves; a request now shows up
-        # in the new daemon's forwarded output
-        mark = b.mark()
-        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-            f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
-        b.wait_line(r"GET /v1/models", timeout=10, start=mark)
-        # supervision carries on: the adopted engine is stopped by command through the escalation
-        r = b.ctl("stop", sock_timeout=30)
-        assert r["ok"], r
-        left = wait_gone(list(seen), 15)
-        assert not left, f"still running after engine stop: {left}\n{b.output()}"
-        deadline = time.monotonic() + 15
-        while (st := b.status())["last_exit"] is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "exit status unknown" in (st["last_exit"] or {}).get("detail", ""), st["last_exit"]
-    finally:
-        if poll is not None:
-            poll.close()
-        for d in (a, b):
-            if d is not None:
-                d.cleanup()
+    assert st["adoption"]["result"] == "adopted", st["adoption"]
+    assert st["pid"] == pid and st["adopted"] is True and st["starts"] == 1, st
+    assert st["adoptions"]["adopted"] == 1, st["adoptions"]
+    assert any(h["event"] == "adopt" and "adopted" in h["detail"] for h in st["history"]), st["history"]
+    ok, failures = served
+    assert ok > 5 and not failures, served
+    # output is re-attached: the fake logs each request it serves; a request now shows up
+    # in the new daemon's forwarded output
+    mark = b.mark()
+    urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+        f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+    b.wait_line(r"GET /v1/models", timeout=10, start=mark)
+    # supervision carries on: the adopted engine is stopped by command through the escalation
+    r = b.ctl("stop", sock_timeout=30)
+    assert r["ok"], r
+    left = wait_gone(list(seen), 15)
+    assert not left, f"still running after engine stop: {left}\n{b.output()}"
+    deadline = time.monotonic() + 15
+    while (st := b.status())["last_exit"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "exit status unknown" in (st["last_exit"] or {}).get("detail", ""), st["last_exit"]
 
 
-def test_sigusr2_exits_keeping_the_engine_and_restart_adopts_it(tmp_path):
+def test_sigusr2_exits_keeping_the_engine_and_restart_adopts_it(daemons, tmp_path):
     model, port = unique(), free_port()
-    a = start(tmp_path, "a", model, port)
-    b = None
-    try:
-        pid = a.wait_ready()["pid"]
-        a.proc.send_signal(signal.SIGUSR2)
-        assert a.proc.wait(30) == 0, a.output()
-        a.wait_line(r"keeps running without a guard")
-        note = tmp_path / "engine-handover.json"
-        assert json.loads(note.read_text())["pid"] == pid
-        state = json.loads((tmp_path / "engine-state.json").read_text())
-        assert state["engine"]["pid"] == pid and state["engine"]["digest"] and state["engine"]["fifos"], state
-        b = start(tmp_path, "b", model, port)
-        st = adopted_status(b)
-        assert st["adoption"]["result"] == "adopted" and "kept by the previous daemon" in st["adoption"]["detail"], st
-        assert st["pid"] == pid
-        assert not note.exists(), "the handover note is consumed by the daemon that adopts"
-        # the guard's target is the adopted engine (its tree, found through the run)
-        b.stop()
-        assert wait_gone([pid], 15) == [], "SIGTERM of the adopting daemon stops the engine (no systemd)"
-    finally:
-        for d in (a, b):
-            if d is not None:
-                d.cleanup()
-        kill_pids(a.engine_pids)
+    a = daemons("a", model, port)
+    pid = a.wait_ready()["pid"]
+    a.proc.send_signal(signal.SIGUSR2)
+    assert a.proc.wait(30) == 0, a.output()
+    a.wait_line(r"keeps running without a guard")
+    note = tmp_path / "engine-handover.json"
+    assert json.loads(note.read_text())["pid"] == pid
+    state = json.loads((tmp_path / "engine-state.json").read_text())
+    assert state["engine"]["pid"] == pid and state["engine"]["digest"] and state["engine"]["fifos"], state
+    b = daemons("b", model, port)
+    st = adopted_status(b)
+    assert st["adoption"]["result"] == "adopted" and "kept by the previous daemon" in st["adoption"]["detail"], st
+    assert st["pid"] == pid
+    assert not note.exists(), "the handover note is consumed by the daemon that adopts"
+    b.stop()
+    assert wait_gone([pid], 15) == [], "SIGTERM of the adopting daemon stops the engine (no systemd)"
 
 
-def test_wrong_start_time_is_refused_and_nothing_is_signalled(tmp_path):
+def test_wrong_start_time_is_refused_and_nothing_is_signalled(daemons, tmp_path):
     model, port = unique(), free_port()
-    a = start(tmp_path, "a", model, port)
-    b = None
-    try:
-        pid = a.wait_ready()["pid"]
-        a.wait_line(r"fake-vllm: ready pids=")
-        kill9(a)
-        path = tmp_path / "engine-state.json"
-        state = json.loads(path.read_text())
-        state["engine"]["starttime"] += 1          # what a reused pid looks like: same pid, other process
-        state["engine"]["members"] = {}
-        path.write_text(json.dumps(state))
-        b = start(tmp_path, "b", model, free_port())      # the old engine still holds its port
-        b.wait_line(r"adoption refused: pid %d has start time" % pid, timeout=20)
-        st = b.status()
-        assert st["adoption"]["result"] == "refused" and "another process has that pid" in st["adoption"]["detail"]
-        assert proctree.read_proc(pid) is not None, "an engine that could not be verified must not be signalled"
-    finally:
-        for d in (a, b):
-            if d is not None:
-                d.cleanup()
-        kill_pids(a.engine_pids)
+    a, pid = ready_then_killed(daemons, model, port)
+    path = tmp_path / "engine-state.json"
+    state = json.loads(path.read_text())
+    state["engine"]["starttime"] += 1          # what a reused pid looks like: same pid, other process
+    state["engine"]["members"] = {}
+    path.write_text(json.dumps(state))
+    b = daemons("b", model, free_port())       # the old engine still holds its port
+    b.wait_line(r"adoption refused: pid %d has start time" % pid, timeout=20)
+    st = b.status()
+    assert st["adoption"]["result"] == "refused" and "another process has that pid" in st["adoption"]["detail"]
+    assert proctree.read_proc(pid) is not None, "an engine that could not be verified must not be signalled"
 
 
-def test_changed_command_is_stopped_and_the_configured_one_started(tmp_path):
+def test_changed_command_is_stopped_and_the_configured_one_started(daemons):
     model, port = unique(), free_port()
-    a = start(tmp_path, "a", model, port)
-    b = None
-    try:
-        pid = a.wait_ready()["pid"]
-        a.wait_line(r"fake-vllm: ready pids=")
-        old = dict(a.engine_pids)
-        kill9(a)
-        b = start(tmp_path, "b", model, port, "--load-time", "0.2")      # another command line
-        st = b.wait_ready(timeout=40)
-        assert st["adoption"]["result"] == "changed", st["adoption"]
-        assert st["pid"] != pid and st["adopted"] is False
-        assert wait_gone(list(old), 5) == [], "the old engine must be stopped before the new one starts"
-        assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
-    finally:
-        for d in (a, b):
-            if d is not None:
-                d.cleanup()
-        kill_pids(a.engine_pids)
+    a, pid = ready_then_killed(daemons, model, port)
+    b = daemons("b", model, port, "--load-time", "0.2")      # another command line
+    st = b.wait_ready(timeout=40)
+    assert st["adoption"]["result"] == "changed", st["adoption"]
+    assert st["pid"] != pid and st["adopted"] is False
+    assert wait_gone(list(a.engine_pids), 5) == [], "the old engine must be stopped before the new one starts"
+    assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
 
 
 # ---- the decisions, on real processes and files (no daemon) ------------------------------------

@@ -90,7 +90,7 @@ class Adoption:
                 f"; waiting for {self.ecfg.health_url} to answer 200" if self.ecfg.health_url else "")
             self.cv.notify_all()
         self._write_state()
-        run.start_thread("sg-engine-exit", self._watch_adopted)
+        run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
         if run.launch is not None and run.container is None:
@@ -131,7 +131,7 @@ class Adoption:
         (SIGTERM, ``guard.grace``, SIGKILL of its tree), then the sweep of what is left."""
         with self.cv:
             self.run = run
-        run.start_thread("sg-engine-exit", self._watch_adopted)
+        run.start_thread("sg-engine-exit", self._watch_exit)
         self._terminate("changed")
         self._await_exit(self.cfg.guard.grace + 10)
         run.done.set()
@@ -142,18 +142,6 @@ class Adoption:
             self.last_run, self.run = run, None
             self._history("exit", f"pid {run.pid} (adopted, command changed) stopped"
                           + (f"; swept {len(swept)} leftover processes" if swept else ""))
-
-    def _watch_adopted(self, run: Run) -> None:
-        """(The adopted run's ``sg-engine-exit`` thread.)  Its exit, seen on its pidfd."""
-        fd, run.pidfd = run.pidfd, None
-        code, sig = adopt.wait_exit(fd) if fd is not None else (None, None)
-        t_exit = time.monotonic()
-
-        def exited() -> None:
-            run.exit = (code, sig)
-            run.t_exit = t_exit
-            run.ready = False
-        self._post(exited)
 
     def _hand_over(self) -> None:
         """(Supervisor thread, at exit.)  Leave the running engine for the next daemon: its state

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from sparkguard import proctree
-from sparkguard.supervisor import cluster, health, nodes, output, process
+from sparkguard.supervisor import adopt, cluster, health, nodes, output, process
 from sparkguard.supervisor.run import Run
 
 
@@ -18,8 +18,13 @@ class RunThreads:
     """What the threads of one run call on a :class:`Supervisor`."""
 
     def _watch_exit(self, run: Run) -> None:
-        """Record the root's exit status (not reaped: :func:`process.wait_exit`)."""
-        code, sig = process.wait_exit(run.pid)
+        """Record the root's exit status (not reaped: :func:`process.wait_exit`); for an adopted
+        run (not our child), its exit on the pidfd it was verified with, status unknown."""
+        if run.adopted:
+            fd, run.pidfd = run.pidfd, None
+            code, sig = adopt.wait_exit(fd) if fd is not None else (None, None)
+        else:
+            code, sig = process.wait_exit(run.pid)
         t_exit = time.monotonic()
 
         def exited() -> None:

@@ -143,3 +143,24 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     journal = guard_journal(c)
     assert re.search(r"stopping the engine: systemd is stopping the unit", journal), journal
     c.run("systemctl", "stop", "sg-poller", check=False)
+
+    # 4. a daemon still inside its stop when TimeoutStopSec runs out (an engine that ignores
+    #    SIGTERM, a grace longer than the timeout): systemd SIGKILLs the daemon, and ExecStopPost
+    #    (a stop job, no handover note) stops the engine's cgroup.  (SIGSTOP cannot stand in for a
+    #    hang: systemd sends SIGCONT after the SIGTERM, systemd.kill(5).)
+    c.write("/run/systemd/system/sparkguard.service.d/50-test-timeout.conf", "[Service]\nTimeoutStopSec=8s\n")
+    c.run("systemctl", "daemon-reload")
+    engine["command"] = cmd + ["--mode", "ignore-term"]
+    c.write(CONFIG_PATH, config("64MiB", tag, grace="20s") + "engine: " + json.dumps(engine) + "\n")
+    c.run("systemctl", "start", UNIT, timeout=60)
+    st = wait_for("a new engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
+                  timeout=60, interval=0.3)
+    pid, cg = st["pid"], st["tracking"]["cgroup"]
+    c.run("systemctl", "stop", UNIT, timeout=60)
+    wait_for("the engine of the killed daemon to be gone", lambda: not alive(c, pid), timeout=30)
+    p = c.show(UNIT, "Result", "ActiveState")
+    assert p["Result"] == "timeout", p
+    journal = guard_journal(c)
+    assert re.search(r"stop-post: a stop job and no handover note: the engine goes with the daemon; stopped "
+                     + re.escape(cg), journal), journal
+    assert c.run("test", "-e", cg, check=False).returncode != 0, f"{cg} was not removed"
