@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 
+from dockerd import dockerd, unique_name  # noqa: F401 - the session fixture
 from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, kill_pids, unique, wait_gone
 from sparkguard import proctree
 
@@ -276,3 +277,41 @@ def test_stop_post_keeps_on_a_note_or_without_a_stop_job(tmp_path):
     assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit))[1]
     os.unlink(note)
     assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit))[1]
+
+
+def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, monkeypatch):  # noqa: F811
+    """``engine.command: [docker, run, ...]`` (real dockerd, tests/dockerd.py): the client and its
+    container outlive the SIGKILLed daemon; the new one adopts the client, takes the container
+    from the state file, and `engine stop` still stops and removes the container."""
+    monkeypatch.setenv("DOCKER_HOST", dockerd.host)
+    tag, port = unique_name(), free_port()
+    argv = dockerd.fake_run(tag, "--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB", "--tp", "2",
+                            "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
+    cfg = engine_config(tmp_path, tag, argv, port)
+    made = []
+    try:
+        a = Daemon(tmp_path, cfg, name="a")
+        made.append(a)
+        a.wait_control()
+        pid = a.wait_ready(timeout=60)["pid"]
+        a.wait_line(r"container: container \w+", timeout=30)
+        [cid] = dockerd.containers(f"label=sgtest={tag}")
+        kill9(a)
+        b = Daemon(tmp_path, cfg, name="b")
+        made.append(b)
+        b.wait_control()
+        st = adopted_status(b, timeout=30)
+        assert st["adoption"]["result"] == "adopted" and st["pid"] == pid, st["adoption"]
+        state = json.loads((tmp_path / "engine-state.json").read_text())
+        assert state["engine"]["container"]["id"] == cid, state["engine"]
+        assert b.ctl("stop", sock_timeout=60)["ok"]
+        deadline = time.monotonic() + 30
+        while dockerd.containers(f"label=sgtest={tag}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not dockerd.containers(f"label=sgtest={tag}"), "the adopted engine's container was not removed"
+    finally:
+        for d in made:
+            d.stop()
+        ids = dockerd.containers(f"label=sgtest={tag}")
+        if ids:
+            dockerd.docker("rm", "-f", *ids, check=False)

@@ -148,7 +148,7 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     #    SIGTERM, a grace longer than the timeout): systemd SIGKILLs the daemon, and ExecStopPost
     #    (a stop job, no handover note) stops the engine's cgroup.  (SIGSTOP cannot stand in for a
     #    hang: systemd sends SIGCONT after the SIGTERM, systemd.kill(5).)
-    c.write("/run/systemd/system/sparkguard.service.d/50-test-timeout.conf", "[Service]\nTimeoutStopSec=8s\n")
+    c.write("/etc/systemd/system/sparkguard.service.d/50-test-timeout.conf", "[Service]\nTimeoutStopSec=8s\n")
     c.run("systemctl", "daemon-reload")
     engine["command"] = cmd + ["--mode", "ignore-term"]
     c.write(CONFIG_PATH, config("64MiB", tag, grace="20s") + "engine: " + json.dumps(engine) + "\n")
@@ -159,7 +159,7 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     c.run("systemctl", "stop", UNIT, timeout=60)
     wait_for("the engine of the killed daemon to be gone", lambda: not alive(c, pid), timeout=30)
     p = c.show(UNIT, "Result", "ActiveState")
-    assert p["Result"] == "timeout", p
+    assert p["Result"] == "timeout", f"{p}\n{guard_journal(c)}"
     journal = guard_journal(c)
     assert re.search(r"stop-post: a stop job and no handover note: the engine goes with the daemon; stopped "
                      + re.escape(cg), journal), journal
