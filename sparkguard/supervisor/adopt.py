@@ -62,7 +62,8 @@ class Record:
     older than adoption), wall_spawn (unix s: the run id), lane, argv (what was executed), ready
     (bool: it was ready when recorded), fifos / fifo_ids ({stream: path} / {stream: [dev, ino]}),
     container (the ``container.Container.as_dict()`` plus ``starttime``, or None), launch (the
-    container's ``Launch`` fields, or None).
+    container's ``Launch`` fields, or None), group (a TP head: node rank -> the run of each rank
+    it started with, :attr:`Run.group`).
     """
 
     pid: int
@@ -79,6 +80,7 @@ class Record:
     fifo_ids: dict = field(default_factory=dict)
     container: dict | None = None
     launch: dict | None = None
+    group: dict = field(default_factory=dict)
 
 
 def record_of(state: dict) -> tuple[Record | None, str]:
@@ -99,7 +101,8 @@ def record_of(state: dict) -> tuple[Record | None, str]:
                      fifos={str(k): str(v) for k, v in (e.get("fifos") or {}).items()},
                      fifo_ids={str(k): [int(x) for x in v][:2] for k, v in (e.get("fifo_ids") or {}).items()},
                      container=dict(e["container"]) if isinstance(e.get("container"), dict) else None,
-                     launch=dict(e["launch"]) if isinstance(e.get("launch"), dict) else None)
+                     launch=dict(e["launch"]) if isinstance(e.get("launch"), dict) else None,
+                     group={int(k): float(v) for k, v in (e.get("group") or {}).items()})
     except (KeyError, TypeError, ValueError, AttributeError) as ex:
         return None, f"the state file's engine record is unusable ({type(ex).__name__}: {ex})"
     if rec.pid <= 1 or rec.starttime <= 0:

@@ -106,6 +106,7 @@ class Adoption:
         run.adopted, run.pidfd, run.digest = True, v.pidfd, rec.digest
         run.pgid, run.starttime = rec.pgid or rec.pid, rec.starttime
         run.members = dict(rec.members)
+        run.group = dict(rec.group)         # a TP head: the ranks' runs it started with (peer verdicts)
         run.members[rec.pid] = rec.starttime
         if rec.cgroup and os.path.isdir(rec.cgroup):
             run.cgroup = cgroups.EngineCgroup(rec.cgroup)

@@ -71,7 +71,8 @@ def write_state(ecfg, lane: str | None, run) -> None:
         st["engine"].update({"cgroup": cg.path if cg is not None else None, "digest": getattr(run, "digest", ""),
                              "wall_spawn": run.wall_spawn, "lane": run.lane, "argv": list(run.argv),
                              "ready": bool(run.ready), "fifos": dict(getattr(run, "fifos", {})),
-                             "fifo_ids": dict(getattr(run, "fifo_ids", {})), "adopted": bool(getattr(run, "adopted", False))})
+                             "fifo_ids": dict(getattr(run, "fifo_ids", {})), "adopted": bool(getattr(run, "adopted", False)),
+                             "group": {str(k): v for k, v in dict(getattr(run, "group", {})).items()}})
         launch = getattr(run, "launch", None)
         if launch is not None:
             st["engine"]["launch"] = {"runtime": launch.runtime, "cidfile": launch.cidfile, "name": launch.name,
