@@ -8,7 +8,9 @@ One boot: sparkguard supervises the fake vLLM (tests/fakes) as configured in
    the guard's READY=1) is measured inside the container and printed;
 2. ``kill -9`` of the main pid: systemd restarts the unit (``Restart=always``), ExecStopPost
    leaves the engine (no stop job), the new daemon adopts it;
-3. ``systemctl stop sparkguard``: the engine is stopped with the daemon (``engine.on_daemon_stop: stop``).
+3. ``systemctl stop sparkguard``: the engine is stopped with the daemon (``engine.on_daemon_stop: stop``);
+4. a daemon killed by systemd inside its stop (TimeoutStopSec): ExecStopPost stops the engine's cgroup;
+5. ``engine.on_daemon_stop: keep``: the stop leaves the engine, the next start adopts it.
 
 The client saw no failed request during 1 and 2.
 """
@@ -182,3 +184,23 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     assert re.search(r"stop-post: a stop job and no handover note: the engine goes with the daemon; stopped "
                      + re.escape(cg), journal), journal
     assert c.run("test", "-e", cg, check=False).returncode != 0, f"{cg} was not removed"
+
+    # 5. engine.on_daemon_stop: keep: `systemctl stop` leaves the engine running (unguarded), the
+    #    runtime directory (and the FIFOs' paths) is removed by systemd; the next start adopts it
+    #    and re-attaches its output through /proc/PID/fd
+    engine["command"], engine["on_daemon_stop"] = cmd, "keep"
+    c.write(CONFIG_PATH, config("64MiB", tag, grace="2s") + "engine: " + json.dumps(engine) + "\n")
+    c.run("systemctl", "start", UNIT, timeout=60)
+    st = wait_for("a new engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
+                  timeout=60, interval=0.3)
+    pid = st["pid"]
+    c.run("systemctl", "stop", UNIT, timeout=60)
+    assert alive(c, pid), guard_journal(c)
+    assert c.run("test", "-e", "/run/sparkguard", check=False).returncode != 0, "RuntimeDirectory kept on stop?"
+    c.run("systemctl", "start", UNIT, timeout=60)
+    st = adopted(c, pid)
+    assert "could not be re-attached" not in st["adoption"]["detail"], st["adoption"]
+    journal = guard_journal(c)
+    assert re.search(r"keeping the engine running: systemd is stopping the unit \(engine.on_daemon_stop: keep\)",
+                     journal), journal
+    assert "engine: handover: pid %d kept running" % pid in journal, journal
