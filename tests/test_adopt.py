@@ -183,6 +183,37 @@ def test_changed_command_is_stopped_and_the_configured_one_started(daemons):
     assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
 
 
+def reload_with(d: Daemon, **guard) -> None:
+    """Rewrite the daemon's config file with ``guard`` keys changed and wait for the reload."""
+    import yaml
+    d.cfg["guard"].update(guard)
+    d.path.write_text(yaml.safe_dump(d.cfg, sort_keys=False))
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_line(r"reloaded ", timeout=20, start=mark)
+
+
+def test_the_guard_signals_an_adopted_engine_and_the_incident_says_adopted(daemons):
+    """The guard's target is the adopted run: a line placed above MemAvailable (no memory is
+    allocated) makes the guard SIGTERM it; the incident's engine part says ``adopted``; once the
+    line is back below, the incident closes and the engine is restarted (reason ``guard``)."""
+    from conftest import mem_available
+    model, port = unique(), free_port()
+    a, pid = ready_then_killed(daemons, model, port)
+    b = daemons("b", model, port)
+    adopted_status(b)
+    mark = b.mark()
+    reload_with(b, term_below=mem_available() + 800 * 1024**2, grace="5s")
+    b.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
+    assert wait_gone([pid], 15) == [], b.output()
+    reload_with(b, term_below="128MiB")
+    inc = b.incident("memory", start=mark, timeout=30)
+    assert inc["engine"]["pid"] == pid and inc["engine"].get("adopted") is True, inc["engine"]
+    assert [e["event"] for e in inc["timeline"]][:2] == ["crossed", "sigterm"], inc["timeline"]
+    st = b.wait_ready(after=1, timeout=40)
+    assert st["pid"] != pid and st["restarts"]["guard"] == 1 and st["adopted"] is False, st
+
+
 # ---- the decisions, on real processes and files (no daemon) ------------------------------------
 
 def _ecfg(**kw):

@@ -64,7 +64,12 @@ class Adoption:
         kept = handover.read_note(note)
         handover.remove_note(note)
         lane = self.lane
-        argv, env = lanes.command(self.cfg, lane)
+        try:
+            argv, env = lanes.command(self.cfg, lane)
+        except KeyError as e:           # engine.user does not exist (the start will say so too)
+            log.error("engine: cannot build the engine's command (%s); nothing is adopted", e)
+            self._sweep_previous()
+            return False
         v = adopt.check(self.previous_state, sysinfo.boot_id(), adopt.command_digest(argv, self.ecfg, lane))
         if not v.result:
             self._sweep_previous()
