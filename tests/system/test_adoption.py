@@ -6,13 +6,15 @@ One boot: sparkguard supervises the fake vLLM (tests/fakes) as configured in
 1. ``systemctl restart sparkguard``: the daemon asks systemd for its job (``restart``), keeps the
    engine, the new daemon adopts it; the time from the restart to the adopted engine ready (and
    the guard's READY=1) is measured inside the container and printed;
-2. ``kill -9`` of the main pid: systemd restarts the unit (``Restart=always``), ExecStopPost
-   leaves the engine (no stop job), the new daemon adopts it;
+2. ``kill -9`` of the main pid, then a SIGSTOPped daemon aborted by the watchdog: systemd
+   restarts the unit (``Restart=always``), ExecStopPost leaves the engine (no stop job), the new
+   daemon adopts it;
 3. ``systemctl stop sparkguard``: the engine is stopped with the daemon (``engine.on_daemon_stop: stop``);
 4. a daemon killed by systemd inside its stop (TimeoutStopSec): ExecStopPost stops the engine's cgroup;
 5. ``engine.on_daemon_stop: keep``: the stop leaves the engine, the next start adopts it.
 
 The client saw no failed request during 1 and 2.
+
 """
 
 from __future__ import annotations
@@ -154,6 +156,16 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     adopted(c, pid)
     journal = guard_journal(c)
     assert re.search(r"stop-post: no stop job \(service result signal\): left for the next daemon", journal), journal
+
+    # 2b. a wedged daemon (SIGSTOP): the unit's watchdog (WatchdogSec=5s) aborts it, systemd
+    #     restarts it, the engine is adopted again
+    main = int(c.show(UNIT, "MainPID")["MainPID"])
+    c.run("kill", "-STOP", str(main))
+    wait_for("the watchdog's restart", lambda: int(c.show(UNIT, "MainPID")["MainPID"]) not in (0, main), timeout=40)
+    adopted(c, pid)
+    journal = guard_journal(c)
+    assert re.search(r"Watchdog timeout", journal) and re.search(
+        r"stop-post: no stop job \(service result watchdog\): left for the next daemon", journal), journal
     poll = json.loads(c.run("cat", "/var/tmp/poll.json").stdout)
     assert poll["fail"] == 0 and poll["ok"] > 20, poll
 
