@@ -346,3 +346,32 @@ def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, mo
         ids = dockerd.containers(f"label=sgtest={tag}")
         if ids:
             dockerd.docker("rm", "-f", *ids, check=False)
+
+
+def test_a_rolling_restart_of_sparkguard_node_by_node_keeps_the_tp_group(tmp_path):
+    """A 2-node TP cluster (network namespaces, tests/netcluster.py): each node's sparkguard in
+    turn exits keeping its engine (SIGUSR2, as a restart under systemd does) and a new one adopts
+    it, the headless rank first, then the head.  No engine restarts: every node keeps its run,
+    the head's group still lists the rank's run, and the head serves completions after each step."""
+    from netcluster import Cluster, SparkguardNode
+    from test_cluster import completion_ok, one_generation, up, wait_until
+    with Cluster(2) as c:
+        ds = up(c, tmp_path)
+        one_generation(ds)
+        runs = [d.status()["run_start"] for d in ds]
+        pids = [d.status()["pid"] for d in ds]
+        for k in (1, 0):
+            old = ds[k]
+            old.proc.send_signal(signal.SIGUSR2)
+            assert old.proc.wait(30) == 0, old.output()
+            new = SparkguardNode(c.nodes[k], old.cfg, old.tmp_path, name=f"again{k}")
+            new.engine_pids.update(old.engine_pids)
+            new.wait_control(60)
+            st = adopted_status(new, timeout=60)
+            assert st["adoption"]["result"] == "adopted" and st["pid"] == pids[k], st["adoption"]
+            ds[k] = new
+            wait_until(lambda: all(d.status()["state"] == "ready" for d in ds), 30, "every rank ready")
+            assert completion_ok(c.hub, c.nodes[0].addr, c.model, timeout=5), f"node {k}: the head does not serve"
+        one_generation(ds)
+        assert [d.status()["run_start"] for d in ds] == runs, "an engine was restarted"
+        assert all(sum(d.status()["restarts"].values()) == 0 for d in ds), [d.status()["restarts"] for d in ds]
