@@ -156,7 +156,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         if self.control is not None:
             self.control.stop()
 
-        def quit_() -> None:
+        def quit_() -> None:      # (event) the daemon is stopping: stop (or keep) the engine, end the thread
             self.keep_engine, self.keep_why = keep, why
             self.quit = True
         self._call(quit_, 0.0)
@@ -206,10 +206,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
     def _incident_closed(self) -> None:
         """(Event.) The guard incident is closed: starts may go on."""
         self.incident_open = False
-
-    def _quit(self) -> None:
-        """(Event.) The daemon is stopping: stop the engine and end the thread."""
-        self.quit = True
 
     def take_incident(self, incident) -> bool:
         """The guard closed ``incident`` (a ``model.Incident``) and hands it over: from this call
