@@ -375,3 +375,11 @@ def test_a_rolling_restart_of_sparkguard_node_by_node_keeps_the_tp_group(tmp_pat
         one_generation(ds)
         assert [d.status()["run_start"] for d in ds] == runs, "an engine was restarted"
         assert all(sum(d.status()["restarts"].values()) == 0 for d in ds), [d.status()["restarts"] for d in ds]
+
+
+def test_the_note_is_in_the_units_runtime_directory_whatever_the_control_socket():
+    from sparkguard.supervisor import handover
+    e = _ecfg(control_socket="/srv/sg/control.sock")
+    assert handover.note_path(e, {"RUNTIME_DIRECTORY": "/run/sparkguard:/run/other"}) == \
+        "/run/sparkguard/engine-handover.json"
+    assert handover.note_path(e, {}) == "/srv/sg/engine-handover.json"

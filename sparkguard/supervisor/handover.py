@@ -13,8 +13,8 @@ When the daemon is asked to exit it decides whether its engine goes with it (:fu
   (what ``SIGTERM`` always did).
 
 A daemon that keeps its engine writes a handover note (:func:`write_note`: the run's pid, start
-time, boot id and cgroup) beside its control socket, in the runtime directory that
-``RuntimeDirectoryPreserve=restart`` keeps across restarts.  The unit's ``ExecStopPost=sparkguard
+time, boot id and cgroup) in the unit's runtime directory (``/run/sparkguard``, which
+``RuntimeDirectoryPreserve=restart`` keeps across restarts; beside the control socket outside systemd).  The unit's ``ExecStopPost=sparkguard
 stop-post`` (:func:`stop_post`) runs after every stop of the daemon, also when it died or hung:
 on a stop job it kills the unit's engine cgroups unless a note names a live engine (the daemon
 kept it on purpose, ``engine.on_daemon_stop: keep``); on a restart or after a crash (no job:
@@ -44,9 +44,18 @@ DEFAULT_NOTE = "/run/sparkguard/" + NOTE_NAME
 SWEEP_GRACE = 5.0          #: seconds between SIGTERM and SIGKILL of a left engine cgroup (stop-post)
 
 
-def note_path(ecfg) -> str:
-    """The handover note's path: beside ``engine.control_socket`` (the runtime directory)."""
-    return os.path.join(os.path.dirname(ecfg.control_socket), NOTE_NAME)
+def runtime_dir(env=None) -> str | None:
+    """The unit's runtime directory: the first of ``$RUNTIME_DIRECTORY`` (systemd sets it for
+    ``RuntimeDirectory=``, colon-separated: systemd.exec(5)), None outside such a unit."""
+    env = os.environ if env is None else env
+    first = (env.get("RUNTIME_DIRECTORY") or "").split(":")[0]
+    return first or None
+
+
+def note_path(ecfg, env=None) -> str:
+    """The handover note's path: in the unit's runtime directory (:func:`runtime_dir`, where
+    ExecStopPost looks), else beside ``engine.control_socket``."""
+    return os.path.join(runtime_dir(env) or os.path.dirname(ecfg.control_socket), NOTE_NAME)
 
 
 def under_systemd(env=None) -> bool:
@@ -193,7 +202,8 @@ def stop_post(note: str, job: str | None, service_result: str, directory: str | 
 def register(sub) -> None:
     """``sparkguard stop-post``: the unit's ExecStopPost (module doc)."""
     p = sub.add_parser("stop-post", help="(the unit's ExecStopPost) stop engine cgroups a stopped daemon left")
-    p.add_argument("--note", default=DEFAULT_NOTE, help=f"the handover note (default {DEFAULT_NOTE})")
+    p.add_argument("--note", default=None, help=f"the handover note (default $RUNTIME_DIRECTORY/{NOTE_NAME}, "
+                   f"else {DEFAULT_NOTE})")
     p.set_defaults(func=_main)
 
 
@@ -201,6 +211,7 @@ def _main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     unit = unit_name()
     job = unit_job(unit, 5.0) if unit else None
-    stopped, why = stop_post(args.note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir())
+    note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
+    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir())
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
     return 0
