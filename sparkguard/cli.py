@@ -29,6 +29,7 @@ COMMANDS = {
     "tune": "sparkguard.host.cli",
     "doctor": "sparkguard.host.cli",
     "engine": "sparkguard.control",      # engine status|start|stop|restart|lane
+    "stop-post": "sparkguard.supervisor.handover",   # the unit's ExecStopPost
     "drill": "sparkguard.drill",
     "cluster": "sparkguard.cluster.cli",  # cluster status|incidents|lane|stop|start|restart
     "completion": "sparkguard.docgen",    # completion bash|zsh (shtab)

@@ -425,7 +425,10 @@ def test_headless_rank_restarted_when_its_head_goes_away(tmp_path):
             d.cleanup()
 
 
-def test_engine_left_by_a_killed_daemon_is_swept_before_the_new_start(tmp_path):
+def test_engine_left_by_a_killed_daemon_with_another_command_is_stopped_before_the_new_start(tmp_path):
+    """The daemon dies; the new one's config asks for another command: the engine it left is ours
+    (verified: tests/test_adopt.py) but not adopted; it is stopped, and its tree gone, before the
+    configured engine starts.  (With the same command it is adopted: tests/test_adopt.py.)"""
     model, port = unique(), free_port()
     cfg = engine_config(tmp_path, model, fake_cmd(model, port), port)
     d = Daemon(tmp_path, cfg)
@@ -433,17 +436,20 @@ def test_engine_left_by_a_killed_daemon_is_swept_before_the_new_start(tmp_path):
     try:
         d.wait_control()
         d.wait_ready()
+        d.wait_line(r"fake-vllm: ready pids=")
         old = list(d.engine_pids)
         d.proc.kill()                      # the daemon dies; its engine keeps running, reparented
         d.proc.wait(10)
         assert all(os.path.exists(f"/proc/{p}") for p in old)
-        d2 = Daemon(tmp_path, cfg, name="again")
+        cfg2 = engine_config(tmp_path, model, fake_cmd(model, port, "--load-time", "0.1"), port)
+        d2 = Daemon(tmp_path, cfg2, name="again")
         d2.wait_control()
         st = d2.wait_ready()
         assert wait_gone(old, 5) == [], "the old engine is still running"
         assert st["pid"] not in old and http_get(f"http://127.0.0.1:{port}/health")[0] == 200
-        sweep = history(st, "sweep")
-        assert sweep and f"{len(old)} leftover processes" in sweep[0]["detail"]
+        assert st["adoption"]["result"] == "changed", st["adoption"]
+        stopped = history(st, "sigterm")
+        assert stopped and f"pid {old[0]}" in stopped[0]["detail"], st["history"]
     finally:
         d.cleanup()
         if d2 is not None:

@@ -79,6 +79,10 @@ class EngineConfig:
     head_lost_after: float = 60.0
     give_up_after: int = 3
     give_up_window: float = 7200.0
+    # when the daemon exits: keep the engine running for the next daemon to adopt, or stop it
+    # (sparkguard.supervisor.handover, docs/adoption.md)
+    on_daemon_restart: str = "keep"    # "keep" | "stop": systemd restarts the unit
+    on_daemon_stop: str = "stop"       # "stop" | "keep": systemd stops the unit
 
     @property
     def enabled(self) -> bool:

@@ -184,6 +184,8 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "head_lost_after": duration(MIN_TICK, DAY),
         "give_up_after": int_range(0, 1000),
         "give_up_window": duration(MIN_TICK, 7 * DAY),
+        "on_daemon_restart": choice("keep", "stop"),
+        "on_daemon_stop": choice("stop", "keep"),
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

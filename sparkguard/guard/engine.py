@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from sparkguard.supervisor import handover
 from sparkguard.supervisor.core import Supervisor
 
 log = logging.getLogger("sparkguard")
@@ -59,7 +60,12 @@ class Engine:
         if self.supervisor is not None and mark_unhealthy:
             self.supervisor.link_event(inc.get("outcome") == "link_down", str(inc.get("summary") or ""))
 
-    def stop(self) -> None:
-        """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits."""
+    def stop(self, keep_signal: bool = False) -> None:
+        """Stop the engine (SIGTERM, grace, SIGKILL) before the daemon exits, or keep it running
+        for the next daemon (``keep_signal``: SIGUSR2; a restart under systemd with
+        ``engine.on_daemon_restart: keep``...: :func:`handover.decide`, which may ask systemd for
+        its job: up to 1 s, after the poll loop has ended)."""
         if self.supervisor is not None:
-            self.supervisor.stop()
+            keep, why = handover.decide(self.supervisor.ecfg, keep_signal)
+            log.info("engine: %s: %s", "keeping the engine running" if keep else "stopping the engine", why)
+            self.supervisor.stop(keep=keep, why=why)

@@ -61,6 +61,7 @@ class Guard:
         self.reloader = None
         self.psi_fd = None
         self.stopping = False
+        self.keep_engine = False    # SIGUSR2: the supervised engine outlives this daemon
         self._flags: set[int] = set()
         self.avail = self.swap_free = self.value = 0
         self.poll_count = 0         # timed (full) passes; poll_sum is their total seconds
@@ -107,7 +108,7 @@ class Guard:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         if self.metrics is not None:      # a change before this is in the first STATUS= (loop())
             self.metrics.on_change = self._status_changed
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):   # USR2: exit, keep the engine
             signal.signal(sig, self._on_signal)
         self.reloader = reconfig.Reloader(self.config_arg, self.force_dry_run, self.notifier.reloading,
                                           self._reload_read)
@@ -352,7 +353,8 @@ class Guard:
             self.finish_reload()
         if signal.SIGHUP in flags:
             self.reloader.begin()
-        if flags & {signal.SIGTERM, signal.SIGINT}:
+        if flags & {signal.SIGTERM, signal.SIGINT, signal.SIGUSR2}:
+            self.keep_engine = signal.SIGUSR2 in flags      # exit and leave the engine to the next daemon
             self.stopping = True
             self.notifier.stopping()
             log.info("stopping (signal)")
@@ -424,7 +426,7 @@ class Guard:
         return not error
 
     def _shutdown(self) -> int:
-        self.engine.stop()
+        self.engine.stop(self.keep_engine)
         if self.recorder is not None and self.recorder.incident is not None:
             self.actions.close_incident(time.monotonic(), self.value,
                                         recovered=self.value >= self.cfg.guard.term_below, stopped=True)

@@ -81,6 +81,8 @@ HELP: dict[str, str] = {
     "engine.head_lost_after": "How long the head may fail (after it had answered) before this rank restarts.",
     "engine.give_up_after": "Failed starts (runs that fail before they are ready) that stop the supervisor; 0: never.",
     "engine.give_up_window": "... counted within this window; `sparkguard engine start` tries again.",
+    "engine.on_daemon_restart": "systemctl restart sparkguard: keep the engine for the next daemon to adopt, or stop.",
+    "engine.on_daemon_stop": "systemctl stop sparkguard: stop the engine, or keep it running unguarded.",
     "link": "TP fabric links watched through netlink.",
     "link.interfaces": "Interface names (the ConnectX-7 ports); empty: no link watch.",
     "link.down_after": "How long a link must stay down before it is an incident.",

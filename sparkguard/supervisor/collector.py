@@ -14,7 +14,8 @@ class EngineCollector:
     ``sparkguard_engine_lane_info{lane}``, ``sparkguard_engine_time_to_ready_seconds`` (last start;
     absent until one was ready), ``sparkguard_engine_quiesce_wait_seconds`` (last start),
     ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none),
-    ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group).
+    ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group),
+    ``sparkguard_engine_adoptions_total{result}`` (:mod:`.adoptrun`).
 
     Args:
         sup: anything with ``status() -> dict`` shaped like :meth:`Supervisor.status`.
@@ -48,6 +49,14 @@ class EngineCollector:
         yield GaugeMetricFamily(P + "restart_backoff_seconds", "Delay before the pending automatic restart "
                                 "(grows in a crash loop), 0 when none.",
                                 value=float(s["backoff"] if s["state"] == "backoff" else 0.0))
+        if "adoptions" in s:
+            c = CounterMetricFamily(P + "adoptions", "Engines a previous sparkguard left running, by what this "
+                                    "daemon did at start: adopted, refused (identity not verified), changed "
+                                    "(another command configured: stopped), gone (no longer running).",
+                                    labels=["result"])
+            for r, n in s["adoptions"].items():
+                c.add_metric([r], float(n))
+            yield c
         t = s.get("tracking")
         if t:
             i = InfoMetricFamily(P + "tracking", "How the engine's processes are tracked: mode cgroup (a cgroup of "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -31,7 +32,8 @@ from typing import Callable
 from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import cluster, container, health, lanes, nodes, output, process, reports
+from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, nodes, output, process, reports
+from sparkguard.supervisor.adoptrun import Adoption
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
@@ -47,7 +49,7 @@ HISTORY = 50             # status history entries kept
 STALE_CGROUP_AGE = 60.0  # seconds: an empty engine-<run id> cgroup older than this at start is removed
 
 
-class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
+class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
     """Starts, watches and restarts one engine.
 
     Args:
@@ -118,6 +120,10 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         self.previous_state: dict = {}
         self.thread: threading.Thread | None = None
         self.control = None
+        self.keep_engine = False              # exit keeping the engine (handover.decide); set with quit
+        self.keep_why = ""
+        self.adoption: dict | None = None     # what the start-up adoption found (status "adoption")
+        self.adoptions = {r: 0 for r in adopt.RESULTS}
         self.sink = output.LogSink(self.ecfg.log, self.ecfg.journal_socket,
                                    self.ecfg.identifier or output.identifier_for(self.ecfg.command))
 
@@ -142,13 +148,18 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         self.thread = threading.Thread(target=self._main, name="sg-supervisor", daemon=True)
         self.thread.start()
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, keep: bool = False, why: str = "") -> None:
         """Stop the engine (SIGTERM, ``guard.grace``, SIGKILL of the tree and leftovers), flush
         pending incident reports, close the control socket.  Blocks up to ``timeout`` seconds
-        (default grace * 2 + 10)."""
+        (default grace * 2 + 10).  ``keep``: leave a running engine running for the next daemon
+        to adopt (its state file and a handover note written: :mod:`.handover`); ``why`` says why."""
         if self.control is not None:
             self.control.stop()
-        self._call(self._quit, 0.0)
+
+        def quit_() -> None:      # (event) the daemon is stopping: stop (or keep) the engine, end the thread
+            self.keep_engine, self.keep_why = keep, why
+            self.quit = True
+        self._call(quit_, 0.0)
         if self.thread is not None:
             self.thread.join(timeout if timeout is not None else self.cfg.guard.grace * 2 + 10)
         self._flush("daemon stopping")
@@ -196,10 +207,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         """(Event.) The guard incident is closed: starts may go on."""
         self.incident_open = False
 
-    def _quit(self) -> None:
-        """(Event.) The daemon is stopping: stop the engine and end the thread."""
-        self.quit = True
-
     def take_incident(self, incident) -> bool:
         """The guard closed ``incident`` (a ``model.Incident``) and hands it over: from this call
         on the supervisor owns it (the guard keeps no reference).  Adds the engine's state and
@@ -246,6 +253,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         pl = self.placement or cgroups.Placement(cgroups.PGROUP, None, "not decided yet")
         # the current run's mode; between runs, the mode the next start will use
         in_cgroup = cg is not None if run is not None else pl.mode == cgroups.CGROUP
+        st["adoption"] = self.adoption       # what the start-up adoption found (supervisor.adoptrun)
+        st["adoptions"] = dict(self.adoptions)
+        st["adopted"] = bool(run is not None and run.adopted)
         st["tracking"] = {"mode": cgroups.CGROUP if in_cgroup else cgroups.PGROUP,
                           "cgroup": cg.path if cg is not None else None, "parent": pl.parent,
                           "detail": cgroups.describe(pl, cg, run=run is not None)}
@@ -255,7 +265,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
 
     def _main(self) -> None:
         try:
-            self._sweep_previous()
+            if self._adopt_previous():
+                self._supervise()
             while True:
                 with self.cv:
                     self._apply_events()
@@ -293,23 +304,31 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             log.exception("engine supervisor failed; the guard keeps running without it")
             self._set("failed", "supervisor error (see the daemon's log)")
         finally:
-            if self.run is not None and self.run.exit is None:
-                self._terminate("shutdown")
-                self._await_exit(self.cfg.guard.grace + 10)
-            if self.run is not None:
-                self._after_run()
+            if self.keep_engine and self.run is not None and self.run.exit is None and self.run.term_reason is None:
+                self._hand_over()           # (an engine already being stopped is stopped: below)
+            else:
+                if self.run is not None and self.run.exit is None:
+                    self._terminate("shutdown")
+                    self._await_exit(self.cfg.guard.grace + 10)
+                if self.run is not None:
+                    self._after_run()
             self._flush("daemon stopping")
 
     def _spawn(self) -> None:
         e = self.ecfg
         argv, env = lanes.command(self.cfg, self.lane)
+        digest = adopt.command_digest(argv, e, self.lane)
         reason = self.next_reason
         wall = time.time()
         cg = cgroups.EngineCgroup.create(self.placement, round(wall, 3)) if self.placement else None
+        fifos, child_fds, streams = self._make_fifos(f"{wall:.3f}")
         try:
             argv, launch = container.for_engine(argv, env, e, self.cfg.guard.grace)
-            proc = process.spawn(argv, env, e.cwd, e.user, cgroup=cg)
+            proc = process.spawn(argv, env, e.cwd, e.user, cgroup=cg, out=child_fds or None)
         except (OSError, ValueError) as ex:
+            for r in streams.values():
+                r.close()
+            output.remove_fifos(fifos)
             if cg is not None:
                 cg.remove()
             log.error("engine: cannot start %s: %s", argv, ex)
@@ -321,6 +340,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
                 else:
                     self._schedule_restart("exit", failure=True, uptime=0.0)
             return
+        finally:
+            for fd in child_fds.values():       # the engine holds its own copies now
+                os.close(fd)
         role = cluster.role_of(argv)
         if cg is not None and not cg.entered:
             cg.remove()
@@ -328,6 +350,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         run = Run(proc, self.lane, argv, reason, e.log_lines, role, wall_spawn=wall)
         run.launch = launch
         run.cgroup = cg
+        run.digest = digest
+        run.fifos, run.streams = fifos, streams
+        run.fifo_ids = {k: output.fifo_identity(v.fileno()) for k, v in streams.items()}
         if role.role == "head":
             run.group = {v.node_rank: v.run for v in self.start_views if cluster.waiting_for_head(v)}
         p = proctree.read_proc(run.pid)
@@ -389,6 +414,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             with self.cv:
                 if run.exit is not None:
                     break
+                if self.quit and self.keep_engine:
+                    return                      # the daemon exits keeping the engine (_hand_over)
                 if self.quit:
                     why = "shutdown"
                 elif self.want != "run":
@@ -467,11 +494,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         for t in run.threads:
             if t is not threading.current_thread():
                 t.join(2.0)
-        for stream in (run.proc.stdout, run.proc.stderr):
+        for stream in (run.proc.stdout, run.proc.stderr, *run.streams.values()):
             try:
                 stream.close()
             except (OSError, AttributeError):
                 pass
+        output.remove_fifos(run.fifos)
         code = run.exit[0] if run.exit is not None else None
         counts = True
         if run.role.role == "headless" and self.ecfg.peers:
@@ -484,6 +512,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             rec["detail"] += f"; swept {len(swept)} leftover processes"
         if ctr_detail:
             rec["detail"] += f"; {ctr_detail}"
+        if run.adopted:
+            rec["detail"] += "; adopted from a previous sparkguard: not its child, exit status unknown"
         rec["reason"] = reason or run.term_reason
         with self.cv:
             run.exit_info = rec

@@ -2,7 +2,8 @@
 
 A lane (``engine.lanes: {name: {args, env}}``) appends its ``args`` to ``engine.command`` and
 merges its ``env`` over ``engine.env``; switching lanes is a restart.  The current lane and the
-running engine's identity (pid, pgid, start time, every member seen) are kept in
+running engine's identity (pid, pgid, start time, every member seen; and for adoption its run
+cgroup, command digest, run id, ready flag and output FIFOs: :mod:`.adopt`) are kept in
 ``engine.state_file`` (JSON, written atomically), so that the lane survives a daemon restart and
 a new daemon can sweep an engine that a killed one left running (same boot only).
 """
@@ -64,7 +65,18 @@ def write_state(ecfg, lane: str | None, run) -> None:
         st["engine"] = {"pid": run.pid, "pgid": run.pgid, "starttime": run.starttime,
                         "members": {str(k): v for k, v in dict(run.members).items()}}
         if run.container is not None:     # a docker|podman run engine: what names its container
-            st["engine"]["container"] = run.container.as_dict()
+            st["engine"]["container"] = dict(run.container.as_dict(), starttime=run.container.starttime)
+        # what a later daemon checks before it adopts the run (sparkguard.supervisor.adopt)
+        cg = getattr(run, "cgroup", None)
+        st["engine"].update({"cgroup": cg.path if cg is not None else None, "digest": getattr(run, "digest", ""),
+                             "wall_spawn": run.wall_spawn, "lane": run.lane, "argv": list(run.argv),
+                             "ready": bool(run.ready), "fifos": dict(getattr(run, "fifos", {})),
+                             "fifo_ids": dict(getattr(run, "fifo_ids", {})), "adopted": bool(getattr(run, "adopted", False)),
+                             "group": {str(k): v for k, v in dict(getattr(run, "group", {})).items()}})
+        launch = getattr(run, "launch", None)
+        if launch is not None:
+            st["engine"]["launch"] = {"runtime": launch.runtime, "cidfile": launch.cidfile, "name": launch.name,
+                                      "user_name": launch.user_name}
     path = ecfg.state_file
     try:
         atomic_write(path, json.dumps(st))

@@ -13,6 +13,7 @@ import logging
 import os
 import selectors
 import socket
+import stat
 import sys
 import time
 from typing import Callable
@@ -156,11 +157,14 @@ def pump(stdout, stderr, on_line: Callable[[str, bytes], None],
     rate = MAX_LINES_PER_SECOND if max_rate is None else max_rate
     sel = selectors.DefaultSelector()
     bufs = {}
+    open_fds = 0
     for name, f in (("stdout", stdout), ("stderr", stderr)):
+        if f is None:           # a stream that could not be re-attached after an adoption
+            continue
         os.set_blocking(f.fileno(), False)
         sel.register(f.fileno(), selectors.EVENT_READ, name)
         bufs[name] = b""
-    open_fds = 2
+        open_fds += 1
     window, passed, dropped = clock(), 0, 0
     try:
         while open_fds:
@@ -224,3 +228,123 @@ def _dropped_line(n: int, rate: int) -> bytes:
 def decode(raw: bytes) -> str:
     """One output line as text: a trailing CR dropped, invalid UTF-8 replaced."""
     return raw.rstrip(b"\r").decode("utf-8", "replace")
+
+
+# ---- output that outlives the daemon: a FIFO per stream --------------------------------------
+#
+# With plain pipes the daemon holds the only read end: when it dies, the engine's next write
+# gets EPIPE (SIGPIPE kills a process that does not ignore it: pipe(7)).  Instead each stream is
+# a FIFO (fifo(7)) in the runtime directory that the engine holds open read-write (the daemon
+# opens it O_RDWR and passes that as the child's stdout/stderr), so a reader always exists: with
+# no daemon the engine's writes only block once the pipe buffer is full (raised to
+# /proc/sys/fs/pipe-max-size with F_SETPIPE_SZ, fcntl(2)).  The daemon reads through its own
+# O_RDONLY|O_NONBLOCK open; a new daemon re-opens it (through /proc/PID/fd/N, which opens the
+# same FIFO even when its path was removed: proc(5) /proc/pid/fd).  EOF still comes once every
+# engine process has closed it (the engine's own read-write open counts as a writer).
+
+F_SETPIPE_SZ = 1031          #: fcntl(2), linux/fcntl.h (F_LINUX_SPECIFIC_BASE + 7)
+PIPE_MAX_SIZE = "/proc/sys/fs/pipe-max-size"
+STREAMS = ("stdout", "stderr")
+
+
+class Fd:
+    """A raw file descriptor with the ``fileno()``/``close()`` of a file object (what :func:`pump` reads)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _pipe_max(path: str = PIPE_MAX_SIZE) -> int:
+    try:
+        with open(path) as f:
+            return max(4096, min(int(f.read().strip()), 64 << 20))
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+def fifo_identity(fd_or_path) -> list[int] | None:
+    """``[st_dev, st_ino]`` of an open fd or a path when it is a FIFO, else None (never raises)."""
+    try:
+        s = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path)
+    except OSError:
+        return None
+    return [s.st_dev, s.st_ino] if stat.S_ISFIFO(s.st_mode) else None
+
+
+def make_fifos(directory: str, tag: str) -> tuple[dict[str, str], dict[str, int], dict[str, Fd]]:
+    """Make ``engine-<tag>.stdout`` / ``.stderr`` FIFOs (mode 0600) in ``directory``.
+
+    Returns ``(paths, child_fds, readers)``: the paths; read-write fds to hand to the engine as
+    its stdout/stderr (the caller closes them once it has spawned); this daemon's non-blocking
+    read ends.  Raises OSError (the directory is not writable, no FIFO support).
+    """
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    paths, child, readers = {}, {}, {}
+    size = _pipe_max()
+    try:
+        for name in STREAMS:
+            path = os.path.join(directory, f"engine-{tag}.{name}")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            os.mkfifo(path, 0o600)
+            paths[name] = path
+            child[name] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fcntl_setpipe(child[name], size)
+            except OSError as e:          # pipe-user-pages-soft reached: keep the default 64 KiB
+                log.debug("F_SETPIPE_SZ %d on %s: %s", size, path, e)
+            readers[name] = Fd(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+    except OSError:
+        for fd in child.values():
+            os.close(fd)
+        for r in readers.values():
+            r.close()
+        remove_fifos(paths)
+        raise
+    return paths, child, readers
+
+
+def fcntl_setpipe(fd: int, size: int) -> None:
+    """Raise the pipe buffer of ``fd`` to ``size`` bytes (F_SETPIPE_SZ).  Raises OSError."""
+    import fcntl
+    fcntl.fcntl(fd, F_SETPIPE_SZ, size)
+
+
+def reopen_fifos(pid: int, paths: dict[str, str], identity: dict[str, list[int]]) -> tuple[dict[str, Fd], str]:
+    """Re-attach to a running engine's output FIFOs: for each stream the FIFO at ``/proc/PID/fd/1``
+    (``2``) when it is the recorded one (``identity``: ``[st_dev, st_ino]``), else the recorded
+    path when that is.  Returns ``(readers, why)``: non-blocking read ends of the streams found,
+    and for the ones not found why not ("" when all were)."""
+    readers: dict[str, Fd] = {}
+    why = []
+    for n, name in enumerate(STREAMS, start=1):
+        want = identity.get(name)
+        for cand in (f"/proc/{pid}/fd/{n}", paths.get(name)):
+            if name in readers or not cand or not want or fifo_identity(cand) != list(want):
+                continue
+            try:
+                readers[name] = Fd(os.open(cand, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            except OSError as e:
+                why.append(f"{name}: {cand}: {e.strerror}")
+        if name not in readers:
+            why.append(f"{name}: neither the engine's fd {n} nor {paths.get(name)} is the recorded FIFO")
+    return readers, "; ".join(why)
+
+
+def remove_fifos(paths: dict[str, str]) -> None:
+    """Unlink the FIFOs (absent is fine)."""
+    for path in (paths or {}).values():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

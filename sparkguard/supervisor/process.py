@@ -48,8 +48,9 @@ def passwd(user: str):
 
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | None,
-          cgroup: cgroups.EngineCgroup | None = None):
-    """Start the engine: own session and process group, stdin /dev/null, stdout/stderr pipes,
+          cgroup: cgroups.EngineCgroup | None = None, out: dict[str, int] | None = None):
+    """Start the engine: own session and process group, stdin /dev/null, stdout/stderr pipes
+    (or the fds ``out["stdout"]``/``out["stderr"]``: the FIFOs of :func:`output.make_fifos`),
     oom_score_adj 0 (:data:`WRAPPER`), nice 0 (the guard's raised priority is not inherited), as
     ``user`` (uid, gid and its groups) when given; in ``cgroup`` before it executes
     (:data:`WRAPPER_CGROUP`; ``cgroup.entered`` False: it could not be moved and runs outside).
@@ -67,13 +68,15 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, user: str | Non
     # inherit it and compete with the guard or outrank sshd; nice(1) execs, the pid stays the engine's
     prio = os.getpriority(os.PRIO_PROCESS, 0)
     renice = ["nice", "-n", str(-prio)] if prio < 0 else []
+    if out is not None:
+        kw.update(stdout=out["stdout"], stderr=out["stderr"])
+    else:
+        kw.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if cgroup is None:
-        return subprocess.Popen(list(WRAPPER) + renice + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
-                                close_fds=True, **kw)
-    proc = subprocess.Popen(list(WRAPPER_CGROUP) + renice + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
-                            close_fds=True, **kw)
+        return subprocess.Popen(list(WRAPPER) + renice + argv, stdin=subprocess.DEVNULL, cwd=cwd, env=env,
+                                start_new_session=True, close_fds=True, **kw)
+    proc = subprocess.Popen(list(WRAPPER_CGROUP) + renice + argv, stdin=subprocess.PIPE, cwd=cwd, env=env,
+                            start_new_session=True, close_fds=True, **kw)
     cgroup.enter(proc.pid)
     try:
         proc.stdin.write(b"go\n")

@@ -40,6 +40,9 @@ def describe(state: dict | None) -> list[str]:
         out.append("  command: " + " ".join(s["command"])[:200])
     if s.get("tracking"):
         out.append(f"  tracking: {s['tracking'].get('detail') or s['tracking'].get('mode')}")
+    ad = s.get("adoption")
+    if isinstance(ad, dict) and ad.get("result"):      # what this daemon did with a previous one's engine
+        out.append(f"  adoption: {ad['result']}: {str(ad.get('detail') or '')[:300]}")
     if s.get("lanes"):
         out.append("  lanes: " + ", ".join(("*" if ln == s.get("lane") else "") + ln for ln in s["lanes"]))
     r = {k: v for k, v in (s.get("restarts") or {}).items() if v}

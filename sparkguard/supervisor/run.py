@@ -66,6 +66,13 @@ class Run:
         self.exit_info: dict | None = None  # the exit as recorded once the run is over (sweep done)
         self.launch = None                  # container.Launch of a docker|podman run engine (else None)
         self.container = None               # its container.Container once known (the sg-engine-ctr thread's)
+        # adoption (sparkguard.supervisor.adopt): what a later daemon needs to take this run over
+        self.digest = ""                    # adopt.command_digest of the configured command
+        self.fifos: dict[str, str] = {}     # stream -> FIFO path the engine writes (output.make_fifos)
+        self.fifo_ids: dict[str, list[int]] = {}   # stream -> [st_dev, st_ino] of that FIFO
+        self.streams: dict = {}             # stream -> this daemon's read end (output.Fd)
+        self.adopted = False                # taken over from a previous daemon: not our child
+        self.pidfd: int | None = None       # adopted: the pidfd its exit is watched on
 
     def exit_record(self, exit: tuple[int | None, int | None] | None = None,
                     t_exit: float | None = None) -> dict | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from sparkguard import proctree
-from sparkguard.supervisor import cluster, health, nodes, output, process
+from sparkguard.supervisor import adopt, cluster, health, nodes, output, process
 from sparkguard.supervisor.run import Run
 
 
@@ -18,8 +18,13 @@ class RunThreads:
     """What the threads of one run call on a :class:`Supervisor`."""
 
     def _watch_exit(self, run: Run) -> None:
-        """Record the root's exit status (not reaped: :func:`process.wait_exit`)."""
-        code, sig = process.wait_exit(run.pid)
+        """Record the root's exit status (not reaped: :func:`process.wait_exit`); for an adopted
+        run (not our child), its exit on the pidfd it was verified with, status unknown."""
+        if run.adopted:
+            fd, run.pidfd = run.pidfd, None
+            code, sig = adopt.wait_exit(fd) if fd is not None else (None, None)
+        else:
+            code, sig = process.wait_exit(run.pid)
         t_exit = time.monotonic()
 
         def exited() -> None:
@@ -34,7 +39,10 @@ class RunThreads:
             text = output.decode(raw)
             run.lines.add(stream, text)
             self.sink.write(text, stream, run.pid, run.lane)
-        output.pump(run.proc.stdout, run.proc.stderr, line)
+        if run.streams or run.adopted:      # the run's FIFOs (output.make_fifos), re-opened if adopted
+            output.pump(run.streams.get("stdout"), run.streams.get("stderr"), line)
+        else:
+            output.pump(run.proc.stdout, run.proc.stderr, line)
 
     # MonitorHooks (sparkguard.supervisor.health), called from the monitor thread
 
@@ -51,9 +59,12 @@ class RunThreads:
             if run.exit is not None:
                 return
             run.ready = True
-            self.time_to_ready = now - run.t_spawn
             self.ready_count += 1
             self.state, self.detail = "ready", ""
+            if run.adopted:       # its start-up happened under another daemon: no new time to ready
+                self._history("ready", f"pid {run.pid} (adopted) answers: ready")
+                return
+            self.time_to_ready = now - run.t_spawn
             self._history("ready", f"pid {run.pid} ready after {self.time_to_ready:.2f} s")
         self._post(ready)
 

@@ -102,6 +102,8 @@ class StatusViews:
                 "last_lines": run.lines.current()[-self.ecfg.log_lines:] if run else []}
         if run is not None and run.container is not None:     # a docker|podman run engine: its container
             info["container"] = run.container.as_dict()
+        if run is not None and run.adopted:       # taken over from a previous daemon (supervisor.adoptrun)
+            info["adopted"] = True
         return info
 
     def _flush(self, why: str, restart_detail: str | None = None, pids: list[int] | None = None,

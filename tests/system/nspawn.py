@@ -46,6 +46,15 @@ controllers + a cgroup2 "unified" hierarchy without controllers; systemd 252):
 * Inside: /proc/meminfo is the host's (same MemAvailable), /proc/pressure/memory (PSI) is
   readable, /sys/class/zram-control is visible but /sys is mounted read-only, and /proc/sys
   is read-only (nspawn's default): sysctls and zram cannot be set up from the container.
+* A booted container mounts tmpfs on /tmp and /run: a file :meth:`Container.write` puts there
+  lands under the mount and is invisible inside (write drop-ins to /etc/systemd/system, scratch
+  files to /var/tmp or /opt).
+* systemd 252 in the container (tests/system/test_adoption.py): ``systemctl list-jobs`` lists the
+  unit's job as ``restart`` during ``systemctl restart`` and ``stop`` during ``systemctl stop``;
+  ExecStopPost after a crash (SIGKILL, watchdog abort) runs with no job for the unit and
+  ``$SERVICE_RESULT`` ``signal`` / ``watchdog``; with ``KillMode=process`` the next start logs
+  "Found left-over process N (...) in control group while starting unit. Ignoring."; SIGSTOP
+  cannot fake a hung daemon on stop (systemd sends SIGCONT after the SIGTERM, systemd.kill(5)).
 * nspawn prints "Attempted to remove disk file system under /run/systemd/nspawn/propagate/
   NAME, and we can't allow that" at exit (host /run is not a tmpfs); the directory is
   removed anyway.  Machine names are unique per container so the propagate directories

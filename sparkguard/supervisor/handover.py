@@ -1,0 +1,217 @@
+"""Keep or stop the engine when the daemon exits; the handover note; the unit's ExecStopPost safety net.
+
+When the daemon is asked to exit it decides whether its engine goes with it (:func:`decide`):
+
+* ``SIGUSR2``: exit and keep the engine (for tests and hand-run daemons; a later daemon adopts it,
+  :mod:`.adopt`);
+* ``SIGTERM``/``SIGINT`` under systemd: systemd's job for the unit tells a restart from a stop
+  (:func:`unit_job`: ``systemctl list-jobs``; found in the booted Debian 12 container, systemd 252:
+  the job of ``systemctl restart`` is listed with type ``restart`` while the old process is being
+  stopped, that of ``systemctl stop`` with type ``stop``); a restart applies
+  ``engine.on_daemon_restart`` (default ``keep``), a stop ``engine.on_daemon_stop`` (default
+  ``stop``).  Without systemd, or when the job cannot be read within 1 s, the engine is stopped
+  (what ``SIGTERM`` always did).
+
+A daemon that keeps its engine writes a handover note (:func:`write_note`: the run's pid, start
+time, boot id and cgroup) in the unit's runtime directory (``/run/sparkguard``, which
+``RuntimeDirectoryPreserve=restart`` keeps across restarts; beside the control socket outside systemd).  The unit's ``ExecStopPost=sparkguard
+stop-post`` (:func:`stop_post`) runs after every stop of the daemon, also when it died or hung:
+on a stop job it kills the unit's engine cgroups unless a note names a live engine (the daemon
+kept it on purpose, ``engine.on_daemon_stop: keep``); on a restart or after a crash (no job:
+``Restart=`` comes later) it leaves them for the next daemon to adopt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from sparkguard import proctree, sysinfo
+from sparkguard.config import TargetsConfig
+from sparkguard.host.files import atomic_write
+from sparkguard.supervisor import cgroup as cgroups
+from sparkguard.supervisor import process
+
+log = logging.getLogger("sparkguard.supervisor")
+
+NOTE_NAME = "engine-handover.json"
+JOB_TIMEOUT = 1.0          #: seconds: how long ``systemctl list-jobs`` may take at shutdown
+DEFAULT_NOTE = "/run/sparkguard/" + NOTE_NAME
+SWEEP_GRACE = 5.0          #: seconds between SIGTERM and SIGKILL of a left engine cgroup (stop-post)
+
+
+def runtime_dir(env=None) -> str | None:
+    """The unit's runtime directory: the first of ``$RUNTIME_DIRECTORY`` (systemd sets it for
+    ``RuntimeDirectory=``, colon-separated: systemd.exec(5)), None outside such a unit."""
+    env = os.environ if env is None else env
+    first = (env.get("RUNTIME_DIRECTORY") or "").split(":")[0]
+    return first or None
+
+
+def note_path(ecfg, env=None) -> str:
+    """The handover note's path: in the unit's runtime directory (:func:`runtime_dir`, where
+    ExecStopPost looks), else beside ``engine.control_socket``."""
+    return os.path.join(runtime_dir(env) or os.path.dirname(ecfg.control_socket), NOTE_NAME)
+
+
+def under_systemd(env=None) -> bool:
+    """True when this process was started by systemd as a service: ``$INVOCATION_ID`` set
+    (systemd.exec(5), "Environment variables in spawned processes") and systemd is PID 1 of this
+    namespace (``/run/systemd/system`` exists: sd_booted(3))."""
+    env = os.environ if env is None else env
+    return bool(env.get("INVOCATION_ID")) and os.path.isdir("/run/systemd/system")
+
+
+def unit_name(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
+    """The ``.service`` unit this process runs in, from its cgroup2 path (``.../NAME.service/guard``)."""
+    path = cgroups.own_path(proc_cgroup) or ""
+    for part in reversed(path.split("/")):
+        if part.endswith(".service"):
+            return part
+    return None
+
+
+def unit_job(unit: str, timeout: float = JOB_TIMEOUT) -> str | None:
+    """The type of systemd's job running for ``unit`` (``restart``, ``stop``, ``start``...),
+    None when there is none or it cannot be read within ``timeout`` s.
+
+    ``systemctl list-jobs --no-legend --plain --full UNIT`` prints ``ID UNIT TYPE STATE`` per job
+    (systemctl(1)).  Never raises."""
+    try:
+        r = subprocess.run(["systemctl", "list-jobs", "--no-legend", "--plain", "--full", unit],
+                           capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("engine: cannot ask systemd for the job of %s: %s", unit, e)
+        return None
+    for line in r.stdout.splitlines():
+        f = line.split()
+        if len(f) >= 3 and f[1] == unit:
+            return f[2]
+    return None
+
+
+def decide(ecfg, keep_signal: bool, job: str | None = None) -> tuple[bool, str]:
+    """Keep the engine running past this daemon's exit?  Returns ``(keep, why)``.
+
+    Args:
+        ecfg: ``config.EngineConfig`` (``on_daemon_restart``, ``on_daemon_stop``).
+        keep_signal: the daemon got ``SIGUSR2`` (exit, keep the engine).
+        job: systemd's job type for the unit when already known (tests); else asked for
+            (:func:`unit_job`) when :func:`under_systemd`.
+    """
+    if keep_signal:
+        return True, "SIGUSR2: exit and keep the engine"
+    if job is None and under_systemd():
+        unit = unit_name()
+        job = unit_job(unit) if unit else None
+    if job == "restart":
+        keep = ecfg.on_daemon_restart == "keep"
+        return keep, f"systemd is restarting the unit (engine.on_daemon_restart: {ecfg.on_daemon_restart})"
+    if job == "stop":
+        keep = ecfg.on_daemon_stop == "keep"
+        return keep, f"systemd is stopping the unit (engine.on_daemon_stop: {ecfg.on_daemon_stop})"
+    return False, "stopping the daemon" + (f" (systemd job {job})" if job else "")
+
+
+def write_note(path: str, run, why: str) -> None:
+    """Record that the engine of ``run`` was kept on purpose (pid, start time, boot id, cgroup).
+    A write error is logged, never raised."""
+    cg = getattr(run, "cgroup", None)
+    note = {"kept": why, "at": time.time(), "pid": run.pid, "starttime": run.starttime,
+            "boot_id": sysinfo.boot_id(), "cgroup": cg.path if cg is not None else None}
+    try:
+        atomic_write(path, json.dumps(note))
+    except OSError as e:
+        log.warning("engine: cannot write the handover note %s: %s", path, e)
+
+
+def read_note(path: str) -> dict | None:
+    """The handover note when it names a live process of this boot with its recorded start time
+    (else None: absent, unreadable, stale).  Never raises."""
+    try:
+        with open(path, "rb") as f:
+            note = json.loads(f.read(1 << 16))
+        pid, start = int(note["pid"]), int(note["starttime"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    p = proctree.read_proc(pid) if pid > 1 else None
+    if note.get("boot_id") != sysinfo.boot_id() or p is None or p.starttime != start:
+        return None
+    return note
+
+
+def remove_note(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def engine_cgroups(unit_dir: str) -> list[str]:
+    """The ``engine-*`` cgroup directories directly under ``unit_dir``."""
+    try:
+        with os.scandir(unit_dir) as it:
+            return sorted(e.path for e in it if e.is_dir(follow_symlinks=False) and e.name.startswith("engine-"))
+    except OSError:
+        return []
+
+
+def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The unit's cgroup directory as seen from a control process (ExecStopPost runs in
+    ``<unit>/.control`` under ``Delegate=yes``, in the unit's cgroup otherwise)."""
+    mount = cgroups.find_mount(mountinfo)
+    path = cgroups.own_path(proc_cgroup)
+    if mount is None or path is None:
+        return None
+    d = cgroups.cgroup_dir(mount, path)
+    while os.path.basename(d) in (".control", cgroups.LEAF):
+        d = os.path.dirname(d)
+    return d if os.path.basename(d).endswith(".service") else None
+
+
+def stop_post(note: str, job: str | None, service_result: str, directory: str | None) -> tuple[list[str], str]:
+    """The ExecStopPost decision and action (module doc).  Returns ``(cgroups stopped, why)``.
+
+    Args:
+        note: the handover note's path; job: systemd's job type for the unit (None: none);
+        service_result: ``$SERVICE_RESULT`` (systemd.exec(5)); directory: the unit's cgroup dir.
+    """
+    if directory is None:
+        return [], "not in a systemd unit's cgroup: nothing to do"
+    kept = read_note(note)
+    if kept is not None:
+        return [], f"the daemon kept pid {kept['pid']} on purpose ({kept.get('kept')})"
+    if job != "stop":
+        return [], (f"systemd job {job}: left for the next daemon to adopt" if job
+                    else f"no stop job (service result {service_result or '?'}): left for the next daemon to adopt")
+    stopped = []
+    for path in engine_cgroups(directory):
+        cg = cgroups.EngineCgroup(path)
+        if cg.populated():
+            process.sweep(None, {}, SWEEP_GRACE, TargetsConfig().protect, lambda ev, d: log.warning("%s", d),
+                          cgroup=cg)
+            stopped.append(path)
+        cg.remove()
+    return stopped, "a stop job and no handover note: the engine goes with the daemon"
+
+
+def register(sub) -> None:
+    """``sparkguard stop-post``: the unit's ExecStopPost (module doc)."""
+    p = sub.add_parser("stop-post", help="(the unit's ExecStopPost) stop engine cgroups a stopped daemon left")
+    p.add_argument("--note", default=None, help=f"the handover note (default $RUNTIME_DIRECTORY/{NOTE_NAME}, "
+                   f"else {DEFAULT_NOTE})")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    unit = unit_name()
+    job = unit_job(unit, 5.0) if unit else None
+    note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
+    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir())
+    print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
+    return 0

@@ -1,0 +1,385 @@
+"""The engine outlives the daemon: a real ``sparkguard run`` supervising the real fake vLLM is
+SIGKILLed (or exits on SIGUSR2, keeping its engine), a second daemon on the same config adopts
+the engine, which keeps serving throughout; a wrong start time is refused, a changed command is
+stopped and replaced.
+
+Every engine process a daemon forwarded as "fake-vllm: ready pids=..." is SIGKILLed through a
+pidfd at the end if it still runs with the same start time; nothing else is signalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from dockerd import dockerd, unique_name  # noqa: F401 - the session fixture
+from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, kill_pids, unique, wait_gone
+from sparkguard import proctree
+
+pytestmark = pytest.mark.usefixtures("root_only")
+
+
+class Poller:
+    """A client asking the fake vLLM's /health every 50 ms in a thread; counts the failures after
+    its first 200 (before it, the engine is still loading)."""
+
+    def __init__(self, url: str):
+        self.url, self.ok, self.failures = url, 0, []
+        self.stop = threading.Event()
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            try:
+                with self.opener.open(self.url, timeout=2) as r:
+                    if r.status == 200:
+                        self.ok += 1
+                        continue
+                    if self.ok:
+                        self.failures.append(f"status {r.status}")
+            except OSError as e:
+                if self.ok:
+                    self.failures.append(str(e))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    """``start(name, model, port, *fake opts, **engine keys) -> Daemon`` (control socket served);
+    every daemon started is stopped at the end and every engine process any of them saw is
+    SIGKILLed (pidfd, same start time only)."""
+    made: list[Daemon] = []
+
+    def start(name: str, model: str, port: int, *opts: str, **engine) -> Daemon:
+        cfg = engine_config(tmp_path, model, fake_cmd(model, port, *opts), port, **engine)
+        d = Daemon(tmp_path, cfg, name=name)
+        made.append(d)
+        d.wait_control()
+        return d
+    yield start
+    for d in made:
+        d.cleanup()
+    for d in made:
+        kill_pids(d.engine_pids)
+
+
+def kill9(d: Daemon) -> None:
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    d.reader.join(10)
+
+
+def ready_then_killed(start, model: str, port: int) -> tuple[Daemon, int]:
+    """A daemon whose engine is ready, then SIGKILLed; ``(daemon, engine pid)``."""
+    a = start("a", model, port)
+    pid = a.wait_ready()["pid"]
+    a.wait_line(r"fake-vllm: ready pids=")
+    kill9(a)
+    return a, pid
+
+
+def adopted_status(d: Daemon, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = d.status()
+        if st.get("adoption") and st["state"] == "ready":
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no adoption within {timeout} s: {st.get('adoption')} {st['state']}\n{d.output()}")
+        time.sleep(0.05)
+
+
+def test_sigkilled_daemon_engine_keeps_serving_and_is_adopted(daemons):
+    model, port = unique(), free_port()
+    poll = Poller(f"http://127.0.0.1:{port}/health")
+    try:
+        a, pid = ready_then_killed(daemons, model, port)
+        seen = dict(a.engine_pids)
+        # no daemon now: the engine's output goes into its FIFO, it keeps serving
+        time.sleep(0.5)
+        assert proctree.read_proc(pid) is not None
+        b = daemons("b", model, port)
+        st = adopted_status(b)
+        served = (poll.ok, list(poll.failures))
+    finally:
+        poll.close()
+    assert st["adoption"]["result"] == "adopted", st["adoption"]
+    assert st["pid"] == pid and st["adopted"] is True and st["starts"] == 1, st
+    assert st["adoptions"]["adopted"] == 1, st["adoptions"]
+    assert any(h["event"] == "adopt" and "adopted" in h["detail"] for h in st["history"]), st["history"]
+    ok, failures = served
+    assert ok > 5 and not failures, served
+    # output is re-attached: the fake logs each request it serves; a request now shows up
+    # in the new daemon's forwarded output
+    mark = b.mark()
+    urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+        f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+    b.wait_line(r"GET /v1/models", timeout=10, start=mark)
+    # supervision carries on: the adopted engine is stopped by command through the escalation
+    r = b.ctl("stop", sock_timeout=30)
+    assert r["ok"], r
+    left = wait_gone(list(seen), 15)
+    assert not left, f"still running after engine stop: {left}\n{b.output()}"
+    deadline = time.monotonic() + 15
+    while (st := b.status())["last_exit"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "exit status unknown" in (st["last_exit"] or {}).get("detail", ""), st["last_exit"]
+
+
+def test_sigusr2_exits_keeping_the_engine_and_restart_adopts_it(daemons, tmp_path):
+    model, port = unique(), free_port()
+    a = daemons("a", model, port)
+    pid = a.wait_ready()["pid"]
+    a.proc.send_signal(signal.SIGUSR2)
+    assert a.proc.wait(30) == 0, a.output()
+    a.wait_line(r"keeps running without a guard")
+    note = tmp_path / "engine-handover.json"
+    assert json.loads(note.read_text())["pid"] == pid
+    state = json.loads((tmp_path / "engine-state.json").read_text())
+    assert state["engine"]["pid"] == pid and state["engine"]["digest"] and state["engine"]["fifos"], state
+    b = daemons("b", model, port)
+    st = adopted_status(b)
+    assert st["adoption"]["result"] == "adopted" and "kept by the previous daemon" in st["adoption"]["detail"], st
+    assert st["pid"] == pid
+    assert not note.exists(), "the handover note is consumed by the daemon that adopts"
+    b.stop()
+    assert wait_gone([pid], 15) == [], "SIGTERM of the adopting daemon stops the engine (no systemd)"
+
+
+def test_wrong_start_time_is_refused_and_nothing_is_signalled(daemons, tmp_path):
+    model, port = unique(), free_port()
+    a, pid = ready_then_killed(daemons, model, port)
+    path = tmp_path / "engine-state.json"
+    state = json.loads(path.read_text())
+    state["engine"]["starttime"] += 1          # what a reused pid looks like: same pid, other process
+    state["engine"]["members"] = {}
+    path.write_text(json.dumps(state))
+    b = daemons("b", model, free_port())       # the old engine still holds its port
+    b.wait_line(r"adoption refused: pid %d has start time" % pid, timeout=20)
+    st = b.status()
+    assert st["adoption"]["result"] == "refused" and "another process has that pid" in st["adoption"]["detail"]
+    assert proctree.read_proc(pid) is not None, "an engine that could not be verified must not be signalled"
+
+
+def test_changed_command_is_stopped_and_the_configured_one_started(daemons):
+    model, port = unique(), free_port()
+    a, pid = ready_then_killed(daemons, model, port)
+    b = daemons("b", model, port, "--load-time", "0.2")      # another command line
+    st = b.wait_ready(timeout=40)
+    assert st["adoption"]["result"] == "changed", st["adoption"]
+    assert st["pid"] != pid and st["adopted"] is False
+    assert wait_gone(list(a.engine_pids), 5) == [], "the old engine must be stopped before the new one starts"
+    assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
+
+
+def reload_with(d: Daemon, **guard) -> None:
+    """Rewrite the daemon's config file with ``guard`` keys changed and wait for the reload."""
+    import yaml
+    d.cfg["guard"].update(guard)
+    d.path.write_text(yaml.safe_dump(d.cfg, sort_keys=False))
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_line(r"reloaded ", timeout=20, start=mark)
+
+
+def test_the_guard_signals_an_adopted_engine_and_the_incident_says_adopted(daemons):
+    """The guard's target is the adopted run: a line placed above MemAvailable (no memory is
+    allocated) makes the guard SIGTERM it; the incident's engine part says ``adopted``; once the
+    line is back below, the incident closes and the engine is restarted (reason ``guard``)."""
+    from conftest import mem_available
+    model, port = unique(), free_port()
+    a, pid = ready_then_killed(daemons, model, port)
+    b = daemons("b", model, port)
+    adopted_status(b)
+    mark = b.mark()
+    reload_with(b, term_below=mem_available() + 800 * 1024**2, grace="5s")
+    b.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
+    assert wait_gone([pid], 15) == [], b.output()
+    reload_with(b, term_below="128MiB")
+    inc = b.incident("memory", start=mark, timeout=30)
+    assert inc["engine"]["pid"] == pid and inc["engine"].get("adopted") is True, inc["engine"]
+    assert [e["event"] for e in inc["timeline"]][:2] == ["crossed", "sigterm"], inc["timeline"]
+    st = b.wait_ready(after=1, timeout=40)
+    assert st["pid"] != pid and st["restarts"]["guard"] == 1 and st["adopted"] is False, st
+
+
+# ---- the decisions, on real processes and files (no daemon) ------------------------------------
+
+def _ecfg(**kw):
+    from sparkguard import config
+    return config.EngineConfig(command=("x",), **kw)
+
+
+def test_decide_keep_or_stop_from_the_signal_and_systemds_job():
+    from sparkguard.supervisor import handover
+    assert handover.decide(_ecfg(), True)[0] is True                       # SIGUSR2
+    assert handover.decide(_ecfg(), False, job="restart") == (
+        True, "systemd is restarting the unit (engine.on_daemon_restart: keep)")
+    assert handover.decide(_ecfg(on_daemon_restart="stop"), False, job="restart")[0] is False
+    assert handover.decide(_ecfg(), False, job="stop")[0] is False
+    assert handover.decide(_ecfg(on_daemon_stop="keep"), False, job="stop")[0] is True
+    assert handover.decide(_ecfg(), False, job="start")[0] is False       # anything else: stop, as before
+
+
+def test_the_new_keys_are_checked_with_file_key_and_value(tmp_path):
+    from sparkguard import config
+    p = tmp_path / "c.yaml"
+    p.write_text("engine:\n  command: [x]\n  on_daemon_restart: maybe\n")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(str(p))
+    assert str(p) in str(e.value) and "engine.on_daemon_restart" in str(e.value) and "maybe" in str(e.value)
+
+
+def test_check_refuses_other_boots_unusable_records_and_reused_pids():
+    from sparkguard import sysinfo
+    from sparkguard.supervisor import adopt
+    me = proctree.read_proc(os.getpid())
+    boot = sysinfo.boot_id()
+    rec = {"pid": os.getpid(), "starttime": me.starttime, "digest": "d"}
+    assert adopt.check({}, boot, "d").result == ""
+    assert adopt.check({"boot_id": boot, "engine": {"pid": "x"}}, boot, "d").result == adopt.REFUSED
+    assert adopt.check({"boot_id": boot, "engine": ["no"]}, boot, "d").result == adopt.REFUSED
+    v = adopt.check({"boot_id": "0" * 32, "engine": rec}, boot, "d")
+    assert v.result == adopt.REFUSED and "another boot" in v.why
+    v = adopt.check({"boot_id": boot, "engine": dict(rec, starttime=me.starttime + 7)}, boot, "d")
+    assert v.result == adopt.REFUSED and "another process has that pid" in v.why
+    v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup="/nonexistent/engine-1")}, boot, "d")
+    assert v.result == adopt.REFUSED and "not in the run's cgroup" in v.why
+    v = adopt.check({"boot_id": boot, "engine": rec}, boot, "other")
+    assert v.result == adopt.CHANGED and v.pidfd is not None
+    os.close(v.pidfd)
+    v = adopt.check({"boot_id": boot, "engine": rec}, boot, "d")
+    assert v.result == adopt.ADOPTED and v.pidfd is not None
+    os.close(v.pidfd)
+
+
+def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
+    """The writer holds the FIFO read-write: with no reader left its writes still succeed (no
+    EPIPE), and a new reader opened through /proc/PID/fd/1 gets what was written meanwhile."""
+    import subprocess
+    import sys
+    from sparkguard.supervisor import output
+    paths, child, readers = output.make_fifos(str(tmp_path), "1")
+    script = "import sys, time\nfor i in range(40):\n    print('line', i, flush=True); time.sleep(0.05)\n"
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=child["stdout"], stderr=child["stderr"])
+    try:
+        for fd in child.values():
+            os.close(fd)
+        ids = {k: output.fifo_identity(v.fileno()) for k, v in readers.items()}
+        for r in readers.values():
+            r.close()                          # the daemon is gone
+        time.sleep(0.5)
+        again, why = output.reopen_fifos(p.pid, {}, ids)
+        assert why == "" and set(again) == {"stdout", "stderr"}
+        lines = []
+        output.pump(again["stdout"], again["stderr"], lambda s, raw: lines.append(raw))
+        assert p.wait(10) == 0, "the writer must not die of EPIPE while no reader is open"
+        assert lines == [b"line %d" % i for i in range(40)], lines
+    finally:
+        p.kill()
+        p.wait()
+        output.remove_fifos(paths)
+
+
+def test_stop_post_keeps_on_a_note_or_without_a_stop_job(tmp_path):
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    note = str(tmp_path / "note.json")
+    assert handover.stop_post(note, "restart", "success", str(unit))[0] == []
+    assert "left for the next daemon" in handover.stop_post(note, None, "signal", str(unit))[1]
+
+    class R:       # the running test process stands for the kept engine
+        pid = os.getpid()
+        starttime = proctree.read_proc(os.getpid()).starttime
+        cgroup = None
+    handover.write_note(note, R, "restart")
+    assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit))[1]
+    os.unlink(note)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit))[1]
+
+
+def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, monkeypatch):  # noqa: F811
+    """``engine.command: [docker, run, ...]`` (real dockerd, tests/dockerd.py): the client and its
+    container outlive the SIGKILLed daemon; the new one adopts the client, takes the container
+    from the state file, and `engine stop` still stops and removes the container."""
+    monkeypatch.setenv("DOCKER_HOST", dockerd.host)
+    tag, port = unique_name(), free_port()
+    argv = dockerd.fake_run(tag, "--hold", "8MiB", "--hold-core", "8MiB", "--hold-api", "8MiB", "--tp", "2",
+                            "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
+    cfg = engine_config(tmp_path, tag, argv, port)
+    made = []
+    try:
+        a = Daemon(tmp_path, cfg, name="a")
+        made.append(a)
+        a.wait_control()
+        pid = a.wait_ready(timeout=60)["pid"]
+        a.wait_line(r"container: container \w+", timeout=30)
+        [cid] = dockerd.containers(f"label=sgtest={tag}")
+        kill9(a)
+        b = Daemon(tmp_path, cfg, name="b")
+        made.append(b)
+        b.wait_control()
+        st = adopted_status(b, timeout=30)
+        assert st["adoption"]["result"] == "adopted" and st["pid"] == pid, st["adoption"]
+        state = json.loads((tmp_path / "engine-state.json").read_text())
+        assert state["engine"]["container"]["id"] == cid, state["engine"]
+        assert b.ctl("stop", sock_timeout=60)["ok"]
+        deadline = time.monotonic() + 30
+        while dockerd.containers(f"label=sgtest={tag}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not dockerd.containers(f"label=sgtest={tag}"), "the adopted engine's container was not removed"
+    finally:
+        for d in made:
+            d.stop()
+        ids = dockerd.containers(f"label=sgtest={tag}")
+        if ids:
+            dockerd.docker("rm", "-f", *ids, check=False)
+
+
+def test_a_rolling_restart_of_sparkguard_node_by_node_keeps_the_tp_group(tmp_path):
+    """A 2-node TP cluster (network namespaces, tests/netcluster.py): each node's sparkguard in
+    turn exits keeping its engine (SIGUSR2, as a restart under systemd does) and a new one adopts
+    it, the headless rank first, then the head.  No engine restarts: every node keeps its run,
+    the head's group still lists the rank's run, and the head serves completions after each step."""
+    from netcluster import Cluster, SparkguardNode
+    from test_cluster import completion_ok, one_generation, up, wait_until
+    with Cluster(2) as c:
+        ds = up(c, tmp_path)
+        one_generation(ds)
+        runs = [d.status()["run_start"] for d in ds]
+        pids = [d.status()["pid"] for d in ds]
+        for k in (1, 0):
+            old = ds[k]
+            old.proc.send_signal(signal.SIGUSR2)
+            assert old.proc.wait(30) == 0, old.output()
+            new = SparkguardNode(c.nodes[k], old.cfg, old.tmp_path, name=f"again{k}")
+            new.engine_pids.update(old.engine_pids)
+            new.wait_control(60)
+            st = adopted_status(new, timeout=60)
+            assert st["adoption"]["result"] == "adopted" and st["pid"] == pids[k], st["adoption"]
+            ds[k] = new
+            wait_until(lambda: all(d.status()["state"] == "ready" for d in ds), 30, "every rank ready")
+            assert completion_ok(c.hub, c.nodes[0].addr, c.model, timeout=5), f"node {k}: the head does not serve"
+        one_generation(ds)
+        assert [d.status()["run_start"] for d in ds] == runs, "an engine was restarted"
+        assert all(sum(d.status()["restarts"].values()) == 0 for d in ds), [d.status()["restarts"] for d in ds]
+
+
+def test_the_note_is_in_the_units_runtime_directory_whatever_the_control_socket():
+    from sparkguard.supervisor import handover
+    e = _ecfg(control_socket="/srv/sg/control.sock")
+    assert handover.note_path(e, {"RUNTIME_DIRECTORY": "/run/sparkguard:/run/other"}) == \
+        "/run/sparkguard/engine-handover.json"
+    assert handover.note_path(e, {}) == "/srv/sg/engine-handover.json"
