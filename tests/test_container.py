@@ -56,12 +56,15 @@ def _inspect(d, ref: str) -> dict | None:
 
 
 @contextlib.contextmanager
-def supervised(d, tmp_path, tag: str, *opts: str, name: str | None = None, guard: dict | None = None):
+def supervised(d, tmp_path, tag: str, *opts: str, name: str | None = None, guard: dict | None = None,
+               shape=None):
     """A ``sparkguard run`` supervising ``docker run ... fake vllm serve TAG OPTS`` (labelled
     ``sgtest=TAG``), ready: yields ``(daemon, status, container id, its init's host pid)``; the
-    daemon is stopped and the test's containers removed afterwards."""
+    daemon is stopped and the test's containers removed afterwards.  ``shape``: a function that
+    rewrites the command line (another spelling of it)."""
     port = free_port()
     argv = d.fake_run(tag, *SMALL, *opts, "--port", str(port), name=name, run_opts=("--label", f"sgtest={tag}"))
+    argv = shape(argv) if shape is not None else argv
     cfg = engine_config(tmp_path, tag, argv, port)
     cfg["guard"].update(guard or {})
     sg = Daemon(tmp_path, cfg)
@@ -91,6 +94,29 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
         assert _containers(d, tag) == []
         st = sg.status()
         assert st["state"] == "stopped" and not _history(st, "sigkill"), st["history"]
+
+
+def test_a_command_line_with_global_options_container_run_and_clusters_is_tracked_and_removed(
+        tmp_path, dockerd, monkeypatch):  # noqa: F811
+    # no DOCKER_HOST: -H alone picks the daemon, so sparkguard's own inspect and rm -f must carry it;
+    # --rm=false: only sparkguard's rm -f removes the container
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    d, tag = dockerd, unique_name()
+
+    def shape(argv):
+        i = argv.index(d.image)
+        opts = [o for o in argv[2:i] if o != "--rm"]
+        return [argv[0], "-H", d.host, "container", "run", "--rm=false", "-eSG_ARGV=1", "--detach=false", *opts,
+                "--", *argv[i:]]
+    with supervised(d, tmp_path, tag, shape=shape) as (sg, st, cid, init):
+        assert "SG_ARGV=1" in _inspect(d, cid)["Config"]["Env"]
+        found = _history(st, "container")
+        assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
+        r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
+        assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
+        assert wait_gone([init], 10) == []
+        assert _containers(d, tag) == [], "sparkguard's rm -f did not reach the daemon -H names"
+        assert "removed" in _history(sg.status(), "exit")[-1]
 
 
 def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarted(tmp_path, docker_env):

@@ -46,7 +46,7 @@ import subprocess
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sparkguard import proctree
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
@@ -71,6 +71,9 @@ class Launch:
         name: str | None, the ``--name`` sparkguard added (None: the user named it).
         env: dict, the client's environment (used for sparkguard's own CLI calls too).
         user_name: str | None, the ``--name`` the user gave.
+        global_opts: list[str], the CLI's options before its verb (``-H``, ``--context``, podman's
+            ``--url``, ``--root``...): sparkguard's own CLI calls repeat them, so they reach the
+            same daemon or storage as the client.
     """
 
     runtime: str
@@ -78,6 +81,7 @@ class Launch:
     name: str | None
     env: dict
     user_name: str | None = None
+    global_opts: list = field(default_factory=list)
 
 
 @dataclass
@@ -117,30 +121,31 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
         container lives as long as the run, and the runtime removes it even when sparkguard
         cannot) and, when the command inside is vLLM (``config.is_vllm``) and neither it nor the
         options mention ``--shutdown-timeout`` or :data:`SHUTDOWN_ENV`,
-        ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after ``run`` (N: the client
+        ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after the ``run`` verb (after
+        any wrapper, global options and ``container``: :func:`container_argv.parse`) (N: the client
         environment's value, else ``shutdown`` seconds; the container does not inherit the
         client's environment, and without it vLLM SIGKILLs its workers at once on SIGTERM:
         FIELD-NOTES).
     Raises:
-        ValueError: ``-d``/``--detach``, ``--sig-proxy=false``, ``--cidfile`` or a ``--restart`` policy
-            other than ``no`` (the message says why).
+        ValueError: ``-d``/``--detach`` (``--detach=false`` is fine), ``--sig-proxy=false``,
+            ``--cidfile`` or a ``--restart`` policy other than ``no``; or a command line
+            :func:`container_argv.parse` refuses (``sudo docker run``, an unknown short option,
+            no image).  The message says why.
         OSError: rundir cannot be created.
     """
-    rt = container_argv.runtime_of(argv)
-    if rt is None:
+    cmd = container_argv.parse(argv)
+    if cmd is None:
         return argv, None
-    opts = container_argv.options(argv)
-    flags = [o.split("=", 1)[0] for o in opts if o.startswith("-")]
-    short = {c for o in opts if o.startswith("-") and not o.startswith("--") for c in o[1:]}
-    if "--detach" in flags or "d" in short or any(o in ("--detach=true", "-d=true") for o in opts):
+    rt = cmd.runtime
+    if cmd.true("detach"):
         raise ValueError(f"{rt} run -d detaches: the client exits at once and sparkguard would take that for the "
                          "engine's exit; remove -d (sparkguard runs the attached client)")
-    if any(o.replace(" ", "") in ("--sig-proxy=false", "--sig-proxy=0") for o in opts):
+    if cmd.has("sig-proxy") and not cmd.true("sig-proxy"):
         raise ValueError(f"{rt} run --sig-proxy=false: the SIGTERM sparkguard sends the client would not reach the "
                          "engine; remove it")
-    if any(o.startswith("--cidfile") for o in opts):
+    if cmd.has("cidfile"):
         raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
-    restart = container_argv.value(opts, "--restart")
+    restart = cmd.value("restart")
     if restart not in (None, "no"):
         raise ValueError(f"{rt} run --restart {restart}: {rt} would start the engine again behind sparkguard, with "
                          "no memory gate; sparkguard restarts it (engine.backoff_*): remove --restart")
@@ -149,17 +154,18 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
     cidfile = os.path.join(rundir, f"engine-{tag}.cid")
     extra = ["--cidfile", cidfile]
     name = None
-    user_name = container_argv.value(opts, "--name")
+    user_name = cmd.value("name")
     if user_name is None:
         name = NAME_PREFIX + tag
         extra += ["--name", name]
-    if "--rm" not in flags:
+    if not cmd.has("rm"):
         extra += ["--rm"]
-    cmd = container_argv.inner(argv)
-    if (is_vllm(cmd) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
-            and (SHUTDOWN_ENV in env or shutdown is not None)):
-        extra += ["-e", f"{SHUTDOWN_ENV}={env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
-    return [argv[0], "run", *extra, *argv[2:]], Launch(rt, cidfile, name, dict(env), user_name)
+    client_env = cmd.client_env(env)
+    if (is_vllm(cmd.inner) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
+            and (SHUTDOWN_ENV in client_env or shutdown is not None)):
+        extra += ["-e", f"{SHUTDOWN_ENV}={client_env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
+    return ([*argv[:cmd.at], *extra, *argv[cmd.at:]],
+            Launch(rt, cidfile, name, client_env, user_name, list(cmd.global_opts)))
 
 
 def clear_stale(launch: Launch) -> str | None:
@@ -189,9 +195,9 @@ def clear_stale(launch: Launch) -> str | None:
 
 
 def cli(launch: Launch, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run ``RUNTIME ARGS...`` with the client's environment; output captured as text.
+    """Run ``RUNTIME GLOBAL_OPTS ARGS...`` with the client's environment; output captured as text.
     Raises OSError (no CLI) and subprocess.TimeoutExpired."""
-    return subprocess.run([launch.runtime, *args], env=launch.env, stdin=subprocess.DEVNULL,
+    return subprocess.run([launch.runtime, *launch.global_opts, *args], env=launch.env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout)
 
 
