@@ -43,14 +43,13 @@ import os
 import pwd
 import re
 import subprocess
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from sparkguard import proctree
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
-from sparkguard.supervisor import container_argv, container_cgroup
+from sparkguard.supervisor import container_argv, container_cgroup, container_names
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -319,26 +318,21 @@ def rundir(state_file: str) -> str:
 
 # ---- guard-only mode: a matched engine that runs in a container ---------------------------------
 
-_names: dict[str, str | None] = {}      # container id -> name (None: asked, no answer yet or none)
-_names_lock = threading.Lock()
+def _ask_name(runtime: str, cid: str) -> str | None:
+    """The container's name from ``RUNTIME container inspect`` (sparkguard's environment:
+    DOCKER_HOST / CONTAINER_HOST), None when it does not answer."""
+    info = inspect(Launch(runtime, "", None, dict(os.environ)), cid)
+    return (str(info.get("Name") or "").lstrip("/") or None) if info is not None else None
+
+
+NAMES = container_names.NameCache(_ask_name)
 
 
 def name_of(runtime: str, cid: str) -> str | None:
-    """The container's name if already known; the first call for an id asks ``RUNTIME inspect``
-    in a thread of its own (sparkguard's environment: DOCKER_HOST / CONTAINER_HOST) and returns
-    None, so no caller (the guard's scan) ever waits for the CLI."""
-    with _names_lock:
-        if cid in _names:
-            return _names[cid]
-        _names[cid] = None
-
-    def ask() -> None:
-        info = inspect(Launch(runtime, "", None, dict(os.environ)), cid)
-        if info is not None:
-            with _names_lock:
-                _names[cid] = str(info.get("Name") or "").lstrip("/") or None
-    threading.Thread(target=ask, name="sg-ctr-name", daemon=True).start()
-    return None
+    """The container's name if already known, else None: the question runs in a thread of its own
+    and a failed one is retried with a bounded backoff (:class:`container_names.NameCache`), so no
+    caller (the guard's scan) ever waits for the CLI."""
+    return NAMES.get(runtime, cid)
 
 
 def widen(target, procs: dict, protector) -> str | None:
@@ -375,8 +369,7 @@ def retitle(target) -> None:
     m = re.search(r"\[container ([0-9a-f]{12})\]$", target.title)
     if m is None:
         return
-    with _names_lock:
-        name = next((n for cid, n in _names.items() if cid.startswith(m.group(1)) and n), None)
+    name = NAMES.known(m.group(1))
     if name:
         target.title = f"{target.title[:m.start()]}[container {m.group(1)} ({name})]"
 
