@@ -200,21 +200,27 @@ def cli(launch: Launch, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.
                           capture_output=True, text=True, timeout=timeout)
 
 
-def inspect(launch: Launch, ref: str) -> dict | None:
+def inspect(launch: Launch, ref: str, timeout: float = CLI_TIMEOUT) -> dict | None:
     """``RUNTIME inspect REF`` (container), its first object; None when there is no such container
-    or the CLI fails (logged)."""
+    or the CLI fails or takes over ``timeout`` seconds (logged)."""
+    return _inspect(launch, ref, timeout)[0]
+
+
+def _inspect(launch: Launch, ref: str, timeout: float) -> tuple[dict | None, bool]:
+    """:func:`inspect`'s answer and whether the runtime said there is no such container
+    (docker: ``No such container``, podman: ``no such container``)."""
     try:
-        r = cli(launch, "container", "inspect", ref)
+        r = cli(launch, "container", "inspect", ref, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("engine: %s container inspect %s: %s", launch.runtime, ref, e)
-        return None
+        return None, False
     if r.returncode != 0:
-        return None
+        return None, "no such" in r.stderr.lower()
     try:
         data = json.loads(r.stdout)
     except ValueError:
-        return None
-    return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
+        return None, False
+    return (data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None), False
 
 
 def read_cid(path: str) -> str | None:
@@ -278,11 +284,15 @@ def members(ctr: Container | None, procs: dict | None = None) -> dict[int, int]:
     return out
 
 
-def finish(launch: Launch, ctr: Container | None) -> str:
+def finish(launch: Launch, ctr: Container | None, deadline=None) -> str:
     """After the run: the container's own exit status, then ``RUNTIME rm -f`` (kills what still
     runs in it and removes it, so nothing runs behind a dead client and a user's ``--name`` is free
     for the next start).
 
+    Args:
+        deadline: the run's :class:`stopbudget.Deadline` (None: :data:`CLI_TIMEOUT` per call);
+            each CLI call gets what is left of it (:meth:`stopbudget.Deadline.step`), so a
+            runtime that does not answer cannot stretch the stop past the unit's stop timeout.
     Returns:
         str, one line for the exit record (``"container 0123456789ab exit code 143, removed"``),
         empty when the container was never created.
@@ -294,14 +304,18 @@ def finish(launch: Launch, ctr: Container | None) -> str:
         pass
     if ref is None:
         return ""
-    info = inspect(launch, ref)
+
+    def timeout() -> float:
+        return deadline.step(CLI_TIMEOUT) if deadline is not None else CLI_TIMEOUT
+    info, gone = _inspect(launch, ref, timeout())
     label = ctr.label() if ctr is not None else f"container {ref[:12]}"
-    if info is None:
+    if gone:
         return f"{label} already removed"
-    state = info.get("State") or {}
-    what = f"{label} exit code {state.get('ExitCode')}" if not state.get("Running") else f"{label} still running"
-    try:
-        r = cli(launch, "rm", "-f", ref)
+    state = (info or {}).get("State") or {}
+    what = (f"{label} exit code {state.get('ExitCode')}" if info is not None and not state.get("Running")
+            else f"{label} still running" if info is not None else label)
+    try:        # also when inspect did not answer: the container may still run
+        r = cli(launch, "rm", "-f", ref, timeout=timeout())
         ok = r.returncode == 0
         if not ok:
             log.error("engine: %s rm -f %s failed: %s", launch.runtime, ref, r.stderr.strip()[-300:])

@@ -32,6 +32,7 @@ from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import cluster, container, health, lanes, nodes, output, process, reports
+from sparkguard.supervisor import stopbudget
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
@@ -145,12 +146,12 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
     def stop(self, timeout: float | None = None) -> None:
         """Stop the engine (SIGTERM, ``guard.grace``, SIGKILL of the tree and leftovers), flush
         pending incident reports, close the control socket.  Blocks up to ``timeout`` seconds
-        (default grace * 2 + 10)."""
+        (default :func:`stopbudget.join_timeout`: the run's whole stop budget)."""
         if self.control is not None:
             self.control.stop()
         self._call(self._quit, 0.0)
         if self.thread is not None:
-            self.thread.join(timeout if timeout is not None else self.cfg.guard.grace * 2 + 10)
+            self.thread.join(timeout if timeout is not None else stopbudget.join_timeout(self.cfg.guard.grace))
         self._flush("daemon stopping")
         self.sink.close()
 
@@ -235,9 +236,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             self.cv.notify_all()
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
-               group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None) -> list[int]:
+               group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None, deadline=None) -> list[int]:
         return process.sweep(pgid, members, self.cfg.guard.grace, self.cfg.targets.protect, self._history,
-                             exclude=exclude, group_ok=group_ok, cgroup=cgroup)
+                             exclude=exclude, group_ok=group_ok, cgroup=cgroup, deadline=deadline)
 
     def _status(self) -> dict:
         st = super()._status()
@@ -295,7 +296,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         finally:
             if self.run is not None and self.run.exit is None:
                 self._terminate("shutdown")
-                self._await_exit(self.cfg.guard.grace + 10)
+                self._await_exit(self.run.deadline.before_cleanup(self.cfg.guard.grace + 10)
+                                 if self.run.deadline is not None else self.cfg.guard.grace + 10)
             if self.run is not None:
                 self._after_run()
             self._flush("daemon stopping")
@@ -432,6 +434,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         inc = run.incident
 
         def note(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
+            if run.deadline is None:        # the one stop deadline, from the first SIGTERM (stopbudget)
+                run.deadline = stopbudget.Deadline(esc.grace, t0=esc.t_term)
             if event == "joined":
                 self._history("sigterm", f"{why}: pid {run.pid} is already being stopped ({esc.reason}): "
                                          "no second SIGTERM")
@@ -457,16 +461,19 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
         if run.launch is not None:
             process.refresh_members(run)    # the container's processes, also when its client died
-        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup)
-        ctr_detail = container.finish(run.launch, run.container) if run.launch is not None else ""
+        if run.deadline is None:            # it ended on its own: the sweep's SIGTERM is its first
+            run.deadline = stopbudget.Deadline(self.cfg.guard.grace)
+        dl = run.deadline
+        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup, deadline=dl)
+        ctr_detail = container.finish(run.launch, run.container, dl) if run.launch is not None else ""
         try:
-            run.proc.wait(timeout=5)   # reap the root only now: its pgid stayed reserved meanwhile
+            run.proc.wait(timeout=dl.step(5))   # reap the root only now: its pgid stayed reserved meanwhile
         except Exception:  # noqa: BLE001
             pass
         self._remove_cgroup(run)
         for t in run.threads:
             if t is not threading.current_thread():
-                t.join(2.0)
+                t.join(min(2.0, dl.left()))
         for stream in (run.proc.stdout, run.proc.stderr):
             try:
                 stream.close()

@@ -66,6 +66,7 @@ class Run:
         self.exit_info: dict | None = None  # the exit as recorded once the run is over (sweep done)
         self.launch = None                  # container.Launch of a docker|podman run engine (else None)
         self.container = None               # its container.Container once known (the sg-engine-ctr thread's)
+        self.deadline = None                # stopbudget.Deadline of its stop, from its first SIGTERM
 
     def exit_record(self, exit: tuple[int | None, int | None] | None = None,
                     t_exit: float | None = None) -> dict | None:
