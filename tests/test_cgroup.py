@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from sparkguard import proctree
-from sparkguard.supervisor import cgroup, process
+from sparkguard.supervisor import cgroup, cgroup_delegation, process, tracking
 from supervisor_helpers import Daemon, engine_config, kill_pids, unique
 
 #: an engine whose grandchild leaves both its process group (setsid) and its parent chain
@@ -416,3 +416,48 @@ def test_remove_stale_takes_only_old_empty_engine_cgroups(cg_parent):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_delegation_unreadable_falls_back_to_a_write_test_under_the_units_cgroup(tmp_path, cg_parent):
+    """systemd < 251 sets only trusted.delegate, which reads as absent without CAP_SYS_ADMIN (the
+    shipped unit's capability set): then a probe cgroup made and removed under the unit's (real)
+    cgroup decides, and the placement says so; where the xattr's absence is conclusive (CAP_SYS_ADMIN
+    held, or systemd >= 251, which also sets user.delegate) there is no write test."""
+    unit = os.path.join(cg_parent, "sparkguard.service")
+    os.mkdir(unit)
+    point, _ = cgroup.find_mount()
+    pc = tmp_path / "cgroup"
+    pc.write_text(f"0::/{os.path.relpath(unit, point)}\n")
+
+    def place(**detect):
+        return cgroup.place("/proc/self/mountinfo", str(pc), env={}, move_self=False, **detect)
+    p = place(cap_sys_admin=False, version=249)
+    assert (p.mode, p.parent, p.delegation) == (cgroup.CGROUP, unit, "write-test"), p
+    assert "systemd 249 < 251" in p.reason and "write test (mkdir/rmdir of a probe cgroup) passed" in p.reason
+    assert [e.name for e in os.scandir(unit) if e.is_dir()] == [], "the probe cgroup was left behind"
+    assert "[delegation: write test]" in tracking.status(p, None)["detail"]
+    p = place(cap_sys_admin=False, version=lambda: None)  # systemctl not there: the write test too
+    assert p.delegation == "write-test" and "systemd of unknown version" in p.reason
+    # the write test fails: no cgroup may be made below (cgroup.max.descendants 0: mkdir says EAGAIN)
+    with open(os.path.join(unit, "cgroup.max.descendants"), "w") as f:
+        f.write("0")
+    p = place(cap_sys_admin=False, version=249)
+    assert (p.mode, p.delegation) == (cgroup.PGROUP, "write-test") and "the write test failed" in p.reason, p
+    assert "Delegate=yes" in p.reason
+    # conclusive absence: no write test
+    p = place(cap_sys_admin=False, version=252)
+    assert (p.mode, p.delegation) == (cgroup.PGROUP, "xattr") and "no user.delegate xattr (systemd 252" in p.reason
+    p = place(cap_sys_admin=True, version=249)
+    assert p.mode == cgroup.PGROUP and "readable: the daemon holds CAP_SYS_ADMIN" in p.reason
+    st = tracking.status(p, None)
+    assert st["delegation"] == "xattr" and st["why"] == p.reason and st["tracks"] == "engine"
+
+
+def test_cap_sys_admin_and_the_systemd_version_are_read(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000200000\n")     # bit 21 only
+    assert cgroup_delegation.has_cap_sys_admin(str(status))
+    status.write_text("Name:\tx\nCapEff:\t00000000001fffff\n")     # bits 0-20
+    assert not cgroup_delegation.has_cap_sys_admin(str(status))
+    v = cgroup_delegation.systemd_version()
+    assert v is None or v > 200
