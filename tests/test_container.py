@@ -85,6 +85,13 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
         assert info["State"]["Running"] and info["Name"].startswith("/sparkguard-engine-")
         found = _history(st, "container")
         assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
+        # status says what is tracked: the container's cgroup, found from docker's State.Pid
+        tr = sg.status()["tracking"]
+        assert tr["tracks"] == "container" and tr["container"]["id"] == cid and tr["container"]["pid"] == init, tr
+        r = run_sparkguard("engine", "--socket", sg.socket, "status")
+        line = next((ln for ln in r.stdout.splitlines() if "tracking:" in ln), "")
+        assert f"tracking: container {cid[:12]}" in line and f"init pid {init}, from" in line, r.stdout
+        assert "State.Pid); the client: cgroup" in line or "the client: process group" in line, line
         mark = sg.mark()
         r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
         assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
@@ -315,3 +322,17 @@ def test_the_container_of_a_process_is_read_from_its_cgroup(tmp_path, line, foun
     (tmp_path / "42" / "cgroup").write_text(line.format(id=cid) + "\n")
     want = None if found is None else (found[0], found[1].format(id=cid))
     assert container_cgroup.container_of(42, proc=str(tmp_path)) == want
+
+
+def test_sparkguard_status_says_a_container_engine_is_tracked_by_its_containers_cgroup():
+    from sparkguard import status
+    by = {"sparkguard_engine_state": {"running": 1.0}, "sparkguard_engine_tracking_info": {"none": 1.0}}
+    labels = {"delegation": "none", "mode": "cgroup", "tracks": "container"}
+    e = status._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, labels)
+    assert e["tracking"] == "cgroup (its container's cgroup, from the runtime's State.Pid)"
+    e = status._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, dict(labels, tracks="engine"))
+    assert e["tracking"] == "cgroup"
+    # a daemon of before the labels: the mode is the only label
+    old = {"sparkguard_engine_state": {"running": 1.0}, "sparkguard_engine_tracking_info": {"process-group": 1.0}}
+    assert status._engine_from_metrics({"sparkguard_engine_up": 1.0}, old, {"mode": "process-group"})["tracking"] \
+        == "process-group"

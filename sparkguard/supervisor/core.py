@@ -32,7 +32,7 @@ from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import cluster, container, health, lanes, nodes, output, process, reports
-from sparkguard.supervisor import stopbudget
+from sparkguard.supervisor import stopbudget, tracking
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
 from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
@@ -242,14 +242,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
 
     def _status(self) -> dict:
         st = super()._status()
-        run = self.run
-        cg = run.cgroup if run is not None else None
-        pl = self.placement or cgroups.Placement(cgroups.PGROUP, None, "not decided yet")
-        # the current run's mode; between runs, the mode the next start will use
-        in_cgroup = cg is not None if run is not None else pl.mode == cgroups.CGROUP
-        st["tracking"] = {"mode": cgroups.CGROUP if in_cgroup else cgroups.PGROUP,
-                          "cgroup": cg.path if cg is not None else None, "parent": pl.parent,
-                          "detail": cgroups.describe(pl, cg, run=run is not None)}
+        st["tracking"] = tracking.status(self.placement, self.run)
         return st
 
     # ---- the supervisor thread --------------------------------------------------------------
