@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from sparkguard import proctree
+from sparkguard import proctree, signals
+from sparkguard.guard import cgkill
 from sparkguard.supervisor import cgroup, cgroup_delegation, process, tracking
 from supervisor_helpers import Daemon, engine_config, kill_pids, unique
 
@@ -461,3 +462,67 @@ def test_cap_sys_admin_and_the_systemd_version_are_read(tmp_path):
     assert not cgroup_delegation.has_cap_sys_admin(str(status))
     v = cgroup_delegation.systemd_version()
     assert v is None or v > 200
+
+
+ESCAPE_ON_LINE = """
+import os, sys, time
+sys.stdin.readline()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.write(1, f"escaped pid={os.getpid()}\\n".encode())
+        time.sleep(120)
+    os._exit(0)
+os.write(1, b"root\\n")
+time.sleep(120)
+"""
+
+
+def _escaping_tree(cg_parent, name):
+    """A root in a cgroup of its own that, on a line on stdin, double-forks a setsid'd grandchild
+    (reparented away from the root: no descendant of it).  Returns ``(proc, cgroup dir)``."""
+    cg = cgroup.EngineCgroup.create(cgroup.Placement(cgroup.CGROUP, cg_parent, "test"), name)
+    proc = subprocess.Popen([sys.executable, "-c", ESCAPE_ON_LINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert cg.enter(proc.pid)
+    return proc, cg
+
+
+@pytest.mark.parametrize("use_kill", [True, False], ids=["cgroup.kill", "freeze"])
+def test_the_guards_sigkill_of_a_cgroup_tree_reaches_what_escaped_the_tree(cg_parent, use_kill):
+    """The guard chose the tree (its pidfds) before a member double-forked away: a plain pidfd
+    tree misses the escaper; the cgroup's tree (guard.cgkill, what the guard uses for a target
+    that names cgroups) kills it: cgroup.kill, or freeze + pidfd SIGKILL + thaw."""
+    proc, cg = _escaping_tree(cg_parent, 11.0 if use_kill else 12.0)
+    esc = {}
+    try:
+        st = {proc.pid: proctree.read_proc(proc.pid).starttime}
+        target = proctree.Target(proc.pid, "t", "t", [proc.pid], dict(st), cgroups=[cg.path])
+        plain = signals.Tree([proc.pid], dict(st))
+        tree = cgkill.CgroupsTree(target.pids, target.starttimes, target.cgroups, root=proc.pid, use_kill=use_kill)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        pid = int(next(ln for ln in lines if ln.startswith(b"escaped")).split(b"=")[1])
+        esc[pid] = proctree.read_proc(pid).starttime
+        assert pid in cg.pids() and pid not in tree.fds
+        try:
+            assert plain.kill_all() == [proc.pid] and proc.wait(10) == -signal.SIGKILL
+            assert _pidfd_gone(pid, 0.5) is False, "the plain pidfd tree was to miss the escaper"
+            killed = tree.kill_all()
+            assert pid in killed and _pidfd_gone(pid, 10.0)
+            assert tree.how == ("cgroup.kill" if use_kill and cg.has_kill else "freeze"), tree.how
+            assert cg.wait_empty(10.0) and cgroup.events(cg.path).get("frozen", 0) == 0
+        finally:
+            plain.close()
+            tree.close()
+        assert isinstance(cgkill.tree_for(target), cgkill.CgroupsTree)
+        target.cgroups = []
+        assert type(cgkill.tree_for(target)) is signals.Tree
+    finally:
+        kill_pids(esc)
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdin.close()
+        proc.stdout.close()
+        proc.wait(10)
+        cg.remove()

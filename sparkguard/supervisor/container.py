@@ -371,6 +371,8 @@ def widen(target, procs: dict, protector) -> str | None:
         if pid not in target.starttimes and not protector.protected(procs[pid]):
             target.pids.append(pid)
             target.starttimes[pid] = st
+    if ctr.cgroup and ctr.cgroup not in target.cgroups:
+        target.cgroups.append(ctr.cgroup)       # its SIGKILL is the container's cgroup's (guard.cgkill)
     label = ctr.label()
     if f"[{label}]" not in target.title:
         target.title = f"{target.title} [{label}]"

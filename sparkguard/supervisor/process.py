@@ -160,6 +160,8 @@ def target(run, procs: dict, protector, details: bool = True):
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
     t = proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
     t.term_pid = _init(run, t.starttimes)
+    cg, ctr = getattr(run, "cgroup", None), run.container
+    t.cgroups = [c for c in (cg.path if cg is not None else None, ctr.cgroup if ctr is not None else None) if c]
     return t
 
 
