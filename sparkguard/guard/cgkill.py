@@ -12,7 +12,8 @@ and their descendants).  :class:`CgroupsTree` is that pidfd tree plus its cgroup
 * else ``cgroup.freeze`` (Linux >= 5.2): the cgroup is frozen (no member runs, so none forks),
   every member is SIGKILLed through a pidfd (a fatal signal reaches a frozen process:
   cgroup-v2.rst, "cgroup.freeze"), then thawed; the write is not waited for (the poll loop never
-  blocks): the pidfd rounds of :data:`KILL_ROUNDS` pick up what was forked meanwhile;
+  blocks): the pidfd rounds (:func:`sparkguard.supervisor.cgroup.kill_rounds`) pick up what was
+  forked meanwhile;
 * else (cgroup v1 only) the pidfd rounds alone.
 
 A cgroup holding a protected process (``targets.protect``) is never killed whole: its members
@@ -29,8 +30,6 @@ from sparkguard import proctree, signals
 from sparkguard.supervisor import cgroup as cgroups
 
 log = logging.getLogger("sparkguard")
-
-KILL_ROUNDS = cgroups.KILL_ROUNDS     #: pidfd SIGKILL passes while new members appear
 
 
 def _write(path: str, text: str) -> bool:
@@ -61,14 +60,7 @@ class CgroupsTree(signals.Tree):
 
     def add_members(self) -> list[int]:
         """Open pidfds for members of the cgroups not yet in the tree (never this process); the pids added."""
-        me = os.getpid()
-        new = [pid for cg in self.cgroups for pid in cgroups.members(cg) if pid not in self.fds and pid != me]
-        st = {}
-        for pid in dict.fromkeys(new):
-            p = proctree.read_proc(pid)
-            if p is not None and not p.kthread:
-                st[pid] = p.starttime
-        return self.add(list(st), st)
+        return cgroups.add_pids(self, [pid for cg in self.cgroups for pid in cgroups.members(cg)])
 
     def sweep(self) -> list[int]:
         return self.add_members() + super().sweep()
@@ -88,26 +80,18 @@ class CgroupsTree(signals.Tree):
             if self._guarded(cg, protector):
                 continue
             inside = set(cgroups.members(cg))
+            live = self.alive()                 # before the write: its members exit at once
             if self.use_kill and os.path.isfile(os.path.join(cg, "cgroup.kill")) and \
                     _write(os.path.join(cg, "cgroup.kill"), "1"):
                 hows.add("cgroup.kill")
-                new = [pid for pid in self.alive() if pid in inside and pid not in killed]
+                new = [pid for pid in live if pid in inside and pid not in killed]
                 self._release(new)
                 killed += new
             elif os.path.isfile(os.path.join(cg, "cgroup.freeze")) and _write(os.path.join(cg, "cgroup.freeze"), "1"):
                 hows.add("freeze")
                 frozen.append(cg)
         try:
-            for _ in range(KILL_ROUNDS):
-                new = self._kill([pid for pid in self.alive() if pid not in killed], protector)
-                self._release(new)
-                killed += new
-                if not self.add_members() and not new:
-                    break
-            self.sweep()
-            rest = self._kill([pid for pid in self.alive() if pid not in killed], protector)
-            self._release(rest)
-            killed += rest
+            killed = cgroups.kill_rounds(self, killed, protector)
         finally:
             for cg in frozen:       # the SIGKILLed members exit once thawed too; a protected one runs on
                 _write(os.path.join(cg, "cgroup.freeze"), "0")

@@ -407,13 +407,7 @@ class CgroupTree(signals.Tree):
 
     def add_members(self) -> list[int]:
         """Open pidfds for cgroup members not yet in the tree; returns the pids added."""
-        new = [pid for pid in self.cg.pids() if pid not in self.fds and pid != os.getpid()]
-        st = {}
-        for pid in new:
-            p = proctree.read_proc(pid)
-            if p is not None and not p.kthread:
-                st[pid] = p.starttime
-        return self.add(list(st), st)
+        return add_pids(self, self.cg.pids())
 
     def sweep(self) -> list[int]:
         return self.add_members() + super().sweep()
@@ -429,16 +423,37 @@ class CgroupTree(signals.Tree):
             killed = [pid for pid in live if pid in in_cgroup]
             self._release(killed)
             self.add_members()                 # forked before the write: already SIGKILLed too
-        for _ in range(KILL_ROUNDS):
-            new = self._kill([pid for pid in self.alive() if pid not in killed], protector)
-            self._release(new)
-            killed += new
-            if not self.add_members() and not new:
-                break
-        self.sweep()
-        rest = self._kill([pid for pid in self.alive() if pid not in killed], protector)
-        self._release(rest)
-        return killed + rest
+        return kill_rounds(self, killed, protector)
+
+
+def add_pids(tree, pids: list[int]) -> list[int]:
+    """Open pidfds in ``tree`` (a ``signals.Tree``) for those of ``pids`` not yet in it, never this
+    process nor a kernel thread, with their start times read now; returns the pids added."""
+    me = os.getpid()
+    st = {}
+    for pid in dict.fromkeys(pids):
+        if pid in tree.fds or pid == me:
+            continue
+        p = proctree.read_proc(pid)
+        if p is not None and not p.kthread:
+            st[pid] = p.starttime
+    return tree.add(list(st), st)
+
+
+def kill_rounds(tree, killed: list[int], protector: proctree.Protector | None) -> list[int]:
+    """SIGKILL (and process_mrelease) every live member of ``tree`` not in ``killed``, repeated up
+    to :data:`KILL_ROUNDS` times while ``tree.add_members()`` finds new ones (forks racing the
+    kill), then once more after a sweep for descendants.  Returns ``killed`` plus the pids signalled."""
+    for _ in range(KILL_ROUNDS):
+        new = tree._kill([pid for pid in tree.alive() if pid not in killed], protector)
+        tree._release(new)
+        killed += new
+        if not tree.add_members() and not new:
+            break
+    tree.sweep()
+    rest = tree._kill([pid for pid in tree.alive() if pid not in killed], protector)
+    tree._release(rest)
+    return killed + rest
 
 
 def remove_stale(parent: str, before: float) -> list[str]:
