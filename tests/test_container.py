@@ -205,6 +205,49 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
         engine.stdout.close()
 
 
+def test_guard_only_sigkill_of_an_engine_in_a_container_is_its_cgroups(tmp_path, docker_env):
+    # every process of the engine ignores SIGTERM: after the grace the guard SIGKILLs the
+    # container's cgroup whole (cgroup.kill, guard/cgkill.py), and the container is gone
+    d = docker_env
+    tag = unique_name()
+    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3", "--mode", "ignore-term")
+    argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
+    engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace")
+    sg = None
+    try:
+        seen = []
+        for line in engine.stdout:
+            seen.append(line)
+            if "fake-vllm: serving" in line:
+                break
+        assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
+        [cid] = _containers(d, tag)
+        info = _inspect(d, cid)
+        init = info["State"]["Pid"]
+        cg = container_cgroup.cgroup_dir(init)
+        how = next((f for f in ("cgroup.kill", "cgroup.freeze") if os.path.isfile(os.path.join(cg, f))), None)
+        how = {"cgroup.freeze": "freeze"}.get(how, how)      # None: a cgroup v1 directory, pidfds only
+        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": "2s", "recovery_wait": "2s"},
+               "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
+               "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
+        sg = Daemon(tmp_path, cfg)
+        sg.wait_line(rf"targets now: .*\[container {cid[:12]}", 20)
+        inc = sg.incident("memory", timeout=60)
+        kill = [e for e in inc["timeline"] if e["event"] == "sigkill"]
+        assert kill and init in kill[0]["pids"], inc["timeline"]
+        assert how is None or f"(through {how})" in kill[0]["detail"], kill[0]
+        assert wait_gone([init], 15) == []
+        assert engine.wait(30) != 0              # the client saw its container SIGKILLed
+        assert _containers(d, tag) == []
+    finally:
+        if sg is not None:
+            sg.stop()
+        _remove(d, tag)
+        engine.wait(30)
+        engine.stdout.close()
+
+
 @pytest.mark.parametrize("policy,status", [("unless-stopped", "WARN"), ("no", "PASS")])
 def test_doctor_warns_of_a_restart_policy_that_restarts_the_engine_behind_the_guard(tmp_path, docker_env, policy,
                                                                                     status):
