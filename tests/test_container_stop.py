@@ -145,3 +145,15 @@ def test_a_docker_engine_that_ignores_sigterm_behind_a_hung_runtime_stops_inside
         slow.unlink(missing_ok=True)
         sg.stop()
         _remove(d, tag)
+
+
+def test_a_grace_the_units_stop_timeout_cannot_hold_is_warned_about_at_start(tmp_path):
+    # a process engine is enough: the budget is the supervisor's, whatever the engine
+    cfg = engine_config(tmp_path, "sgbudget", [sys.executable, "-c", "import time; time.sleep(60)"], None)
+    cfg["guard"]["grace"] = f"{stopbudget.max_grace() + 1:g}s"
+    sg = Daemon(tmp_path, cfg)
+    try:
+        sg.wait_line(r"guard.grace 88 s: stopping the engine may take up to 111 s, past the shipped unit's "
+                     r"TimeoutStopSec=120 s", 20)
+    finally:
+        sg.stop(timeout=150)

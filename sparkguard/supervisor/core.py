@@ -137,6 +137,11 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
         if self.placement is None:
             self.placement = cgroups.place()
         log.info("engine: tracked by %s", cgroups.describe(self.placement))
+        if self.cfg.guard.grace > stopbudget.max_grace():
+            log.warning("engine: guard.grace %g s: stopping the engine may take up to %g s, past the shipped unit's "
+                        "TimeoutStopSec=%g s less %g s for the daemon's own stop; raise TimeoutStopSec in a drop-in "
+                        "(docs/containers.md, 'One stop budget')", self.cfg.guard.grace,
+                        stopbudget.join_timeout(self.cfg.guard.grace), stopbudget.UNIT_STOP_TIMEOUT, stopbudget.MARGIN)
         if self.placement.parent:
             for path in cgroups.remove_stale(self.placement.parent, time.time() - STALE_CGROUP_AGE):
                 log.info("engine: removed the empty cgroup %s a previous run left", path)
