@@ -188,6 +188,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns):
             pids = set(event.get("pids") or ())
             if run.pid in pids or pids & set(dict(run.members)):
                 run.guard_hit = True
+                if ev == "sigterm" and run.deadline is None:    # the stop budget runs from the guard's SIGTERM
+                    ago = max(0.0, time.time() - float(event.get("at") or time.time()))
+                    run.deadline = stopbudget.Deadline(self.cfg.guard.grace, t0=time.monotonic() - ago)
                 if incident.get("id"):
                     self.hits[incident["id"]] = run
                 self._history("guard", f"the memory guard sent {ev.upper()} to pid {run.pid} "
