@@ -283,7 +283,7 @@ def test_a_stopped_container_left_with_the_engines_name_is_removed_before_the_st
 # ---- the command line, without Docker ----------------------------------------------------------
 
 RECIPE = ["docker", "run", "--gpus", "all", "--network", "host", "--ipc", "host", "--shm-size", "16g",
-          "-v", "/models:/models", "-e", "NCCL_SOCKET_IFNAME=enp1s0f0np0", "-it", "--rm",
+          "-v", "/models:/models", "-e", "NCCL_SOCKET_IFNAME=enp1s0f0np0", "-t", "--rm",
           "vllm/vllm-openai:latest", "vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
 
 

@@ -44,7 +44,7 @@ LINES = [
     (["docker", "--tlsverify", "--tlscacert", "/ca.pem", "run", IMG, *SERVE], ["--tlsverify", "--tlscacert", "/ca.pem"],
      ["docker", "--tlsverify", "--tlscacert", "/ca.pem", "run"], None, SERVE),
     # short clusters and attached values: -it, -p8000:8000, -v/models:/models, -eFOO=1, -e=BAR=2, -u0
-    (["docker", "run", "-it", "-p8000:8000", "-v/models:/models", "-eFOO=1", "-e=BAR=2", "-u0", "-w/work",
+    (["docker", "run", "-ti=false", "-p8000:8000", "-v/models:/models", "-eFOO=1", "-e=BAR=2", "-u0", "-w/work",
       "--rm=false", "--detach=false", IMG, *SERVE], [], ["docker", "run"], None, SERVE),
     (["docker", "run", "-tv", "/models:/models", IMG, *SERVE], [], ["docker", "run"], None, SERVE),   # -t, then -v's value
     (["docker", "run", "--rm", "--", IMG, *SERVE], [], ["docker", "run"], None, SERVE),
@@ -56,6 +56,7 @@ LINES = [
       "--env-host", "--no-hosts", "--tls-verify=false", IMG, *SERVE],
      ["--remote", "--url", "unix:///run/podman/podman.sock"],
      ["podman", "--remote", "--url", "unix:///run/podman/podman.sock", "run"], "glm", SERVE),
+    (["podman", "run", "-it", IMG, *SERVE], [], ["podman", "run"], None, SERVE),     # podman only warns
     (["podman", "--root", "/var/lib/c", "--runroot=/run/c", "-r", "container", "run", IMG, *SERVE],
      ["--root", "/var/lib/c", "--runroot=/run/c", "-r"],
      ["podman", "--root", "/var/lib/c", "--runroot=/run/c", "-r", "container", "run"], None, SERVE),
@@ -104,7 +105,8 @@ def test_sparkguards_own_cli_calls_carry_the_global_options(tmp_path):
 
 @pytest.mark.parametrize("bad,why", [
     (["-d"], "-d detaches"), (["-dit"], "-d detaches"), (["-itd"], "-d detaches"), (["--detach"], "-d detaches"),
-    (["--detach=true"], "-d detaches"), (["-d=1"], "-d detaches"), (["--detach=maybe"], "--detach=maybe: not a bool"),
+    (["--detach=true"], "-d detaches"), (["-it"], "docker run -it: docker refuses -i with -t"),
+    (["-i", "--tty"], "docker run -it: docker refuses"), (["-d=1"], "-d detaches"), (["--detach=maybe"], "--detach=maybe: not a bool"),
     (["--sig-proxy=false"], "--sig-proxy=false"), (["--sig-proxy=0"], "--sig-proxy=false"),
     (["--cidfile", "/x"], "--cidfile"), (["--cidfile=/x"], "--cidfile"),
     (["--restart", "unless-stopped"], "--restart unless-stopped"), (["--restart=always"], "--restart always"),

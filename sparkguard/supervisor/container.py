@@ -126,7 +126,8 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
         client's environment, and without it vLLM SIGKILLs its workers at once on SIGTERM:
         FIELD-NOTES).
     Raises:
-        ValueError: ``-d``/``--detach`` (``--detach=false`` is fine), ``--sig-proxy=false``,
+        ValueError: ``-d``/``--detach`` (``--detach=false`` is fine), docker's ``-i`` with ``-t``
+            (no terminal: the client would refuse), ``--sig-proxy=false``,
             ``--cidfile`` or a ``--restart`` policy other than ``no``; or a command line
             :func:`container_argv.parse` refuses (``sudo docker run``, an unknown short option,
             no image).  The message says why.
@@ -142,6 +143,12 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
     if cmd.has("sig-proxy") and not cmd.true("sig-proxy"):
         raise ValueError(f"{rt} run --sig-proxy=false: the SIGTERM sparkguard sends the client would not reach the "
                          "engine; remove it")
+    if cmd.kind == "docker" and cmd.true("interactive") and cmd.true("tty"):
+        # docker/cli cli/command/container/run.go runContainer -> cli/streams/in.go CheckTty:
+        # stdin attached with a TTY needs a terminal; the engine's stdin is /dev/null (podman only warns)
+        raise ValueError(f"{rt} run -it: docker refuses -i with -t when stdin is no terminal (\"the input device "
+                         "is not a TTY\"), and sparkguard runs the client with stdin /dev/null; drop -i or -t "
+                         "(-t alone, or neither: the output reaches the journal either way)")
     if cmd.has("cidfile"):
         raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
     restart = cmd.value("restart")

@@ -84,6 +84,7 @@ class Command:
 
     Attributes:
         runtime: str, the CLI as written (``docker``, ``/usr/bin/podman``).
+        kind: str, ``"docker"`` or ``"podman"`` (whose flag tables apply).
         cli_at: int, its index in argv (after an ``env`` wrapper).
         env: dict, the ``NAME=VALUE`` assignments of an ``env`` wrapper.
         env_clear: bool, the wrapper starts from an empty environment (``env -i``).
@@ -98,6 +99,7 @@ class Command:
     """
 
     runtime: str
+    kind: str = "docker"
     cli_at: int = 0
     env: dict = field(default_factory=dict)
     env_clear: bool = False
@@ -275,7 +277,7 @@ def parse(argv: list[str]) -> Command | None:
     stop = [n for n, v in glob if n in GLOBAL_EXIT and v in TRUE]
     if stop:
         raise ValueError(f"{rt} --{stop[0]}: prints and exits, the container never runs; remove it")
-    cmd = Command(rt, at, assign, clear, unset, argv[at + 1:verb_at], i + 1)
+    cmd = Command(rt, kind, at, assign, clear, unset, argv[at + 1:verb_at], i + 1)
     i += 1
     what = f"{rt} run"
     while i < len(argv):
