@@ -140,3 +140,21 @@ def test_a_command_line_it_cannot_run_as_a_tracked_container_is_refused_clearly(
 def test_not_a_container_run_is_left_alone(tmp_path, argv):
     assert container.prepare(argv, {}, str(tmp_path)) == (argv, None)
     assert container_argv.runtime_of(argv) is None and container_argv.inner(argv) == []
+
+
+@pytest.mark.parametrize("cmd,why", [
+    (["docker", "run", "-d", IMG], "docker run -d detaches"),
+    (["docker", "-H", "unix:///x", "container", "run", "-it", IMG], "docker run -it"),
+    (["sudo", "docker", "run", IMG], "sudo before the container CLI"),
+    (["docker", "run", "--restart=always", IMG], "--restart always"),
+])
+def test_a_refused_container_command_is_a_config_error_naming_file_key_and_value(tmp_path, cmd, why):
+    from sparkguard.config import ConfigError, load
+    f = tmp_path / "sparkguard.yaml"
+    f.write_text("engine:\n  command: " + repr(cmd).replace("'", '"') + "\n")
+    with pytest.raises(ConfigError) as e:
+        load(str(f), mem_total=64 * 1024 ** 3)
+    assert e.value.path == str(f) and e.value.key == "engine.command" and list(e.value.value) == cmd
+    assert why in str(e.value)
+    f.write_text("engine:\n  command: " + repr(["docker", "run", "-t", IMG]).replace("'", '"') + "\n")
+    assert load(str(f), mem_total=64 * 1024 ** 3).engine.command[:3] == ("docker", "run", "-t")

@@ -137,24 +137,9 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
     if cmd is None:
         return argv, None
     rt = cmd.runtime
-    if cmd.true("detach"):
-        raise ValueError(f"{rt} run -d detaches: the client exits at once and sparkguard would take that for the "
-                         "engine's exit; remove -d (sparkguard runs the attached client)")
-    if cmd.has("sig-proxy") and not cmd.true("sig-proxy"):
-        raise ValueError(f"{rt} run --sig-proxy=false: the SIGTERM sparkguard sends the client would not reach the "
-                         "engine; remove it")
-    if cmd.kind == "docker" and cmd.true("interactive") and cmd.true("tty"):
-        # docker/cli cli/command/container/run.go runContainer -> cli/streams/in.go CheckTty:
-        # stdin attached with a TTY needs a terminal; the engine's stdin is /dev/null (podman only warns)
-        raise ValueError(f"{rt} run -it: docker refuses -i with -t when stdin is no terminal (\"the input device "
-                         "is not a TTY\"), and sparkguard runs the client with stdin /dev/null; drop -i or -t "
-                         "(-t alone, or neither: the output reaches the journal either way)")
-    if cmd.has("cidfile"):
-        raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
-    restart = cmd.value("restart")
-    if restart not in (None, "no"):
-        raise ValueError(f"{rt} run --restart {restart}: {rt} would start the engine again behind sparkguard, with "
-                         "no memory gate; sparkguard restarts it (engine.backoff_*): remove --restart")
+    why = container_argv.refusal(cmd)
+    if why is not None:
+        raise ValueError(why)
     os.makedirs(rundir, mode=0o700, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     cidfile = os.path.join(rundir, f"engine-{tag}.cid")

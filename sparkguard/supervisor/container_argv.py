@@ -319,3 +319,39 @@ def inner(argv: list[str]) -> list[str]:
     except ValueError:
         return []
     return cmd.inner if cmd is not None else []
+
+
+def refusal(cmd: Command) -> str | None:
+    """Why sparkguard cannot supervise container command ``cmd`` as written (one line: what and
+    what to write instead), None when it can.  Checked at config load (``engine.command``) and at
+    every start.
+
+    Refused: ``-d``/``--detach`` (the client exits at once, which would read as the engine's
+    exit); docker's ``-i`` with ``-t`` (docker/cli ``cli/command/container/run.go``
+    ``runContainer`` -> ``cli/streams/in.go`` ``CheckTty``: stdin attached with a TTY needs a
+    terminal, the engine's stdin is /dev/null; podman only warns: ``cmd/podman/containers/run.go``);
+    ``--sig-proxy=false`` (the client's SIGTERM would not reach the engine); ``--cidfile``
+    (sparkguard sets its own); a ``--restart`` policy other than ``no`` (the runtime would start
+    the engine again behind sparkguard, with no memory gate).
+
+    Raises:
+        ValueError: a bool option with a value pflag would refuse (:meth:`Command.true`).
+    """
+    rt = cmd.runtime
+    if cmd.true("detach"):
+        return (f"{rt} run -d detaches: the client exits at once and sparkguard would take that for the "
+                "engine's exit; remove -d (sparkguard runs the attached client)")
+    if cmd.has("sig-proxy") and not cmd.true("sig-proxy"):
+        return (f"{rt} run --sig-proxy=false: the SIGTERM sparkguard sends the client would not reach the "
+                "engine; remove it")
+    if cmd.kind == "docker" and cmd.true("interactive") and cmd.true("tty"):
+        return (f"{rt} run -it: docker refuses -i with -t when stdin is no terminal (\"the input device is not a "
+                "TTY\"), and sparkguard runs the client with stdin /dev/null; drop -i or -t (-t alone, or neither: "
+                "the output reaches the journal either way)")
+    if cmd.has("cidfile"):
+        return f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it"
+    restart = cmd.value("restart")
+    if restart not in (None, "no"):
+        return (f"{rt} run --restart {restart}: {rt} would start the engine again behind sparkguard, with no "
+                "memory gate; sparkguard restarts it (engine.backoff_*): remove --restart")
+    return None
