@@ -167,12 +167,14 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
         assert any("fake-vllm: ready" in ln for ln in inc["engine"]["last_lines"]), inc["engine"]["last_lines"]
 
 
-def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
-    d = docker_env
+@contextlib.contextmanager
+def guarded_container(d, tmp_path, *opts: str, grace: str):
+    """A fake vLLM in a container started by hand (``docker run``, labelled and named TAG) that
+    fills 640 MiB 3 s after it serves, and a guard-only ``sparkguard run`` matching it, its line
+    256 MiB below MemAvailable then; yields ``(daemon, client, container id, init pid, tag)`` once the
+    guard has armed it.  Everything is stopped and removed afterwards."""
     tag = unique_name()
-    # the engine inside fills 640 MiB 3 s after it serves (the guard is started meanwhile); the
-    # guard's line is 256 MiB below MemAvailable then
-    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3")
+    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3", *opts)
     argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
     engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -186,17 +188,12 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
         assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
         [cid] = _containers(d, tag)
         init = _inspect(d, cid)["State"]["Pid"]
-        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": "10s", "recovery_wait": "2s"},
+        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": grace, "recovery_wait": "2s"},
                "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
                "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
         sg = Daemon(tmp_path, cfg)
         sg.wait_line(rf"targets now: .*\[container {cid[:12]}", 20)
-        inc = sg.incident("memory", timeout=60)
-        term = [e for e in inc["timeline"] if e["event"] == "sigterm"]
-        assert term and term[0]["pids"] == [init], inc["timeline"]
-        assert f"[container {cid[:12]} ({tag})]" in inc["target"]["title"], inc["target"]
-        assert engine.wait(30) == 0              # the engine shut down on the guard's SIGTERM
-        assert _containers(d, tag) == []
+        yield sg, engine, cid, init, tag
     finally:
         if sg is not None:
             sg.stop()
@@ -205,34 +202,25 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
         engine.stdout.close()
 
 
+def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
+    d = docker_env
+    with guarded_container(d, tmp_path, grace="10s") as (sg, engine, cid, init, tag):
+        inc = sg.incident("memory", timeout=60)
+        term = [e for e in inc["timeline"] if e["event"] == "sigterm"]
+        assert term and term[0]["pids"] == [init], inc["timeline"]
+        assert f"[container {cid[:12]} ({tag})]" in inc["target"]["title"], inc["target"]
+        assert engine.wait(30) == 0              # the engine shut down on the guard's SIGTERM
+        assert _containers(d, tag) == []
+
+
 def test_guard_only_sigkill_of_an_engine_in_a_container_is_its_cgroups(tmp_path, docker_env):
     # every process of the engine ignores SIGTERM: after the grace the guard SIGKILLs the
     # container's cgroup whole (cgroup.kill, guard/cgkill.py), and the container is gone
     d = docker_env
-    tag = unique_name()
-    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3", "--mode", "ignore-term")
-    argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
-    engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, errors="replace")
-    sg = None
-    try:
-        seen = []
-        for line in engine.stdout:
-            seen.append(line)
-            if "fake-vllm: serving" in line:
-                break
-        assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
-        [cid] = _containers(d, tag)
-        info = _inspect(d, cid)
-        init = info["State"]["Pid"]
-        cg = container_cgroup.cgroup_dir(init)
+    with guarded_container(d, tmp_path, "--mode", "ignore-term", grace="2s") as (sg, engine, cid, init, tag):
+        cg = container_cgroup.cgroup_dir(init) or "/nonexistent"
         how = next((f for f in ("cgroup.kill", "cgroup.freeze") if os.path.isfile(os.path.join(cg, f))), None)
         how = {"cgroup.freeze": "freeze"}.get(how, how)      # None: a cgroup v1 directory, pidfds only
-        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": "2s", "recovery_wait": "2s"},
-               "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
-               "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
-        sg = Daemon(tmp_path, cfg)
-        sg.wait_line(rf"targets now: .*\[container {cid[:12]}", 20)
         inc = sg.incident("memory", timeout=60)
         kill = [e for e in inc["timeline"] if e["event"] == "sigkill"]
         assert kill and init in kill[0]["pids"], inc["timeline"]
@@ -240,12 +228,6 @@ def test_guard_only_sigkill_of_an_engine_in_a_container_is_its_cgroups(tmp_path,
         assert wait_gone([init], 15) == []
         assert engine.wait(30) != 0              # the client saw its container SIGKILLed
         assert _containers(d, tag) == []
-    finally:
-        if sg is not None:
-            sg.stop()
-        _remove(d, tag)
-        engine.wait(30)
-        engine.stdout.close()
 
 
 @pytest.mark.parametrize("policy,status", [("unless-stopped", "WARN"), ("no", "PASS")])
