@@ -55,6 +55,7 @@ import time
 from typing import Callable
 
 from sparkguard import signals
+from sparkguard.guard import cgkill
 
 log = logging.getLogger("sparkguard.armed")
 
@@ -171,7 +172,7 @@ class Armed:
             self.ambiguous = ambiguous
             self.target = target
             self.procs = {pid: procs[pid] for pid in target.pids if pid in procs}
-            self.tree = signals.Tree(target.pids, target.starttimes, root=target.root_pid, term=target.term_pid)
+            self.tree = cgkill.tree_for(target)     # a cgroup's tree: its SIGKILL is the cgroup's
 
     def take(self):
         """At the crossing: ``(target, tree, procs)`` if the armed root is still alive and the

@@ -64,6 +64,9 @@ class Target:
             :func:`find_targets` puts launchers after the real engines of the same rank.
         term_pid: int | None, the member that gets the SIGTERM instead of the root (a supervised
             ``docker run`` engine: the container's init, the root being the client), None: the root.
+        cgroups: list[str], cgroup directories whose every process belongs to the tree (a
+            supervised run's own cgroup, an engine's container): its SIGKILL is theirs
+            (:mod:`sparkguard.guard.cgkill`).
     """
 
     root_pid: int
@@ -76,6 +79,7 @@ class Target:
     rank: int = 0
     launcher: bool = False
     term_pid: int | None = None
+    cgroups: list[str] = field(default_factory=list)
 
 
 FALLBACK_PATTERN = "fallback:oom_score"

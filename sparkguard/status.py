@@ -203,6 +203,7 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
     one: dict[str, float] = {}
     by: dict[str, dict[str, float]] = {}
     version = hostname = None
+    tracking_labels: dict[str, str] = {}
     for fam in fams:
         for s in fam.samples:
             if s.name == "sparkguard_build_info":
@@ -210,6 +211,8 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
             elif s.labels:
                 key = next(iter(s.labels.values()))
                 by.setdefault(s.name, {})[key] = s.value
+                if s.name == "sparkguard_engine_tracking_info":
+                    tracking_labels = dict(s.labels)
             else:
                 one[s.name] = s.value
     if version is None and not any(k.startswith("sparkguard_") for k in list(one) + list(by)):
@@ -254,15 +257,18 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         "total_bytes": num("sparkguard_memory_total_bytes", int),
         "swap_free_bytes": num("sparkguard_swap_free_bytes", int),
         "swap_total_bytes": num("sparkguard_swap_total_bytes", int),
-        "engine": _engine_from_metrics(one, by),
+        "engine": _engine_from_metrics(one, by, tracking_labels),
     })
     return out
 
 
-def _engine_from_metrics(one: dict[str, float], by: dict[str, dict[str, float]]) -> dict | None:
+def _engine_from_metrics(one: dict[str, float], by: dict[str, dict[str, float]],
+                         tracking: dict[str, str] | None = None) -> dict | None:
     """The engine as the endpoint's ``sparkguard_engine_*`` metrics show it (docs/metrics.md):
     ``{"state", "lane", "ready", "given_up", "run_start", "tracking"}`` (tracking: ``cgroup`` or
-    ``process-group``, None from a daemon without the metric); None without an engine."""
+    ``process-group``, with ``" (its container's cgroup, from the runtime's State.Pid)"`` for a
+    container engine (the metric's ``tracks`` label), None from a daemon without the metric);
+    None without an engine."""
     states = by.get("sparkguard_engine_state", {})
     if not states and "sparkguard_engine_up" not in one:
         return None
@@ -271,7 +277,16 @@ def _engine_from_metrics(one: dict[str, float], by: dict[str, dict[str, float]])
             "ready": one.get("sparkguard_engine_ready") == 1.0,
             "given_up": one.get("sparkguard_engine_given_up") == 1.0,
             "run_start": one.get("sparkguard_engine_run_start_timestamp_seconds"),
-            "tracking": next(iter(by.get("sparkguard_engine_tracking_info", {})), None)}
+            "tracking": _tracking(by, tracking or {})}
+
+
+def _tracking(by: dict[str, dict[str, float]], labels: dict[str, str]) -> str | None:
+    """The tracking line of :func:`_engine_from_metrics` (its docstring)."""
+    # the exposition sorts labels: the mode is read by name (a daemon without labels but mode: the key)
+    mode = labels.get("mode") or next(iter(by.get("sparkguard_engine_tracking_info", {})), None)
+    if mode is not None and labels.get("tracks") == "container":
+        return f"{mode} (its container's cgroup, from the runtime's State.Pid)"
+    return mode
 
 
 def read_engine(cfg, socket: str | None = None, timeout: float = 3.0) -> dict:

@@ -17,6 +17,7 @@ the checkout is mounted read-only at /src by :meth:`Dockerd.fake_run`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -166,6 +167,14 @@ def dockerd():
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"Docker tests impossible here: {reason}")
+    with started() as d:
+        yield d
+
+
+@contextlib.contextmanager
+def started():
+    """:func:`dockerd`'s body, for the benches too (bench/stop_paths.py): a started
+    :class:`Dockerd` with its image; every container removed and dockerd stopped on exit."""
     DATA_ROOT.mkdir(parents=True, exist_ok=True)
     lock = open(nspawn.CACHE_DIR / ".docker.lock", "w")
     tmp = Path(tempfile.mkdtemp(prefix="sgdockerd-"))

@@ -14,8 +14,9 @@ import uuid
 
 import pytest
 
-from sparkguard import proctree
-from sparkguard.supervisor import cgroup, process
+from sparkguard import proctree, signals
+from sparkguard.guard import cgkill
+from sparkguard.supervisor import cgroup, cgroup_delegation, process, tracking
 from supervisor_helpers import Daemon, engine_config, kill_pids, unique
 
 #: an engine whose grandchild leaves both its process group (setsid) and its parent chain
@@ -416,3 +417,112 @@ def test_remove_stale_takes_only_old_empty_engine_cgroups(cg_parent):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_delegation_unreadable_falls_back_to_a_write_test_under_the_units_cgroup(tmp_path, cg_parent):
+    """systemd < 251 sets only trusted.delegate, which reads as absent without CAP_SYS_ADMIN (the
+    shipped unit's capability set): then a probe cgroup made and removed under the unit's (real)
+    cgroup decides, and the placement says so; where the xattr's absence is conclusive (CAP_SYS_ADMIN
+    held, or systemd >= 251, which also sets user.delegate) there is no write test."""
+    unit = os.path.join(cg_parent, "sparkguard.service")
+    os.mkdir(unit)
+    point, _ = cgroup.find_mount()
+    pc = tmp_path / "cgroup"
+    pc.write_text(f"0::/{os.path.relpath(unit, point)}\n")
+
+    def place(**detect):
+        return cgroup.place("/proc/self/mountinfo", str(pc), env={}, move_self=False, **detect)
+    p = place(cap_sys_admin=False, version=249)
+    assert (p.mode, p.parent, p.delegation) == (cgroup.CGROUP, unit, "write-test"), p
+    assert "systemd 249 < 251" in p.reason and "write test (mkdir/rmdir of a probe cgroup) passed" in p.reason
+    assert [e.name for e in os.scandir(unit) if e.is_dir()] == [], "the probe cgroup was left behind"
+    assert "[delegation: write test]" in tracking.status(p, None)["detail"]
+    p = place(cap_sys_admin=False, version=lambda: None)  # systemctl not there: the write test too
+    assert p.delegation == "write-test" and "systemd of unknown version" in p.reason
+    # the write test fails: no cgroup may be made below (cgroup.max.descendants 0: mkdir says EAGAIN)
+    with open(os.path.join(unit, "cgroup.max.descendants"), "w") as f:
+        f.write("0")
+    p = place(cap_sys_admin=False, version=249)
+    assert (p.mode, p.delegation) == (cgroup.PGROUP, "write-test") and "the write test failed" in p.reason, p
+    assert "Delegate=yes" in p.reason
+    # conclusive absence: no write test
+    p = place(cap_sys_admin=False, version=252)
+    assert (p.mode, p.delegation) == (cgroup.PGROUP, "xattr") and "no user.delegate xattr (systemd 252" in p.reason
+    p = place(cap_sys_admin=True, version=249)
+    assert p.mode == cgroup.PGROUP and "readable: the daemon holds CAP_SYS_ADMIN" in p.reason
+    st = tracking.status(p, None)
+    assert st["delegation"] == "xattr" and st["why"] == p.reason and st["tracks"] == "engine"
+
+
+def test_cap_sys_admin_and_the_systemd_version_are_read(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000200000\n")     # bit 21 only
+    assert cgroup_delegation.has_cap_sys_admin(str(status))
+    status.write_text("Name:\tx\nCapEff:\t00000000001fffff\n")     # bits 0-20
+    assert not cgroup_delegation.has_cap_sys_admin(str(status))
+    v = cgroup_delegation.systemd_version()
+    assert v is None or v > 200
+
+
+ESCAPE_ON_LINE = """
+import os, sys, time
+sys.stdin.readline()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.write(1, f"escaped pid={os.getpid()}\\n".encode())
+        time.sleep(120)
+    os._exit(0)
+os.write(1, b"root\\n")
+time.sleep(120)
+"""
+
+
+def _escaping_tree(cg_parent, name):
+    """A root in a cgroup of its own that, on a line on stdin, double-forks a setsid'd grandchild
+    (reparented away from the root: no descendant of it).  Returns ``(proc, cgroup dir)``."""
+    cg = cgroup.EngineCgroup.create(cgroup.Placement(cgroup.CGROUP, cg_parent, "test"), name)
+    proc = subprocess.Popen([sys.executable, "-c", ESCAPE_ON_LINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert cg.enter(proc.pid)
+    return proc, cg
+
+
+@pytest.mark.parametrize("use_kill", [True, False], ids=["cgroup.kill", "freeze"])
+def test_the_guards_sigkill_of_a_cgroup_tree_reaches_what_escaped_the_tree(cg_parent, use_kill):
+    """The guard chose the tree (its pidfds) before a member double-forked away: a plain pidfd
+    tree misses the escaper; the cgroup's tree (guard.cgkill, what the guard uses for a target
+    that names cgroups) kills it: cgroup.kill, or freeze + pidfd SIGKILL + thaw."""
+    proc, cg = _escaping_tree(cg_parent, 11.0 if use_kill else 12.0)
+    esc = {}
+    try:
+        st = {proc.pid: proctree.read_proc(proc.pid).starttime}
+        target = proctree.Target(proc.pid, "t", "t", [proc.pid], dict(st), cgroups=[cg.path])
+        plain = signals.Tree([proc.pid], dict(st))
+        tree = cgkill.CgroupsTree(target.pids, target.starttimes, target.cgroups, root=proc.pid, use_kill=use_kill)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        pid = int(next(ln for ln in lines if ln.startswith(b"escaped")).split(b"=")[1])
+        esc[pid] = proctree.read_proc(pid).starttime
+        assert pid in cg.pids() and pid not in tree.fds
+        try:
+            assert plain.kill_all() == [proc.pid] and proc.wait(10) == -signal.SIGKILL
+            assert _pidfd_gone(pid, 0.5) is False, "the plain pidfd tree was to miss the escaper"
+            killed = tree.kill_all()
+            assert pid in killed and _pidfd_gone(pid, 10.0)
+            assert tree.how == ("cgroup.kill" if use_kill and cg.has_kill else "freeze"), tree.how
+            assert cg.wait_empty(10.0) and cgroup.events(cg.path).get("frozen", 0) == 0
+        finally:
+            plain.close()
+            tree.close()
+        assert isinstance(cgkill.tree_for(target), cgkill.CgroupsTree)
+        target.cgroups = []
+        assert type(cgkill.tree_for(target)) is signals.Tree
+    finally:
+        kill_pids(esc)
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdin.close()
+        proc.stdout.close()
+        proc.wait(10)
+        cg.remove()

@@ -56,12 +56,15 @@ def _inspect(d, ref: str) -> dict | None:
 
 
 @contextlib.contextmanager
-def supervised(d, tmp_path, tag: str, *opts: str, name: str | None = None, guard: dict | None = None):
+def supervised(d, tmp_path, tag: str, *opts: str, name: str | None = None, guard: dict | None = None,
+               shape=None):
     """A ``sparkguard run`` supervising ``docker run ... fake vllm serve TAG OPTS`` (labelled
     ``sgtest=TAG``), ready: yields ``(daemon, status, container id, its init's host pid)``; the
-    daemon is stopped and the test's containers removed afterwards."""
+    daemon is stopped and the test's containers removed afterwards.  ``shape``: a function that
+    rewrites the command line (another spelling of it)."""
     port = free_port()
     argv = d.fake_run(tag, *SMALL, *opts, "--port", str(port), name=name, run_opts=("--label", f"sgtest={tag}"))
+    argv = shape(argv) if shape is not None else argv
     cfg = engine_config(tmp_path, tag, argv, port)
     cfg["guard"].update(guard or {})
     sg = Daemon(tmp_path, cfg)
@@ -82,6 +85,13 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
         assert info["State"]["Running"] and info["Name"].startswith("/sparkguard-engine-")
         found = _history(st, "container")
         assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
+        # status says what is tracked: the container's cgroup, found from docker's State.Pid
+        tr = sg.status()["tracking"]
+        assert tr["tracks"] == "container" and tr["container"]["id"] == cid and tr["container"]["pid"] == init, tr
+        r = run_sparkguard("engine", "--socket", sg.socket, "status")
+        line = next((ln for ln in r.stdout.splitlines() if "tracking:" in ln), "")
+        assert f"tracking: container {cid[:12]}" in line and f"init pid {init}, from" in line, r.stdout
+        assert "State.Pid); the client: cgroup" in line or "the client: process group" in line, line
         mark = sg.mark()
         r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
         assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
@@ -91,6 +101,29 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
         assert _containers(d, tag) == []
         st = sg.status()
         assert st["state"] == "stopped" and not _history(st, "sigkill"), st["history"]
+
+
+def test_a_command_line_with_global_options_container_run_and_clusters_is_tracked_and_removed(
+        tmp_path, dockerd, monkeypatch):  # noqa: F811
+    # no DOCKER_HOST: -H alone picks the daemon, so sparkguard's own inspect and rm -f must carry it;
+    # --rm=false: only sparkguard's rm -f removes the container
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    d, tag = dockerd, unique_name()
+
+    def shape(argv):
+        i = argv.index(d.image)
+        opts = [o for o in argv[2:i] if o != "--rm"]
+        return [argv[0], "-H", d.host, "container", "run", "--rm=false", "-eSG_ARGV=1", "--detach=false", *opts,
+                "--", *argv[i:]]
+    with supervised(d, tmp_path, tag, shape=shape) as (sg, st, cid, init):
+        assert "SG_ARGV=1" in _inspect(d, cid)["Config"]["Env"]
+        found = _history(st, "container")
+        assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
+        r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
+        assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
+        assert wait_gone([init], 10) == []
+        assert _containers(d, tag) == [], "sparkguard's rm -f did not reach the daemon -H names"
+        assert "removed" in _history(sg.status(), "exit")[-1]
 
 
 def test_killed_docker_client_its_container_is_stopped_and_removed_then_restarted(tmp_path, docker_env):
@@ -134,12 +167,14 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
         assert any("fake-vllm: ready" in ln for ln in inc["engine"]["last_lines"]), inc["engine"]["last_lines"]
 
 
-def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
-    d = docker_env
+@contextlib.contextmanager
+def guarded_container(d, tmp_path, *opts: str, grace: str):
+    """A fake vLLM in a container started by hand (``docker run``, labelled and named TAG) that
+    fills 640 MiB 3 s after it serves, and a guard-only ``sparkguard run`` matching it, its line
+    256 MiB below MemAvailable then; yields ``(daemon, client, container id, init pid, tag)`` once the
+    guard has armed it.  Everything is stopped and removed afterwards."""
     tag = unique_name()
-    # the engine inside fills 640 MiB 3 s after it serves (the guard is started meanwhile); the
-    # guard's line is 256 MiB below MemAvailable then
-    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3")
+    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3", *opts)
     argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
     engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -153,23 +188,46 @@ def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names
         assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
         [cid] = _containers(d, tag)
         init = _inspect(d, cid)["State"]["Pid"]
-        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": "10s", "recovery_wait": "2s"},
+        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": grace, "recovery_wait": "2s"},
                "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
                "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
         sg = Daemon(tmp_path, cfg)
         sg.wait_line(rf"targets now: .*\[container {cid[:12]}", 20)
-        inc = sg.incident("memory", timeout=60)
-        term = [e for e in inc["timeline"] if e["event"] == "sigterm"]
-        assert term and term[0]["pids"] == [init], inc["timeline"]
-        assert f"[container {cid[:12]} ({tag})]" in inc["target"]["title"], inc["target"]
-        assert engine.wait(30) == 0              # the engine shut down on the guard's SIGTERM
-        assert _containers(d, tag) == []
+        yield sg, engine, cid, init, tag
     finally:
         if sg is not None:
             sg.stop()
         _remove(d, tag)
         engine.wait(30)
         engine.stdout.close()
+
+
+def test_guard_only_mode_signals_an_engine_in_a_container_and_the_incident_names_it(tmp_path, docker_env):
+    d = docker_env
+    with guarded_container(d, tmp_path, grace="10s") as (sg, engine, cid, init, tag):
+        inc = sg.incident("memory", timeout=60)
+        term = [e for e in inc["timeline"] if e["event"] == "sigterm"]
+        assert term and term[0]["pids"] == [init], inc["timeline"]
+        assert f"[container {cid[:12]} ({tag})]" in inc["target"]["title"], inc["target"]
+        assert engine.wait(30) == 0              # the engine shut down on the guard's SIGTERM
+        assert _containers(d, tag) == []
+
+
+def test_guard_only_sigkill_of_an_engine_in_a_container_is_its_cgroups(tmp_path, docker_env):
+    # every process of the engine ignores SIGTERM: after the grace the guard SIGKILLs the
+    # container's cgroup whole (cgroup.kill, guard/cgkill.py), and the container is gone
+    d = docker_env
+    with guarded_container(d, tmp_path, "--mode", "ignore-term", grace="2s") as (sg, engine, cid, init, tag):
+        cg = container_cgroup.cgroup_dir(init) or "/nonexistent"
+        how = next((f for f in ("cgroup.kill", "cgroup.freeze") if os.path.isfile(os.path.join(cg, f))), None)
+        how = {"cgroup.freeze": "freeze"}.get(how, how)      # None: a cgroup v1 directory, pidfds only
+        inc = sg.incident("memory", timeout=60)
+        kill = [e for e in inc["timeline"] if e["event"] == "sigkill"]
+        assert kill and init in kill[0]["pids"], inc["timeline"]
+        assert how is None or f"(through {how})" in kill[0]["detail"], kill[0]
+        assert wait_gone([init], 15) == []
+        assert engine.wait(30) != 0              # the client saw its container SIGKILLed
+        assert _containers(d, tag) == []
 
 
 @pytest.mark.parametrize("policy,status", [("unless-stopped", "WARN"), ("no", "PASS")])
@@ -207,7 +265,7 @@ def test_a_stopped_container_left_with_the_engines_name_is_removed_before_the_st
 # ---- the command line, without Docker ----------------------------------------------------------
 
 RECIPE = ["docker", "run", "--gpus", "all", "--network", "host", "--ipc", "host", "--shm-size", "16g",
-          "-v", "/models:/models", "-e", "NCCL_SOCKET_IFNAME=enp1s0f0np0", "-it", "--rm",
+          "-v", "/models:/models", "-e", "NCCL_SOCKET_IFNAME=enp1s0f0np0", "-t", "--rm",
           "vllm/vllm-openai:latest", "vllm", "serve", "/models/GLM", "--tensor-parallel-size", "2"]
 
 
@@ -289,3 +347,17 @@ def test_the_container_of_a_process_is_read_from_its_cgroup(tmp_path, line, foun
     (tmp_path / "42" / "cgroup").write_text(line.format(id=cid) + "\n")
     want = None if found is None else (found[0], found[1].format(id=cid))
     assert container_cgroup.container_of(42, proc=str(tmp_path)) == want
+
+
+def test_sparkguard_status_says_a_container_engine_is_tracked_by_its_containers_cgroup():
+    from sparkguard import status
+    by = {"sparkguard_engine_state": {"running": 1.0}, "sparkguard_engine_tracking_info": {"none": 1.0}}
+    labels = {"delegation": "none", "mode": "cgroup", "tracks": "container"}
+    e = status._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, labels)
+    assert e["tracking"] == "cgroup (its container's cgroup, from the runtime's State.Pid)"
+    e = status._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, dict(labels, tracks="engine"))
+    assert e["tracking"] == "cgroup"
+    # a daemon of before the labels: the mode is the only label
+    old = {"sparkguard_engine_state": {"running": 1.0}, "sparkguard_engine_tracking_info": {"process-group": 1.0}}
+    assert status._engine_from_metrics({"sparkguard_engine_up": 1.0}, old, {"mode": "process-group"})["tracking"] \
+        == "process-group"

@@ -133,7 +133,8 @@ def test_the_daemon_serves_the_documented_metrics_and_only_those(tmp_path):
         g.stop()
     assert not mismatches(fams, rows), "\n".join(mismatches(fams, rows))
     # the tracking mode in force, one of the two documented (cgroup here, as root with cgroup2)
-    assert re.search(r'^sparkguard_engine_tracking_info\{mode="(cgroup|process-group)"\} 1\.0$', text, re.M), text
+    assert re.search(r'^sparkguard_engine_tracking_info\{delegation="(xattr|write-test|none)",'
+                     r'mode="(cgroup|process-group)",tracks="engine"\} 1\.0$', text, re.M), text
     missing = sorted(n for n in rows if n not in fams and not SCRAPE_TIME_ONLY.fullmatch(n)
                      and not CLUSTER_ONLY.fullmatch(n))
     assert not missing, f"listed in {DOC.name} but not served: {missing}"

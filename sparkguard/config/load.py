@@ -12,6 +12,7 @@ from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.schema import SCHEMA, Config
 from sparkguard.config.yamlload import parse, read_bounded
 from sparkguard import meminfo
+from sparkguard.supervisor import container_argv
 from sparkguard.units import parse_duration
 
 
@@ -120,6 +121,13 @@ def _check_engine(cfg: Config, data: dict, path: str, total: int | None) -> None
     if e.probe is not None and e.probe.url is None and e.health_url is None:
         raise ConfigError(path, "engine.probe", body.get("probe"),
                           "needs probe.url, or engine.health_url to derive /v1/completions from")
+    try:        # a docker|podman run command line: refused options now, not at the first start
+        ctr = container_argv.parse(list(e.command))
+        why = container_argv.refusal(ctr) if ctr is not None else None
+    except ValueError as err:
+        why = str(err)
+    if why is not None:
+        raise ConfigError(path, "engine.command", body.get("command"), why)
     grace = cfg.guard.grace
     for key, raw in shutdown_values(e):
         try:

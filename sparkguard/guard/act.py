@@ -11,8 +11,8 @@ import logging
 import select
 import time
 
-from sparkguard import armed, policy, proctree, signals
-from sparkguard.guard import escalation
+from sparkguard import armed, policy, proctree
+from sparkguard.guard import cgkill, escalation
 from sparkguard.supervisor import container
 from sparkguard.units import format_size
 
@@ -149,8 +149,7 @@ class Actions:
         target = self.scan_choice()[0]
         if target is None:
             return None, None, False
-        return target, signals.Tree(target.pids, target.starttimes, root=target.root_pid,
-                                    term=target.term_pid), False
+        return target, cgkill.tree_for(target), False
 
     def _watch(self, skip: set[int] = frozenset()) -> None:
         """Register the victim's pidfds in the loop's poll set, but those of the pids in ``skip``."""
@@ -221,7 +220,9 @@ class Actions:
         why = "below the SIGKILL line" if (g.kill_below is not None and value < g.kill_below
                                           and now - self.policy.t_term < g.grace) else \
             f"still alive {now - self.policy.t_term:.1f}s after SIGTERM (grace {g.grace:g}s)"
-        self.recorder.event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}")
+        how = getattr(self.tree, "how", "")     # a cgroup's tree (guard.cgkill): cgroup.kill, freeze or pidfd
+        self.recorder.event(t_sig, value, "sigkill", pids, f"SIGKILL {len(pids)} processes: {why}"
+                            + (f" (through {how})" if how and how != "pidfd" else ""))
 
     def close_incident(self, now: float, value: int, recovered: bool, stopped: bool = False) -> None:
         """End the open incident (:meth:`sparkguard.recorder.Recorder.close`); release the victim's

@@ -20,7 +20,9 @@ Where engine cgroups are made (:func:`place`):
 * under systemd (the daemon's cgroup is a ``.service`` or ``.scope`` unit's): only when the unit
   delegates its subtree (``Delegate=yes``, systemd.resource-control(5)); systemd marks a
   delegated cgroup with the ``trusted.delegate`` extended attribute (``user.delegate`` too
-  since systemd 251: systemd docs/CGROUP_DELEGATION.md, "Delegation").  Its "no processes in
+  since systemd 251: systemd docs/CGROUP_DELEGATION.md, "Delegation"); where neither can be
+  read (systemd < 251 and no CAP_SYS_ADMIN, which ``trusted.*`` needs) a write test decides
+  (:func:`delegation`).  Its "no processes in
   inner nodes" rule (same document, and cgroup-v2.rst "No Internal Process Constraint") makes
   the daemon first move itself into the leaf ``<unit cgroup>/guard``; engines go to
   ``<unit cgroup>/engine-<run id>``, siblings of that leaf.  Without delegation systemd owns the
@@ -43,6 +45,7 @@ import time
 from dataclasses import dataclass
 
 from sparkguard import proctree, signals
+from sparkguard.supervisor.cgroup_delegation import delegate_xattr, delegation
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -50,7 +53,6 @@ CGROUP = "cgroup"                 #: tracking mode: the run's cgroup
 PGROUP = "process-group"          #: tracking mode: process group, descendants, recorded members
 ENV_PARENT = "SPARKGUARD_ENGINE_CGROUP_PARENT"
 LEAF = "guard"                    #: the daemon's own leaf under a delegated systemd unit
-DELEGATE_XATTRS = ("trusted.delegate", "user.delegate")
 MAX_READ = 1 << 20                #: bytes read at most from one cgroup file (~100k pids)
 MAX_DEPTH = 16                    #: nested cgroups walked at most below a run's cgroup
 KILL_ROUNDS = 5                   #: pidfd SIGKILL passes without cgroup.kill (forks racing the kill)
@@ -135,13 +137,7 @@ def cgroup_dir(mount: tuple[str, str], path: str) -> str:
 
 def delegated(path: str) -> bool:
     """True when systemd marked cgroup directory ``path`` as delegated (module doc: the xattrs)."""
-    for name in DELEGATE_XATTRS:
-        try:
-            if os.getxattr(path, name).strip(b"\0") in (b"1", b"true", b"yes"):
-                return True
-        except OSError:
-            continue
-    return False
+    return delegate_xattr(path) is not None
 
 
 def is_cgroup2(path: str) -> bool:
@@ -159,11 +155,14 @@ class Placement:
         mode: :data:`CGROUP` or :data:`PGROUP`.
         parent: str, the cgroup2 directory engine cgroups are made in (None in :data:`PGROUP` mode).
         reason: str, one line: why this mode (shown in status and the log).
+        delegation: str, how systemd's delegation was found (:func:`delegation`: ``"xattr"``,
+            ``"write-test"``), ``""`` when no systemd unit was involved.
     """
 
     mode: str
     parent: str | None
     reason: str
+    delegation: str = ""
 
 
 def _fallback(reason: str) -> Placement:
@@ -180,13 +179,14 @@ def _writable(parent: str) -> str | None:
 
 
 def place(mountinfo: str = "/proc/self/mountinfo", proc_cgroup: str = "/proc/self/cgroup",
-          env: dict | None = None, move_self: bool = True) -> Placement:
+          env: dict | None = None, move_self: bool = True, **detect) -> Placement:
     """Decide where engine cgroups are made (module doc); under a delegated systemd unit, move
     this process into ``<unit cgroup>/guard`` first (``move_self``).  Never raises.
 
     Args:
         mountinfo, proc_cgroup: the files read (fixture trees in tests).
         env: the environment (default ``os.environ``), for :data:`ENV_PARENT`.
+        detect: :func:`delegation`'s ``cap_sys_admin``, ``version``, ``probe`` (tests).
     Returns:
         :class:`Placement`.
     """
@@ -209,21 +209,24 @@ def place(mountinfo: str = "/proc/self/mountinfo", proc_cgroup: str = "/proc/sel
     if base == LEAF and os.path.basename(os.path.dirname(here)).endswith((".service", ".scope")):
         unit, here = os.path.basename(os.path.dirname(here)), os.path.dirname(here)   # already moved
     if unit is not None:
-        if not delegated(here):
-            return _fallback(f"systemd unit {unit} does not delegate its cgroup (Delegate=yes)")
+        yes, how, found = delegation(here, **detect)
+        if not yes:
+            return Placement(PGROUP, None, f"systemd unit {unit} does not delegate its cgroup (Delegate=yes): "
+                             + found, how)
         why = _writable(here)
         if why:
-            return _fallback(why)
+            return Placement(PGROUP, None, why, how)
         if move_self and base != LEAF:
             leaf = os.path.join(here, LEAF)
             try:
                 os.makedirs(leaf, exist_ok=True)
             except OSError as e:
-                return _fallback(f"cannot make {leaf}: {e}")
+                return Placement(PGROUP, None, f"cannot make {leaf}: {e}", how)
             err = _write(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
             if err is not None:
-                return _fallback(f"cannot move the daemon into {leaf}: {err}")
-        return Placement(CGROUP, here, f"delegated by systemd unit {unit}; the daemon runs in {LEAF}/")
+                return Placement(PGROUP, None, f"cannot move the daemon into {leaf}: {err}", how)
+        return Placement(CGROUP, here, f"delegated by systemd unit {unit} ({found}); the daemon runs in {LEAF}/",
+                         how)
     why = _writable(here)
     return _fallback(why) if why else Placement(CGROUP, here, "child of the daemon's own cgroup")
 
@@ -404,13 +407,7 @@ class CgroupTree(signals.Tree):
 
     def add_members(self) -> list[int]:
         """Open pidfds for cgroup members not yet in the tree; returns the pids added."""
-        new = [pid for pid in self.cg.pids() if pid not in self.fds and pid != os.getpid()]
-        st = {}
-        for pid in new:
-            p = proctree.read_proc(pid)
-            if p is not None and not p.kthread:
-                st[pid] = p.starttime
-        return self.add(list(st), st)
+        return add_pids(self, self.cg.pids())
 
     def sweep(self) -> list[int]:
         return self.add_members() + super().sweep()
@@ -426,16 +423,37 @@ class CgroupTree(signals.Tree):
             killed = [pid for pid in live if pid in in_cgroup]
             self._release(killed)
             self.add_members()                 # forked before the write: already SIGKILLed too
-        for _ in range(KILL_ROUNDS):
-            new = self._kill([pid for pid in self.alive() if pid not in killed], protector)
-            self._release(new)
-            killed += new
-            if not self.add_members() and not new:
-                break
-        self.sweep()
-        rest = self._kill([pid for pid in self.alive() if pid not in killed], protector)
-        self._release(rest)
-        return killed + rest
+        return kill_rounds(self, killed, protector)
+
+
+def add_pids(tree, pids: list[int]) -> list[int]:
+    """Open pidfds in ``tree`` (a ``signals.Tree``) for those of ``pids`` not yet in it, never this
+    process nor a kernel thread, with their start times read now; returns the pids added."""
+    me = os.getpid()
+    st = {}
+    for pid in dict.fromkeys(pids):
+        if pid in tree.fds or pid == me:
+            continue
+        p = proctree.read_proc(pid)
+        if p is not None and not p.kthread:
+            st[pid] = p.starttime
+    return tree.add(list(st), st)
+
+
+def kill_rounds(tree, killed: list[int], protector: proctree.Protector | None) -> list[int]:
+    """SIGKILL (and process_mrelease) every live member of ``tree`` not in ``killed``, repeated up
+    to :data:`KILL_ROUNDS` times while ``tree.add_members()`` finds new ones (forks racing the
+    kill), then once more after a sweep for descendants.  Returns ``killed`` plus the pids signalled."""
+    for _ in range(KILL_ROUNDS):
+        new = tree._kill([pid for pid in tree.alive() if pid not in killed], protector)
+        tree._release(new)
+        killed += new
+        if not tree.add_members() and not new:
+            break
+    tree.sweep()
+    rest = tree._kill([pid for pid in tree.alive() if pid not in killed], protector)
+    tree._release(rest)
+    return killed + rest
 
 
 def remove_stale(parent: str, before: float) -> list[str]:

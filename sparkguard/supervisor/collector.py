@@ -14,7 +14,8 @@ class EngineCollector:
     ``sparkguard_engine_lane_info{lane}``, ``sparkguard_engine_time_to_ready_seconds`` (last start;
     absent until one was ready), ``sparkguard_engine_quiesce_wait_seconds`` (last start),
     ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none),
-    ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group),
+    ``sparkguard_engine_tracking_info{mode, tracks, delegation}`` (cgroup or process-group; container
+    or engine; xattr, write-test or none),
     ``sparkguard_engine_adoptions_total{result}`` (:mod:`.adoptrun`).
 
     Args:
@@ -60,9 +61,12 @@ class EngineCollector:
         t = s.get("tracking")
         if t:
             i = InfoMetricFamily(P + "tracking", "How the engine's processes are tracked: mode cgroup (a cgroup of "
-                                 "its own per run) or process-group (process group, descendants, recorded members).",
+                                 "its own per run) or process-group (process group, descendants, recorded members); "
+                                 "tracks container (a docker/podman run engine: its container's cgroup) or engine; "
+                                 "delegation xattr, write-test or none (how systemd's delegation was found).",
                                  labels=None)
-            i.add_metric([], {"mode": t["mode"]})
+            i.add_metric([], {"mode": t["mode"], "tracks": t.get("tracks") or "engine",
+                              "delegation": t.get("delegation") or "none"})
             yield i
         # what the other nodes of a TP cluster read (sparkguard.supervisor.cluster, nodes)
         r = s["role"]

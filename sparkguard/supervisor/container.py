@@ -43,14 +43,13 @@ import os
 import pwd
 import re
 import subprocess
-import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sparkguard import proctree
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
-from sparkguard.supervisor import container_argv, container_cgroup
+from sparkguard.supervisor import container_argv, container_cgroup, container_names
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -71,6 +70,9 @@ class Launch:
         name: str | None, the ``--name`` sparkguard added (None: the user named it).
         env: dict, the client's environment (used for sparkguard's own CLI calls too).
         user_name: str | None, the ``--name`` the user gave.
+        global_opts: list[str], the CLI's options before its verb (``-H``, ``--context``, podman's
+            ``--url``, ``--root``...): sparkguard's own CLI calls repeat them, so they reach the
+            same daemon or storage as the client.
     """
 
     runtime: str
@@ -78,6 +80,7 @@ class Launch:
     name: str | None
     env: dict
     user_name: str | None = None
+    global_opts: list = field(default_factory=list)
 
 
 @dataclass
@@ -117,49 +120,43 @@ def prepare(argv: list[str], env: dict, rundir: str, shutdown: float | None = No
         container lives as long as the run, and the runtime removes it even when sparkguard
         cannot) and, when the command inside is vLLM (``config.is_vllm``) and neither it nor the
         options mention ``--shutdown-timeout`` or :data:`SHUTDOWN_ENV`,
-        ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after ``run`` (N: the client
+        ``-e VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=N`` inserted right after the ``run`` verb (after
+        any wrapper, global options and ``container``: :func:`container_argv.parse`) (N: the client
         environment's value, else ``shutdown`` seconds; the container does not inherit the
         client's environment, and without it vLLM SIGKILLs its workers at once on SIGTERM:
         FIELD-NOTES).
     Raises:
-        ValueError: ``-d``/``--detach``, ``--sig-proxy=false``, ``--cidfile`` or a ``--restart`` policy
-            other than ``no`` (the message says why).
+        ValueError: ``-d``/``--detach`` (``--detach=false`` is fine), docker's ``-i`` with ``-t``
+            (no terminal: the client would refuse), ``--sig-proxy=false``,
+            ``--cidfile`` or a ``--restart`` policy other than ``no``; or a command line
+            :func:`container_argv.parse` refuses (``sudo docker run``, an unknown short option,
+            no image).  The message says why.
         OSError: rundir cannot be created.
     """
-    rt = container_argv.runtime_of(argv)
-    if rt is None:
+    cmd = container_argv.parse(argv)
+    if cmd is None:
         return argv, None
-    opts = container_argv.options(argv)
-    flags = [o.split("=", 1)[0] for o in opts if o.startswith("-")]
-    short = {c for o in opts if o.startswith("-") and not o.startswith("--") for c in o[1:]}
-    if "--detach" in flags or "d" in short or any(o in ("--detach=true", "-d=true") for o in opts):
-        raise ValueError(f"{rt} run -d detaches: the client exits at once and sparkguard would take that for the "
-                         "engine's exit; remove -d (sparkguard runs the attached client)")
-    if any(o.replace(" ", "") in ("--sig-proxy=false", "--sig-proxy=0") for o in opts):
-        raise ValueError(f"{rt} run --sig-proxy=false: the SIGTERM sparkguard sends the client would not reach the "
-                         "engine; remove it")
-    if any(o.startswith("--cidfile") for o in opts):
-        raise ValueError(f"{rt} run --cidfile: sparkguard sets its own cidfile; remove it")
-    restart = container_argv.value(opts, "--restart")
-    if restart not in (None, "no"):
-        raise ValueError(f"{rt} run --restart {restart}: {rt} would start the engine again behind sparkguard, with "
-                         "no memory gate; sparkguard restarts it (engine.backoff_*): remove --restart")
+    rt = cmd.runtime
+    why = container_argv.refusal(cmd)
+    if why is not None:
+        raise ValueError(why)
     os.makedirs(rundir, mode=0o700, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     cidfile = os.path.join(rundir, f"engine-{tag}.cid")
     extra = ["--cidfile", cidfile]
     name = None
-    user_name = container_argv.value(opts, "--name")
+    user_name = cmd.value("name")
     if user_name is None:
         name = NAME_PREFIX + tag
         extra += ["--name", name]
-    if "--rm" not in flags:
+    if not cmd.has("rm"):
         extra += ["--rm"]
-    cmd = container_argv.inner(argv)
-    if (is_vllm(cmd) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
-            and (SHUTDOWN_ENV in env or shutdown is not None)):
-        extra += ["-e", f"{SHUTDOWN_ENV}={env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
-    return [argv[0], "run", *extra, *argv[2:]], Launch(rt, cidfile, name, dict(env), user_name)
+    client_env = cmd.client_env(env)
+    if (is_vllm(cmd.inner) and not any(SHUTDOWN_ENV in a or a.startswith("--shutdown-timeout") for a in argv)
+            and (SHUTDOWN_ENV in client_env or shutdown is not None)):
+        extra += ["-e", f"{SHUTDOWN_ENV}={client_env.get(SHUTDOWN_ENV) or f'{shutdown:g}'}"]
+    return ([*argv[:cmd.at], *extra, *argv[cmd.at:]],
+            Launch(rt, cidfile, name, client_env, user_name, list(cmd.global_opts)))
 
 
 def clear_stale(launch: Launch) -> str | None:
@@ -189,27 +186,33 @@ def clear_stale(launch: Launch) -> str | None:
 
 
 def cli(launch: Launch, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run ``RUNTIME ARGS...`` with the client's environment; output captured as text.
+    """Run ``RUNTIME GLOBAL_OPTS ARGS...`` with the client's environment; output captured as text.
     Raises OSError (no CLI) and subprocess.TimeoutExpired."""
-    return subprocess.run([launch.runtime, *args], env=launch.env, stdin=subprocess.DEVNULL,
+    return subprocess.run([launch.runtime, *launch.global_opts, *args], env=launch.env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def inspect(launch: Launch, ref: str) -> dict | None:
+def inspect(launch: Launch, ref: str, timeout: float = CLI_TIMEOUT) -> dict | None:
     """``RUNTIME inspect REF`` (container), its first object; None when there is no such container
-    or the CLI fails (logged)."""
+    or the CLI fails or takes over ``timeout`` seconds (logged)."""
+    return _inspect(launch, ref, timeout)[0]
+
+
+def _inspect(launch: Launch, ref: str, timeout: float) -> tuple[dict | None, bool]:
+    """:func:`inspect`'s answer and whether the runtime said there is no such container
+    (docker: ``No such container``, podman: ``no such container``)."""
     try:
-        r = cli(launch, "container", "inspect", ref)
+        r = cli(launch, "container", "inspect", ref, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("engine: %s container inspect %s: %s", launch.runtime, ref, e)
-        return None
+        return None, False
     if r.returncode != 0:
-        return None
+        return None, "no such" in r.stderr.lower()
     try:
         data = json.loads(r.stdout)
     except ValueError:
-        return None
-    return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
+        return None, False
+    return (data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None), False
 
 
 def read_cid(path: str) -> str | None:
@@ -273,11 +276,15 @@ def members(ctr: Container | None, procs: dict | None = None) -> dict[int, int]:
     return out
 
 
-def finish(launch: Launch, ctr: Container | None) -> str:
+def finish(launch: Launch, ctr: Container | None, deadline=None) -> str:
     """After the run: the container's own exit status, then ``RUNTIME rm -f`` (kills what still
     runs in it and removes it, so nothing runs behind a dead client and a user's ``--name`` is free
     for the next start).
 
+    Args:
+        deadline: the run's :class:`stopbudget.Deadline` (None: :data:`CLI_TIMEOUT` per call);
+            each CLI call gets what is left of it (:meth:`stopbudget.Deadline.step`), so a
+            runtime that does not answer cannot stretch the stop past the unit's stop timeout.
     Returns:
         str, one line for the exit record (``"container 0123456789ab exit code 143, removed"``),
         empty when the container was never created.
@@ -289,14 +296,18 @@ def finish(launch: Launch, ctr: Container | None) -> str:
         pass
     if ref is None:
         return ""
-    info = inspect(launch, ref)
+
+    def timeout() -> float:
+        return deadline.step(CLI_TIMEOUT) if deadline is not None else CLI_TIMEOUT
+    info, gone = _inspect(launch, ref, timeout())
     label = ctr.label() if ctr is not None else f"container {ref[:12]}"
-    if info is None:
+    if gone:
         return f"{label} already removed"
-    state = info.get("State") or {}
-    what = f"{label} exit code {state.get('ExitCode')}" if not state.get("Running") else f"{label} still running"
-    try:
-        r = cli(launch, "rm", "-f", ref)
+    state = (info or {}).get("State") or {}
+    what = (f"{label} exit code {state.get('ExitCode')}" if info is not None and not state.get("Running")
+            else f"{label} still running" if info is not None else label)
+    try:        # also when inspect did not answer: the container may still run
+        r = cli(launch, "rm", "-f", ref, timeout=timeout())
         ok = r.returncode == 0
         if not ok:
             log.error("engine: %s rm -f %s failed: %s", launch.runtime, ref, r.stderr.strip()[-300:])
@@ -313,26 +324,21 @@ def rundir(state_file: str) -> str:
 
 # ---- guard-only mode: a matched engine that runs in a container ---------------------------------
 
-_names: dict[str, str | None] = {}      # container id -> name (None: asked, no answer yet or none)
-_names_lock = threading.Lock()
+def _ask_name(runtime: str, cid: str) -> str | None:
+    """The container's name from ``RUNTIME container inspect`` (sparkguard's environment:
+    DOCKER_HOST / CONTAINER_HOST), None when it does not answer."""
+    info = inspect(Launch(runtime, "", None, dict(os.environ)), cid)
+    return (str(info.get("Name") or "").lstrip("/") or None) if info is not None else None
+
+
+NAMES = container_names.NameCache(_ask_name)
 
 
 def name_of(runtime: str, cid: str) -> str | None:
-    """The container's name if already known; the first call for an id asks ``RUNTIME inspect``
-    in a thread of its own (sparkguard's environment: DOCKER_HOST / CONTAINER_HOST) and returns
-    None, so no caller (the guard's scan) ever waits for the CLI."""
-    with _names_lock:
-        if cid in _names:
-            return _names[cid]
-        _names[cid] = None
-
-    def ask() -> None:
-        info = inspect(Launch(runtime, "", None, dict(os.environ)), cid)
-        if info is not None:
-            with _names_lock:
-                _names[cid] = str(info.get("Name") or "").lstrip("/") or None
-    threading.Thread(target=ask, name="sg-ctr-name", daemon=True).start()
-    return None
+    """The container's name if already known, else None: the question runs in a thread of its own
+    and a failed one is retried with a bounded backoff (:class:`container_names.NameCache`), so no
+    caller (the guard's scan) ever waits for the CLI."""
+    return NAMES.get(runtime, cid)
 
 
 def widen(target, procs: dict, protector) -> str | None:
@@ -357,6 +363,8 @@ def widen(target, procs: dict, protector) -> str | None:
         if pid not in target.starttimes and not protector.protected(procs[pid]):
             target.pids.append(pid)
             target.starttimes[pid] = st
+    if ctr.cgroup and ctr.cgroup not in target.cgroups:
+        target.cgroups.append(ctr.cgroup)       # its SIGKILL is the container's cgroup's (guard.cgkill)
     label = ctr.label()
     if f"[{label}]" not in target.title:
         target.title = f"{target.title} [{label}]"
@@ -369,8 +377,7 @@ def retitle(target) -> None:
     m = re.search(r"\[container ([0-9a-f]{12})\]$", target.title)
     if m is None:
         return
-    with _names_lock:
-        name = next((n for cid, n in _names.items() if cid.startswith(m.group(1)) and n), None)
+    name = NAMES.known(m.group(1))
     if name:
         target.title = f"{target.title[:m.start()]}[container {m.group(1)} ({name})]"
 

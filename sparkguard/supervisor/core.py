@@ -33,6 +33,7 @@ from sparkguard import control, proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, nodes, output, process, reports
+from sparkguard.supervisor import stopbudget, tracking
 from sparkguard.supervisor.adoptrun import Adoption
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
@@ -142,6 +143,11 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         if self.placement is None:
             self.placement = cgroups.place()
         log.info("engine: tracked by %s", cgroups.describe(self.placement))
+        if self.cfg.guard.grace > stopbudget.max_grace():
+            log.warning("engine: guard.grace %g s: stopping the engine may take up to %g s, past the shipped unit's "
+                        "TimeoutStopSec=%g s less %g s for the daemon's own stop; raise TimeoutStopSec in a drop-in "
+                        "(docs/containers.md, 'One stop budget')", self.cfg.guard.grace,
+                        stopbudget.join_timeout(self.cfg.guard.grace), stopbudget.UNIT_STOP_TIMEOUT, stopbudget.MARGIN)
         if self.placement.parent:
             for path in cgroups.remove_stale(self.placement.parent, time.time() - STALE_CGROUP_AGE):
                 log.info("engine: removed the empty cgroup %s a previous run left", path)
@@ -151,8 +157,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
     def stop(self, timeout: float | None = None, keep: bool = False, why: str = "") -> None:
         """Stop the engine (SIGTERM, ``guard.grace``, SIGKILL of the tree and leftovers), flush
         pending incident reports, close the control socket.  Blocks up to ``timeout`` seconds
-        (default grace * 2 + 10).  ``keep``: leave a running engine running for the next daemon
-        to adopt (its state file and a handover note written: :mod:`.handover`); ``why`` says why."""
+        (default :func:`stopbudget.join_timeout`: the run's whole stop budget).  ``keep``: leave a
+        running engine running for the next daemon to adopt (its state file and a handover note
+        written: :mod:`.handover`); ``why`` says why."""
         if self.control is not None:
             self.control.stop()
 
@@ -161,7 +168,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             self.quit = True
         self._call(quit_, 0.0)
         if self.thread is not None:
-            self.thread.join(timeout if timeout is not None else self.cfg.guard.grace * 2 + 10)
+            self.thread.join(timeout if timeout is not None else stopbudget.join_timeout(self.cfg.guard.grace))
         self._flush("daemon stopping")
         self.sink.close()
 
@@ -193,6 +200,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             pids = set(event.get("pids") or ())
             if run.pid in pids or pids & set(dict(run.members)):
                 run.guard_hit = True
+                if ev == "sigterm" and run.deadline is None:    # the stop budget runs from the guard's SIGTERM
+                    ago = max(0.0, time.time() - float(event.get("at") or time.time()))
+                    run.deadline = stopbudget.Deadline(self.cfg.guard.grace, t0=time.monotonic() - ago)
                 if incident.get("id"):
                     self.hits[incident["id"]] = run
                 self._history("guard", f"the memory guard sent {ev.upper()} to pid {run.pid} "
@@ -242,23 +252,17 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             self.cv.notify_all()
 
     def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
-               group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None) -> list[int]:
+               group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None, deadline=None) -> list[int]:
         return process.sweep(pgid, members, self.cfg.guard.grace, self.cfg.targets.protect, self._history,
-                             exclude=exclude, group_ok=group_ok, cgroup=cgroup)
+                             exclude=exclude, group_ok=group_ok, cgroup=cgroup, deadline=deadline)
 
     def _status(self) -> dict:
         st = super()._status()
         run = self.run
-        cg = run.cgroup if run is not None else None
-        pl = self.placement or cgroups.Placement(cgroups.PGROUP, None, "not decided yet")
-        # the current run's mode; between runs, the mode the next start will use
-        in_cgroup = cg is not None if run is not None else pl.mode == cgroups.CGROUP
         st["adoption"] = self.adoption       # what the start-up adoption found (supervisor.adoptrun)
         st["adoptions"] = dict(self.adoptions)
         st["adopted"] = bool(run is not None and run.adopted)
-        st["tracking"] = {"mode": cgroups.CGROUP if in_cgroup else cgroups.PGROUP,
-                          "cgroup": cg.path if cg is not None else None, "parent": pl.parent,
-                          "detail": cgroups.describe(pl, cg, run=run is not None)}
+        st["tracking"] = tracking.status(self.placement, run)
         return st
 
     # ---- the supervisor thread --------------------------------------------------------------
@@ -309,7 +313,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             else:
                 if self.run is not None and self.run.exit is None:
                     self._terminate("shutdown")
-                    self._await_exit(self.cfg.guard.grace + 10)
+                    self._await_exit(self.run.deadline.before_cleanup(self.cfg.guard.grace + 10)
+                                     if self.run.deadline is not None else self.cfg.guard.grace + 10)
                 if self.run is not None:
                     self._after_run()
             self._flush("daemon stopping")
@@ -459,6 +464,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         inc = run.incident
 
         def note(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
+            if run.deadline is None:        # the one stop deadline, from the first SIGTERM (stopbudget)
+                run.deadline = stopbudget.Deadline(esc.grace, t0=esc.t_term)
             if event == "joined":
                 self._history("sigterm", f"{why}: pid {run.pid} is already being stopped ({esc.reason}): "
                                          "no second SIGTERM")
@@ -484,16 +491,19 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
         if run.launch is not None:
             process.refresh_members(run)    # the container's processes, also when its client died
-        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup)
-        ctr_detail = container.finish(run.launch, run.container) if run.launch is not None else ""
+        if run.deadline is None:            # it ended on its own: the sweep's SIGTERM is its first
+            run.deadline = stopbudget.Deadline(self.cfg.guard.grace)
+        dl = run.deadline
+        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup, deadline=dl)
+        ctr_detail = container.finish(run.launch, run.container, dl) if run.launch is not None else ""
         try:
-            run.proc.wait(timeout=5)   # reap the root only now: its pgid stayed reserved meanwhile
+            run.proc.wait(timeout=dl.step(5))   # reap the root only now: its pgid stayed reserved meanwhile
         except Exception:  # noqa: BLE001
             pass
         self._remove_cgroup(run)
         for t in run.threads:
             if t is not threading.current_thread():
-                t.join(2.0)
+                t.join(min(2.0, dl.left()))
         for stream in (run.proc.stdout, run.proc.stderr, *run.streams.values()):
             try:
                 stream.close()

@@ -163,6 +163,8 @@ def target(run, procs: dict, protector, details: bool = True):
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
     t = proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
     t.term_pid = _init(run, t.starttimes)
+    cg, ctr = getattr(run, "cgroup", None), run.container
+    t.cgroups = [c for c in (cg.path if cg is not None else None, ctr.cgroup if ctr is not None else None) if c]
     return t
 
 
@@ -229,7 +231,7 @@ def leftovers(pgid: int | None, members: dict[int, int], exclude: int | None = N
 
 def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note: Callable[[str, str], None],
           exclude: int | None = None, group_ok: bool = True,
-          cgroup: cgroups.EngineCgroup | None = None) -> list[int]:
+          cgroup: cgroups.EngineCgroup | None = None, deadline=None) -> list[int]:
     """SIGTERM every :func:`leftovers` process, wait ``grace`` seconds for all, SIGKILL (and
     process_mrelease) the rest, wait up to 10 s more: one escalation of
     :mod:`sparkguard.guard.escalation` on the leftovers (blocks the calling thread).  With the
@@ -239,6 +241,9 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
     Args:
         protect: ``targets.protect`` patterns (never SIGKILLed).
         note: ``(event, detail)`` history callback ("sweep").
+        deadline: the run's :class:`stopbudget.Deadline`, or None: the leftovers get only the
+            grace left since the run's first SIGTERM (none once it ended: SIGKILL at once) and the
+            waits end before the deadline's cleanup reserve.
     Returns:
         list[int], the pids found (empty: nothing was left).
     """
@@ -252,15 +257,22 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
         titles.append(f"{pid} {p.cmdline[:40] if p else '?'}")
     note("sweep", f"{len(pids)} leftover processes of the engine: " + ", ".join(titles))
     tree = signals.Tree(pids, left) if cgroup is None else cgroups.CgroupTree(pids, left, cgroup)
-    wait = None
-    if cgroup is not None:
-        def wait(seconds: float) -> bool:
-            t_end = time.monotonic() + seconds
-            return cgroup.wait_empty(seconds) and escalation.wait_gone(tree, max(0.0, t_end - time.monotonic()))
+    full = grace
+    if deadline is not None:
+        grace = deadline.grace_left()
+
+    def wait(seconds: float) -> bool:
+        if deadline is not None:
+            seconds = deadline.before_cleanup(seconds)
+        if cgroup is None:
+            return escalation.wait_gone(tree, seconds)
+        t_end = time.monotonic() + seconds
+        return cgroup.wait_empty(seconds) and escalation.wait_gone(tree, max(0.0, t_end - time.monotonic()))
 
     def noted(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
         if event == "sigkill":
-            note("sweep", f"SIGKILL {len(killed)} leftovers still alive after {grace:g} s")
+            note("sweep", f"SIGKILL {len(killed)} leftovers still alive after {full:g} s"
+                 + (" since the run's first SIGTERM" if deadline is not None else ""))
     escalation.OWNER.stop(tree, "sweep", grace, wait, protector=proctree.Protector(protect), term_all=True,
                           note=noted)
     return pids

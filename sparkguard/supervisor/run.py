@@ -73,6 +73,7 @@ class Run:
         self.streams: dict = {}             # stream -> this daemon's read end (output.Fd)
         self.adopted = False                # taken over from a previous daemon: not our child
         self.pidfd: int | None = None       # adopted: the pidfd its exit is watched on
+        self.deadline = None                # stopbudget.Deadline of its stop, from its first SIGTERM
 
     def exit_record(self, exit: tuple[int | None, int | None] | None = None,
                     t_exit: float | None = None) -> dict | None:
