@@ -12,6 +12,7 @@ from sparkguard.config.errors import NestedValueError
 from sparkguard.config.parsers import (
     DAY, HOUR, MIN_TICK, duration, env_map, extra_args, int_range, optional_str, optional_url,
 )
+from sparkguard.config.startgate import StartGateConfig
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class EngineConfig:
     head_lost_after: float = 60.0
     give_up_after: int = 3
     give_up_window: float = 7200.0
+    start_gate: StartGateConfig = field(default_factory=StartGateConfig)
 
     @property
     def enabled(self) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sparkguard.config.engine import EngineConfig, parse_lane_name, parse_lanes, parse_probe
+from sparkguard.config.startgate import parse_start_gate
 from sparkguard.config.parsers import (
     DAY, HOUR, MIN_TICK, abs_path, argv_list, boolean, choice, duration, env_map, ifname_list, int_range,
     line_size, listen_address, optional_line_size, optional_str, optional_url, regex_list, size, url_list,
@@ -184,6 +185,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "head_lost_after": duration(MIN_TICK, DAY),
         "give_up_after": int_range(0, 1000),
         "give_up_window": duration(MIN_TICK, 7 * DAY),
+        "start_gate": parse_start_gate,
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

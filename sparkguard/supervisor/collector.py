@@ -14,7 +14,9 @@ class EngineCollector:
     ``sparkguard_engine_lane_info{lane}``, ``sparkguard_engine_time_to_ready_seconds`` (last start;
     absent until one was ready), ``sparkguard_engine_quiesce_wait_seconds`` (last start),
     ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none),
-    ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group).
+    ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group),
+    ``sparkguard_engine_start_gate_info{gate,state}`` (each gate of the pass now or the last:
+    docs/start-gate.md).
 
     Args:
         sup: anything with ``status() -> dict`` shaped like :meth:`Supervisor.status`.
@@ -54,6 +56,14 @@ class EngineCollector:
                                  "its own per run) or process-group (process group, descendants, recorded members).",
                                  labels=None)
             i.add_metric([], {"mode": t["mode"]})
+            yield i
+        gates = s.get("start_gates") or []
+        if gates:
+            i = InfoMetricFamily(P + "start_gate", "Each start gate of the current or last start (hold, quiesce, "
+                                 "compact, memfree, ...) and its state: waiting, open, timed_out, fragmented, "
+                                 "done, failed (docs/start-gate.md).", labels=None)
+            for g in gates:
+                i.add_metric([], {"gate": str(g.get("gate")), "state": str(g.get("state"))})
             yield i
         # what the other nodes of a TP cluster read (sparkguard.supervisor.cluster, nodes)
         r = s["role"]

@@ -50,6 +50,9 @@ def describe(state: dict | None) -> list[str]:
                    + ((f" (the {(s.get('gate_timeout') or {}).get('gate', 'quiesce')} gate timed out, "
                        "started anyway)") if s.get("quiesce_timed_out") else "")
                    + f", time to ready {format_duration(s.get('time_to_ready'))}")
+    for g in s.get("start_gates") or []:
+        if g.get("gate") != "quiesce" or g.get("state") != "open":
+            out.append(f"  start gate {g.get('gate')}: {g.get('state')}: {g.get('detail')}")
     if s.get("state") == "backoff" and (s.get("consecutive_failures") or 0) > 2:
         out.append(f"  crash loop: {s.get('consecutive_failures')} restarts in a row; the wait doubles each time "
                    f"up to engine.backoff_max (next start in {format_duration(s.get('backoff'))})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from sparkguard.supervisor import cluster, lanes, process
+from sparkguard.supervisor import cluster, lanes, memgate, process
 from sparkguard.supervisor.run import Run
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -49,6 +49,7 @@ class StatusViews:
             "probe_failures": run.probe_failures if run else 0,
             "peers": list(self.peer_states), "history": list(self.history),
             "control_socket": self.ecfg.control_socket,
+            "start_gates": list(self.start_gates.values()),
         }
         alive = run is not None and run.exit is None
         role = run.role if run is not None else cluster.role_of(st["command"])
@@ -109,7 +110,7 @@ class StatusViews:
         """Resolve the incidents waiting for a restart (:meth:`reports.EngineIncidents.flush`)."""
         with self.cv:
             now = {"state": self.state, "pid": self.run.pid if self.run is not None else None, "lane": self.lane,
-                   "restarts": dict(self.restarts)}
+                   "restarts": dict(self.restarts), "start_gates": memgate.notable(self.last_gates)}
         self.reports.flush(now, why, restart_detail, pids, views)
 
     def _write_state(self) -> None:
