@@ -16,7 +16,7 @@ class EngineCollector:
     ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none),
     ``sparkguard_engine_tracking_info{mode}`` (cgroup or process-group),
     ``sparkguard_engine_start_gate_info{gate,state}`` (each gate of the pass now or the last:
-    docs/start-gate.md).
+    docs/start-gate.md), ``sparkguard_engine_gpu_memory_bytes`` (with NVML: docs/gpu-memory.md).
 
     Args:
         sup: anything with ``status() -> dict`` shaped like :meth:`Supervisor.status`.
@@ -57,6 +57,10 @@ class EngineCollector:
                                  labels=None)
             i.add_metric([], {"mode": t["mode"]})
             yield i
+        if s.get("gpu_bytes") is not None:
+            yield GaugeMetricFamily(P + "gpu_memory_bytes", "GPU memory NVML reports over the engine's processes "
+                                    "(nvmlDeviceGetComputeRunningProcesses), bytes; absent without nvidia-ml-py "
+                                    "or a running engine (docs/gpu-memory.md).", value=float(s["gpu_bytes"]))
         gates = s.get("start_gates") or []
         if gates:
             i = InfoMetricFamily(P + "start_gate", "Each start gate of the current or last start (hold, quiesce, "

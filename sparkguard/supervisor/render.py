@@ -7,7 +7,7 @@ import time
 
 from sparkguard.supervisor import cluster
 from sparkguard.supervisor.lanes import config_lane
-from sparkguard.units import format_duration
+from sparkguard.units import format_duration, format_size
 
 
 def describe(state: dict | None) -> list[str]:
@@ -40,6 +40,8 @@ def describe(state: dict | None) -> list[str]:
         out.append("  command: " + " ".join(s["command"])[:200])
     if s.get("tracking"):
         out.append(f"  tracking: {s['tracking'].get('detail') or s['tracking'].get('mode')}")
+    if s.get("gpu_bytes") is not None:
+        out.append(f"  GPU memory (NVML): {format_size(s['gpu_bytes'])} over the engine's processes")
     if s.get("lanes"):
         out.append("  lanes: " + ", ".join(("*" if ln == s.get("lane") else "") + ln for ln in s["lanes"]))
     r = {k: v for k, v in (s.get("restarts") or {}).items() if v}
