@@ -23,11 +23,17 @@ from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, resta
 from sparkguard import buddyinfo, config, meminfo, peers
 from sparkguard.config.startgate import StartGateConfig
 from sparkguard.supervisor import gates, memgate
+from test_supervisor_logic import Clock, Hooks     # GateHooks on a fake clock
 
 root_only = pytest.mark.usefixtures("root_only")
 GiB = 1024**3
 MiB = 1024**2
-FIX = os.path.join(os.path.dirname(__file__), "fixtures", "buddyinfo")
+FIX = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def buddy(case: str) -> buddyinfo.Summary:
+    """The buddyinfo summary of fixture case ``case`` (4 KiB pages)."""
+    return buddyinfo.read(os.path.join(FIX, case, "proc", "buddyinfo"), page_size=4096)
 
 HOG = r"""
 import mmap, sys
@@ -45,49 +51,6 @@ def history(st: dict, event: str) -> list[dict]:
 
 
 # ---- the memfree gate, compaction and fragmentation on a fake clock
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Hooks:
-    """GateHooks on a fake clock: ``wait`` advances it; ``stop_at`` is a clock time."""
-
-    def __init__(self, clock: Clock, stop_at: float | None = None):
-        self.clock, self.stop_at = clock, stop_at
-        self.shown: list[str] = []
-        self.notes: list[tuple[str, str]] = []
-
-    def held(self):
-        return None
-
-    def interrupted(self) -> bool:
-        return self.stop_at is not None and self.clock.t >= self.stop_at
-
-    def wait(self, seconds, until) -> bool:
-        assert 0 <= seconds <= 600
-        self.clock.t += max(seconds, 0.01)
-        return until()
-
-    def show(self, detail):
-        self.shown.append(detail)
-
-    def note(self, event, detail):
-        self.notes.append((event, detail))
-
-    def peers_seen(self, states):
-        pass
-
-    def nodes_seen(self, views):
-        pass
-
-    def events(self) -> list[str]:
-        return [e for e, _ in self.notes]
-
 
 TOTAL = 128 * GiB
 VLLM = ("vllm", "serve", "m", "--gpu-memory-utilization", "0.5")
@@ -168,8 +131,8 @@ def test_fragmentation_blocks_the_start_without_a_crash_loop():
     """MemFree is enough but its >= 2 MiB blocks are not (the fixture after pinning: 160 MiB of
     ~36 GiB): past the timeout the engine is not started, the detail says "reboot recommended",
     compaction is retried after 30, 60, 120 s...; once the blocks are back, the start goes on."""
-    after = buddyinfo.read(os.path.join(FIX, "gb10-after-pinning"), page_size=4096)
-    fresh = buddyinfo.read(os.path.join(FIX, "gb10-fresh-boot"), page_size=4096)
+    after = buddy("31-buddyinfo-gb10-after-pinning")
+    fresh = buddy("30-buddyinfo-gb10-fresh-boot")
     clock = Clock()
     t0 = clock.t
     e = ecfg(utilization=0.2, margin=0)                  # need 25.6 GiB
@@ -189,7 +152,7 @@ def test_fragmentation_blocks_the_start_without_a_crash_loop():
 
 
 def test_fragmentation_start_or_off_starts_anyway():
-    after = buddyinfo.read(os.path.join(FIX, "gb10-after-pinning"), page_size=4096)
+    after = buddy("31-buddyinfo-gb10-after-pinning")
     clock = Clock()
     r, h, _, _, blocked = run_gates(ecfg(utilization=0.2, margin=0, fragmentation="start"), clock,
                                     lambda t: after.free_bytes, high=lambda t: after.high_order_bytes)
