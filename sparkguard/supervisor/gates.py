@@ -154,8 +154,8 @@ class GateHooks(Protocol):
         """The supervisor's state is ``waiting`` with this detail."""
 
     def note(self, event: str, detail: str) -> None:
-        """Record a history entry (``drop_caches``, ``waiting``, ``quiesced``, ``quiesce_timeout``,
-        ``peers_timeout``)."""
+        """Record a history entry (``drop_caches``, ``compact_memory``, ``waiting``, ``quiesced``,
+        ``quiesce_timeout``, ``memfree_timeout``, ``peers_timeout``, ``fragmented``, ``memfree``)."""
 
     def peers_seen(self, states: list[dict]) -> None:
         """The peers' last readings (``peers.PeerState.as_dict()`` each)."""
@@ -171,7 +171,7 @@ class GateResult:
     Attributes:
         waited: float seconds from the end of the hold (drop caches, quiesce, peers) to the start.
         timed_out: None when every gate opened, else the gate that was still closed at
-            ``engine.quiesce_timeout``: ``"quiesce"`` or ``"peers"``.
+            ``engine.quiesce_timeout``: ``"quiesce"``, ``"memfree"`` or ``"peers"``.
         detail: str, what that gate was waiting for when it timed out ("" when none did).
         views: the other nodes as the cluster order gate last read them (``cluster.NodeView``;
             empty without that gate): a head's group is the ranks it saw waiting.

@@ -120,4 +120,15 @@ def config_line(ecfg) -> str:
             + f"; health {ecfg.health_url or 'none (ready once started)'}"
             + f"; restart {ecfg.restart}"
             + (f", backoff {format_duration(ecfg.backoff_initial)} to {format_duration(ecfg.backoff_max)}"
-               if ecfg.restart != "never" else ""))
+               if ecfg.restart != "never" else "")
+            + _start_gate_words(ecfg))
+
+
+def _start_gate_words(ecfg) -> str:
+    """``"; memfree gate: 0.8 x MemTotal + 1.50 GiB, fragmentation wait"`` with
+    ``engine.start_gate.memfree``, else "" (docs/start-gate.md)."""
+    sg = getattr(ecfg, "start_gate", None)
+    if sg is None or not sg.memfree:
+        return ""
+    util = "the command's --gpu-memory-utilization" if sg.utilization is None else f"{sg.utilization:g}"
+    return f"; memfree gate: {util} x MemTotal + {format_size(sg.margin)}, fragmentation {sg.fragmentation}"
