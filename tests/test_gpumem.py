@@ -194,6 +194,8 @@ def test_a_daemon_with_nvml_shows_the_engines_gpu_memory(tmp_path, monkeypatch):
         assert rows[worker]["gpu_bytes"] == 4 * GiB, rows
         assert all(r["gpu_bytes"] == 0 for pid, r in rows.items() if pid != worker)
         assert inc["target"]["mem_bytes"] >= 4 * GiB
+        r = run_sparkguard("incidents", "--dir", cfg["incidents"]["dir"], "--no-journal", inc["id"])
+        assert "RSS+swap+GPU)" in r.stdout and "(GPU 4.00 GiB)" in r.stdout, r.stdout
     finally:
         d.cleanup()
     assert os.environ.get("SG_FAKE_NVML") == str(state)

@@ -197,7 +197,9 @@ def render(rec: dict) -> str:
     t = rec.get("target")
     if isinstance(t, dict):
         L.append(f"Target  {t.get('title', '?')}  (root pid {t.get('root_pid', '?')}, "
-                 f"tree memory {format_size(t.get('mem_bytes'))} RSS+swap)")
+                 f"tree memory {format_size(t.get('mem_bytes'))} RSS+swap"
+                 + ("+GPU" if any(isinstance(r, dict) and "gpu_bytes" in r for r in t.get("tree") or []) else "")
+                 + ")")
         if t.get("pattern"):
             L.append(f"  matched by     {t.get('pattern')}")
         tree = t.get("tree") or []
