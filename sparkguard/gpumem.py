@@ -156,6 +156,18 @@ def start(interval: float = INTERVAL) -> GpuMemory | None:
     return _SHARED
 
 
+def read_now(timeout: float = 3.0) -> bool:
+    """For a command that is not the daemon (``sparkguard status``): with nvidia-ml-py, start a
+    reader and wait up to ``timeout`` seconds for its first read, so that :func:`reading` has
+    figures; True when it has.  Without nvidia-ml-py: False, nothing imported."""
+    if not available():
+        return False
+    if _SHARED is None:
+        install(GpuMemory(interval=60.0).start())
+    _SHARED.first.wait(timeout)
+    return active()
+
+
 def install(reader: GpuMemory | None) -> None:
     """Make ``reader`` the one :func:`reading` returns (tests; None to uninstall)."""
     global _SHARED

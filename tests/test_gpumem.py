@@ -199,3 +199,28 @@ def test_a_daemon_with_nvml_shows_the_engines_gpu_memory(tmp_path, monkeypatch):
     finally:
         d.cleanup()
     assert os.environ.get("SG_FAKE_NVML") == str(state)
+
+
+def test_status_reads_nvml_on_demand_for_the_targets(tmp_path):
+    """``sparkguard status`` (not the daemon) reads NVML once, waited for up to 3 s: the targets
+    show the GPU memory the daemon would count."""
+    tag = unique("sggpust")
+    p = subprocess.Popen([sys.executable, "-c", ENGINE, tag, str(8 * MiB)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        state = tmp_path / "nvml.json"
+        state.write_text(json.dumps({"devices": [{"procs": [{"pid": p.pid, "used": 6 * GiB}]}]}))
+        cfg = tmp_path / "sg.yaml"
+        cfg.write_text(yaml.safe_dump({"targets": {"match": [tag]}, "metrics": {"listen": "off"}}))
+        env = sg_env(PYTHONPATH=f"{ROOT}{os.pathsep}{FAKES}", SG_FAKE_NVML=str(state))
+        out = subprocess.run([sys.executable, "-m", "sparkguard", "status", "--config", str(cfg)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert "RSS+swap+GPU (GPU 6.00 GiB, NVML) in 1 process(es)" in out.stdout, out.stdout + out.stderr
+        js = subprocess.run([sys.executable, "-m", "sparkguard", "status", "--config", str(cfg), "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+        t = json.loads(js.stdout)["targets"][0]
+        assert t["root_pid"] == p.pid and t["gpu_bytes"] == 6 * GiB and t["mem_bytes"] >= 6 * GiB
+    finally:
+        p.kill()
+        p.wait(10)

@@ -17,7 +17,7 @@ threads read the state under ``cv`` (:meth:`status`, :meth:`wait`, the collector
 poll loop, as single attribute reads (``run``, ``last_run``, ``want``, ``quit``, ``state``...:
 each is replaced whole by one assignment).  The events wait while the supervisor thread is in a
 step that does not wait on ``cv``: a sweep of leftovers (up to ``guard.grace`` + 10 s), a spawn,
-``sync``, a peer read (``engine.peers``, 3 s each).
+``sync``, ``compact_memory`` (seconds on a busy host), a peer read (``engine.peers``, 3 s each).
 """
 
 from __future__ import annotations
