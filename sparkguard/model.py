@@ -68,7 +68,9 @@ class TreeRow:
 
     ``pid``/``ppid``: int; ``title``: str (short command line); ``comm``: str
     (/proc/PID/comm); ``cmdline``: str (at most 400 characters); ``rss_bytes``/``swap_bytes``:
-    int bytes (VmRSS, VmSwap of /proc/PID/status); ``oom_score``: int (-1 unreadable).
+    int bytes (VmRSS, VmSwap of /proc/PID/status); ``oom_score``: int (-1 unreadable);
+    ``gpu_bytes``: int bytes NVML reports for the process (:mod:`sparkguard.gpumem`), None (and
+    absent from the JSON) when NVML is not read.
     """
 
     pid: int
@@ -79,17 +81,21 @@ class TreeRow:
     rss_bytes: int
     swap_bytes: int
     oom_score: int
+    gpu_bytes: int | None = None
 
     @classmethod
     def of(cls, row: dict) -> "TreeRow":
         """From a row dict of :func:`sparkguard.proctree.add_details` / ``top_consumers``."""
         return cls(row["pid"], row["ppid"], row["title"], row["comm"], row["cmdline"], row["rss_bytes"],
-                   row["swap_bytes"], row["oom_score"])
+                   row["swap_bytes"], row["oom_score"], row.get("gpu_bytes"))
 
     def to_json(self) -> dict:
-        return {"pid": self.pid, "ppid": self.ppid, "title": self.title, "comm": self.comm,
-                "cmdline": self.cmdline, "rss_bytes": self.rss_bytes, "swap_bytes": self.swap_bytes,
-                "oom_score": self.oom_score}
+        out = {"pid": self.pid, "ppid": self.ppid, "title": self.title, "comm": self.comm,
+               "cmdline": self.cmdline, "rss_bytes": self.rss_bytes, "swap_bytes": self.swap_bytes,
+               "oom_score": self.oom_score}
+        if self.gpu_bytes is not None:
+            out["gpu_bytes"] = self.gpu_bytes
+        return out
 
 
 @dataclass

@@ -18,8 +18,9 @@ Target choice (issue #2): processes whose cmdline (setproctitle titles are the w
 cmdline, e.g. ``VLLM::Worker_TP0``) matches one of ``targets.match``; the root of an
 engine tree is the topmost process of an unbroken chain of matching ancestors; the tree is
 that root and all its descendants.  Several engines: lowest pattern index first (configured order),
-then the largest tree memory (RSS + swap; RSS alone hides unified-memory GPU allocations,
-so the configured order comes first).
+then the largest tree memory (RSS + swap, plus each process's GPU memory when NVML is read:
+:mod:`sparkguard.gpumem`; RSS alone hides unified-memory GPU allocations, so the configured
+order comes first).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from sparkguard import meminfo
+from sparkguard import gpumem, meminfo
 
 PF_KTHREAD = 0x00200000
 
@@ -56,9 +57,11 @@ class Target:
         pattern: str, the ``targets.match`` regex that matched (or :data:`FALLBACK_PATTERN`).
         pids: list[int], root first, then descendants (breadth first), protected ones removed.
         starttimes: dict pid -> starttime (ticks), to detect PID reuse before signalling.
-        mem_bytes: int, resident + swapped bytes over the tree (:func:`_status_mem`).
+        mem_bytes: int, resident + swapped bytes over the tree (:func:`_status_mem`), plus the
+            GPU memory NVML reports for its processes (:mod:`sparkguard.gpumem`) when it is read.
         tree: list[dict] with keys pid, ppid, title (:func:`short_title` of the cmdline, which
-            setproctitle makes the title), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score.
+            setproctitle makes the title), comm (15 bytes), cmdline, rss_bytes, swap_bytes, oom_score,
+            and gpu_bytes while NVML is read.
         rank: int, index of the pattern in ``targets.match`` (``len(match)`` for the fallback).
         launcher: bool, the root only mentions the engine (another matching root below it);
             :func:`find_targets` puts launchers after the real engines of the same rank.
@@ -315,9 +318,16 @@ class Protector:
         return _int_file(f"/proc/{p.pid}/oom_score_adj") == -1000
 
 
+def _gpu() -> dict[int, int] | None:
+    """``{pid: GPU bytes}`` from NVML (:mod:`sparkguard.gpumem`, read by its own thread: a dict
+    lookup here), or None when NVML is not read (no nvidia-ml-py, no driver)."""
+    return gpumem.reading() if gpumem.active() else None
+
+
 def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]]:
     total = 0
     rows = []
+    gpu = _gpu()
     for pid in pids:
         p = procs[pid]
         rss, swap = _status_mem(pid)
@@ -326,6 +336,9 @@ def _tree_info(pids: list[int], procs: dict[int, Proc]) -> tuple[int, list[dict]
                      "cmdline": p.cmdline[:400],
                      "rss_bytes": rss, "swap_bytes": swap,
                      "oom_score": _int_file(f"/proc/{pid}/oom_score", -1)})
+        if gpu is not None:
+            rows[-1]["gpu_bytes"] = gpu.get(pid, 0)
+            total += rows[-1]["gpu_bytes"]
     return total, rows
 
 
@@ -354,17 +367,21 @@ def refresh_details(target: Target) -> None:
     rows were read keeps its last figures (vLLM's children exit within milliseconds of SIGTERM,
     so rows read after the signal would otherwise lose them).  Recomputes ``mem_bytes``."""
     total = 0
+    gpu = _gpu()
     for row in target.tree:
         rss, swap = _status_mem(row["pid"])
         if rss or swap:
             row["rss_bytes"], row["swap_bytes"] = rss, swap
             row["oom_score"] = _int_file(f"/proc/{row['pid']}/oom_score", row["oom_score"])
-        total += row["rss_bytes"] + row["swap_bytes"]
+            if gpu is not None:
+                row["gpu_bytes"] = gpu.get(row["pid"], 0)
+        total += row["rss_bytes"] + row["swap_bytes"] + row.get("gpu_bytes", 0)
     target.mem_bytes = total
 
 
 def _tree_mem(pids: list[int]) -> int:
-    return sum(sum(_status_mem(pid)) for pid in pids)
+    gpu = _gpu() or {}
+    return sum(sum(_status_mem(pid)) + gpu.get(pid, 0) for pid in pids)
 
 
 def find_targets(targets_cfg, self_pid: int | None = None, procs: dict[int, Proc] | None = None,

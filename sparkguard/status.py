@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkguard import config, control, linkcompat, linkwatch, meminfo, portowner, proctree, sysinfo, untrusted
+from sparkguard import config, control, gpumem, linkcompat, linkwatch, meminfo, portowner, proctree, sysinfo, untrusted
 from sparkguard.host import procview
 from sparkguard.supervisor.render import describe
 from sparkguard.units import format_duration as fd
@@ -346,10 +346,13 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
 
     targets: list[dict] = []
     targets_error = None
+    nvml = gpumem.read_now()        # with nvidia-ml-py: the order and sizes the daemon sees
     try:
         for t in proctree.find_targets(cfg.targets):
             targets.append({"root_pid": t.root_pid, "title": t.title, "pattern": t.pattern,
                             "pids": list(t.pids), "mem_bytes": t.mem_bytes})
+            if nvml:
+                targets[-1]["gpu_bytes"] = sum(r.get("gpu_bytes", 0) for r in t.tree)
     except Exception as e:  # hidepid, a vanished process, ...: show the rest anyway
         targets_error = f"cannot scan processes: {type(e).__name__}: {e}"
 
@@ -467,7 +470,8 @@ def render(st: dict) -> str:
     for i, t in enumerate(st["targets"]):
         mark = "*" if i == 0 else " "
         L.append(f"  {mark} pid {t['root_pid']:<7} {t['title'][:60]}")
-        L.append(f"      {fs(t['mem_bytes'])} RSS+swap in {len(t['pids'])} process(es), "
+        gpu = f"+GPU (GPU {fs(t['gpu_bytes'])}, NVML)" if t.get("gpu_bytes") is not None else ""
+        L.append(f"      {fs(t['mem_bytes'])} RSS+swap{gpu} in {len(t['pids'])} process(es), "
                  f"matched by {t['pattern']}")
     L.append("")
 

@@ -28,6 +28,9 @@ SCRAPE_TIME_ONLY = re.compile(r"sparkguard_(last_incident_timestamp_seconds|last
 #: them back from the real exposition, tests/test_cluster.py from nodes in network namespaces, the
 #: last test here serves the cluster file's info
 CLUSTER_ONLY = re.compile(r"sparkguard_engine_(group|joined)_run_start_timestamp_seconds|sparkguard_cluster_(info|nodes)")
+#: served only with nvidia-ml-py and an NVIDIA driver (sparkguard.gpumem): tests/test_gpumem.py
+#: reads it from a daemon running the NVML test double
+NVML_ONLY = re.compile(r"sparkguard_engine_gpu_memory_bytes")
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="(?:[^"\\]|\\.)*"')
@@ -136,7 +139,7 @@ def test_the_daemon_serves_the_documented_metrics_and_only_those(tmp_path):
     assert re.search(r'^sparkguard_engine_tracking_info\{delegation="(xattr|write-test|none)",'
                      r'mode="(cgroup|process-group)",tracks="engine"\} 1\.0$', text, re.M), text
     missing = sorted(n for n in rows if n not in fams and not SCRAPE_TIME_ONLY.fullmatch(n)
-                     and not CLUSTER_ONLY.fullmatch(n))
+                     and not CLUSTER_ONLY.fullmatch(n) and not NVML_ONLY.fullmatch(n))
     assert not missing, f"listed in {DOC.name} but not served: {missing}"
 
 

@@ -12,6 +12,7 @@ from sparkguard.config.errors import NestedValueError
 from sparkguard.config.parsers import (
     DAY, HOUR, MIN_TICK, duration, env_map, extra_args, int_range, optional_str, optional_url,
 )
+from sparkguard.config.startgate import StartGateConfig
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class EngineConfig:
     # (sparkguard.supervisor.handover, docs/adoption.md)
     on_daemon_restart: str = "keep"    # "keep" | "stop": systemd restarts the unit
     on_daemon_stop: str = "stop"       # "stop" | "keep": systemd stops the unit
+    start_gate: StartGateConfig = field(default_factory=StartGateConfig)
 
     @property
     def enabled(self) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sparkguard.config.engine import EngineConfig, parse_lane_name, parse_lanes, parse_probe
+from sparkguard.config.startgate import parse_start_gate
 from sparkguard.config.parsers import (
     DAY, HOUR, MIN_TICK, abs_path, argv_list, boolean, choice, duration, env_map, ifname_list, int_range,
     line_size, listen_address, optional_line_size, optional_str, optional_url, regex_list, size, url_list,
@@ -186,6 +187,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "give_up_window": duration(MIN_TICK, 7 * DAY),
         "on_daemon_restart": choice("keep", "stop"),
         "on_daemon_stop": choice("stop", "keep"),
+        "start_gate": parse_start_gate,
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

@@ -104,6 +104,7 @@ class Guard:
             log.info("PSI memory trigger unavailable; polling only")
         self.metrics = startup.start_metrics(self.cfg, self.snapshot, lambda: self.cfg)
         self.linkwatch = startup.start_linkwatch(self.cfg, self._on_link_incident, self.metrics)
+        self.gpumem = startup.start_gpumem()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         if self.metrics is not None:      # a change before this is in the first STATUS= (loop())

@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 
-from sparkguard import linkcompat, linkwatch, metrics
+from sparkguard import gpumem, linkcompat, linkwatch, metrics
 
 log = logging.getLogger("sparkguard")
 
@@ -76,3 +76,10 @@ def start_linkwatch(cfg, on_incident, endpoint):
     if endpoint is not None:
         endpoint.register_collector(watch.collector())
     return watch
+
+
+def start_gpumem():
+    """Read each process's GPU memory from NVML in the ``sg-gpumem`` thread when nvidia-ml-py is
+    installed (:mod:`sparkguard.gpumem`, docs/gpu-memory.md); None, and pynvml never imported,
+    when it is not."""
+    return gpumem.start()

@@ -83,6 +83,7 @@ HELP: dict[str, str] = {
     "engine.give_up_window": "... counted within this window; `sparkguard engine start` tries again.",
     "engine.on_daemon_restart": "systemctl restart sparkguard: keep the engine for the next daemon to adopt, or stop.",
     "engine.on_daemon_stop": "systemctl stop sparkguard: stop the engine, or keep it running unguarded.",
+    "engine.start_gate": "Compaction and the MemFree gate before a start (docs/start-gate.md); null: auto.",
     "link": "TP fabric links watched through netlink.",
     "link.interfaces": "Interface names (the ConnectX-7 ports); empty: no link watch.",
     "link.down_after": "How long a link must stay down before it is an incident.",
@@ -111,6 +112,8 @@ def _candidates(value: Any) -> list[Any]:
         return [None, "off"]
     if isinstance(value, bool):
         return [value]
+    if dataclasses.is_dataclass(value):         # a nested section (engine.start_gate): its keys, each at its best
+        return [{f.name: _candidates(getattr(value, f.name))[0] for f in dataclasses.fields(value)}]
     if isinstance(value, int):
         for unit, mult in (("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
             q = value / mult

@@ -197,7 +197,9 @@ def render(rec: dict) -> str:
     t = rec.get("target")
     if isinstance(t, dict):
         L.append(f"Target  {t.get('title', '?')}  (root pid {t.get('root_pid', '?')}, "
-                 f"tree memory {format_size(t.get('mem_bytes'))} RSS+swap)")
+                 f"tree memory {format_size(t.get('mem_bytes'))} RSS+swap"
+                 + ("+GPU" if any(isinstance(r, dict) and "gpu_bytes" in r for r in t.get("tree") or []) else "")
+                 + ")")
         if t.get("pattern"):
             L.append(f"  matched by     {t.get('pattern')}")
         tree = t.get("tree") or []
@@ -207,7 +209,8 @@ def render(rec: dict) -> str:
                 title = str(e.get("title") or "")
                 L.append(f"  {e.get('pid', '?'):>8} {e.get('ppid', '?'):>8} "
                          f"{format_size(e.get('rss_bytes')):>10} {format_size(e.get('swap_bytes')):>10} "
-                         f"{str(e.get('oom_score', '-')):>5}  {'  ' * depth}{title}")
+                         f"{str(e.get('oom_score', '-')):>5}  {'  ' * depth}{title}"
+                         + (f"  (GPU {format_size(e['gpu_bytes'])})" if e.get("gpu_bytes") else ""))
                 cmd = str(e.get("cmdline") or "")
                 if cmd and cmd != title:
                     cmd = cmd if len(cmd) <= 100 else cmd[:99] + "…"

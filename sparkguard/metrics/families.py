@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import (
     SummaryMetricFamily,
 )
 
-from sparkguard import __version__, sysinfo
+from sparkguard import __version__, buddyinfo, meminfo, sysinfo
 
 log = logging.getLogger("sparkguard.metrics")
 
@@ -59,18 +59,25 @@ class GuardCollector:
             out of that scrape (PSI, zram and build info still appear) rather than failing it.
         read_psi: ``() -> dict | None``, default :func:`sparkguard.sysinfo.read_psi_memory`.
         read_zram: ``() -> list[dict]``, default :func:`sparkguard.sysinfo.read_zram`.
+        read_meminfo: ``() -> dict``, default :func:`sparkguard.meminfo.read` (MemFree).
+        read_buddy: ``() -> buddyinfo.Summary | None``, default :func:`sparkguard.buddyinfo.read`.
 
     Sources: /proc/meminfo (MemAvailable, MemTotal, SwapFree, SwapTotal; Documentation/
     filesystems/proc.rst), /proc/pressure/memory (Documentation/accounting/psi.rst),
-    /sys/block/zram*/mm_stat (Documentation/admin-guide/blockdev/zram.rst).
+    /sys/block/zram*/mm_stat (Documentation/admin-guide/blockdev/zram.rst), /proc/buddyinfo
+    (Documentation/filesystems/proc.rst).
     """
 
     def __init__(self, snapshot: Callable[[], dict],
                  read_psi: Callable[[], dict | None] = sysinfo.read_psi_memory,
-                 read_zram: Callable[[], list[dict]] = sysinfo.read_zram):
+                 read_zram: Callable[[], list[dict]] = sysinfo.read_zram,
+                 read_meminfo: Callable[[], dict] = meminfo.read,
+                 read_buddy: Callable[[], Any] = buddyinfo.read):
         self._snapshot = snapshot
         self._read_psi = read_psi
         self._read_zram = read_zram
+        self._read_meminfo = read_meminfo
+        self._read_buddy = read_buddy
         self._last_error = ""
 
     def collect(self) -> Iterator[Metric]:
@@ -93,6 +100,7 @@ class GuardCollector:
                 yield m
         yield from self._psi()
         yield from self._zram()
+        yield from self._free()
 
     # --- the daemon's own state
 
@@ -214,6 +222,24 @@ class GuardCollector:
                 stalled.add_metric([kind], vals["total_us"] / 1e6)
         if stalled.samples:
             yield stalled
+
+    def _free(self) -> Iterator[Metric]:
+        """MemFree (what the GPU driver can allocate on a GB10) and how much of the free memory
+        lies in >= 2 MiB blocks (the start gate's fragmentation check, docs/start-gate.md)."""
+        try:
+            free = self._read_meminfo().get("MemFree")
+            buddy = self._read_buddy()
+        except Exception as e:  # noqa: BLE001 - the scrape must still answer
+            log.warning("metrics: MemFree / buddyinfo read failed: %s", e)
+            return
+        m = _gauge("memory_free_bytes", "MemFree in bytes from /proc/meminfo at scrape time: on a GB10 what "
+                   "the GPU driver can allocate (it does not reclaim page cache).", free)
+        if m is not None:
+            yield m
+        if buddy is not None:
+            yield _gauge("buddy_high_order_bytes", "Free bytes in blocks of at least 2 MiB (order >= 9 with 4 KiB "
+                         "pages), from /proc/buddyinfo at scrape time; far below MemFree means fragmented.",
+                         buddy.high_order_bytes)
 
     def _zram(self) -> Iterator[Metric]:
         try:

@@ -17,9 +17,11 @@ One start, in order (each step interruptible by stop / lane / shutdown):
 3. **guard hold**: no start while a guard incident is open (memory below the SIGTERM line).
 4. ``sync`` + drop the page cache (``drop_caches``): vLLM's start-up check on unified memory
    counts page cache as used ("Free memory on device ... less than desired GPU memory
-   utilization", FIELD-NOTES).
+   utilization", FIELD-NOTES); then ``compact_memory`` (``start_gate.compact``).
 5. **quiesce gate**: MemAvailable >= ``start_above`` and stable (within ``stable_band``) for
-   ``stable_for`` seconds, because memory stranded by a kill comes back only after a while.
+   ``stable_for`` seconds, because memory stranded by a kill comes back only after a while;
+   with ``start_gate.memfree`` also MemFree >= utilization x MemTotal + margin in >= 2 MiB
+   blocks (:mod:`.memgate`; fragmentation holds the start: docs/start-gate.md).
 6. **peers gate**: every ``engine.peers`` reports MemAvailable >= ``start_above``
    (:mod:`sparkguard.peers`).  Past ``quiesce_timeout`` (steps 4-6) it starts anyway and says so.
 7. **spawn**: own session and process group, stdin /dev/null, stdout/stderr forwarded line by

@@ -16,7 +16,9 @@ class EngineCollector:
     ``sparkguard_engine_restart_backoff_seconds`` (delay before the pending restart, 0 if none),
     ``sparkguard_engine_tracking_info{mode, tracks, delegation}`` (cgroup or process-group; container
     or engine; xattr, write-test or none),
-    ``sparkguard_engine_adoptions_total{result}`` (:mod:`.adoptrun`).
+    ``sparkguard_engine_adoptions_total{result}`` (:mod:`.adoptrun`),
+    ``sparkguard_engine_start_gate_info{gate,state}`` (each gate of the pass now or the last:
+    docs/start-gate.md), ``sparkguard_engine_gpu_memory_bytes`` (with NVML: docs/gpu-memory.md).
 
     Args:
         sup: anything with ``status() -> dict`` shaped like :meth:`Supervisor.status`.
@@ -67,6 +69,18 @@ class EngineCollector:
                                  labels=None)
             i.add_metric([], {"mode": t["mode"], "tracks": t.get("tracks") or "engine",
                               "delegation": t.get("delegation") or "none"})
+            yield i
+        if s.get("gpu_bytes") is not None:
+            yield GaugeMetricFamily(P + "gpu_memory_bytes", "GPU memory NVML reports over the engine's processes "
+                                    "(nvmlDeviceGetComputeRunningProcesses), bytes; absent without nvidia-ml-py "
+                                    "or a running engine (docs/gpu-memory.md).", value=float(s["gpu_bytes"]))
+        gates = s.get("start_gates") or []
+        if gates:
+            i = InfoMetricFamily(P + "start_gate", "Each start gate of the current or last start (hold, quiesce, "
+                                 "compact, memfree, ...) and its state: waiting, open, timed_out, fragmented, "
+                                 "done, failed (docs/start-gate.md).", labels=None)
+            for g in gates:
+                i.add_metric([], {"gate": str(g.get("gate")), "state": str(g.get("state"))})
             yield i
         # what the other nodes of a TP cluster read (sparkguard.supervisor.cluster, nodes)
         r = s["role"]

@@ -17,7 +17,7 @@ threads read the state under ``cv`` (:meth:`status`, :meth:`wait`, the collector
 poll loop, as single attribute reads (``run``, ``last_run``, ``want``, ``quit``, ``state``...:
 each is replaced whole by one assignment).  The events wait while the supervisor thread is in a
 step that does not wait on ``cv``: a sweep of leftovers (up to ``guard.grace`` + 10 s), a spawn,
-``sync``, a peer read (``engine.peers``, 3 s each).
+``sync``, ``compact_memory`` (seconds on a busy host), a peer read (``engine.peers``, 3 s each).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self.time_to_ready: float | None = None
         self.quiesce_wait: float | None = None
         self.quiesce_timed_out = False
-        self.gate_timeout: dict | None = None   # {"gate": "quiesce"|"peers", "detail": str} of the last start
+        self.gate_timeout: dict | None = None   # {"gate": "quiesce"|"memfree"|"peers", "detail": str} of the last start
+        self.start_gates: dict[str, dict] = {}  # gate -> its record (gates.StartGates), the pass now or the last
+        self.last_gates: list[dict] = []        # the records of the pass before the last start
         self.last_exit: dict | None = None
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self._events: collections.deque[Callable[[], None]] = collections.deque(maxlen=EVENTS_MAX)
@@ -389,7 +391,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
                      f"{e.quiesce_timeout:g} s, started anyway: {gt['detail']})") if gt else ""
         self._flush("", restart_detail=(
             f"engine restarted (pid {run.pid}{', lane ' + run.lane if run.lane else ''}) after a quiesce wait of "
-            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}"), pids=[run.pid], views=self.start_views)
+            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}{self._gates_note()}"), pids=[run.pid],
+            views=self.start_views)
         run.start_thread("sg-engine-exit", self._watch_exit)
         run.start_thread("sg-engine-out", self._pump)
         run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))

@@ -7,7 +7,7 @@ import time
 
 from sparkguard.supervisor import cluster
 from sparkguard.supervisor.lanes import config_lane
-from sparkguard.units import format_duration
+from sparkguard.units import format_duration, format_size
 
 
 def describe(state: dict | None) -> list[str]:
@@ -43,6 +43,8 @@ def describe(state: dict | None) -> list[str]:
     ad = s.get("adoption")
     if isinstance(ad, dict) and ad.get("result"):      # what this daemon did with a previous one's engine
         out.append(f"  adoption: {ad['result']}: {str(ad.get('detail') or '')[:300]}")
+    if s.get("gpu_bytes") is not None:
+        out.append(f"  GPU memory (NVML): {format_size(s['gpu_bytes'])} over the engine's processes")
     if s.get("lanes"):
         out.append("  lanes: " + ", ".join(("*" if ln == s.get("lane") else "") + ln for ln in s["lanes"]))
     r = {k: v for k, v in (s.get("restarts") or {}).items() if v}
@@ -53,6 +55,9 @@ def describe(state: dict | None) -> list[str]:
                    + ((f" (the {(s.get('gate_timeout') or {}).get('gate', 'quiesce')} gate timed out, "
                        "started anyway)") if s.get("quiesce_timed_out") else "")
                    + f", time to ready {format_duration(s.get('time_to_ready'))}")
+    for g in s.get("start_gates") or []:
+        if g.get("gate") != "quiesce" or g.get("state") != "open":
+            out.append(f"  start gate {g.get('gate')}: {g.get('state')}: {g.get('detail')}")
     if s.get("state") == "backoff" and (s.get("consecutive_failures") or 0) > 2:
         out.append(f"  crash loop: {s.get('consecutive_failures')} restarts in a row; the wait doubles each time "
                    f"up to engine.backoff_max (next start in {format_duration(s.get('backoff'))})")
@@ -118,4 +123,15 @@ def config_line(ecfg) -> str:
             + f"; health {ecfg.health_url or 'none (ready once started)'}"
             + f"; restart {ecfg.restart}"
             + (f", backoff {format_duration(ecfg.backoff_initial)} to {format_duration(ecfg.backoff_max)}"
-               if ecfg.restart != "never" else ""))
+               if ecfg.restart != "never" else "")
+            + _start_gate_words(ecfg))
+
+
+def _start_gate_words(ecfg) -> str:
+    """``"; memfree gate: 0.8 x MemTotal + 1.50 GiB, fragmentation wait"`` with
+    ``engine.start_gate.memfree``, else "" (docs/start-gate.md)."""
+    sg = getattr(ecfg, "start_gate", None)
+    if sg is None or not sg.memfree:
+        return ""
+    util = "the command's --gpu-memory-utilization" if sg.utilization is None else f"{sg.utilization:g}"
+    return f"; memfree gate: {util} x MemTotal + {format_size(sg.margin)}, fragmentation {sg.fragmentation}"

@@ -79,7 +79,9 @@ class EngineIncidents:
         ``state``, ``pid``, ``lane`` at this point) and the updated ``restarts`` counters.
 
         Args:
-            now: ``{"state": str, "pid": int|None, "lane": str|None, "restarts": {reason: int}}``.
+            now: ``{"state": str, "pid": int|None, "lane": str|None, "restarts": {reason: int},
+                "start_gates": [gate record]}`` (the records only when compaction or the memfree
+                gate ran: then the restarted incident's engine part gains ``start_gates``).
             views: the other nodes as read just before the restart (``cluster.NodeView``): an
                 incident caused by one of them gains ``cause.node_at_restart``, that node as it
                 was then (its ``last_incident`` is the incident it recorded for the same event).
@@ -95,6 +97,8 @@ class EngineIncidents:
             if restart_detail is not None:
                 self.event(inc, "restart", restart_detail, pids)
                 eng["restarted"] = True
+                if now.get("start_gates"):      # compaction and the memfree gate (docs/start-gate.md)
+                    eng["start_gates"] = list(now["start_gates"])
                 inc.summary += "; engine restarted"
             else:
                 self.event(inc, "no_restart", why)

@@ -9,13 +9,17 @@ from __future__ import annotations
 import logging
 import time
 
-from sparkguard.supervisor import cluster, lanes
+from sparkguard import buddyinfo
+from sparkguard.supervisor import cluster, lanes, memgate
 from sparkguard.supervisor.gates import StartGates
 from sparkguard.supervisor.restart import CLUSTER, restarts
 from sparkguard.supervisor.runthreads import SupervisorGateHooks
 from sparkguard.units import format_duration
 
 log = logging.getLogger("sparkguard.supervisor")
+
+#: the summary of a ``fragmented`` incident opens with this (its detail follows)
+BLOCKED = "engine start blocked by fragmentation: "
 
 
 class BetweenRuns:
@@ -43,16 +47,46 @@ class BetweenRuns:
         return True
 
     def _gates(self) -> bool:
-        """Guard hold, drop caches, quiesce, peers, cluster order.  False when interrupted (stop/lane/quit)."""
-        role = cluster.role_of(lanes.command(self.cfg, self.lane)[0])
-        r = StartGates(self.ecfg, SupervisorGateHooks(self), role=role).run()
+        """Guard hold, drop caches, compaction, quiesce, MemFree, peers, cluster order.  False when
+        interrupted (stop/lane/quit)."""
+        argv = lanes.command(self.cfg, self.lane)[0]
+        role = cluster.role_of(argv)
+        with self.cv:
+            self.start_gates = {}
+        r = StartGates(self.ecfg, SupervisorGateHooks(self), role=role, argv=argv, on_gate=self._gate_seen,
+                       on_blocked=self._start_blocked).run()
         if r is None:
             return False
         with self.cv:
+            self.last_gates = list(r.gates)
             self.start_views = list(r.views)
             self.quiesce_wait, self.quiesce_timed_out = r.waited, bool(r.timed_out)
             self.gate_timeout = {"gate": r.timed_out, "detail": r.detail} if r.timed_out else None
         return True
+
+    def _gate_seen(self, record: dict) -> None:
+        """(Supervisor thread, from the gates.) A gate's state changed: status ``start_gates``,
+        the metric ``sparkguard_engine_start_gate_info``."""
+        with self.cv:
+            self.start_gates = dict(self.start_gates, **{record["gate"]: record})
+
+    def _start_blocked(self, detail: str) -> None:
+        """(Supervisor thread, from the gates.) Fragmentation blocks the start past
+        engine.quiesce_timeout: an incident of kind ``fragmented`` (docs/start-gate.md), reported
+        at once, outcome ``blocked``; the gates keep waiting."""
+        engine = self._engine_info(None)
+        with self.cv:
+            engine["start_gates"] = list(self.start_gates.values())
+        b = buddyinfo.read()
+        engine["buddyinfo"] = b.as_dict() if b is not None else None
+        inc = self.reports.open("fragmented", self.cfg, None, "fragmented", detail, engine, [], BLOCKED + detail)
+        inc.outcome, inc.ended_at = "blocked", time.time()
+        inc.summary = f"{BLOCKED}{detail}; the engine is not started until the blocks are there"
+        self.reports.finish(inc)
+
+    def _gates_note(self) -> str:
+        """What the compaction and the memfree gate did before this start, for the restart event."""
+        return memgate.summary(self.last_gates)
 
     def _schedule_restart(self, reason: str, failure: bool, uptime: float) -> None:
         """Decide (under ``cv``) whether and when to restart after an exit for ``reason``."""

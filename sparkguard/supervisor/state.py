@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
-from sparkguard.supervisor import cluster, lanes, process
+from sparkguard import gpumem
+from sparkguard.supervisor import cluster, lanes, memgate, process
 from sparkguard.supervisor.run import Run
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -19,6 +20,15 @@ STATES = ("stopped", "backoff", "sweeping", "waiting", "starting", "waiting_for_
           "failed", "given_up")
 #: states in which the supervisor stays stopped until a command (``engine start``)
 HALTED = ("exited", "failed", "given_up")
+
+
+def _gpu_bytes(run: Run | None) -> int | None:
+    """GPU memory NVML reports over ``run``'s processes (its recorded members), None without NVML
+    or without a live run (:mod:`sparkguard.gpumem`)."""
+    if run is None or run.exit is not None or not gpumem.active():
+        return None
+    gpu = gpumem.reading()
+    return sum(gpu.get(pid, 0) for pid in set(dict(run.members)) | {run.pid})
 
 
 class StatusViews:
@@ -49,6 +59,8 @@ class StatusViews:
             "probe_failures": run.probe_failures if run else 0,
             "peers": list(self.peer_states), "history": list(self.history),
             "control_socket": self.ecfg.control_socket,
+            "start_gates": list(self.start_gates.values()),
+            "gpu_bytes": _gpu_bytes(run),
         }
         alive = run is not None and run.exit is None
         role = run.role if run is not None else cluster.role_of(st["command"])
@@ -111,7 +123,7 @@ class StatusViews:
         """Resolve the incidents waiting for a restart (:meth:`reports.EngineIncidents.flush`)."""
         with self.cv:
             now = {"state": self.state, "pid": self.run.pid if self.run is not None else None, "lane": self.lane,
-                   "restarts": dict(self.restarts)}
+                   "restarts": dict(self.restarts), "start_gates": memgate.notable(self.last_gates)}
         self.reports.flush(now, why, restart_detail, pids, views)
 
     def _write_state(self) -> None:
