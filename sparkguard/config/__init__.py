@@ -36,7 +36,7 @@ import dataclasses
 from typing import Any
 
 from sparkguard.config.engine import (
-    SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout,
+    SHUTDOWN_ENV, EngineConfig, LaneConfig, LoadPhaseConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout,
 )
 from sparkguard.config.errors import ConfigError
 from sparkguard.config.load import DEFAULT_PATH, from_dict, load
@@ -44,7 +44,7 @@ from sparkguard.config.schema import SCHEMA, ClusterConfig, Config, GuardConfig,
 
 __all__ = [
     "ClusterConfig", "Config", "ConfigError", "DEFAULT_PATH", "EngineConfig", "GuardConfig", "IncidentsConfig", "LaneConfig",
-    "LinkConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
+    "LinkConfig", "LoadPhaseConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
     "load", "replace", "vllm_shutdown_timeout",
 ]
 

@@ -1,0 +1,152 @@
+"""The fall-rate estimate (sparkguard.rate) on a fake clock, and the rate trigger on a real daemon."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from guardrun import GuardProc, unique
+from sparkguard import rate
+from test_guard_loop import meminfo_text, rewrite
+
+GiB, MiB = 1024**3, 1024**2
+
+
+def feed(fr: rate.FallRate, t0: float, v0: float, slope: float, dt: float, n: int) -> float:
+    """``n`` samples ``dt`` apart on the line ``v0 + slope * (t - t0)``; returns the last time."""
+    t = t0
+    for i in range(n):
+        t = t0 + i * dt
+        fr.add(t, int(v0 + slope * (t - t0)))
+    return t
+
+
+def test_a_steady_fall_is_measured_at_any_cadence():
+    for dt in (0.2, 0.05, 0.002):
+        fr = rate.FallRate(1.0)
+        t = feed(fr, 100.0, 20 * GiB, -2 * GiB, dt, int(2 / dt))
+        assert fr.estimate(t) == pytest.approx(2 * GiB, rel=0.01), dt
+        assert fr.rate == fr.estimate(t)
+
+
+def test_rises_and_flat_read_as_zero():
+    fr = rate.FallRate(1.0)
+    t = feed(fr, 0.0, 5 * GiB, +1 * GiB, 0.05, 30)
+    assert fr.estimate(t) == 0.0
+    fr.reset()
+    t = feed(fr, 10.0, 5 * GiB, 0.0, 0.05, 30)
+    assert fr.estimate(t) == 0.0
+
+
+def test_one_wild_sample_does_not_move_the_median():
+    fr = rate.FallRate(1.0)
+    t = feed(fr, 0.0, 10 * GiB, -256 * MiB, 0.1, 10)
+    fr.add(t + 0.1, 10 * GiB - 6 * GiB)          # one torn or transient read, 6 GiB low
+    fr.add(t + 0.2, int(10 * GiB - 256 * MiB * (t + 0.2)))
+    est = fr.estimate(t + 0.2)
+    assert est == pytest.approx(256 * MiB, rel=0.5), est / MiB
+    assert est < 1 * GiB
+
+
+def test_samples_older_than_the_window_are_ignored():
+    fr = rate.FallRate(0.5)
+    feed(fr, 0.0, 10 * GiB, -4 * GiB, 0.05, 10)          # a fall, then nothing for a second
+    assert fr.estimate(2.0) == 0.0                        # all of it older than 0.5 s
+    fr.add(2.0, 1 * GiB)
+    fr.add(2.1, 1 * GiB)
+    assert fr.estimate(2.1) == 0.0                        # two samples are not an estimate
+
+
+def test_the_ring_stays_bounded_and_the_estimate_cheap_at_the_fastest_cadence():
+    fr = rate.FallRate(1.0)
+    t = feed(fr, 0.0, 100 * GiB, -1 * GiB, 0.002, 10_000)    # 500 polls/s for 20 s
+    assert fr._n <= rate.RING and len(fr._slopes) == rate.RING * (rate.RING - 1) // 2
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fr.estimate(t)
+    per = (time.perf_counter() - t0) / n
+    assert fr.rate == pytest.approx(1 * GiB, rel=0.01)
+    assert per < 1e-3, f"{per * 1e6:.0f} us per estimate"     # ~25-40 us here; bounded work per poll
+
+
+def test_a_clock_that_goes_back_starts_again_and_bad_windows_are_refused():
+    fr = rate.FallRate(1.0)
+    feed(fr, 10.0, 10 * GiB, -1 * GiB, 0.1, 10)
+    fr.add(5.0, GiB)
+    assert fr._n == 1
+    for bad in (0, -1, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            rate.FallRate(bad)
+    assert rate.seconds_to_line(3 * GiB, GiB, GiB) == 2.0
+    assert rate.seconds_to_line(GiB, GiB, GiB) == 0.0 and rate.seconds_to_line(2 * GiB, GiB, 0.0) == math.inf
+
+
+# ---- a real daemon, a real victim ------------------------------------------------------------------
+
+def victim(tag: str) -> subprocess.Popen:
+    """A real process the daemon can match and SIGTERM (Python's default: TERM ends it)."""
+    return subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(600)", tag])
+
+
+def run_fall(tmp_path, rate_trigger: str, *, line_gib=2, start_gib=6.0, stop_gib=2.5, fall_gib_s=2.0):
+    """A daemon reading a meminfo file that the test lowers at ``fall_gib_s`` from ``start_gib`` to
+    ``stop_gib`` (never below the ``line_gib`` line); returns (guard, victim, lowest value written)."""
+    mi = tmp_path / "meminfo"
+    mi.write_bytes(meminfo_text(int(start_gib * GiB) // 1024))
+    tag = unique("sgrate")
+    v = victim(tag)
+    g = GuardProc({"guard": {"term_below": f"{line_gib}GiB", "grace": "5s", "rate_trigger": rate_trigger,
+                             "rate_lead": "1s", "rate_window": "1s", "rate_min_fall": "256MiB/s"},
+                   "targets": {"match": [tag]}}, extra_args=("--meminfo", str(mi)))
+    g.wait_ready()
+    t0 = time.monotonic()
+    low = start_gib * GiB
+    while low > stop_gib * GiB and v.poll() is None:
+        low = max(stop_gib * GiB, start_gib * GiB - fall_gib_s * GiB * (time.monotonic() - t0))
+        rewrite(mi, meminfo_text(int(low) // 1024))
+        time.sleep(0.01)       # the test's own fill cadence, 100 writes/s: not a synchronisation
+    return g, v, low
+
+
+def test_the_rate_trigger_sigterms_a_fall_before_it_crosses_the_line(tmp_path):
+    from test_guard_incidents import wait_incident
+    g, v, low = run_fall(tmp_path, "on")
+    try:
+        assert v.wait(10) == -15, "the victim was not SIGTERMed"
+        inc = wait_incident(g, timeout=20)
+        trig = inc["trigger"]
+        assert trig["trigger"] == "predicted" and trig["phase"] == "serving", trig
+        assert 1.0 * GiB < trig["fall_rate_bytes_per_second"] < 3.0 * GiB, trig
+        assert 0 < trig["seconds_to_line"] <= 1.0
+        crossed = inc["timeline"][0]
+        assert crossed["event"] == "crossed" and crossed["detail"].startswith("predicted: "), crossed
+        assert crossed["available_bytes"] > 2 * GiB           # acted while still above the line
+        assert [e["event"] for e in inc["timeline"]][:2] == ["crossed", "sigterm"]
+        assert inc["summary"].startswith("predicted crossing ("), inc["summary"]
+    finally:
+        g.stop()
+        if v.poll() is None:
+            v.kill()
+        v.wait(5)
+
+
+def test_with_the_rate_trigger_off_the_same_fall_above_the_line_is_left_alone(tmp_path):
+    g, v, low = run_fall(tmp_path, "off")
+    try:
+        assert low == 2.5 * GiB and v.poll() is None
+        # the fall has ended above the line: nothing may happen; give the daemon a second to be wrong
+        with pytest.raises(subprocess.TimeoutExpired):
+            v.wait(1.0)
+        inc_dir = os.path.join(g.tmp, "incidents")
+        assert not os.path.isdir(inc_dir) or not [f for f in os.listdir(inc_dir) if f.endswith(".json")]
+        assert "crossed" not in g.log() and "predicted" not in g.log()
+    finally:
+        g.stop()
+        v.kill()
+        v.wait(5)
