@@ -150,3 +150,56 @@ def test_with_the_rate_trigger_off_the_same_fall_above_the_line_is_left_alone(tm
         g.stop()
         v.kill()
         v.wait(5)
+
+
+# ---- the load phase: a supervised engine that is loading ------------------------------------------
+
+def write_fall(mi, start: float, stop: float, gib_s: float) -> None:
+    """Lower the meminfo file's MemAvailable from ``start`` to ``stop`` bytes at ``gib_s`` GiB/s."""
+    t0 = time.monotonic()
+    v = start
+    while v > stop:
+        v = max(stop, start - gib_s * GiB * (time.monotonic() - t0))
+        rewrite(mi, meminfo_text(int(v) // 1024))
+        time.sleep(0.01)       # the test's own fill cadence: not a synchronisation
+
+
+@pytest.mark.usefixtures("root_only")
+def test_a_loads_steep_fall_is_not_a_leak_but_a_load_below_its_line_is_a_failed_load(tmp_path):
+    """A real daemon supervising the real fake vLLM (loading for a minute: its port does not listen),
+    the memory signal from a file the test writes.  The serving lines (2 GiB, rate lead 1 s) would
+    SIGTERM a 4 GiB/s fall ending at 5 GiB; the load phase's (4 GiB, no lead) leave it alone and stop
+    the load only once it is below 4 GiB: a failed load, restart reason ``load``, counted."""
+    from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, unique as sup_unique
+    mi = tmp_path / "meminfo"
+    mi.write_bytes(meminfo_text(20 * GiB // 1024))
+    model, port = sup_unique("sgload"), free_port()
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port, "--load-time", "120"), port,
+                        ready_timeout="600s", give_up_after=2, load_phase={"term_below": "4GiB"})
+    cfg["guard"].update({"term_below": "2GiB", "rate_trigger": "on", "rate_lead": "1s", "rate_window": "1s"})
+    d = Daemon(tmp_path, cfg, extra_args=("--meminfo", str(mi)))
+    try:
+        d.wait_control()
+        d.wait_starts(0)
+        d.wait_line(r"fake-vllm: ready pids=")
+        st = d.status()
+        assert st["phase"] == "loading" and st["failed_loads"] == 0, st
+        pid = st["pid"]
+        mark = d.mark()
+        write_fall(mi, 20 * GiB, 5 * GiB, 4.0)
+        # the fall has ended above the load line: nothing may happen; give the daemon a second to be wrong
+        with pytest.raises(AssertionError):
+            d.wait_line(r"crossed|SIGTERM", timeout=1.0, start=mark)
+        assert d.status()["pid"] == pid
+        write_fall(mi, 5 * GiB, 3.5 * GiB, 2.0)
+        inc = d.incident("memory", timeout=30, start=mark)
+        trig = inc["trigger"]
+        assert trig["phase"] == "loading" and trig["trigger"] == "line" and trig["line_bytes"] == 4 * GiB, trig
+        assert "a failed load" in inc["timeline"][0]["detail"], inc["timeline"][0]
+        assert inc["summary"].startswith("failed load; "), inc["summary"]
+        rewrite(mi, meminfo_text(20 * GiB // 1024))        # memory back: the incident closes, the restart may go
+        st = d.wait_starts(1, timeout=60)
+        assert st["failed_loads"] == 1 and st["restarts"]["load"] == 1, st
+        assert "failed load" in st["last_exit"]["detail"] and st["last_exit"]["reason"] == "load", st["last_exit"]
+    finally:
+        d.cleanup()

@@ -86,8 +86,7 @@ HELP: dict[str, str] = {
     "engine.head_lost_after": "How long the head may fail (after it had answered) before this rank restarts.",
     "engine.give_up_after": "Failed starts (runs that fail before they are ready) that stop the supervisor; 0: never.",
     "engine.give_up_window": "... counted within this window; `sparkguard engine start` tries again.",
-    "engine.load_phase": "Lines while the engine loads (started, not ready): {term_below, rate_lead, rate_min_fall}; "
-                         "null: guard.term_below, no rate lead (a load falls steeply by design).",
+    "engine.load_phase": "Lines while loading (not ready): {term_below, rate_lead, rate_min_fall}; null: defaults.",
     "link": "TP fabric links watched through netlink.",
     "link.interfaces": "Interface names (the ConnectX-7 ports); empty: no link watch.",
     "link.down_after": "How long a link must stay down before it is an incident.",

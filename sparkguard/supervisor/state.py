@@ -49,6 +49,9 @@ class StatusViews:
             "probe_failures": run.probe_failures if run else 0,
             "peers": list(self.peer_states), "history": list(self.history),
             "control_socket": self.ecfg.control_socket,
+            # the guard's view: loading (started, never ready: engine.load_phase's lines), serving
+            "phase": ("loading" if not run.ever_ready else "serving") if run and run.exit is None else None,
+            "failed_loads": self.failed_loads,
         }
         alive = run is not None and run.exit is None
         role = run.role if run is not None else cluster.role_of(st["command"])
