@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import fake_vllm
 from guardrun import GuardProc, unique
 from sparkguard import rate
 from test_guard_loop import meminfo_text, rewrite
@@ -203,3 +204,31 @@ def test_a_loads_steep_fall_is_not_a_leak_but_a_load_below_its_line_is_a_failed_
         assert "failed load" in st["last_exit"]["detail"] and st["last_exit"]["reason"] == "load", st["last_exit"]
     finally:
         d.cleanup()
+
+
+# ---- the fake vLLM's load phase and allocation size ------------------------------------------------
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_the_fake_vllm_loads_memory_before_its_port_listens_in_allocations_of_the_given_size(engine_factory):
+    fe = engine_factory("--port", "0", "--load-time", "1.5", "--load-fill", "384MiB", "--alloc-step", "128MiB",
+                        "--hold", "8MiB")
+    tp0 = fe.worker_pids[0]
+    serving = fe.wait_serving(timeout=30)
+    assert serving.startswith("fake-vllm: serving url=")
+    out = fe.output().splitlines()
+    fills = [ln for ln in out if ln.startswith("fake-vllm: fill ")]
+    assert fills and fills[-1].endswith(f"bytes={384 * MiB} target={384 * MiB} done"), fills
+    # the load's memory was all held before the port listened
+    assert out.index(fills[-1]) < out.index(serving), out
+    assert rss(tp0) >= 384 * MiB + 8 * MiB, rss(tp0) / MiB
+    done = [int(ln.split("bytes=")[1].split()[0]) for ln in fills]
+    assert all(b % (128 * MiB) == 0 for b in done), done          # whole allocations only
+    rate = 384 * MiB / (fake_vllm.LOAD_FILL_SHARE * 1.5)
+    assert any("filling" in ln and f"{rate:.0f} B/s" in ln for ln in out), out
