@@ -498,8 +498,11 @@ def _trial(ns, row: dict, work: str, tag: str, guard: str, scenario: str, tier: 
             "stopped": eof,
             "escalated": bool(eof and scenario == "ignore"),
             "terms": len(ev["T"]),
-            # loadserve: SIGTERM before the load was done (a load that stops above the line by construction)
-            "false_term": bool(scenario == "loadserve" and t_term is not None and (ev["L"] is None or t_term < ev["L"])),
+            # loadserve: SIGTERM before the load was done, and before the hog's sampler saw the line
+            # crossed (the load stops above it by construction; memory others free or take on a
+            # shared host can still move it across)
+            "false_term": bool(scenario == "loadserve" and t_term is not None and (ev["L"] is None or t_term < ev["L"])
+                               and (c is None or t_term < c)),
             "load_s": round(ev["L"] - t_go, 3) if ev["L"] else None,
             "step_s": round(ev["P"] - t_go, 3) if ev["P"] else None,
             "term_before_cross": bool(t_term is not None and (c is None or t_term < c)),
