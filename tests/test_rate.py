@@ -232,3 +232,37 @@ def test_the_fake_vllm_loads_memory_before_its_port_listens_in_allocations_of_th
     assert all(b % (128 * MiB) == 0 for b in done), done          # whole allocations only
     rate = 384 * MiB / (fake_vllm.LOAD_FILL_SHARE * 1.5)
     assert any("filling" in ln and f"{rate:.0f} B/s" in ln for ln in out), out
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+def test_the_rate_and_load_phase_keys_are_checked_naming_file_key_and_value():
+    from sparkguard import config
+    from sparkguard.guard import settings
+    eng = {"command": ["sleep", "1"]}
+    cfg = config.from_dict({"guard": {"rate_trigger": "on", "rate_lead": "1500ms", "rate_min_fall": "512MiB/s"},
+                            "engine": dict(eng, load_phase={"term_below": "3GiB", "rate_lead": "2s"})},
+                           "/etc/sg.yaml", mem_total=64 * GiB)
+    th = settings.make_thresholds(cfg)
+    assert (th.rate_lead, th.rate_min) == (1.5, 512 * MiB)
+    assert (th.load.term_below, th.load.rate_lead, th.load.rate_min) == (3 * GiB, 2.0, 512 * MiB)
+    assert settings.loop_settings(cfg).idle_floor == 3 * GiB + settings.loop_settings(cfg).far
+    # off: no lead in either phase, the load's line still applies
+    off = config.from_dict({"engine": dict(eng, load_phase={"term_below": "3GiB", "rate_lead": "2s"})},
+                           "/etc/sg.yaml", mem_total=64 * GiB)
+    th = settings.make_thresholds(off)
+    assert th.rate_lead == 0.0 and th.load.rate_lead == 0.0 and th.load.term_below == 3 * GiB
+    assert settings.make_thresholds(config.from_dict({}, "x", mem_total=64 * GiB)).load is None
+    bad = [({"guard": {"rate_trigger": "maybe"}}, "guard.rate_trigger", "maybe"),
+           ({"guard": {"rate_lead": "61s"}}, "guard.rate_lead", "61s"),
+           ({"guard": {"rate_window": "1ms"}}, "guard.rate_window", "1ms"),
+           ({"guard": {"rate_min_fall": "fast"}}, "guard.rate_min_fall", "fast"),
+           ({"engine": dict(eng, load_phase={"term_below": "1MiB"})}, "engine.load_phase.term_below", "1MiB"),
+           ({"engine": dict(eng, load_phase={"lead": "1s"})}, "engine.load_phase.lead", "1s"),
+           ({"engine": dict(eng, load_phase="on")}, "engine.load_phase", "on"),
+           ({"engine": dict(eng, load_phase={"term_below": "80GiB"})}, "engine.load_phase.term_below", "80GiB")]
+    for doc, key, value in bad:
+        with pytest.raises(config.ConfigError) as e:
+            config.from_dict(doc, "/etc/sg.yaml", mem_total=64 * GiB)
+        msg = str(e.value)
+        assert "/etc/sg.yaml" in msg and key in msg and value in msg, msg

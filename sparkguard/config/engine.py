@@ -121,17 +121,23 @@ def parse_probe(v: Any) -> ProbeConfig | None:
         return ProbeConfig()
     if not isinstance(v, dict):
         raise ValueError("expected off, on, or a mapping with " + ", ".join(_PROBE_KEYS))
+    return ProbeConfig(**_nested(v, _PROBE_KEYS))
+
+
+def _nested(v: dict, keys: dict[str, Callable[[Any], Any]]) -> dict:
+    """Each key of the mapping ``v`` parsed by its parser in ``keys``.  Raises NestedValueError
+    naming the key below the section's (an unknown one, or the parser's ValueError)."""
     vals = {}
     for k, x in v.items():
-        if k not in _PROBE_KEYS:
-            raise NestedValueError(f".{k}", x, "unknown key; expected one of " + ", ".join(_PROBE_KEYS))
+        if k not in keys:
+            raise NestedValueError(f".{k}", x, "unknown key; expected one of " + ", ".join(keys))
         try:
-            vals[k] = _PROBE_KEYS[k](x)
+            vals[k] = keys[k](x)
         except NestedValueError:
             raise
         except ValueError as e:
             raise NestedValueError(f".{k}", x, str(e)) from None
-    return ProbeConfig(**vals)
+    return vals
 
 
 _LOAD_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -144,18 +150,9 @@ def parse_load_phase(v: Any) -> LoadPhaseConfig | None:
     optional), or null for the defaults (None).  Raises ValueError, or NestedValueError naming the key."""
     if v is None:
         return None
-    keys = _LOAD_KEYS
     if not isinstance(v, dict):
-        raise ValueError("expected a mapping with " + ", ".join(keys))
-    vals = {}
-    for k, x in v.items():
-        if k not in keys:
-            raise NestedValueError(f".{k}", x, "unknown key; expected one of " + ", ".join(keys))
-        try:
-            vals[k] = keys[k](x)
-        except ValueError as e:
-            raise NestedValueError(f".{k}", x, str(e)) from None
-    return LoadPhaseConfig(**vals)
+        raise ValueError("expected a mapping with " + ", ".join(_LOAD_KEYS))
+    return LoadPhaseConfig(**_nested(v, _LOAD_KEYS))
 
 
 _LANE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")

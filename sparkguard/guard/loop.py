@@ -115,6 +115,9 @@ class Guard:
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
+        if g.rate_trigger == "on":
+            log.info("rate trigger on: SIGTERM when the fall would reach the line within %.2fs (window %.2fs, "
+                     "at least %s/s)", g.rate_lead, g.rate_window, _fmt_size(g.rate_min_fall))
         self.engine.start(self.cfg, self.reporter, self.recorder.count, self.metrics)
         self.recorder.supervisor = self.engine.supervisor
         # everything start-up built (the imported modules, the config, the first armed scan) goes
