@@ -266,3 +266,36 @@ def test_the_rate_and_load_phase_keys_are_checked_naming_file_key_and_value():
             config.from_dict(doc, "/etc/sg.yaml", mem_total=64 * GiB)
         msg = str(e.value)
         assert "/etc/sg.yaml" in msg and key in msg and value in msg, msg
+
+
+def test_a_reload_turns_the_rate_trigger_on_and_its_gauge_appears(tmp_path):
+    """SIGHUP with ``guard.rate_trigger: on``: the running daemon estimates from then on (the
+    gauge is served), and a fall then ends in a predicted SIGTERM."""
+    import signal
+    from test_guard_incidents import wait_incident
+    from test_guard_loop import free_port, wait_scrape
+    mi = tmp_path / "meminfo"
+    mi.write_bytes(meminfo_text(6 * GiB // 1024))
+    tag = unique("sgrate")
+    v = victim(tag)
+    port = free_port()
+    cfg = {"guard": {"term_below": "2GiB", "grace": "5s"}, "targets": {"match": [tag]},
+           "metrics": {"listen": f"127.0.0.1:{port}"}}
+    g = GuardProc(cfg, extra_args=("--meminfo", str(mi)))
+    try:
+        g.wait_ready()
+        m = wait_scrape(port, g, lambda m: "sparkguard_polls_total" in m)
+        assert "sparkguard_memory_fall_rate_bytes_per_second" not in m
+        cfg["guard"]["rate_trigger"] = "on"
+        g.write_config(cfg)
+        g.proc.send_signal(signal.SIGHUP)
+        g.wait_log("reloaded")
+        wait_scrape(port, g, lambda m: "sparkguard_memory_fall_rate_bytes_per_second" in m)
+        write_fall(mi, 6 * GiB, 2.5 * GiB, 2.0)
+        assert v.wait(10) == -15
+        assert wait_incident(g, timeout=20)["trigger"]["trigger"] == "predicted"
+    finally:
+        g.stop()
+        if v.poll() is None:
+            v.kill()
+        v.wait(5)
