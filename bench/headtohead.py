@@ -32,6 +32,17 @@ SIGTERM to them, children killed one by one are not replaced).  Tiers: ``0.5GiB/
 ``full1`` (one thread at full speed; in the tree the same total rate, measured first),
 ``full2`` (two threads at full speed; in the tree all children at full speed).
 
+Issue 17's scenarios (``--scenarios step,loadserve``), one shape each instead of the tiers:
+``step`` is one allocation of ``--step-gib`` GiB at once (``mmap(MAP_POPULATE)``, as a driver
+allocation is), more than the headroom; ``loadserve`` is a load that falls steeply
+(``--load-rate``) and stops ``--load-margin`` GiB above the line, then a serving leak
+(``--leak-rate``) that crosses it.  A SIGTERM before the load is done is a false SIGTERM.  The
+guards ``sparkguard+rate`` (this checkout, ``guard.rate_trigger: on``) and ``sparkguard+phase``
+(the same, supervising the hog as its engine: ready once the hog's port listens after the load,
+so the load phase's lines apply until then; loadserve only) run beside the others
+(``--only sparkguard,sparkguard+rate,sparkguard+phase,earlyoom,nohang``).  Their table counts the
+trials that crossed the line at all and those whose SIGTERM came before the crossing.
+
 Bystanders (``--bystanders 0,5000``): each trial also runs with N sleeping processes started in
 its namespace before the guard (so the guard sees them in /proc, as on a busy box), and the
 line is placed after they are up; every count is a trial of its own, so one run compares them.
@@ -85,8 +96,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOG = os.path.join(ROOT, "bench", "hog.py")
 GiB, MiB = 1 << 30, 1 << 20
 SCENARIOS = ("plain", "ignore", "tree")
+#: scenarios of issue 17 (``--scenarios step,loadserve``): each has one shape, not the fill tiers
+SHAPED = {"step": "once", "loadserve": "load"}
 TIERS = ("0.5GiB/s", "full1", "full2")
 GUARDS = ("sparkguard", "earlyoom", "nohang")
+#: sparkguard variants (``--only sparkguard+rate,sparkguard+phase``): this checkout with the rate trigger on
+#: (guard.rate_trigger, docs/rate.md), and with it on while sparkguard supervises the hog as its
+#: engine, so the load phase's lines apply until the hog's port listens (loadserve only)
+VARIANTS = {"sparkguard+rate": {"guard": {"rate_trigger": "on"}},
+            "sparkguard+phase": {"guard": {"rate_trigger": "on"}}}
+PHASED = "sparkguard+phase"
 TREE_PROCS = 12
 #: spawns argv[1] sleeping processes (``--bystanders``; about 200 KiB of memory each) and argv[2]
 #: busy loops (``--spinners``), then exits
@@ -123,11 +142,14 @@ def oom_kills() -> int:
 # ---------------------------------------------------------------- the guards
 
 
-def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str = "default") -> tuple[list[str], str]:
+def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str = "default",
+              engine: tuple[list[str], int] | None = None) -> tuple[list[str], str]:
     """argv for one guard configured to SIGTERM below ``term`` and SIGKILL below ``kill`` (bytes),
     and a substring of its output that says it is watching.  ``sched`` (sparkguard only): a key
     of :data:`SCHED`, the CPU scheduling it starts with (nice -20 as the unit's Nice=-20, SCHED_RR
-    priority 1 as CPUSchedulingPolicy=rr, with or without CPUSchedulingResetOnFork)."""
+    priority 1 as CPUSchedulingPolicy=rr, with or without CPUSchedulingResetOnFork).  A name of
+    :data:`VARIANTS` runs this checkout with that config added; ``engine`` ``(hog argv, port)``
+    (for :data:`PHASED`) makes the hog sparkguard's supervised engine, ready once the port answers."""
     if name == "earlyoom":
         # -M in KiB; -s 100,100: earlyoom acts only when swap is low too, and a host without swap
         # (this one) counts as 0 % free, which 100 % always satisfies.
@@ -159,17 +181,28 @@ def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str =
             f.write(patched)
         os.chmod(exe, 0o755)
         return ["python3", exe, "--monitor", "-c", conf], "Monitoring has started"
-    if name in SOURCES:
+    if name in SOURCES or name in VARIANTS:
         conf = os.path.join(work, "sparkguard.yaml")
+        doc = {"guard": {"term_below": term, "kill_below": kill},
+               "targets": {"match": [tag]}, "metrics": {"listen": "off"},
+               "incidents": {"dir": os.path.join(work, "incidents"), "journal": "off"}}
+        for sec, body in VARIANTS.get(name, {}).items():
+            doc.setdefault(sec, {}).update(body)
+        if engine is not None:
+            argv, port = engine
+            doc["engine"] = {"command": argv, "health_url": f"http://127.0.0.1:{port}/health",
+                             "health_interval": "100ms", "ready_timeout": "600s", "restart": "never",
+                             "drop_caches": False, "start_above": "64MiB", "stable_for": "0s",
+                             "quiesce_timeout": "60s", "log": "stderr",
+                             "state_file": os.path.join(work, "engine-state.json"),
+                             "control_socket": os.path.join(work, "control.sock")}
         with open(conf, "w") as f:
-            json.dump({"guard": {"term_below": term, "kill_below": kill},
-                       "targets": {"match": [tag]}, "metrics": {"listen": "off"},
-                       "incidents": {"dir": os.path.join(work, "incidents"), "journal": "off"}}, f)
+            json.dump(doc, f)
         # `sparkguard run` as the unit runs it, imported from this guard's own source folder
         # (python -c puts the working directory first on sys.path: the folder goes before it)
         return SCHED[sched] + [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                                "from sparkguard.cli import main; sys.exit(main(['run', '--config', sys.argv[2]]))",
-                               SOURCES[name], conf], "started:"
+                               SOURCES.get(name, ROOT), conf], "started:"
     raise ValueError(name)
 
 
@@ -284,13 +317,30 @@ def calibrate_one_thread(size: int = 1 * GiB) -> float:
     return size / dt
 
 
-def hog_args(scenario: str, tier: str, one_thread_rate: float, tree_procs: int = TREE_PROCS) -> list[str]:
+def hog_args(scenario: str, tier: str, one_thread_rate: float, tree_procs: int = TREE_PROCS, args=None) -> list[str]:
+    """The hog's options for one scenario and tier.  ``step``: one allocation of ``--step-gib`` GiB
+    (more than the headroom: it crosses the line in one call); ``loadserve``: a load of
+    ``headroom - --load-margin`` GiB at ``--load-rate`` GiB/s that stops above the line, then a serving
+    leak at ``--leak-rate`` GiB/s that crosses it."""
+    if scenario == "step":
+        return ["--step", str(int(args.step_gib * GiB))]
+    if scenario == "loadserve":
+        return ["--load-bytes", str(int((args.headroom - args.load_margin) * GiB)),
+                "--load-rate", str(int(args.load_rate * GiB)), "--leak-rate", str(int(args.leak_rate * GiB))]
     if scenario == "tree":
         rate = {"0.5GiB/s": 0.5 * GiB, "full1": one_thread_rate, "full2": 0}[tier]
         return ["--procs", str(tree_procs), "--rate", str(int(rate))]
     rate = 0.5 * GiB if tier == "0.5GiB/s" else 0
     return ["--threads", "2" if tier == "full2" else "1", "--rate", str(int(rate))] + \
         (["--ignore-term"] if scenario == "ignore" else [])
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the phased trial's hog listens on it once loaded)."""
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
 
 
 def settle(target: int, timeout: float = 20.0) -> int:
@@ -344,17 +394,22 @@ def _trial(ns, row: dict, work: str, tag: str, guard: str, scenario: str, tier: 
     os.mkfifo(report)
     os.mkfifo(go)
     rfd = os.open(report, os.O_RDONLY | os.O_NONBLOCK)
-    gargv, ready = guard_cmd(guard, term, kill, tag, work, row["sched"])
     hargv = [sys.executable, HOG, "--tag", tag, "--report", report, "--go", go, "--line", str(term),
              "--cap", str(cap), "--max-bytes", str(int((args.headroom + 2.5) * GiB))] + \
-        hog_args(scenario, tier, one_thread_rate, getattr(args, "tree_procs", TREE_PROCS))
+        hog_args(scenario, tier, one_thread_rate, getattr(args, "tree_procs", TREE_PROCS), args)
+    engine = None
+    if guard == PHASED:      # the hog is sparkguard's engine: loading until its port answers
+        port = free_port()
+        hargv += ["--port", str(port)]
+        engine = (hargv, port)
+    gargv, ready = guard_cmd(guard, term, kill, tag, work, row["sched"], engine)
     row["line_bytes"] = term
     if ns is None:
-        ns = Namespace(gargv, hargv, os.path.join(work, "guard.log"))
+        ns = Namespace(gargv, None if engine else hargv, os.path.join(work, "guard.log"))
     else:
         ns.launch(gargv, hargv)
     buf = b""
-    ev: dict = {"T": [], "M": None, "C": None, "X": [], "S": []}
+    ev: dict = {"T": [], "M": None, "C": None, "X": [], "S": [], "P": None, "L": None}
     try:
         if not ns.wait_log(ready, 20):
             row["error"] = "guard did not start: " + open(ns.log, errors="replace").read()[-300:].replace("\n", " | ")
@@ -418,6 +473,8 @@ def _trial(ns, row: dict, work: str, tag: str, guard: str, scenario: str, tier: 
                 ev["T"].append(float(p[2]))
             elif p[0] == "X":
                 ev["X"].append(float(p[2]))
+            elif p[0] in ("P", "L") and ev[p[0]] is None:
+                ev[p[0]] = float(p[1])
         # memory back above the line (hog gone)
         t_back = None
         lim = time.monotonic() + 15
@@ -441,6 +498,14 @@ def _trial(ns, row: dict, work: str, tag: str, guard: str, scenario: str, tier: 
             "stopped": eof,
             "escalated": bool(eof and scenario == "ignore"),
             "terms": len(ev["T"]),
+            # loadserve: SIGTERM before the load was done, and before the hog's sampler saw the line
+            # crossed (the load stops above it by construction; memory others free or take on a
+            # shared host can still move it across)
+            "false_term": bool(scenario == "loadserve" and t_term is not None and (ev["L"] is None or t_term < ev["L"])
+                               and (c is None or t_term < c)),
+            "load_s": round(ev["L"] - t_go, 3) if ev["L"] else None,
+            "step_s": round(ev["P"] - t_go, 3) if ev["P"] else None,
+            "term_before_cross": bool(t_term is not None and (c is None or t_term < c)),
         })
         if not eof:
             row["error"] = f"hog not stopped within {args.trial_timeout}s"
@@ -682,6 +747,31 @@ def summarize(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def summarize_shaped(rows: list[dict]) -> str:
+    """The markdown table of the step and loadserve scenarios: per scenario and guard, how often the
+    line was crossed at all, crossing->SIGTERM and overshoot over the trials that crossed, SIGTERMs
+    before the crossing (the rate trigger acting early), false SIGTERMs (during a load that stopped
+    above the line), the hog stopped, kernel OOM kills."""
+    keys = []
+    for r in rows:
+        if (r["scenario"], r["guard"]) not in keys:
+            keys.append((r["scenario"], r["guard"]))
+    out = ["| scenario | guard | crossed | crossing->SIGTERM ms | overshoot MiB | SIGTERM before the crossing "
+           "| false SIGTERMs (during the load) | hog stopped | kernel OOM kills |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for sc, g in keys:
+        rs = [r for r in rows if (r["scenario"], r["guard"]) == (sc, g)]
+        ok = [r for r in rs if r.get("crossed")]
+        n = len(rs)
+        out.append(f"| {sc} | {g} | {len(ok)}/{n} | {med_spread([r.get('term_latency_ms') for r in ok])} "
+                   f"| {med_spread([r.get('overshoot_mib') for r in ok])} "
+                   f"| {sum(1 for r in rs if r.get('term_before_cross'))}/{n} "
+                   f"| {sum(1 for r in rs if r.get('false_term')) if sc == 'loadserve' else '-'}"
+                   f"{'/' + str(n) if sc == 'loadserve' else ''} "
+                   f"| {sum(1 for r in rs if r.get('stopped'))}/{n} | {sum(r.get('oom_kills') or 0 for r in rs)} |")
+    return "\n".join(out)
+
+
 class Stopped(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP arrived: unwind through every ``finally`` (namespaces closed)."""
 
@@ -719,6 +809,13 @@ def main() -> int:
                     help=f"sparkguard's CPU scheduling, each a trial of its own: {', '.join(SCHED)}")
     ap.add_argument("--tree-procs", type=int, default=TREE_PROCS, help="processes of the tree scenario's hog")
     ap.add_argument("--headroom", type=float, default=1.25, help="GiB between MemAvailable now and the line")
+    ap.add_argument("--step-gib", type=float, default=None,
+                    help="step: GiB of the one allocation (default headroom + 0.75: it crosses the line)")
+    ap.add_argument("--load-margin", type=float, default=0.35,
+                    help="loadserve: GiB above the line where the load stops")
+    ap.add_argument("--load-rate", type=float, default=2.0, help="loadserve: GiB/s of the load (capped by "
+                    "what one thread fills here)")
+    ap.add_argument("--leak-rate", type=float, default=0.3, help="loadserve: GiB/s of the serving leak after it")
     ap.add_argument("--trial-timeout", type=float, default=25.0, help="seconds before the bench ends a hog itself")
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--idle-copies", type=int, default=1, metavar="N",
@@ -734,6 +831,12 @@ def main() -> int:
     ap.add_argument("--csv", default="bench/headtohead.csv")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
+    if args.step_gib is None:
+        args.step_gib = args.headroom + 0.75
+    if args.step_gib > args.headroom + 1.5:
+        print("headtohead: --step-gib must stay above the hog's cap (headroom + 1.5 GiB at most): one "
+              "allocation cannot stop half way", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("headtohead: needs root (PID namespaces, earlyoom/nohang signalling)", file=sys.stderr)
         return 2
@@ -771,9 +874,10 @@ def bench(args, guards: list[str]) -> int:
             return 2
     try:
         for sc in ([] if args.idle_only else args.scenarios.split(",")):
-            for tier in args.tiers.split(","):
+            for tier in ([SHAPED[sc]] if sc in SHAPED else args.tiers.split(",")):
                 for i in range(args.trials):
-                    order = guards[i % len(guards):] + guards[:i % len(guards)]
+                    gs = [g for g in guards if g != PHASED or sc == "loadserve"]
+                    order = gs[i % len(gs):] + gs[:i % len(gs)]
                     for g, nb, sch in ((g, nb, sch) for g in order for nb in bystanders
                                        for sch in (scheds if g in SOURCES else ["default"])):
                         settle(a0)
@@ -785,7 +889,9 @@ def bench(args, guards: list[str]) -> int:
                               f"fill {r.get('fill_gib_s')} GiB/s "
                               f"term {r.get('term_latency_ms')} ms overshoot {r.get('overshoot_mib')} MiB "
                               f"gone {r.get('term_to_exit_ms')} ms back {r.get('back_after_cross_ms')} ms "
-                              f"oom {r.get('oom_kills')} {r.get('error', '')}", flush=True)
+                              f"oom {r.get('oom_kills')} " +
+                              (f"false_term {r.get('false_term')} load {r.get('load_s')} s " if sc == "loadserve" else "") +
+                              (f"step {r.get('step_s')} s " if sc == "step" else "") + f"{r.get('error', '')}", flush=True)
     except Stopped as e:
         stopped = e
         print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
@@ -793,14 +899,18 @@ def bench(args, guards: list[str]) -> int:
                                                                   max(1, args.idle_copies))
     fields = ["guard", "scenario", "tier", "bystanders", "spinners", "sched", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
-              "terms", "line_bytes", "error"]
+              "terms", "line_bytes", "false_term", "load_s", "step_s", "term_before_cross", "error"]
     if rows:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
-    print()
-    print(summarize(rows))
+    if any(r["scenario"] not in SHAPED for r in rows) or not rows:
+        print()
+        print(summarize([r for r in rows if r["scenario"] not in SHAPED]))
+    if any(r["scenario"] in SHAPED for r in rows):
+        print()
+        print(summarize_shaped([r for r in rows if r["scenario"] in SHAPED]))
     if idle_rows:
         print()
         print(f"| guard | idle CPU s / {args.idle_seconds:.0f} s | % of one core | wake-ups/s | CPU us per wake-up "

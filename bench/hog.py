@@ -18,6 +18,18 @@ different processes never interleave)::
     T <pid> <t>                  SIGTERM received by process pid
     S <t> <bytes>                a filler stopped at the cap
     X <pid> <t>                  process exits on its own (after SIGTERM)
+    P <t> <bytes>                ``--step``: the one allocation is in place (t: after it returned)
+    L <t> <bytes>                ``--load-bytes``: the load is done (the port listens from now on)
+
+Two shapes beside the steady fill:
+
+* ``--step N``: one allocation of N bytes at once, as a GPU driver's allocation is: a single
+  ``mmap(MAP_POPULATE)`` that the kernel faults in completely before it returns (mmap(2)), so no
+  sample of MemAvailable can see it half done from user space.  Then the hog holds it.
+* ``--load-bytes N --load-rate R --leak-rate r``: a load then a serving leak.  N bytes at R bytes/s
+  (a steep fall by design: FIELD-NOTES "How GB10 reports memory", 17-19 GiB in 10 s after weights
+  load), then, with ``--port``, the port listens and answers every request 200 (vLLM's port
+  listens only once the engine is ready, FIELD-NOTES "vLLM"), then r bytes/s until the cap.
 
 The writer end closes when the last hog process exits, which the reader sees as EOF.
 Safety: filling stops when MemAvailable drops under --cap or --max-bytes are allocated.
@@ -37,6 +49,8 @@ import time
 CHUNK = 8 << 20
 libc = ctypes.CDLL(None, use_errno=True)
 libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 mono = time.monotonic
 
 
@@ -79,6 +93,56 @@ def filler(rate: float, max_bytes: int, cap: int, stop: threading.Event, out: Ou
             if ahead > 0:
                 time.sleep(ahead)
     out("S", f"{mono():.6f}", done)
+
+
+def step(nbytes: int, out: Out, keep: list) -> None:
+    """One allocation of ``nbytes``: ``mmap(MAP_POPULATE)`` faults every page in before it returns.
+    A writable private mapping is populated with write faults (mm/gup.c populate_vma_page_range:
+    "touch writable mappings with a write fault in order to break COW"), so these are real pages,
+    not the shared zero page."""
+    # libc's mmap through ctypes, which releases the GIL for the call: Python's mmap.mmap holds it
+    # through the whole populate (seconds for a few GiB), starving this process's 0.5 ms sampler
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        out("P", f"{mono():.6f}", 0)
+        return
+    out("P", f"{mono():.6f}", nbytes)
+    keep.append(addr)
+
+
+def serve_health(sock) -> None:
+    """Answer every HTTP request on the listening ``sock`` with 200 and an empty body (as vLLM's
+    /health once serving); one connection at a time."""
+    while True:
+        try:
+            c, _ = sock.accept()
+        except OSError:
+            return
+        try:
+            c.settimeout(2.0)
+            c.recv(4096)
+            c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+
+def load_then_serve(args, out: Out, stop: threading.Event, keep: list) -> None:
+    """``--load-bytes`` at ``--load-rate``, the port listens, then ``--leak-rate`` until the cap."""
+    import socket
+    sock = None
+    if args.port:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", args.port))         # bound now, listening only once loaded
+    filler(args.load_rate, args.load_bytes, args.cap, stop, Out(-1), keep)
+    out("L", f"{mono():.6f}", args.load_bytes)
+    if sock is not None:
+        sock.listen(16)
+        threading.Thread(target=serve_health, args=(sock,), daemon=True).start()
+    filler(args.leak_rate, args.max_bytes - args.load_bytes, args.cap, stop, out, keep)
 
 
 def term_waiter(out: Out, ignore: bool, on_term) -> None:
@@ -135,6 +199,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="filler threads (single process)")
     ap.add_argument("--procs", type=int, default=0, help="tree mode: this many child processes fill")
     ap.add_argument("--ignore-term", action="store_true", help="stamp SIGTERM but keep going")
+    ap.add_argument("--step", type=int, default=0, help="one allocation of this many bytes at once (MAP_POPULATE)")
+    ap.add_argument("--load-bytes", type=int, default=0, help="load-then-serve: bytes of the load")
+    ap.add_argument("--load-rate", type=float, default=0, help="bytes/s of the load (0: full speed)")
+    ap.add_argument("--leak-rate", type=float, default=0, help="bytes/s of the serving leak after the load")
+    ap.add_argument("--port", type=int, default=0, help="load-then-serve: listen on 127.0.0.1:PORT once loaded")
     args = ap.parse_args()
 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -180,7 +249,13 @@ def main() -> int:
         out("X", os.getpid(), f"{mono():.6f}")
         os._exit(0)
     threading.Thread(target=term_waiter, args=(out, args.ignore_term, die), daemon=True).start()
-    fills = [threading.Thread(target=filler, args=(rate, each, args.cap, stop, out, keep), daemon=True) for _ in range(n)]
+    if args.step:
+        fills = [threading.Thread(target=step, args=(min(args.step, args.max_bytes), out, keep), daemon=True)]
+    elif args.load_bytes:
+        fills = [threading.Thread(target=load_then_serve, args=(args, out, stop, keep), daemon=True)]
+    else:
+        fills = [threading.Thread(target=filler, args=(rate, each, args.cap, stop, out, keep), daemon=True)
+                 for _ in range(n)]
     for t in fills:
         t.start()
     while True:          # hold the memory until killed

@@ -190,6 +190,7 @@ class Incident:
     link: Link | None = None
     engine: dict | None = None
     meminfo_raw: bytes | None = None
+    trigger: dict | None = None
 
     def parse_meminfo(self) -> None:
         """Parse :attr:`meminfo_raw` into :attr:`meminfo` (no-op once done)."""
@@ -212,7 +213,7 @@ class Incident:
         """The record as written (a new dict, nothing shared with the Incident but ``engine``'s
         and ``psi_memory``'s and ``zram``'s values): key order id, kind, drill, host, boot_id,
         started_at, ended_at, dry_run, thresholds, meminfo, psi_memory, zram, target, timeline,
-        outcome, summary, then where set top_consumers, min_available_bytes, link, engine.
+        outcome, summary, then where set top_consumers, min_available_bytes, link, engine, trigger.
         Parses :attr:`meminfo_raw` first if nobody has (:meth:`parse_meminfo`)."""
         self.parse_meminfo()
         out = {
@@ -231,6 +232,8 @@ class Incident:
             out["link"] = self.link.to_json()
         if self.engine is not None:
             out["engine"] = self.engine
+        if self.trigger is not None:
+            out["trigger"] = dict(self.trigger)
         return out
 
 

@@ -14,6 +14,20 @@ closes when the victim is gone and memory is back above the line.  States::
     OK --crossing, no target--> NO_TARGET --target found--> TERM_SENT
                                    '--memory back--> OK
 
+What opens an incident (the *trigger*, :attr:`Policy.fired`): the signal below the line
+(``"line"``), or, with a rate lead (``Thresholds.rate_lead`` > 0), the signal falling at least
+``rate_min`` bytes/s fast enough to reach the line within ``rate_lead`` seconds (``"predicted"``;
+the fall rate comes from :mod:`sparkguard.rate`, the caller's estimate).  While a supervised
+engine loads (started, not yet ready: the caller says so), the load's own line and lead apply
+(``Thresholds.load``), so a load's steep fall by design is not a serving leak, and an incident
+it opens is a failed load (``Policy.fired["phase"] == "loading"``)::
+
+    OK --value < line, or (fall >= rate_min and (value - line) / fall <= lead)--> TERM_SENT
+       line, lead, rate_min: the load's while the engine loads, the guard's otherwise
+
+A predicted trigger that finds no target waits in NO_TARGET until the signal is above the line
+and no longer predicted to cross it (so a steady fall does not open one incident per poll).
+
 Guarantees (FIELD-NOTES, "their users' worst reports"): a victim is SIGTERMed once; if
 it has not exited ``grace`` seconds later it is SIGKILLed (tree-wide), never re-TERMed;
 while a victim's memory is coming back (RECOVERING, up to ``recovery_wait`` seconds
@@ -22,7 +36,10 @@ after it is gone) no second victim is chosen.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from sparkguard.rate import seconds_to_line
 
 OK, TERM_SENT, KILL_SENT, RECOVERING, NO_TARGET = "ok", "term_sent", "kill_sent", "recovering", "no_target"
 
@@ -35,6 +52,22 @@ RECOVERED = "recovered"    # memory is back above the line: close the incident
 GAVE_UP_WAITING = "recovery_timeout"  # victim gone, memory still low after recovery_wait: close; next poll may act again
 RETRY_TARGET = "retry_target"          # NO_TARGET: look for a target again
 UNKILLABLE = "unkillable"              # SIGKILLed for kill_give_up seconds and still there (D state): close
+
+
+@dataclass
+class LoadLines:
+    """The lines while a supervised engine loads (``engine.load_phase``).
+
+    Attributes:
+        term_below: int bytes; below it the loading engine gets SIGTERM (a failed load).
+        rate_lead: float seconds; a load predicted to reach ``term_below`` within this is stopped
+            (0: the load line alone).
+        rate_min: float bytes/s; a slower fall is never predicted to cross.
+    """
+
+    term_below: int
+    rate_lead: float = 0.0
+    rate_min: float = 0.0
 
 
 @dataclass
@@ -52,6 +85,11 @@ class Thresholds:
         kill_give_up: float seconds of repeated SIGKILL after which a victim that will not die
             (uninterruptible sleep in a driver) is reported as unkillable and the incident closes,
             so the next crossing can choose again.
+        rate_lead: float seconds; SIGTERM when the signal would reach ``term_below`` within this
+            at the estimated fall rate (0: off, the line alone; ``guard.rate_lead``).
+        rate_min: float bytes/s; a slower fall never triggers (``guard.rate_min_fall``).
+        load: :class:`LoadLines` while a supervised engine loads, or None (the lines above apply
+            in every phase).
     """
 
     term_below: int
@@ -61,6 +99,9 @@ class Thresholds:
     kill_repeat: float = 2.0
     retry_target: float = 1.0
     kill_give_up: float = 30.0
+    rate_lead: float = 0.0
+    rate_min: float = 0.0
+    load: LoadLines | None = None
 
 
 class Policy:
@@ -71,29 +112,61 @@ class Policy:
         dry_run: bool; when True the victim is assumed never to exit and KILL is issued once.
     """
 
-    __slots__ = ("thresholds", "dry_run", "state", "t_term", "t_kill", "t_first_kill", "t_gone", "t_retry")
+    __slots__ = ("thresholds", "dry_run", "state", "t_term", "t_kill", "t_first_kill", "t_gone", "t_retry",
+                 "fired")
 
     def __init__(self, thresholds: Thresholds, dry_run: bool = False):
         self.thresholds = thresholds
         self.dry_run = dry_run
         self.state = OK
         self.t_term = self.t_kill = self.t_first_kill = self.t_gone = self.t_retry = 0.0
+        #: what opened the current (or last) incident: {"trigger": "line"|"predicted", "phase":
+        #: "serving"|"loading", "line_bytes", "fall_rate_bytes_per_second", "seconds_to_line"}
+        self.fired: dict | None = None
 
-    def step(self, now: float, value: int, victim_gone: bool = False) -> tuple[str, ...]:
+    def lines(self, loading: bool = False) -> tuple[int, float, float]:
+        """``(line bytes, lead seconds, rate_min bytes/s)`` in force for the phase."""
+        th = self.thresholds
+        ld = th.load
+        if loading and ld is not None:
+            return ld.term_below, ld.rate_lead, ld.rate_min
+        return th.term_below, th.rate_lead, th.rate_min
+
+    def trigger(self, value: int, fall_rate: float = 0.0, loading: bool = False) -> str | None:
+        """``"line"`` when ``value`` is below the phase's line, ``"predicted"`` when falling at
+        ``fall_rate`` bytes/s (>= its rate_min) it would reach the line within its lead, else None.
+        Pure; the OK state's decision (:meth:`step`)."""
+        line, lead, rmin = self.lines(loading)
+        if value < line:
+            return "line"
+        if lead > 0 and fall_rate > 0 and fall_rate >= rmin and (value - line) <= fall_rate * lead:
+            return "predicted"
+        return None
+
+    def step(self, now: float, value: int, victim_gone: bool = False, fall_rate: float = 0.0,
+             loading: bool = False) -> tuple[str, ...]:
         """Advance the state machine.
 
         Args:
             now: monotonic time, seconds.
             value: the memory signal now (MemAvailable, or MemAvailable+SwapFree), bytes.
             victim_gone: True once every process of the victim's tree has exited.
+            fall_rate: the signal's estimated fall rate, bytes/s (0.0: unknown or not falling).
+            loading: the supervised engine is loading (started, not yet ready).
         Returns:
             A tuple of actions (module constants) to carry out in order; ``()`` for nothing.
         """
         st = self.state
         th = self.thresholds
         if st == OK:
-            if value >= th.term_below:
+            why = self.trigger(value, fall_rate, loading)
+            if why is None:
                 return ()
+            line = self.lines(loading)[0]
+            eta = seconds_to_line(value, line, fall_rate)
+            self.fired = {"trigger": why, "phase": "loading" if loading else "serving", "line_bytes": line,
+                          "fall_rate_bytes_per_second": round(fall_rate),
+                          "seconds_to_line": round(eta, 3) if eta != math.inf else None}
             return self._term(now)
         if st == TERM_SENT:
             if victim_gone:
@@ -120,7 +193,7 @@ class Policy:
         if st == RECOVERING:
             return self._recovery(now, value)
         if st == NO_TARGET:
-            if value >= th.term_below:
+            if value >= th.term_below and self.trigger(value, fall_rate, loading) is None:
                 self.state = OK
                 return (RECOVERED,)
             if now - self.t_retry >= th.retry_target:
@@ -159,12 +232,13 @@ class Policy:
 
     def watch_line(self) -> int | None:
         """The memory line (bytes) whose crossing would change the decision now, so the caller
-        polls faster near it: ``term_below`` when idle, ``kill_below`` (if set) during the grace
+        polls faster near it: ``term_below`` when idle (the higher of it and the load's line when
+        ``load`` is set), ``kill_below`` (if set) during the grace
         period; None while only time or the victim's exit can move the state (KILL_SENT,
         RECOVERING, NO_TARGET): then polling at the plain interval is enough."""
         st, th = self.state, self.thresholds
         if st == OK:
-            return th.term_below
+            return th.term_below if th.load is None else max(th.term_below, th.load.term_below)
         if st == TERM_SENT and th.kill_below is not None and not self.dry_run:
             return th.kill_below
         return None

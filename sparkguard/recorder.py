@@ -54,19 +54,22 @@ class Recorder:
         self._t0 = 0.0          # monotonic s of the crossing: events' ``t`` count from it
         self._min = 0           # lowest signal seen in the open incident, bytes
 
-    def open(self, now: float, value: int, g) -> None:
-        """The signal crossed the SIGTERM line.  ``now``: monotonic s; ``value``: the signal, bytes;
-        ``g``: ``config.GuardConfig``."""
+    def open(self, now: float, value: int, g, fired: dict | None = None) -> None:
+        """The signal crossed the SIGTERM line, or is predicted to (``fired``).  ``now``: monotonic
+        s; ``value``: the signal, bytes; ``g``: ``config.GuardConfig``; ``fired``: what triggered
+        (``policy.Policy.fired``), kept as the incident's ``trigger`` unless it is the plain line
+        of the serving phase (records of that case are as they always were)."""
         wall = time.time()
         self.incident = new_incident("memory", wall, Thresholds.of(g), self.reader.raw(), host=self.host,
                                      boot_id=self.boot_id, dry_run=g.dry_run)
+        if fired is not None and (fired["trigger"] != "line" or fired["phase"] != "serving"):
+            self.incident.trigger = dict(fired)
         self._t0, self._min = now, value
         with self._count_lock:                  # uncontended but for a rare supervisor/link incident
             self.counts["memory"] = self.counts.get("memory", 0) + 1
         self.last_incident = wall
         self.last_incident_ref = (self.incident.id, self.incident.kind)
-        self.event(now, value, "crossed", [], f"{_fmt_size(value)} ({value} bytes) is "
-                   f"{(g.term_below - value) / 1024**2:.1f} MiB below the SIGTERM line {_fmt_size(g.term_below)}")
+        self.event(now, value, "crossed", [], crossed_detail(value, g.term_below, fired))
 
     def fill(self, target) -> None:
         """After the signal: details that cost reads (act first, report after)."""
@@ -145,6 +148,24 @@ class Recorder:
             self.last_incident_ref = (incident_id, kind)
 
 
+def crossed_detail(value: int, term_below: int, fired: dict | None) -> str:
+    """The ``crossed`` event's words: how far below the line, or, for a predicted crossing, the
+    estimate (``"predicted: 2.1 GiB/s, crossing in 0.4 s: ..."``); a loading engine's incident
+    says it is a failed load.  ``fired``: ``policy.Policy.fired`` or None."""
+    line = term_below if fired is None else fired["line_bytes"]
+    which = "the SIGTERM line" if fired is None or fired["phase"] == "serving" else "the load phase's SIGTERM line"
+    if fired is not None and fired["trigger"] == "predicted":
+        rate = fired["fall_rate_bytes_per_second"] / 1024**3
+        out = (f"predicted: {rate:.1f} GiB/s, crossing in {fired['seconds_to_line']:.1f} s: {_fmt_size(value)} "
+               f"({value} bytes) is {(value - line) / 1024**2:.1f} MiB above {which} {_fmt_size(line)}")
+    else:
+        out = (f"{_fmt_size(value)} ({value} bytes) is {(line - value) / 1024**2:.1f} MiB below {which} "
+               f"{_fmt_size(line)}")
+    if fired is not None and fired["phase"] == "loading":
+        out += "; the engine is loading (not yet ready): a failed load"
+    return out
+
+
 def _fmt_size(n) -> str:
     return format_size(n) if n is not None else "off"
 
@@ -155,8 +176,15 @@ def _summary(inc: Incident) -> str:
     t = inc.target
     who = f"{t.title} (pid {t.root_pid})" if t is not None else "no target"
     tl = {e.event: e for e in inc.timeline}
+    trig = getattr(inc, "trigger", None)
+    line = trig["line_bytes"] if trig else th.term_below_bytes
     parts = [f"{'MemAvailable' if th.signal == 'available' else 'MemAvailable+SwapFree'} fell to "
-             f"{format_size(inc.min_available_bytes)} (line {format_size(th.term_below_bytes)})"]
+             f"{format_size(inc.min_available_bytes)} (line {format_size(line)})"]
+    if trig and trig["trigger"] == "predicted":
+        parts[0] = (f"predicted crossing ({trig['fall_rate_bytes_per_second'] / 1024**3:.1f} GiB/s, "
+                    f"{trig['seconds_to_line']:.1f} s to the line); " + parts[0])
+    if trig and trig["phase"] == "loading":
+        parts.insert(0, "failed load")
     if "sigterm" in tl:
         parts.append(f"SIGTERM {who}")
     elif "would_term" in tl:

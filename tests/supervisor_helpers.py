@@ -75,9 +75,10 @@ class Daemon:
     Args:
         tmp_path: pytest tmp_path.
         cfg: config dict (written to tmp_path/NAME.yaml).
+        extra_args: more arguments of ``sparkguard run`` (e.g. ``--meminfo FILE``).
     """
 
-    def __init__(self, tmp_path, cfg: dict, name: str = "sparkguard"):
+    def __init__(self, tmp_path, cfg: dict, name: str = "sparkguard", extra_args: tuple = ()):
         self.tmp_path = tmp_path
         self.cfg = cfg
         self.path = tmp_path / f"{name}.yaml"
@@ -86,7 +87,7 @@ class Daemon:
         self.lines: list[str] = []
         self.cv = threading.Condition()
         self.engine_pids: dict[int, int] = {}     # pid -> starttime of every engine process seen
-        self.proc = subprocess.Popen(sparkguard_cmd("run", "-c", str(self.path)), env=sg_env(),
+        self.proc = subprocess.Popen(sparkguard_cmd("run", "-c", str(self.path), *extra_args), env=sg_env(),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, errors="replace")
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -110,7 +110,7 @@ def test_the_daemon_serves_the_documented_metrics_and_only_those(tmp_path):
     rows = doc_rows()
     port = metrics_port()
     g = GuardProc({
-        "guard": {"term_below": "128MiB", "kill_below": "64MiB"},
+        "guard": {"term_below": "128MiB", "kill_below": "64MiB", "rate_trigger": "on"},
         "targets": {"match": [f"^sgdoc-never-{time.monotonic_ns()}$"]},
         "metrics": {"listen": f"127.0.0.1:{port}"},
         "engine": {"command": ["sleep", "600"], "log": "stderr", "drop_caches": False,
@@ -156,6 +156,7 @@ def test_families_read_at_scrape_time_are_documented(tmp_path):
         "last_incident": ("20261201T120000Z-abcdef", "memory"),
         "poll_count": 10, "poll_seconds_sum": 0.01, "polls_total": 100, "notify_dropped": 0, "log_dropped": 0,
         "last_poll_timestamp": now, "started_timestamp": now - 3600, "config_reloads": {"ok": 1},
+        "fall_rate_bytes_per_second": 0.0,
     }
     psi = {k: {"avg10": 1.0, "avg60": 0.5, "avg300": 0.1, "total_us": 1234} for k in ("some", "full")}
     zram = [{"device": "zram0", "disksize_bytes": 8 * 1024**3, "orig_data_bytes": 4096,

@@ -159,3 +159,67 @@ def test_a_joined_escalation_keeps_the_first_sigterms_grace():
     assert p.step(105.9, LINE - 100) == ()
     assert p.step(106.0, LINE - 100) == (P.KILL,)
     assert p.state == P.KILL_SENT
+
+
+# ---- the rate trigger and the load phase (docs/rate.md) ------------------------------------------
+
+def mk_rate(lead=1.0, rate_min=256 * 1024**2, load=None):
+    return P.Policy(P.Thresholds(term_below=LINE, kill_below=None, grace=10.0, rate_lead=lead, rate_min=rate_min,
+                                 load=load))
+
+
+def test_a_fall_that_would_cross_within_the_lead_terms_before_the_line():
+    p = mk_rate(lead=1.0)
+    # 2 GiB/s, 3 GiB above the line: 1.5 s away, not yet
+    assert p.step(0.0, LINE + 3 * GiB, fall_rate=2 * GiB) == ()
+    # 1.5 GiB above: 0.75 s away, inside the lead
+    assert p.step(0.1, LINE + int(1.5 * GiB), fall_rate=2 * GiB) == (P.CROSSED, P.TERM)
+    assert p.state == P.TERM_SENT
+    assert p.fired == {"trigger": "predicted", "phase": "serving", "line_bytes": LINE,
+                       "fall_rate_bytes_per_second": 2 * GiB, "seconds_to_line": 0.75}
+
+
+def test_a_slow_fall_and_a_rise_never_predict_and_the_line_still_acts():
+    p = mk_rate(lead=10.0, rate_min=512 * 1024**2)
+    assert p.step(0.0, LINE + 100, fall_rate=256 * 1024**2) == ()     # below rate_min: never predicted
+    assert p.step(0.1, LINE + 100, fall_rate=0.0) == ()
+    assert p.step(0.2, LINE - 1, fall_rate=0.0) == (P.CROSSED, P.TERM)
+    assert p.fired["trigger"] == "line" and p.fired["seconds_to_line"] == 0.0
+
+
+def test_without_a_lead_the_fall_rate_changes_nothing():
+    p = mk()
+    assert p.step(0.0, LINE + 1, fall_rate=100 * GiB) == ()
+    assert p.trigger(LINE + 1, 100 * GiB) is None
+
+
+def test_a_predicted_trigger_without_a_target_waits_until_the_fall_stops():
+    p = mk_rate(lead=1.0)
+    assert p.step(0.0, LINE + GiB, fall_rate=2 * GiB) == (P.CROSSED, P.TERM)
+    p.no_target(0.0)
+    # above the line but still predicted to cross: the same incident, no RECOVERED/CROSSED churn
+    assert p.step(0.2, LINE + GiB, fall_rate=2 * GiB) == ()
+    assert p.step(1.0, LINE + GiB, fall_rate=2 * GiB) == (P.RETRY_TARGET,)
+    p.no_target(1.0)
+    assert p.step(1.2, LINE + GiB, fall_rate=0.0) == (P.RECOVERED,)
+
+
+def test_while_loading_the_load_lines_apply_and_the_incident_is_a_failed_load():
+    load = P.LoadLines(term_below=LINE // 2, rate_lead=0.0, rate_min=0.0)
+    p = mk_rate(lead=1.0, load=load)
+    # a load's steep fall by design: the serving lead would fire here, the load's (0: line alone) does not
+    assert p.trigger(LINE + GiB, 3 * GiB, loading=False) == "predicted"
+    assert p.step(0.0, LINE + GiB, fall_rate=3 * GiB, loading=True) == ()
+    assert p.step(0.1, LINE - 1, fall_rate=3 * GiB, loading=True) == ()      # above the load's own line
+    assert p.step(0.2, LINE // 2 - 1, fall_rate=3 * GiB, loading=True) == (P.CROSSED, P.TERM)
+    assert p.fired["phase"] == "loading" and p.fired["trigger"] == "line" and p.fired["line_bytes"] == LINE // 2
+    # the fast path's line covers both phases
+    assert p.lines(True)[0] == LINE // 2 and p.lines(False)[0] == LINE
+
+
+def test_a_load_lead_stops_a_load_predicted_to_cross_its_line():
+    p = mk_rate(lead=1.0, load=P.LoadLines(term_below=LINE, rate_lead=2.0, rate_min=GiB))
+    assert p.step(0.0, LINE + 5 * GiB, fall_rate=2 * GiB, loading=True) == ()
+    assert p.step(0.5, LINE + 3 * GiB, fall_rate=2 * GiB, loading=True) == (P.CROSSED, P.TERM)
+    assert p.fired["phase"] == "loading" and p.fired["trigger"] == "predicted"
+    assert p.fired["seconds_to_line"] == 1.5

@@ -8,12 +8,14 @@ keeps the running configuration.
 Sections and keys (see README "Configuration"):
 
 * ``guard``: ``poll_interval``, ``term_below``, ``kill_below``, ``grace``, ``signal``,
-  ``dry_run``, ``recovery_wait``
+  ``dry_run``, ``recovery_wait``, ``rate_trigger``, ``rate_lead``, ``rate_window``, ``rate_min_fall``
+  (docs/rate.md)
 * ``targets``: ``match``, ``protect``, ``fallback``
 * ``metrics``: ``listen``
 * ``incidents``: ``dir``, ``journal``
 * ``engine`` (optional; absent = guard only): ``command``, ``env``, ``cwd``, ``user``, lifecycle,
-  gates, health, probe, restart policy, lanes, control socket, peers, head (see :class:`EngineConfig`)
+  gates, health, probe, restart policy, lanes, control socket, peers, head, ``load_phase`` (see
+  :class:`EngineConfig`)
 * ``link``: ``interfaces``, ``down_after``, ``mark_unhealthy``
 * ``cluster`` (optional): ``file``, ``node``: this node of a cluster file (docs/cluster.md); its
   engine command, lanes, peers, head URL and metrics address are derived from that file
@@ -36,7 +38,7 @@ import dataclasses
 from typing import Any
 
 from sparkguard.config.engine import (
-    SHUTDOWN_ENV, EngineConfig, LaneConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout,
+    SHUTDOWN_ENV, EngineConfig, LaneConfig, LoadPhaseConfig, ProbeConfig, is_vllm, vllm_shutdown_timeout,
 )
 from sparkguard.config.errors import ConfigError
 from sparkguard.config.load import DEFAULT_PATH, from_dict, load
@@ -44,7 +46,7 @@ from sparkguard.config.schema import SCHEMA, ClusterConfig, Config, GuardConfig,
 
 __all__ = [
     "ClusterConfig", "Config", "ConfigError", "DEFAULT_PATH", "EngineConfig", "GuardConfig", "IncidentsConfig", "LaneConfig",
-    "LinkConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
+    "LinkConfig", "LoadPhaseConfig", "MetricsConfig", "ProbeConfig", "SCHEMA", "SHUTDOWN_ENV", "TargetsConfig", "from_dict", "is_vllm",
     "load", "replace", "vllm_shutdown_timeout",
 ]
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from sparkguard.config.errors import NestedValueError
 from sparkguard.config.parsers import (
-    DAY, HOUR, MIN_TICK, duration, env_map, extra_args, int_range, optional_str, optional_url,
+    DAY, HOUR, MIN_TICK, duration, env_map, extra_args, fall_rate, int_range, line_size, optional_str, optional_url,
 )
 from sparkguard.config.startgate import StartGateConfig
 
@@ -28,6 +28,23 @@ class ProbeConfig:
     interval: float = 30.0
     timeout: float = 20.0
     failures: int = 3
+
+
+@dataclass(frozen=True)
+class LoadPhaseConfig:
+    """``engine.load_phase``: the guard's lines while the supervised engine loads (started, not yet
+    ready: its port does not listen yet, FIELD-NOTES "vLLM").
+
+    ``term_below`` None means ``guard.term_below``; ``rate_min_fall`` None means
+    ``guard.rate_min_fall``.  ``rate_lead`` (seconds) 0, the default, means the load line alone:
+    a load falls steeply by design (17-19 GiB in 10 s right after weights load, FIELD-NOTES "How GB10
+    reports memory"), and the guard's rate trigger would stop loads that end above the line
+    (bench/results/rate.txt, ``loadserve``).  Sizes in bytes, rates in bytes/s.
+    """
+
+    term_below: int | None = None
+    rate_lead: float = 0.0
+    rate_min_fall: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,7 @@ class EngineConfig:
     on_daemon_restart: str = "keep"    # "keep" | "stop": systemd restarts the unit
     on_daemon_stop: str = "stop"       # "stop" | "keep": systemd stops the unit
     start_gate: StartGateConfig = field(default_factory=StartGateConfig)
+    load_phase: LoadPhaseConfig | None = None       # None: LoadPhaseConfig()'s defaults
 
     @property
     def enabled(self) -> bool:
@@ -109,17 +127,38 @@ def parse_probe(v: Any) -> ProbeConfig | None:
         return ProbeConfig()
     if not isinstance(v, dict):
         raise ValueError("expected off, on, or a mapping with " + ", ".join(_PROBE_KEYS))
+    return ProbeConfig(**_nested(v, _PROBE_KEYS))
+
+
+def _nested(v: dict, keys: dict[str, Callable[[Any], Any]]) -> dict:
+    """Each key of the mapping ``v`` parsed by its parser in ``keys``.  Raises NestedValueError
+    naming the key below the section's (an unknown one, or the parser's ValueError)."""
     vals = {}
     for k, x in v.items():
-        if k not in _PROBE_KEYS:
-            raise NestedValueError(f".{k}", x, "unknown key; expected one of " + ", ".join(_PROBE_KEYS))
+        if k not in keys:
+            raise NestedValueError(f".{k}", x, "unknown key; expected one of " + ", ".join(keys))
         try:
-            vals[k] = _PROBE_KEYS[k](x)
+            vals[k] = keys[k](x)
         except NestedValueError:
             raise
         except ValueError as e:
             raise NestedValueError(f".{k}", x, str(e)) from None
-    return ProbeConfig(**vals)
+    return vals
+
+
+_LOAD_KEYS: dict[str, Callable[[Any], Any]] = {
+    "term_below": line_size, "rate_lead": duration(0.0, 60.0), "rate_min_fall": fall_rate,
+}
+
+
+def parse_load_phase(v: Any) -> LoadPhaseConfig | None:
+    """``engine.load_phase``: a mapping of ``term_below``, ``rate_lead``, ``rate_min_fall`` (each
+    optional), or null for the defaults (None).  Raises ValueError, or NestedValueError naming the key."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError("expected a mapping with " + ", ".join(_LOAD_KEYS))
+    return LoadPhaseConfig(**_nested(v, _LOAD_KEYS))
 
 
 _LANE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")

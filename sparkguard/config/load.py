@@ -115,6 +115,10 @@ def _check_engine(cfg: Config, data: dict, path: str, total: int | None) -> None
     if total is not None and e.start_above >= total:
         raise ConfigError(path, "engine.start_above", body.get("start_above"),
                           f"is not below MemTotal ({total} bytes): the engine could never start")
+    lp = e.load_phase.term_below if e.load_phase is not None else None
+    if lp is not None and total is not None and lp >= total:
+        raise ConfigError(path, "engine.load_phase.term_below", (body.get("load_phase") or {}).get("term_below"),
+                          f"is not below MemTotal ({total} bytes)")
     if e.backoff_max < e.backoff_initial:
         raise ConfigError(path, "engine.backoff_max", body.get("backoff_max"),
                           f"is below engine.backoff_initial ({e.backoff_initial:g} s)")

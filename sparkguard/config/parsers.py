@@ -72,6 +72,14 @@ def optional_line_size(v: Any) -> int | None:
     return line_size(v)
 
 
+def fall_rate(v: Any) -> int:
+    """A fall rate in bytes per second: ``512MiB/s`` (or a size, read per second), 0 to 1 PiB/s."""
+    t = v.strip() if isinstance(v, str) else v
+    if isinstance(t, str) and t.lower().endswith("/s"):
+        t = t[:-2].strip()
+    return size(t)
+
+
 def choice(*choices: str) -> Callable[[Any], str]:
     """Parser of one word out of ``choices``; a YAML bool reads as the ``on``/``off`` written."""
     def parse(v: Any) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sparkguard.config.engine import EngineConfig, parse_lane_name, parse_lanes, parse_probe
+from sparkguard.config.engine import EngineConfig, parse_lane_name, parse_lanes, parse_load_phase, parse_probe
 from sparkguard.config.startgate import parse_start_gate
 from sparkguard.config.parsers import (
-    DAY, HOUR, MIN_TICK, abs_path, argv_list, boolean, choice, duration, env_map, ifname_list, int_range,
+    DAY, HOUR, MIN_TICK, abs_path, argv_list, boolean, choice, duration, env_map, fall_rate, ifname_list, int_range,
     line_size, listen_address, optional_line_size, optional_str, optional_url, regex_list, size, url_list,
     user_name,
 )
@@ -55,6 +55,14 @@ class GuardConfig:
     signal: str = "available"          # "available" | "available+swap"
     dry_run: bool = False
     recovery_wait: float = 10.0
+    # the rate trigger (sparkguard.rate, docs/rate.md): SIGTERM when the signal would reach
+    # term_below within rate_lead seconds at its fall rate over the last rate_window seconds.
+    # Off by default: bench/results/rate.txt (docs/rate.md says why).  rate_lead 1 s covers the
+    # 0.5-0.9 s from the signal until a CUDA process's memory was back (FIELD-NOTES, H200).
+    rate_trigger: str = "off"          # "off" | "on"
+    rate_lead: float = 1.0
+    rate_window: float = 1.0
+    rate_min_fall: int = 256 * 1024**2      # bytes per second
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,10 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "signal": choice("available", "available+swap"),
         "dry_run": boolean,
         "recovery_wait": duration(0.0, HOUR),
+        "rate_trigger": choice("off", "on"),
+        "rate_lead": duration(0.0, 60.0),               # a minute: beyond it a forecast is a guess
+        "rate_window": duration(0.05, 10.0),            # at least ~3 samples at the fastest cadence
+        "rate_min_fall": fall_rate,
     }),
     "targets": (TargetsConfig, {
         "match": regex_list,
@@ -188,6 +200,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "on_daemon_restart": choice("keep", "stop"),
         "on_daemon_stop": choice("stop", "keep"),
         "start_gate": parse_start_gate,
+        "load_phase": parse_load_phase,
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

@@ -84,7 +84,7 @@ class Actions:
         rec = self.recorder
         for a in actions:
             if a == policy.CROSSED:
-                rec.open(now, value, self.cfg.guard)
+                rec.open(now, value, self.cfg.guard, self.policy.fired)
             elif a in (policy.TERM, policy.RETRY_TARGET):
                 self._term(now, value, retry=a == policy.RETRY_TARGET)
             elif a == policy.KILL:

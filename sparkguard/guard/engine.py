@@ -48,6 +48,15 @@ class Engine:
         run = getattr(self.supervisor, "run", None) if self.supervisor is not None else None
         return run.pid if run is not None else None
 
+    def loading(self) -> bool:
+        """True while the supervised engine loads: a run started and alive that was never ready
+        (its health URL has not answered 200 yet; ``Run.ever_ready``, set by the run's monitor
+        thread, :mod:`sparkguard.supervisor.health`).  Plain attribute reads, no lock: the poll
+        loop calls it on every full pass; a stale answer lasts one poll."""
+        sup = self.supervisor
+        run = sup.run if sup is not None else None
+        return run is not None and run.exit is None and not run.ever_ready
+
     def reload(self, cfg) -> None:
         """A new config is in force for the guard; the supervisor takes its ``engine:`` part."""
         if self.supervisor is not None and cfg.engine.enabled:

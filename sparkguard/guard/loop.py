@@ -23,7 +23,7 @@ import select
 import signal
 import time
 
-from sparkguard import meminfo, notify, policy, recorder, reporter, sysinfo
+from sparkguard import meminfo, notify, policy, rate, recorder, reporter, sysinfo
 from sparkguard.guard import harden, logq, reconfig, settings, startup
 from sparkguard.guard.act import Actions
 from sparkguard.guard.engine import Engine
@@ -64,6 +64,7 @@ class Guard:
         self.keep_engine = False    # SIGUSR2: the supervised engine outlives this daemon
         self._flags: set[int] = set()
         self.avail = self.swap_free = self.value = 0
+        self.fall: rate.FallRate | None = None     # the signal's fall-rate estimate (guard.rate_trigger on)
         self.poll_count = 0         # timed (full) passes; poll_sum is their total seconds
         self.fast_polls = 0         # polls on the idle fast path (untimed)
         self.fast_raw = None        # MemAvailable as the fast path last read it (meminfo.fast_above), or None
@@ -118,6 +119,9 @@ class Guard:
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
                  _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
+        if g.rate_trigger == "on":
+            log.info("rate trigger on: SIGTERM when the fall would reach the line within %.2fs (window %.2fs, "
+                     "at least %s/s)", g.rate_lead, g.rate_window, _fmt_size(g.rate_min_fall))
         self.engine.start(self.cfg, self.reporter, self.recorder.count, self.metrics)
         self.recorder.supervisor = self.engine.supervisor
         # everything start-up built (the imported modules, the config, the first armed scan) goes
@@ -265,12 +269,14 @@ class Guard:
             self._fast_at = self.reader.fast_layout()
             if self._fail_since is not None:
                 self._read_back(t0)             # its STATUS= shows this sample
-            headroom = value - pol.thresholds.term_below
-            if pol.state is policy.OK and headroom >= 0:
+            loading = self.engine.loading()
+            fall = self._fall_rate(s, t0, value)
+            headroom = value - pol.lines(loading)[0]
+            if pol.state is policy.OK and headroom >= 0 and (fall == 0.0 or pol.trigger(value, fall, loading) is None):
                 timeout = s.interval if headroom >= s.far else policy.next_interval(headroom, s.interval)
                 self.actions.arm(t0, headroom, s.far)
             else:
-                acts = pol.step(t0, value, self.actions.victim_gone())
+                acts = pol.step(t0, value, self.actions.victim_gone(), fall, loading)
                 if acts:
                     try:
                         self.actions.act(acts, t0, value)
@@ -294,6 +300,20 @@ class Guard:
         if t0 >= self._next_status:
             self._tick(t0)
         return timeout
+
+    def _fall_rate(self, s: settings.LoopSettings, now: float, value: int) -> float:
+        """The signal's fall rate (bytes/s, :mod:`sparkguard.rate`) over the full passes' samples,
+        with ``now``/``value`` added; 0.0 when ``guard.rate_trigger`` is off.  The idle fast path
+        adds no samples: there, far above the line, the window empties and the estimate is 0.0.
+        A reload that changes the window starts a new ring."""
+        if not s.rate_on:
+            self.fall = None
+            return 0.0
+        fr = self.fall
+        if fr is None or fr.window != s.rate_window:
+            fr = self.fall = rate.FallRate(s.rate_window)
+        fr.add(now, value)
+        return fr.estimate(now)
 
     def _on_events(self, events: list[tuple[int, int]]) -> bool:
         """Handle what poll() returned: the signal pipe, exited pidfds, a failed PSI trigger.
@@ -490,6 +510,8 @@ class Guard:
             "blind": bool(self.notifier and self.notifier.blind),
             "victim": {"pid": victim.root_pid, "title": victim.title} if victim is not None else None,
             "proc_view": self.proc_view,
+            "fall_rate_bytes_per_second": self.fall.rate if self.fall is not None else None,
+            "engine_loading": self.engine.loading(),
             "metrics": self.metrics.state() if self.metrics is not None else None,
         }
 

@@ -20,6 +20,8 @@ class LoopSettings(NamedTuple):
     idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above term_below + far
     budget: int         # fast polls allowed between two full passes
     idle_pattern: tuple[int, bytes] | None  # idle_floor as meminfo.fast_above compares it (None: no fast path)
+    rate_on: bool = False       # guard.rate_trigger is on: the loop keeps a rate.FallRate
+    rate_window: float = 1.0    # guard.rate_window, seconds
 
 
 def loop_settings(cfg) -> LoopSettings:
@@ -27,13 +29,16 @@ def loop_settings(cfg) -> LoopSettings:
     and a reload run beside ``config.load``.
 
     Returns:
-        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_pattern)``: the signal includes SwapFree (bool);
+        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_pattern, rate_on,
+        rate_window)``: the signal includes SwapFree (bool);
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
         at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
-        bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
-        (policy, STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int);
-        the floor as the fast path compares it (:func:`sparkguard.meminfo.fast_floor`:
-        ``(width, pattern)``, or None from 954 GiB on, where the fast path stays off).
+        bytes of MemAvailable; the higher of ``term_below`` and ``engine.load_phase.term_below``); the
+        fast polls allowed between two full passes, so that a full pass (policy, STATUS=, the armed
+        target's check, poll metrics) runs at least every FULL_PASS_EVERY (int); the floor as the
+        fast path compares it (:func:`sparkguard.meminfo.fast_floor`: ``(width, pattern)``, or None
+        from 954 GiB on, where the fast path stays off); whether the rate trigger is on (bool) and
+        its window (float seconds).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.
@@ -60,9 +65,14 @@ def loop_settings(cfg) -> LoopSettings:
     if g.signal not in ("available", "available+swap"):
         raise bad("signal", g.signal, "expected available or available+swap")
     far = int(iv * policy.FILL_RATE)
-    floor = g.term_below + far
+    line = g.term_below
+    lp = cfg.engine.load_phase.term_below if cfg.engine.enabled and cfg.engine.load_phase is not None else None
+    if lp is not None and lp > line:
+        line = lp           # the fast path's floor holds for the higher of the two lines
+    floor = line + far
     return LoopSettings(g.signal == "available+swap", float(iv), far, floor,
-                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_floor(floor))
+                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_floor(floor),
+                        g.rate_trigger == "on", float(g.rate_window))
 
 
 def prepare(cfg):
@@ -88,7 +98,17 @@ def prepare(cfg):
 
 
 def make_thresholds(cfg):
-    """``policy.Thresholds`` (bytes, seconds) from ``cfg.guard``."""
+    """``policy.Thresholds`` (bytes, seconds) from ``cfg.guard``, and the load phase's lines from
+    ``cfg.engine.load_phase`` when an engine is supervised.  With ``guard.rate_trigger`` off both
+    leads are 0 (the lines alone)."""
     g = cfg.guard
+    on = g.rate_trigger == "on"
+    load = None
+    if cfg.engine.enabled:
+        lp = cfg.engine.load_phase or config.LoadPhaseConfig()
+        load = policy.LoadLines(term_below=g.term_below if lp.term_below is None else lp.term_below,
+                                rate_lead=lp.rate_lead if on else 0.0,
+                                rate_min=g.rate_min_fall if lp.rate_min_fall is None else lp.rate_min_fall)
     return policy.Thresholds(term_below=g.term_below, kill_below=g.kill_below, grace=g.grace,
-                             recovery_wait=g.recovery_wait)
+                             recovery_wait=g.recovery_wait, rate_lead=g.rate_lead if on else 0.0,
+                             rate_min=g.rate_min_fall, load=load)

@@ -37,6 +37,11 @@ HELP: dict[str, str] = {
     "guard.signal": "available: MemAvailable; available+swap: MemAvailable + SwapFree.",
     "guard.dry_run": "true: record incidents and log what would be signalled, signal nothing.",
     "guard.recovery_wait": "After a kill, how long to wait for the memory to come back before choosing another victim.",
+    "guard.rate_trigger": "on: also SIGTERM when the value, falling at its estimated rate, would reach term_below "
+                          "within rate_lead (docs/rate.md; off by default, from the benchmark there).",
+    "guard.rate_lead": "How far ahead the rate trigger looks: at least the engine's time from SIGTERM to its memory back.",
+    "guard.rate_window": "Seconds of samples the fall rate is estimated over (a robust median of slopes).",
+    "guard.rate_min_fall": "Bytes per second (e.g. 256MiB/s): a slower fall never triggers.",
     "targets": "Whom to signal.",
     "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
                      "e.g. VLLM::EngineCore); earlier ones are preferred.",
@@ -84,6 +89,7 @@ HELP: dict[str, str] = {
     "engine.on_daemon_restart": "systemctl restart sparkguard: keep the engine for the next daemon to adopt, or stop.",
     "engine.on_daemon_stop": "systemctl stop sparkguard: stop the engine, or keep it running unguarded.",
     "engine.start_gate": "Compaction and the MemFree gate before a start (docs/start-gate.md); null: auto.",
+    "engine.load_phase": "Lines while loading (not ready): {term_below, rate_lead, rate_min_fall}; null: defaults.",
     "link": "TP fabric links watched through netlink.",
     "link.interfaces": "Interface names (the ConnectX-7 ports); empty: no link watch.",
     "link.down_after": "How long a link must stay down before it is an incident.",

@@ -122,6 +122,10 @@ class GuardCollector:
         yield _gauge("poll_interval_seconds", "Slowest interval between two polls of /proc/meminfo "
                      "(guard.poll_interval); the loop polls faster as headroom shrinks.",
                      s.get("poll_interval_seconds"))
+        yield _gauge("memory_fall_rate_bytes_per_second",
+                     "Estimated fall rate of the guard's signal in bytes per second (sparkguard.rate: median of "
+                     "pairwise slopes over guard.rate_window; 0 while rising or far above the line). Absent "
+                     "with guard.rate_trigger off.", s.get("fall_rate_bytes_per_second"))
         state = s.get("state")
         if state is not None:
             g = GaugeMetricFamily(P + "guard_state", "Guard state machine: 1 for the current state, 0 for "

@@ -35,7 +35,7 @@ class EngineCollector:
         yield GaugeMetricFamily(P + "ready", "1 while the engine answers 200 on engine.health_url "
                                 "(or runs, without a health_url).", value=float(s["ready"]))
         c = CounterMetricFamily(P + "restarts", "Engine restarts by reason: exit, guard, wedged, lane, head, "
-                                "not_ready, manual, link, peer.", labels=["reason"])
+                                "not_ready, manual, link, peer, load.", labels=["reason"])
         for r, n in s["restarts"].items():
             c.add_metric([r], float(n))
         yield c

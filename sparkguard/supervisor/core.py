@@ -37,7 +37,7 @@ from sparkguard.supervisor import stopbudget, tracking
 from sparkguard.supervisor.adoptrun import Adoption
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
 from sparkguard.supervisor.gates import read_mem_available
-from sparkguard.supervisor.restart import CLUSTER, COMMANDED, REASONS, Backoff, GiveUp, classify_exit, restarts
+from sparkguard.supervisor.restart import CLUSTER, COMMANDED, LOAD, REASONS, Backoff, GiveUp, classify_exit, restarts
 from sparkguard.supervisor.run import Run
 from sparkguard.supervisor.runthreads import SUMMARY, RunThreads, SupervisorMonitorHooks
 from sparkguard.supervisor.schedule import BetweenRuns
@@ -67,7 +67,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
 
     Who writes what (every field not named here: the supervisor thread, under ``cv``):
 
-    * ``hits`` and each run's ``guard_hit``: the poll loop's hooks (:meth:`on_guard_event`,
+    * ``hits`` and each run's ``guard_hit`` and ``load_hit``: the poll loop's hooks (:meth:`on_guard_event`,
       :meth:`take_incident`), the guard's own marks; the supervisor thread only reads them.
     * a run's ``ever_ready``, ``probe_failures``, ``head_*``, ``joined`` and ``head_watch`` (a
       headless rank's view of its head), ``cause`` (the other node behind a verdict): that run's
@@ -100,6 +100,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self.restarts = {r: 0 for r in REASONS}
         self.starts = 0
         self.ready_count = 0
+        self.failed_loads = 0       # runs the memory guard stopped while they loaded (restart.LOAD)
         self.backoff = Backoff(self.ecfg.backoff_initial, self.ecfg.backoff_max, self.ecfg.stable_after)
         self.give_up = GiveUp(self.ecfg.give_up_after, self.ecfg.give_up_window)
         self.node_views: list[cluster.NodeView] = []     # the other nodes, last read (gate or monitor)
@@ -201,6 +202,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         elif ev in ("sigterm", "sigkill") and run is not None:
             pids = set(event.get("pids") or ())
             if run.pid in pids or pids & set(dict(run.members)):
+                if not run.ever_ready:
+                    run.load_hit = True     # before guard_hit: a reader of guard_hit sees both
                 run.guard_hit = True
                 if ev == "sigterm" and run.deadline is None:    # the stop budget runs from the guard's SIGTERM
                     ago = max(0.0, time.time() - float(event.get("at") or time.time()))
@@ -519,7 +522,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             if code == 0 and run.term_reason is None and not run.guard_hit:
                 run.head_at_exit = self._head_at_exit(run)
             counts = run.joined is not None or bool(run.head_watch.exposed)
-        reason, failure = classify_exit(code, run.term_reason, run.guard_hit, run.headless_at_exit())
+        reason, failure = classify_exit(code, run.term_reason, run.guard_hit, run.headless_at_exit(), run.load_hit)
         rec = dict(run.exit_record() or run.exit_record((None, None), run.t_exit))
         if swept:
             rec["detail"] += f"; swept {len(swept)} leftover processes"
@@ -529,6 +532,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             rec["detail"] += "; adopted from a previous sparkguard: not its child, exit status unknown"
         rec["reason"] = reason or run.term_reason
         with self.cv:
+            if reason == LOAD:
+                self.failed_loads += 1
             run.exit_info = rec
             self.last_exit = rec
             self._history("exit", f"pid {run.pid} {rec['detail']}")

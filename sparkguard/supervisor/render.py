@@ -61,6 +61,9 @@ def describe(state: dict | None) -> list[str]:
     if s.get("state") == "backoff" and (s.get("consecutive_failures") or 0) > 2:
         out.append(f"  crash loop: {s.get('consecutive_failures')} restarts in a row; the wait doubles each time "
                    f"up to engine.backoff_max (next start in {format_duration(s.get('backoff'))})")
+    if s.get("failed_loads"):
+        out.append(f"  failed loads: {s['failed_loads']} stopped by the memory guard while loading (engine.load_phase); "
+                   "each counts towards engine.give_up_after")
     le = s.get("last_exit")
     if le:
         ago = time.time() - le["at"] if le.get("at") else None

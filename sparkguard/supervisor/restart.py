@@ -9,7 +9,7 @@ from __future__ import annotations
 from sparkguard.units import format_duration
 
 #: every restart reason (metric label values, all exported from the first scrape)
-REASONS = ("exit", "guard", "wedged", "lane", "head", "not_ready", "manual", "link", "peer")
+REASONS = ("exit", "guard", "wedged", "lane", "head", "not_ready", "manual", "link", "peer", "load")
 #: reasons of a restart someone asked for: immediate, no backoff, not a failure
 COMMANDED = ("lane", "manual", "link")
 #: reasons the supervisor stopped the engine for because it was unhealthy: always a failure
@@ -19,6 +19,11 @@ UNHEALTHY = ("wedged", "not_ready")
 #: a failure of this node: no backoff, and restarted under ``on-failure`` too (a group that must
 #: re-form is not a clean stop)
 CLUSTER = ("head", "peer")
+#: the memory guard stopped the run while it loaded (started, never ready): a failed load.  A
+#: failure like ``guard`` (backoff doubles) that also counts towards ``engine.give_up_after``
+#: (:class:`GiveUp`: a run that failed before it was ever ready), so a load that does not fit is
+#: not retried blindly: after ``give_up_after`` of them the supervisor stops and says why
+LOAD = "load"
 
 
 class Backoff:
@@ -51,7 +56,7 @@ class Backoff:
 
 
 def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
-                  headless: str | None = None) -> tuple[str | None, bool]:
+                  headless: str | None = None, load_hit: bool = False) -> tuple[str | None, bool]:
     """Why a run ended, as ``(restart reason, failure)``.
 
     Args:
@@ -65,6 +70,7 @@ def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
             when its head dies and when one of its own workers dies (``serve.py run_headless``,
             FIELD-NOTES): exit 0 with the head gone is ``head``, a group restart and not a clean
             stop; with the head run still there it is this rank's own death, ``exit``, a failure.
+        load_hit: the guard signalled the run before it was ever ready (:data:`LOAD`).
     Returns:
         reason: None (stopped on purpose: no restart), else one of :data:`REASONS`.
         failure: bool, False only for a clean exit (code 0) or a commanded restart.
@@ -79,7 +85,7 @@ def classify_exit(code: int | None, term_reason: str | None, guard_hit: bool,
     if term_reason in CLUSTER:
         return term_reason, False
     if guard_hit:
-        return "guard", True
+        return (LOAD if load_hit else "guard"), True
     if headless == "gone" and code == 0:
         return "head", False
     if headless == "there":
@@ -93,17 +99,19 @@ ENDED_BY = {"stop": "", "shutdown": "",           # the word says it
             "link": "restarting after the TP link came back", "wedged": "liveness probe failures",
             "head": "its head node went away", "not_ready": "not ready within engine.ready_timeout",
             "peer": "a rank of its TP group on another node went away",
-            "guard": "signalled by the memory guard"}
+            "guard": "signalled by the memory guard",
+            LOAD: "stopped by the memory guard while loading: a failed load"}
 
 
 def describe_exit(code: int | None, signame: str | None, uptime: float, term_reason: str | None,
-                  guard_hit: bool) -> str:
+                  guard_hit: bool, load_hit: bool = False) -> str:
     """One readable line about how and why a run ended.
 
     Args:
         code: exit code, None when a signal ended it; signame: e.g. ``"SIGKILL"`` or None.
         uptime: seconds it ran; term_reason: why sparkguard stopped it (keys of
-            :data:`ENDED_BY`) or None; guard_hit: the memory guard signalled it.
+            :data:`ENDED_BY`) or None; guard_hit: the memory guard signalled it; load_hit: before
+            it was ever ready (a failed load).
     Returns:
         how, after how long, and (reason: why) when someone ended it, e.g.
         ``"exit code 0 after 9.9 s (guard: signalled by the memory guard)"``,
@@ -113,7 +121,7 @@ def describe_exit(code: int | None, signame: str | None, uptime: float, term_rea
     how = (f"exit code {code}" if code is not None else f"killed by {signame}" if signame
            else "exit status unknown")
     out = f"{how} after {format_duration(uptime)}"
-    why = term_reason or ("guard" if guard_hit else None)
+    why = term_reason or ((LOAD if load_hit else "guard") if guard_hit else None)
     if why:
         words = ENDED_BY.get(why, "stopped by sparkguard")
         out += f" ({why}: {words})" if words else f" ({why})"

@@ -52,6 +52,7 @@ class Run:
         self.verdict_detail = ""
         self.term_reason: str | None = None  # why the supervisor stopped it
         self.guard_hit = False              # the guard signalled it
+        self.load_hit = False               # ... before it was ever ready: a failed load (restart.LOAD)
         self.done = threading.Event()       # the run is over: threads stop
         self.members: dict[int, int] = {}   # pid -> starttime, every process seen in its tree
         self.cgroup = None                  # cgroup.EngineCgroup the run lives in (None: process-group tracking)
@@ -98,10 +99,10 @@ class Run:
             return None
         code, sig = exit
         uptime = (t_exit or time.monotonic()) - self.t_spawn
-        reason, _ = classify_exit(code, self.term_reason, self.guard_hit, self.headless_at_exit())
+        reason, _ = classify_exit(code, self.term_reason, self.guard_hit, self.headless_at_exit(), self.load_hit)
         return {"code": code, "signal": _signame(sig), "at": self.wall_spawn + uptime, "uptime": uptime,
                 "reason": reason or self.term_reason, "pid": self.pid, "lane": self.lane,
-                "detail": describe_exit(code, _signame(sig), uptime, self.term_reason, self.guard_hit)}
+                "detail": describe_exit(code, _signame(sig), uptime, self.term_reason, self.guard_hit, self.load_hit)}
 
     def headless_at_exit(self) -> str | None:
         """For :func:`restart.classify_exit`: None unless a headless rank; what the supervisor

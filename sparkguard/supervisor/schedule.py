@@ -111,8 +111,10 @@ class BetweenRuns:
         e = self.ecfg
         self.want = "stop"
         self.state = "given_up"
+        loads = (f"; {self.failed_loads} failed loads (stopped by the memory guard while loading) since the "
+                 "daemon started" if self.failed_loads else "")
         self.detail = (f"gave up after {len(self.give_up.failed)} failed starts within "
-                       f"{format_duration(e.give_up_window)} (engine.give_up_after {e.give_up_after}); "
+                       f"{format_duration(e.give_up_window)} (engine.give_up_after {e.give_up_after}){loads}; "
                        f"last run: {rec.get('detail', 'exited')}; `sparkguard engine start` tries again")
         self._history("given_up", self.detail)
         log.error("engine: %s", self.detail)

@@ -61,6 +61,9 @@ class StatusViews:
             "control_socket": self.ecfg.control_socket,
             "start_gates": list(self.start_gates.values()),
             "gpu_bytes": _gpu_bytes(run),
+            # the guard's view: loading (started, never ready: engine.load_phase's lines), serving
+            "phase": ("loading" if not run.ever_ready else "serving") if run and run.exit is None else None,
+            "failed_loads": self.failed_loads,
         }
         alive = run is not None and run.exit is None
         role = run.role if run is not None else cluster.role_of(st["command"])

@@ -57,7 +57,9 @@ engine is known dead), ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/ch
 Memory fill: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
 bytes at ``--fill-rate`` bytes/s (``max`` = as fast as it can), then holds them.  The fill starts
 ``--fill-delay`` seconds after the tree is ready, or, with ``--fill-on-signal``, when TP0 receives
-SIGUSR1 (``FakeEngine.start_fill``).
+SIGUSR1 (``FakeEngine.start_fill``).  ``--load-fill N``: the load phase's steep fall, N bytes within
+``--load-time``, before the port listens (:func:`_load_fill`).  ``--alloc-step N``: the fill in
+allocations of N bytes at once (:class:`_StepFill`).
 
 Output: log lines like vLLM's (``INFO 05-14 10:22:33 [api_server.py:1] ...``; children prefixed
 ``(EngineCore pid=N)`` / ``(Worker_TP0 pid=N)``), uvicorn-style access lines, one ``write`` per line,
@@ -108,6 +110,8 @@ DEFAULT_MASTER_PORT = 29501
 DEFAULT_TIMEOUT_S = 600.0
 HEAD_LOSS = ("exit", "hang")
 SERVING_PREFIX = "fake-vllm: serving "
+#: ``--load-fill`` spreads its bytes over this share of ``--load-time``: done before the port listens
+LOAD_FILL_SHARE = 0.8
 _SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
@@ -178,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-size", type=size_arg, default=None, help="bytes worker TP0 fills (then holds)")
     p.add_argument("--fill-delay", type=_duration, default=0.0, help="seconds after ready before the fill starts")
     p.add_argument("--fill-on-signal", action="store_true", help="start the fill when TP0 receives SIGUSR1")
+    p.add_argument("--load-fill", type=size_arg, default=None,
+                   help="bytes worker TP0 allocates while loading, spread over --load-time, before the port listens")
+    p.add_argument("--alloc-step", type=size_arg, default=None,
+                   help="TP0 fills in allocations of this many bytes at once (one mapping each)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="serve HTTP on this port (0: any free port); none: no HTTP")
     p.add_argument("--served-model-name", default=None)
@@ -253,6 +261,8 @@ def _parse(argv: list[str]) -> _Cfg:
         _cluster().check_args(parser, args)
     if args.fill_rate is not None and args.fill_size is None:
         parser.error("--fill-rate needs --fill-size")
+    if args.load_fill is not None:
+        _load_fill(parser, args)
     timeout = args.shutdown_timeout
     if timeout is None:
         env = os.environ.get(_SHUTDOWN_ENV, "").strip()
@@ -261,6 +271,40 @@ def _parse(argv: list[str]) -> _Cfg:
         except ValueError:
             parser.error(f"environment {_SHUTDOWN_ENV}={env!r}: expected seconds")
     return _Cfg(args=args, extra=extra, shutdown_timeout=float(timeout), modes=modes)
+
+
+def _load_fill(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--load-fill N``: the load phase's steep fall.  Worker TP0 allocates N bytes from the moment
+    the tree is up, at N / (0.8 x ``--load-time``) bytes/s (as fast as it can without a load time), so
+    that it is done while the port does not listen yet; then holds them.  vLLM loads the weights and allocates its KV cache
+    before the API server listens (FIELD-NOTES "vLLM": the port only listens once the engine is
+    ready; "How GB10 reports memory": free memory fell 17-19 GiB in 10 s right after weights load).
+    Expressed as the serving fill's options (``--fill-size``, ``--fill-rate``, no delay), which it
+    therefore replaces."""
+    if args.fill_size is not None or args.fill_on_signal:
+        parser.error("--load-fill replaces --fill-size/--fill-on-signal: TP0 has one fill")
+    args.fill_size = args.load_fill
+    args.fill_rate = args.load_fill / (LOAD_FILL_SHARE * args.load_time) if args.load_time > 0 else None
+    args.fill_delay = 0.0
+
+
+class _StepFill(Fill):
+    """``--alloc-step N``: the fill in allocations of exactly N bytes (the last one the rest), each one
+    mapping touched at once (:meth:`Memory.add`), paced at the fill's rate.  Assumption: a CUDA
+    allocation on unified memory takes its whole size from system RAM in one driver call (issue 17:
+    "one allocation of several GiB at once, as a driver allocation is"); no GB10 trace says how fast
+    the driver touches it."""
+
+    def __init__(self, mem: Memory, rate: float | None, size: int, log: Log, step: int, where: str = "fill"):
+        super().__init__(mem, rate, size, log, where)
+        self.MAX_STEP = self.min_step = max(1, int(step))
+
+
+def _make_fill(mem: Memory, a: argparse.Namespace, log: Log) -> Fill:
+    """TP0's fill: :class:`Fill`, or :class:`_StepFill` with ``--alloc-step``."""
+    if a.alloc_step:
+        return _StepFill(mem, a.fill_rate, a.fill_size, log, a.alloc_step, where="fake_engine.py:1")
+    return Fill(mem, a.fill_rate, a.fill_size, log, where="fake_engine.py:1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +336,7 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
     fill_at = None
     if fills and not a.fill_on_signal:
         fill_at = time.monotonic() + a.fill_delay
-    fill = Fill(mem, a.fill_rate, a.fill_size, log, where="fake_engine.py:1") if fills else None
+    fill = _make_fill(mem, a, log) if fills else None
     crash_at = None
     watch = [sigs.rfd] + ([cmd_r] if cmd_r is not None else [])
     while True:
