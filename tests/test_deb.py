@@ -1,7 +1,8 @@
-"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into booted Debian 12 and 13.
+"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into booted Debian 12 and 13
+and Ubuntu 24.04.
 
 One session builds the package twice from a copy of the checkout (the version in debian/changelog
-and a bumped one, for the upgrade), and one container per suite (bookworm, trixie) is booted for
+and a bumped one, for the upgrade), and one container per suite (bookworm, trixie, noble) is booted for
 the whole life cycle a Spark owner goes through: ``apt install ./sparkguard_*.deb`` (dependencies
 resolved by apt from Debian's archive, pre-downloaded into the cached root because booted
 containers have no network), nothing started or enabled by the install, ``systemctl enable --now
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from system import nspawn
+from system import nspawn, routes
 
 pytestmark = pytest.mark.system
 
@@ -74,16 +75,30 @@ def debs(tmp_path_factory) -> tuple[Path, Path]:
     return first, second
 
 
-@pytest.fixture(scope="session", params=[nspawn.SUITE, nspawn.TRIXIE])
+@pytest.fixture(scope="session", params=[nspawn.SUITE, nspawn.TRIXIE, nspawn.UBUNTU])
 def debian(request, debs):
-    """A booted Debian 12 (bookworm) or 13 (trixie) machine on a cached root with the package's
-    dependencies downloaded; one per suite for the session."""
+    """A booted Debian 12 (bookworm), Debian 13 (trixie) or Ubuntu 24.04 (noble) machine on a cached
+    root with the package's dependencies downloaded; one per suite for the session.  The Ubuntu
+    root also holds what the README's routes need and the checkout at ``routes.SRC``: the same
+    boot runs them after the package's life cycle (:func:`test_readme_routes_in_the_same_ubuntu_boot`).
+    Skips, saying why, where the Ubuntu root is not cached and cannot be built (archive unreachable)."""
     reason = nspawn.unavailable_reason()
     if reason:
         pytest.skip(f"booted-systemd test impossible here: {reason}")
-    root = nspawn.deb_root(log=lambda m: print(f"[deb] {m}", flush=True), suite=request.param)
+    def log(m: str) -> None:
+        print(f"[deb] {m}", flush=True)
+
+    if request.param == nspawn.UBUNTU:
+        try:
+            root = nspawn.ubuntu_root(log=log)
+        except nspawn.ArchiveUnavailable as e:
+            pytest.skip(f"no Ubuntu 24.04 root: {e}")
+    else:
+        root = nspawn.deb_root(log=log, suite=request.param)
     c = nspawn.Container(root)
     try:
+        if request.param == nspawn.UBUNTU:
+            nspawn.copy_checkout(c.root / routes.SRC.lstrip("/"))
         c.boot()
         yield c
     finally:
@@ -98,12 +113,21 @@ def metric(c: nspawn.Container, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def systemd_version(c: nspawn.Container) -> int:
+    """The container's systemd version: 252 on Debian 12, 255 on Ubuntu 24.04, 257 on Debian 13
+    (the first line of ``systemctl --version`` is ``systemd 255 (255.4-1ubuntu8)``)."""
+    m = re.match(r"systemd (\d+)", c.run("systemctl", "--version").stdout)
+    assert m, "systemctl --version said no version"
+    return int(m.group(1))
+
+
 def reload_as_the_unit_says(c: nspawn.Container) -> None:
     """The guard's unit type is what the package chose for this systemd, and ``systemctl reload``
-    applies an edited config: Debian 13 (systemd 257) gets ``Type=notify-reload`` through the
-    drop-in the postinst links where systemd >= 253 (debian/notify-reload.conf); Debian 12
-    (systemd 252, which does not know notify-reload) keeps ``Type=notify`` with ExecReload=."""
-    new = c.run("cat", "/etc/debian_version").stdout.startswith("13")
+    applies an edited config: Debian 13 (systemd 257) and Ubuntu 24.04 (255) get
+    ``Type=notify-reload`` through the drop-in the postinst links where systemd >= 253
+    (debian/notify-reload.conf); Debian 12 (systemd 252, which does not know notify-reload) keeps
+    ``Type=notify`` with ExecReload=."""
+    new = systemd_version(c) >= 253
     link = c.run("readlink", DROPIN, check=False).stdout.strip()
     assert link == ("/usr/share/sparkguard/systemd/notify-reload.conf" if new else ""), link
     assert c.show(UNIT, "Type")["Type"] == ("notify-reload" if new else "notify")
@@ -196,3 +220,12 @@ def test_lintian_reports_nothing_unexplained(debs):
                        timeout=300, env=dict(os.environ, PATH=BUILD_PATH))
     tags = [line for line in r.stdout.splitlines() if re.match(r"^[EWI]: ", line)]
     assert r.returncode == 0 and not tags, f"lintian (rc {r.returncode}):\n{r.stdout}{r.stderr}"
+
+
+def test_readme_routes_in_the_same_ubuntu_boot(debian):
+    """Ubuntu 24.04: the README's first command verbatim, then pipx, in the boot that ran the
+    package's life cycle (the package is purged by then; run alone, the machine is fresh)."""
+    if nspawn.UBUNTU not in debian.run("cat", "/etc/os-release").stdout:
+        pytest.skip("the routes on Debian 12 are tests/test_install_routes.py; this case is the Ubuntu root's")
+    routes.check_readme_first_command(debian)
+    routes.check_pipx_route(debian)
