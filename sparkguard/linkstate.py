@@ -51,7 +51,7 @@ def link_field(msg: Any, field: str) -> Any:
     """Field ``field`` of a link message: a key of :data:`IFLA` read as its attribute, the rest
     (``index``, ``flags``, ``event``: the ifinfomsg header and pyroute2's own keys) with ``get``.
 
-    pyroute2 0.7 (Debian 12's 0.7.2, Debian 13's 0.7.7, Ubuntu 24.04's python3-pyroute2) answers
+    pyroute2 0.7 (Debian 12's 0.7.2, Debian 13's 0.7.7, Ubuntu 24.04's 0.7.11) answers
     ``msg.get("ifname")`` with None and knows attributes only by their IFLA_ names;
     ``msg.get_attr("IFLA_IFNAME")`` works on 0.7 and 0.9 (seen with both: tests/test_linkcompat.py).
     A plain dict (the tests' messages) is read by the short keys.  None when the field is absent.

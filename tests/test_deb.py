@@ -4,7 +4,7 @@ and Ubuntu 24.04.
 One session builds the package twice from a copy of the checkout (the version in debian/changelog
 and a bumped one, for the upgrade), and one container per suite (bookworm, trixie, noble) is booted for
 the whole life cycle a Spark owner goes through: ``apt install ./sparkguard_*.deb`` (dependencies
-resolved by apt from Debian's archive, pre-downloaded into the cached root because booted
+resolved by apt from Debian's or Ubuntu's archive, pre-downloaded into the cached root because booted
 containers have no network), nothing started or enabled by the install, ``systemctl enable --now
 sparkguard`` reaching READY, ``sparkguard doctor``, an upgrade that keeps an edited
 /etc/sparkguard/sparkguard.yaml and restarts the guard, ``apt remove`` stopping it, ``apt purge``
@@ -181,6 +181,11 @@ def test_package_life_cycle(debian, debs):
     doctor = c.run("sparkguard", "doctor", check=False, timeout=60)
     assert doctor.returncode in (0, 1) and "Traceback" not in doctor.stderr, doctor.stdout + doctor.stderr
     assert re.search(r"^(PASS|WARN|FAIL|INFO)\s", doctor.stdout, re.M), doctor.stdout
+    # The distribution's python3-pyroute2 (0.7) cannot run the link watch, but status reads the links
+    # through its IPRoute (sparkguard/linkstate.py link_field) and says why they are not watched.
+    c.write("/var/tmp/links.yaml", "link:\n  interfaces: [lo]\n")
+    st = c.run("sparkguard", "status", "--config", "/var/tmp/links.yaml", timeout=60).stdout
+    assert "link watch unavailable: pyroute2 0.7" in st and "  lo: UP (operstate UNKNOWN" in st, st
 
     # An edited config survives an upgrade, and the upgrade restarts the running guard with it.
     c.sh(f"sed -i 's/^  term_below: .*/  term_below: 512MiB/' {CONFIG}")
@@ -226,6 +231,6 @@ def test_readme_routes_in_the_same_ubuntu_boot(debian):
     """Ubuntu 24.04: the README's first command verbatim, then pipx, in the boot that ran the
     package's life cycle (the package is purged by then; run alone, the machine is fresh)."""
     if nspawn.UBUNTU not in debian.run("cat", "/etc/os-release").stdout:
-        pytest.skip("the routes on Debian 12 are tests/test_install_routes.py; this case is the Ubuntu root's")
+        pytest.skip("runs on the Ubuntu root only (Debian 12's routes: tests/test_install_routes.py)")
     routes.check_readme_first_command(debian)
     routes.check_pipx_route(debian)

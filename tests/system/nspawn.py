@@ -7,6 +7,9 @@ What this module gives the tests:
   package list, the suite, the mirror, the architecture and the dependency list.  It is
   built in a temporary directory and renamed into place (``rename(2)`` is atomic), so an
   interrupted build is never used; a lock file serialises concurrent builders.
+* :func:`base_root` of :data:`UBUNTU` -- the same for Ubuntu 24.04 (noble), debootstrapped from
+  the Ubuntu archive with Debian's ubuntu-keyring and debootstrap's gutsy script
+  (:func:`debootstrap_source`); :func:`ubuntu_root` adds what the package and route tests need.
 * :class:`Container` -- one throw-away machine: an overlayfs upper layer over the cached
   root (the cache stays pristine), sparkguard installed from a wheel built from the
   checkout, ``systemd-nspawn -b`` in the background with its console in a log file,
