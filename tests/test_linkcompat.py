@@ -112,3 +112,19 @@ def test_read_links_with_debian_pyroute2(old_pyroute2):
     assert links["lo"]["present"] and links["lo"]["up"] and links["lo"]["operstate"] == "UNKNOWN", links
     assert isinstance(links["lo"]["rx_errors"], int) and isinstance(links["lo"]["carrier_changes"], int), links
     assert links["sgnosuch0"]["present"] is False, links
+
+
+def test_doctor_fails_a_missing_link_with_debian_pyroute2(old_pyroute2, tmp_path):
+    """Without the watch, doctor still checks the links it can read: a missing one is a FAIL that
+    also says the watch is unavailable."""
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text(yaml.safe_dump({"link": {"interfaces": ["lo", "sgnosuch0"]}}))
+    doc = subprocess.run([*WRAP, *sparkguard_cmd("doctor", "--json", "--config", str(cfg))], env=sg_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in doc.stderr, doc.stderr
+    out = json.loads(doc.stdout)
+    checks = {c["name"]: c for c in (out["checks"] if isinstance(out, dict) else out)}
+    links = checks["links"]
+    assert links["status"] == "FAIL" and "sgnosuch0 missing" in links["message"], links
+    assert "link watch unavailable: pyroute2 0.7" in links["message"], links
+    assert links["data"]["links"]["lo"]["up"] is True, links

@@ -221,9 +221,9 @@ def check_links(ctx: Context) -> Check:
     unavailable = linkcompat.unavailable_reason()
     try:   # without the watch (pyroute2 0.7) the links are still read once, through its IPRoute
         links = linkwatch.read_links(names)
-    except ImportError as e:
+    except ImportError:   # no pyroute2 at all: `unavailable` says so
         return Check("links", WARN, f"link watch unavailable: {unavailable}; {', '.join(names)} not watched "
-                     f"nor checked ({e})", linkcompat.FIX, {"link_watch_unavailable": unavailable})
+                     "nor checked", linkcompat.FIX, {"link_watch_unavailable": unavailable})
     missing = [n for n, ln in links.items() if not ln.get("present")]
     down = [n for n, ln in links.items() if ln.get("present") and not ln.get("up")]
     data = {"links": links, **({"link_watch_unavailable": unavailable} if unavailable else {})}
