@@ -234,3 +234,15 @@ def test_readme_routes_in_the_same_ubuntu_boot(debian):
         pytest.skip("runs on the Ubuntu root only (Debian 12's routes: tests/test_install_routes.py)")
     routes.check_readme_first_command(debian)
     routes.check_pipx_route(debian)
+
+
+def test_an_unreachable_ubuntu_archive_is_a_reason_not_a_build(tmp_path, monkeypatch):
+    """Where the Ubuntu root is not cached and the archive does not answer, base_root raises
+    ArchiveUnavailable with the URL (the fixture turns it into a skip) and starts no debootstrap."""
+    monkeypatch.setattr(nspawn, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(nspawn, "UBUNTU_MIRROR", "http://127.0.0.1:9/ubuntu")  # discard port: refused
+    with pytest.raises(nspawn.ArchiveUnavailable) as e:
+        nspawn.base_root(log=lambda m: None, suite=nspawn.UBUNTU)
+    if nspawn.UBUNTU_KEYRING.is_file():
+        assert "cannot be reached (http://127.0.0.1:9/ubuntu/dists/noble/Release" in str(e.value), e.value
+    assert not [*tmp_path.glob("rootfs-*"), *tmp_path.glob(".tmp-*")], list(tmp_path.iterdir())
