@@ -2,12 +2,11 @@
 
 The watch (:mod:`sparkguard.linkwatch`) reads netlink events through ``pyroute2.AsyncIPRoute``,
 which pyroute2 has since 0.9 (pyroute2 changelog, 0.9.1: the asyncio core; pyproject.toml asks for
-``pyroute2>=0.9.1``).  Debian 12 ships python3-pyroute2 0.7.2 and Ubuntu 24.04 0.7.x, which have no
+``pyroute2>=0.9.1``).  Debian 12 ships python3-pyroute2 0.7.2 and Ubuntu 24.04 0.7.11, which have no
 ``AsyncIPRoute``: there the guard runs without the watch (it says so once in the journal) and
-``sparkguard status`` / ``sparkguard doctor`` say the watch is unavailable and why, and read no
-links either: 0.7's messages answer ``msg.get("ifname")`` with None (attributes only by their
-``IFLA_`` names, ``get_attr("IFLA_IFNAME")``; seen with Debian 12's 0.7.2), so
-``linkwatch.read_links`` would call every link missing.
+``sparkguard status`` / ``sparkguard doctor`` say the watch is unavailable and why, and still read
+the links once through 0.7's synchronous ``IPRoute`` (``linkwatch.read_links``; 0.7's messages
+are read by their ``IFLA_`` attribute names: ``linkstate.link_field``).
 
 Importing pyroute2 costs several MiB of RSS; :func:`unavailable_reason` is called only where
 ``link.interfaces`` is set (the guard's start, status, doctor).

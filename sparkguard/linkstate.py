@@ -36,6 +36,32 @@ STAT_KEYS = {
 }
 
 
+#: message field -> the rtnetlink attribute that carries it (include/uapi/linux/if_link.h)
+IFLA = {
+    "ifname": "IFLA_IFNAME",
+    "operstate": "IFLA_OPERSTATE",
+    "carrier": "IFLA_CARRIER",
+    "carrier_changes": "IFLA_CARRIER_CHANGES",
+    "stats64": "IFLA_STATS64",
+    "stats": "IFLA_STATS",
+}
+
+
+def link_field(msg: Any, field: str) -> Any:
+    """Field ``field`` of a link message: a key of :data:`IFLA` read as its attribute, the rest
+    (``index``, ``flags``, ``event``: the ifinfomsg header and pyroute2's own keys) with ``get``.
+
+    pyroute2 0.7 (Debian 12's 0.7.2, Debian 13's 0.7.7, Ubuntu 24.04's 0.7.11) answers
+    ``msg.get("ifname")`` with None and knows attributes only by their IFLA_ names;
+    ``msg.get_attr("IFLA_IFNAME")`` works on 0.7 and 0.9 (seen with both: tests/test_linkcompat.py).
+    A plain dict (the tests' messages) is read by the short keys.  None when the field is absent.
+    """
+    get_attr = getattr(msg, "get_attr", None)
+    if field in IFLA and callable(get_attr):
+        return get_attr(IFLA[field])
+    return msg.get(field)
+
+
 def valid_ifname(name: Any) -> bool:
     """True when ``name`` is a possible Linux interface name (1-15 bytes, no ``/``, ``:``
     or whitespace, not ``.``/``..``).  Source: net/core/dev.c ``dev_valid_name``."""
@@ -69,24 +95,25 @@ def new_state(name: str) -> dict:
 
 
 def apply_msg(st: dict, msg: Any, deleted: bool) -> None:
-    """Update one interface state dict from a pyroute2 ifinfmsg (in place)."""
+    """Update one interface state dict from a pyroute2 ifinfmsg of 0.7 or 0.9, or a dict with the
+    short keys (in place; :func:`link_field`)."""
     if deleted:
         st.update(present=False, index=None, operstate=None, flags=0, carrier=False)
         return
     st["present"] = True
-    st["index"] = msg.get("index")
-    st["flags"] = int(msg.get("flags") or 0)
-    st["operstate"] = msg.get("operstate")
-    carrier = msg.get("carrier")
+    st["index"] = link_field(msg, "index")
+    st["flags"] = int(link_field(msg, "flags") or 0)
+    st["operstate"] = link_field(msg, "operstate")
+    carrier = link_field(msg, "carrier")
     st["carrier"] = bool(carrier) if carrier is not None else bool(st["flags"] & IFF_LOWER_UP)
     apply_counters(st, msg)
 
 
 def apply_counters(st: dict, msg: Any) -> None:
-    stats = msg.get("stats64") or msg.get("stats")
+    stats = link_field(msg, "stats64") or link_field(msg, "stats")
     if stats is not None:
         st["stats"] = {k: int(stats.get(v) or 0) for k, v in STAT_KEYS.items()}
-    cc = msg.get("carrier_changes")
+    cc = link_field(msg, "carrier_changes")
     if cc is not None:
         st["carrier_changes"] = int(cc)
 

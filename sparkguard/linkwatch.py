@@ -35,7 +35,8 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from sparkguard.linkstate import STAT_KEYS, LinkStates, apply_counters, apply_msg, is_up, new_state, valid_ifname
+from sparkguard.linkstate import (STAT_KEYS, LinkStates, apply_counters, apply_msg, is_up, link_field, new_state,
+                                  valid_ifname)
 
 log = logging.getLogger("sparkguard.linkwatch")
 
@@ -283,7 +284,7 @@ class LinkWatch:
             async for msg in self._ipr.get():
                 ev = msg.get("event")
                 if ev in ("RTM_NEWLINK", "RTM_DELLINK"):
-                    name = msg.get("ifname")
+                    name = link_field(msg, "ifname")
                     if name in self.states.state:
                         self.states.counts["events"] += 1
                         self.states.update(name, msg, deleted=(ev == "RTM_DELLINK"))
@@ -295,7 +296,7 @@ class LinkWatch:
         msgs = await self._dump()
         seen = set()
         for msg in msgs:
-            name = msg.get("ifname")
+            name = link_field(msg, "ifname")
             if name in self.states.state:
                 seen.add(name)
                 self.states.update(name, msg, deleted=False, initial=initial)
@@ -330,7 +331,7 @@ class LinkWatch:
             msgs = await self._dump()
             with self.states.lock:
                 for msg in msgs:
-                    st = self.states.state.get(msg.get("ifname"))
+                    st = self.states.state.get(link_field(msg, "ifname"))
                     if st is not None:
                         apply_counters(st, msg)
 
@@ -436,7 +437,8 @@ class _LinkCollector:
 
 def read_links(interfaces: Iterable[str], netns: str | None = None) -> dict:
     """One-shot state of ``interfaces`` without a watch thread (``sparkguard doctor``/``status``
-    when no daemon runs).
+    when no daemon runs).  Works with pyroute2 0.7 too (its synchronous ``IPRoute``; the fields are
+    read by :func:`sparkguard.linkstate.link_field`), where the watch thread cannot run.
 
     Returns:
         ``{name: {"present", "up", "carrier", "operstate", "speed_bytes_per_second",
@@ -444,6 +446,7 @@ def read_links(interfaces: Iterable[str], netns: str | None = None) -> dict:
         a missing interface has ``present`` False and ``up`` False.
     Raises:
         OSError: no netlink socket (or ``netns`` does not exist).
+        ImportError: no pyroute2.
     """
     from pyroute2 import IPRoute
 
@@ -452,7 +455,7 @@ def read_links(interfaces: Iterable[str], netns: str | None = None) -> dict:
     kw = {"netns": netns, "flags": 0} if netns is not None else {}
     with IPRoute(**kw) as ipr:
         for msg in ipr.link("dump"):
-            st = states.get(msg.get("ifname"))
+            st = states.get(link_field(msg, "ifname"))
             if st is not None:
                 apply_msg(st, msg, deleted=False)
     sock = None

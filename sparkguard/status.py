@@ -370,13 +370,13 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
         daemon = read_daemon(url)
     links, links_error = {}, None
     unavailable = linkcompat.unavailable_reason() if cfg.link.interfaces else None
-    if unavailable:   # pyroute2 < 0.9 also reads link messages differently: no reading at all
+    if unavailable:   # no watch thread; the links are still read once below (pyroute2 0.7's IPRoute)
         links_error = f"link watch unavailable: {unavailable}; {linkcompat.FIX}"
-    elif cfg.link.interfaces:
+    if cfg.link.interfaces:
         try:
             links = linkwatch.read_links(cfg.link.interfaces)
-        except OSError as e:
-            links_error = f"cannot read links over netlink: {e}"
+        except (OSError, ImportError) as e:
+            links_error = "; ".join(filter(None, [links_error, f"cannot read links over netlink: {e}"]))
     return {
         "links": links, "links_error": links_error,
         "config_path": cfg.path, "memory": memory, "thresholds": thresholds,

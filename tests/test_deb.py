@@ -1,9 +1,10 @@
-"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into booted Debian 12 and 13.
+"""The Debian package (debian/): built with dpkg-buildpackage, installed with apt into booted Debian 12 and 13
+and Ubuntu 24.04.
 
 One session builds the package twice from a copy of the checkout (the version in debian/changelog
-and a bumped one, for the upgrade), and one container per suite (bookworm, trixie) is booted for
+and a bumped one, for the upgrade), and one container per suite (bookworm, trixie, noble) is booted for
 the whole life cycle a Spark owner goes through: ``apt install ./sparkguard_*.deb`` (dependencies
-resolved by apt from Debian's archive, pre-downloaded into the cached root because booted
+resolved by apt from Debian's or Ubuntu's archive, pre-downloaded into the cached root because booted
 containers have no network), nothing started or enabled by the install, ``systemctl enable --now
 sparkguard`` reaching READY, ``sparkguard doctor``, an upgrade that keeps an edited
 /etc/sparkguard/sparkguard.yaml and restarts the guard, ``apt remove`` stopping it, ``apt purge``
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from system import nspawn
+from system import nspawn, routes
 
 pytestmark = pytest.mark.system
 
@@ -74,16 +75,30 @@ def debs(tmp_path_factory) -> tuple[Path, Path]:
     return first, second
 
 
-@pytest.fixture(scope="session", params=[nspawn.SUITE, nspawn.TRIXIE])
+@pytest.fixture(scope="session", params=[nspawn.SUITE, nspawn.TRIXIE, nspawn.UBUNTU])
 def debian(request, debs):
-    """A booted Debian 12 (bookworm) or 13 (trixie) machine on a cached root with the package's
-    dependencies downloaded; one per suite for the session."""
+    """A booted Debian 12 (bookworm), Debian 13 (trixie) or Ubuntu 24.04 (noble) machine on a cached
+    root with the package's dependencies downloaded; one per suite for the session.  The Ubuntu
+    root also holds what the README's routes need and the checkout at ``routes.SRC``: the same
+    boot runs them after the package's life cycle (:func:`test_readme_routes_in_the_same_ubuntu_boot`).
+    Skips, saying why, where the Ubuntu root is not cached and cannot be built (archive unreachable)."""
     reason = nspawn.unavailable_reason()
     if reason:
         pytest.skip(f"booted-systemd test impossible here: {reason}")
-    root = nspawn.deb_root(log=lambda m: print(f"[deb] {m}", flush=True), suite=request.param)
+    def log(m: str) -> None:
+        print(f"[deb] {m}", flush=True)
+
+    if request.param == nspawn.UBUNTU:
+        try:
+            root = nspawn.ubuntu_root(log=log)
+        except nspawn.ArchiveUnavailable as e:
+            pytest.skip(f"no Ubuntu 24.04 root: {e}")
+    else:
+        root = nspawn.deb_root(log=log, suite=request.param)
     c = nspawn.Container(root)
     try:
+        if request.param == nspawn.UBUNTU:
+            nspawn.copy_checkout(c.root / routes.SRC.lstrip("/"))
         c.boot()
         yield c
     finally:
@@ -98,12 +113,21 @@ def metric(c: nspawn.Container, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def systemd_version(c: nspawn.Container) -> int:
+    """The container's systemd version: 252 on Debian 12, 255 on Ubuntu 24.04, 257 on Debian 13
+    (the first line of ``systemctl --version`` is ``systemd 255 (255.4-1ubuntu8)``)."""
+    m = re.match(r"systemd (\d+)", c.run("systemctl", "--version").stdout)
+    assert m, "systemctl --version said no version"
+    return int(m.group(1))
+
+
 def reload_as_the_unit_says(c: nspawn.Container) -> None:
     """The guard's unit type is what the package chose for this systemd, and ``systemctl reload``
-    applies an edited config: Debian 13 (systemd 257) gets ``Type=notify-reload`` through the
-    drop-in the postinst links where systemd >= 253 (debian/notify-reload.conf); Debian 12
-    (systemd 252, which does not know notify-reload) keeps ``Type=notify`` with ExecReload=."""
-    new = c.run("cat", "/etc/debian_version").stdout.startswith("13")
+    applies an edited config: Debian 13 (systemd 257) and Ubuntu 24.04 (255) get
+    ``Type=notify-reload`` through the drop-in the postinst links where systemd >= 253
+    (debian/notify-reload.conf); Debian 12 (systemd 252, which does not know notify-reload) keeps
+    ``Type=notify`` with ExecReload=."""
+    new = systemd_version(c) >= 253
     link = c.run("readlink", DROPIN, check=False).stdout.strip()
     assert link == ("/usr/share/sparkguard/systemd/notify-reload.conf" if new else ""), link
     assert c.show(UNIT, "Type")["Type"] == ("notify-reload" if new else "notify")
@@ -157,6 +181,11 @@ def test_package_life_cycle(debian, debs):
     doctor = c.run("sparkguard", "doctor", check=False, timeout=60)
     assert doctor.returncode in (0, 1) and "Traceback" not in doctor.stderr, doctor.stdout + doctor.stderr
     assert re.search(r"^(PASS|WARN|FAIL|INFO)\s", doctor.stdout, re.M), doctor.stdout
+    # The distribution's python3-pyroute2 (0.7) cannot run the link watch, but status reads the links
+    # through its IPRoute (sparkguard/linkstate.py link_field) and says why they are not watched.
+    c.write("/var/tmp/links.yaml", "link:\n  interfaces: [lo]\n")
+    st = c.run("sparkguard", "status", "--config", "/var/tmp/links.yaml", timeout=60).stdout
+    assert "link watch unavailable: pyroute2 0.7" in st and "  lo: UP (operstate UNKNOWN" in st, st
 
     # An edited config survives an upgrade, and the upgrade restarts the running guard with it.
     c.sh(f"sed -i 's/^  term_below: .*/  term_below: 512MiB/' {CONFIG}")
@@ -196,3 +225,24 @@ def test_lintian_reports_nothing_unexplained(debs):
                        timeout=300, env=dict(os.environ, PATH=BUILD_PATH))
     tags = [line for line in r.stdout.splitlines() if re.match(r"^[EWI]: ", line)]
     assert r.returncode == 0 and not tags, f"lintian (rc {r.returncode}):\n{r.stdout}{r.stderr}"
+
+
+def test_readme_routes_in_the_same_ubuntu_boot(debian):
+    """Ubuntu 24.04: the README's first command verbatim, then pipx, in the boot that ran the
+    package's life cycle (the package is purged by then; run alone, the machine is fresh)."""
+    if nspawn.UBUNTU not in debian.run("cat", "/etc/os-release").stdout:
+        pytest.skip("runs on the Ubuntu root only (Debian 12's routes: tests/test_install_routes.py)")
+    routes.check_readme_first_command(debian)
+    routes.check_pipx_route(debian)
+
+
+def test_an_unreachable_ubuntu_archive_is_a_reason_not_a_build(tmp_path, monkeypatch):
+    """Where the Ubuntu root is not cached and the archive does not answer, base_root raises
+    ArchiveUnavailable with the URL (the fixture turns it into a skip) and starts no debootstrap."""
+    monkeypatch.setattr(nspawn, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(nspawn, "UBUNTU_MIRROR", "http://127.0.0.1:9/ubuntu")  # discard port: refused
+    with pytest.raises(nspawn.ArchiveUnavailable) as e:
+        nspawn.base_root(log=lambda m: None, suite=nspawn.UBUNTU)
+    if nspawn.UBUNTU_KEYRING.is_file():
+        assert "cannot be reached (http://127.0.0.1:9/ubuntu/dists/noble/Release" in str(e.value), e.value
+    assert not [*tmp_path.glob("rootfs-*"), *tmp_path.glob(".tmp-*")], list(tmp_path.iterdir())

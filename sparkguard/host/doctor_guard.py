@@ -219,17 +219,23 @@ def check_links(ctx: Context) -> Check:
         return Check("links", INFO, "no TP links watched (link.interfaces is empty)",
                      "list the ConnectX-7 ports under link.interfaces to have link drops reported")
     unavailable = linkcompat.unavailable_reason()
-    if unavailable:   # pyroute2 < 0.9 also reads link messages differently: links not read
+    try:   # without the watch (pyroute2 0.7) the links are still read once, through its IPRoute
+        links = linkwatch.read_links(names)
+    except ImportError:   # no pyroute2 at all: `unavailable` says so
         return Check("links", WARN, f"link watch unavailable: {unavailable}; {', '.join(names)} not watched "
                      "nor checked", linkcompat.FIX, {"link_watch_unavailable": unavailable})
-    links = linkwatch.read_links(names)
     missing = [n for n, ln in links.items() if not ln.get("present")]
     down = [n for n, ln in links.items() if ln.get("present") and not ln.get("up")]
+    data = {"links": links, **({"link_watch_unavailable": unavailable} if unavailable else {})}
+    unwatched = f"; link watch unavailable: {unavailable}" if unavailable else ""
     if missing or down:
         what = "; ".join([f"{n} missing" for n in missing] + [f"{n} down" for n in down])
-        return Check("links", FAIL, f"TP link trouble: {what}",
-                     "check the cable/port (ip link show), fix link.interfaces names", {"links": links})
-    return Check("links", PASS, "TP links up: " + ", ".join(names), None, {"links": links})
+        return Check("links", FAIL, f"TP link trouble: {what}{unwatched}",
+                     "check the cable/port (ip link show), fix link.interfaces names", data)
+    if unavailable:
+        return Check("links", WARN, f"link watch unavailable: {unavailable}; {', '.join(names)} up now but "
+                     "not watched", linkcompat.FIX, data)
+    return Check("links", PASS, "TP links up: " + ", ".join(names), None, data)
 
 
 def check_metrics(ctx: Context) -> Check:

@@ -7,6 +7,9 @@ What this module gives the tests:
   package list, the suite, the mirror, the architecture and the dependency list.  It is
   built in a temporary directory and renamed into place (``rename(2)`` is atomic), so an
   interrupted build is never used; a lock file serialises concurrent builders.
+* :func:`base_root` of :data:`UBUNTU` -- the same for Ubuntu 24.04 (noble), debootstrapped from
+  the Ubuntu archive with Debian's ubuntu-keyring and debootstrap's gutsy script
+  (:func:`debootstrap_source`); :func:`ubuntu_root` adds what the package and route tests need.
 * :class:`Container` -- one throw-away machine: an overlayfs upper layer over the cached
   root (the cache stays pristine), sparkguard installed from a wheel built from the
   checkout, ``systemd-nspawn -b`` in the background with its console in a log file,
@@ -87,6 +90,18 @@ PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "procp
 SUITE = "bookworm"
 #: Debian 13, for the package test's second root (:func:`deb_root`).
 TRIXIE = "trixie"
+#: Ubuntu 24.04 (DGX OS's base), for the package and install-route test's Ubuntu root
+#: (:func:`ubuntu_root`).
+UBUNTU = "noble"
+#: The Ubuntu archive debootstrap and apt fetch noble from; override with SPARKGUARD_TEST_UBUNTU_MIRROR.
+UBUNTU_MIRROR = os.environ.get("SPARKGUARD_TEST_UBUNTU_MIRROR", "http://archive.ubuntu.com/ubuntu")
+#: The archive's keys, from Debian's ubuntu-keyring package (tests/install-deps installs it).
+UBUNTU_KEYRING = Path("/usr/share/keyrings/ubuntu-archive-keyring.gpg")
+#: Debian's debootstrap (1.0.128 in Debian 12) has no script named noble; every Ubuntu script in
+#: /usr/share/debootstrap/scripts/ is a symlink to gutsy, which is given as the script argument.
+UBUNTU_SCRIPT = Path("/usr/share/debootstrap/scripts/gutsy")
+#: python3-pyroute2 and pipx are in noble's universe, the rest of the Depends in main.
+UBUNTU_COMPONENTS = "main,universe"
 #: Where cached roots live; override with SPARKGUARD_TEST_CACHE.
 CACHE_DIR = Path(os.environ.get("SPARKGUARD_TEST_CACHE", "/var/cache/sparkguard-tests"))
 #: The venv inside the root that sparkguard is installed into.
@@ -97,6 +112,11 @@ PATH_IN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 class NspawnUnavailable(RuntimeError):
     """This host cannot boot a container (reason in the message); tests skip on it."""
+
+
+class ArchiveUnavailable(RuntimeError):
+    """A root that is not cached yet cannot be built: its archive cannot be reached or its
+    keyring is missing (reason in the message); the tests that need that root skip on it."""
 
 
 # ---------------------------------------------------------------------------- host checks
@@ -292,30 +312,67 @@ def _clean_stale(prefix: str) -> None:
         remove_tree(p)
 
 
+def ubuntu_unavailable_reason(timeout: float = 15) -> str | None:
+    """Why the Ubuntu root cannot be built here, or None: the keyring or debootstrap's script is
+    missing, or ``UBUNTU_MIRROR/dists/noble/Release`` does not answer 200 within ``timeout`` s."""
+    import urllib.request
+    if not UBUNTU_KEYRING.is_file():
+        return f"{UBUNTU_KEYRING} missing (tests/install-deps installs ubuntu-keyring)"
+    if not UBUNTU_SCRIPT.is_file():
+        return f"{UBUNTU_SCRIPT} missing: this debootstrap cannot build Ubuntu roots"
+    url = f"{UBUNTU_MIRROR}/dists/{UBUNTU}/Release"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            if r.status != 200:
+                return f"the Ubuntu archive answered {r.status} for {url}"
+    except OSError as e:
+        return f"the Ubuntu archive cannot be reached ({url}: {e})"
+    return None
+
+
+def debootstrap_source(suite: str) -> tuple[str, list[str], list[str]]:
+    """(mirror, options, trailing arguments) of ``debootstrap`` for ``suite``.
+
+    Debian suites: the host's Debian mirror (:func:`debian_mirror`), no more.  :data:`UBUNTU`: the
+    Ubuntu archive with its keyring, main and universe, and the gutsy script (:data:`UBUNTU_SCRIPT`).
+    """
+    if suite == UBUNTU:
+        return (UBUNTU_MIRROR, [f"--keyring={UBUNTU_KEYRING}", f"--components={UBUNTU_COMPONENTS}"],
+                [str(UBUNTU_SCRIPT)])
+    return debian_mirror(), [], []
+
+
 def base_root(log=print, suite: str = SUITE) -> Path:
-    """The cached debootstrap root (minbase + :data:`PACKAGES`) of Debian ``suite``, built if missing.
+    """The cached debootstrap root (minbase + :data:`PACKAGES`) of ``suite``, built if missing.
 
     Args:
-        suite: Debian suite name for debootstrap (default :data:`SUITE`; :data:`TRIXIE` too).
+        suite: suite name for debootstrap: Debian's :data:`SUITE` (default) or :data:`TRIXIE`, or
+            Ubuntu's :data:`UBUNTU` (:func:`debootstrap_source`).
     Returns:
         Path of ``CACHE_DIR/rootfs-<hash>``; never modified after it is renamed into place.
     Raises:
+        ArchiveUnavailable: an Ubuntu root is to be built and :func:`ubuntu_unavailable_reason` says why not.
         subprocess.CalledProcessError: debootstrap failed (the temporary tree is removed).
     """
-    mirror = debian_mirror()
-    key = _key(suite, sorted(PACKAGES), mirror, platform.machine())
+    mirror, opts, tail = debootstrap_source(suite)
+    # Debian roots keep the key they had before Ubuntu's options existed (their cache stays valid).
+    key = _key(suite, sorted(PACKAGES), mirror, platform.machine(), *([opts, tail] if opts else []))
     final = CACHE_DIR / f"rootfs-{key}"
     if final.is_dir():
         return final
     with _lock(f"rootfs-{key}"):
         if final.is_dir():
             return final
+        if suite == UBUNTU:
+            reason = ubuntu_unavailable_reason()
+            if reason:
+                raise ArchiveUnavailable(reason)
         _clean_stale(f"rootfs-{key}")
         tmp = CACHE_DIR / f".tmp-rootfs-{key}-{os.getpid()}"
-        log(f"building {final} with debootstrap from {mirror} (about a minute)")
+        log(f"building {final} with debootstrap of {suite} from {mirror} (a minute or two)")
         try:
-            subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES),
-                            suite, str(tmp), mirror], check=True, capture_output=True, text=True,
+            subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES), *opts,
+                            suite, str(tmp), mirror, *tail], check=True, capture_output=True, text=True,
                            timeout=900)
             os.rename(tmp, final)
         except BaseException:
@@ -483,14 +540,40 @@ def routes_root(log=print, suite: str = SUITE) -> Path:
     """
     base = base_root(log, suite)
     reqs = dependencies() + list(BUILD_REQUIREMENTS)
-
-    def fill(tmp: Path) -> None:
-        download_wheels(reqs, tmp / ROUTE_WHEELS.lstrip("/"), root_python_version(tmp), root_glibc_version(tmp))
-        nspawn_script(tmp, "set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
-                           "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(ROUTE_PACKAGES))
-
     return derived_root(base, "routesroot", _key(base.name, "routes", reqs, ROUTE_PACKAGES),
-                        f"{suite} with wheels of {reqs} and {ROUTE_PACKAGES} downloaded", fill, log)
+                        f"{suite} with wheels of {reqs} and {ROUTE_PACKAGES} downloaded",
+                        lambda tmp: _fill_offline(tmp, reqs, ROUTE_PACKAGES), log)
+
+
+def _fill_offline(tmp: Path, reqs: list[str], packages) -> None:
+    """Put the wheels of ``reqs`` in :data:`ROUTE_WHEELS` of the root ``tmp`` and the ``.deb`` files
+    of ``packages`` (with what apt says they need) in its apt cache, for a booted container
+    without network."""
+    download_wheels(reqs, tmp / ROUTE_WHEELS.lstrip("/"), root_python_version(tmp), root_glibc_version(tmp))
+    nspawn_script(tmp, "set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; "
+                       "apt-get install -y -qq --download-only --no-install-recommends " + " ".join(packages))
+
+
+def ubuntu_root(log=print) -> Path:
+    """A cached Ubuntu 24.04 root for one boot that installs the .deb (tests/test_deb.py) and runs
+    the README's first command (tests/system/routes.py): :func:`base_root` of :data:`UBUNTU` with
+    the ``.deb`` files of :func:`deb_depends` and :data:`ROUTE_PACKAGES` in apt's cache and the
+    wheels of :func:`dependencies` and :data:`BUILD_REQUIREMENTS` in :data:`ROUTE_WHEELS`.
+
+    apt inside resolves against noble's release pocket (the sources.list debootstrap writes), which
+    is what a fresh 24.04 install starts from; noble-updates is left out (assumption: the
+    package's Depends did not change there in a way that matters to it).
+
+    Raises:
+        ArchiveUnavailable: the root is not cached and the Ubuntu archive cannot be reached.
+    """
+    base = base_root(log, UBUNTU)
+    deps = deb_depends()
+    reqs = dependencies() + list(BUILD_REQUIREMENTS)
+    packages = [*deps, *ROUTE_PACKAGES]
+    return derived_root(base, "ubunturoot", _key(base.name, "deb+routes", deps, reqs, ROUTE_PACKAGES),
+                        f"{UBUNTU} with {packages} downloaded for apt and wheels of {reqs}",
+                        lambda tmp: _fill_offline(tmp, reqs, packages), log)
 
 
 def copy_checkout(dest: Path) -> None:
