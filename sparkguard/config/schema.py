@@ -54,6 +54,10 @@ class GuardConfig:
     signal: str = "available"          # "available" | "available+swap"
     dry_run: bool = False
     recovery_wait: float = 10.0
+    # the black box (sparkguard.blackbox, docs/blackbox.md): a ring of the last minute of samples
+    blackbox: bool = True
+    blackbox_file: str | None = None    # None: <incidents.dir>/blackbox.ring
+    blackbox_sync: float = 5.0          # seconds between writeback starts of the ring (0: the kernel's own)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,9 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "signal": choice("available", "available+swap"),
         "dry_run": boolean,
         "recovery_wait": duration(0.0, HOUR),
+        "blackbox": boolean,
+        "blackbox_file": lambda v: None if v is None else abs_path(v),
+        "blackbox_sync": duration(0.0, 60.0),
     }),
     "targets": (TargetsConfig, {
         "match": regex_list,
