@@ -37,6 +37,10 @@ HELP: dict[str, str] = {
     "guard.signal": "available: MemAvailable; available+swap: MemAvailable + SwapFree.",
     "guard.dry_run": "true: record incidents and log what would be signalled, signal nothing.",
     "guard.recovery_wait": "After a kill, how long to wait for the memory to come back before choosing another victim.",
+    "guard.blackbox": "true: keep the last minute of samples in a file, so that the next start after a reset "
+                      "records an unclean-shutdown incident with them (docs/blackbox.md).",
+    "guard.blackbox_file": "The black box's file (null: blackbox.ring in incidents.dir).",
+    "guard.blackbox_sync": "Start writeback of the black box this often (0: leave it to the kernel's, ~30 s).",
     "targets": "Whom to signal.",
     "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
                      "e.g. VLLM::EngineCore); earlier ones are preferred.",
