@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import sys
 import time
 import zlib
 
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import run_sparkguard
 from guardrun import GuardProc, unique
-from sparkguard import blackbox, sysinfo
+from sparkguard import blackbox, journal, sysinfo
 from sparkguard.guard import ring
 
 BOOT = "0123456789abcdef0123456789abcdef"
@@ -25,7 +26,7 @@ OTHER_BOOT = "fedcba9876543210fedcba9876543210"
 def rec(seq: int, at: float = 1_800_000_000.0, boot: str = BOOT, **kw) -> blackbox.Record:
     base = dict(seq=seq, at=at + seq, mono=100.0 + seq, boot_id=boot, signal=8 << 30, mem_available=8 << 30,
                 mem_free=6 << 30, swap_free=2 << 30, zram_used=1 << 20, target_mem=-1, psi_some_avg10=1.5,
-                psi_full_avg10=0.25, state="ok", fast=True)
+                psi_full_avg10=0.25, state="ok", idle=True)
     base.update(kw)
     return blackbox.Record(**base)
 
@@ -47,7 +48,7 @@ def test_header_and_records_round_trip_and_a_wrapped_ring_reads_oldest_first():
     h = blackbox.Header(blackbox.SLOTS, False, BOOT, 1.5, 0.0, 4242, 1.0)
     assert blackbox.decode_header(blackbox.encode_header(h)) == h
     assert len(blackbox.encode_header(h)) == blackbox.HEADER_SIZE
-    r = rec(7, psi_full_avg10=-1.0, target_mem=3 << 30, state="term_sent", fast=False)
+    r = rec(7, psi_full_avg10=-1.0, target_mem=3 << 30, state="term_sent", idle=False)
     raw = blackbox.encode_record(r)
     assert len(raw) == blackbox.RECORD_SIZE
     got = blackbox.decode_record(raw)
@@ -174,7 +175,8 @@ def test_the_file_is_locked_zeroed_at_start_and_a_foreign_file_is_left_alone(tmp
     assert r1 is not None and prev is None and err is None     # a new file: nothing before
     buf = bytearray(b"MemTotal: 100 kB\nMemFree: 7 kB\nMemAvailable: 9 kB\nSwapFree: 3 kB\n")
     r1.sample(1.0, buf, len(buf), 9 * 1024, True, "ok", True, -1)
-    assert r1.next_at == 1.0 + blackbox.INTERVAL and r1.written == 1 and r1.errors == 0
+    assert r1.next_at == 1.0 + blackbox.IDLE_INTERVAL and r1.next_full_at == 1.0 + blackbox.INTERVAL
+    assert r1.written == 1 and r1.errors == 0
     got = blackbox.decode(open(path, "rb").read()).records
     assert [(x.mem_free, x.swap_free, x.signal) for x in got] == [(7 * 1024, 3 * 1024, 12 * 1024)]
     r2, _, err = ring.open_ring(path, BOOT, 0.0)               # a second guard on the same file
@@ -245,7 +247,7 @@ def test_a_sigkilled_guard_is_reported_at_the_next_start_with_its_last_samples(t
     path = str(tmp_path / "inc" / "blackbox.ring")
     g = _start(cfg)
     try:
-        before = _wait_records(path, 3)
+        before = _wait_records(path, 2)
         g.proc.send_signal(signal.SIGKILL)             # our own child
         g.proc.wait(10)
         killed_at = time.time()
@@ -336,3 +338,72 @@ def test_a_ring_path_that_cannot_be_used_leaves_the_guard_running(tmp_path):
         g.wait_log("black box off")
     finally:
         assert g.stop() == 0
+
+
+JOURNAL_E2E = r"""
+import json, os, signal, subprocess, sys, time
+import yaml
+from sparkguard import blackbox
+base, nothing = sys.argv[1], sys.argv[2]
+inc_dir = os.path.join(base, "inc")
+cfg_path = os.path.join(base, "sparkguard.yaml")
+with open(cfg_path, "w") as f:
+    yaml.safe_dump({"targets": {"match": [nothing]}, "metrics": {"listen": "off"},
+                    "incidents": {"dir": inc_dir, "journal": "on"}}, f)
+log = open(os.path.join(base, "guard.log"), "w")
+def start():
+    return subprocess.Popen([sys.executable, "-m", "sparkguard", "run", "--config", cfg_path], stdout=log,
+                            stderr=subprocess.STDOUT)
+ring = os.path.join(inc_dir, "blackbox.ring")
+g = start()
+deadline = time.monotonic() + 60
+while True:
+    try:
+        if len(blackbox.decode(open(ring, "rb").read()).records) >= 2:
+            break
+    except (OSError, blackbox.RingError):
+        pass
+    assert time.monotonic() < deadline and g.poll() is None, "no records"
+    time.sleep(0.1)   # one record a second: nothing to wait on
+g.kill()
+g.wait(10)
+g = start()
+rec = None
+deadline = time.monotonic() + 60
+while rec is None and time.monotonic() < deadline:
+    for n in os.listdir(inc_dir):
+        if n.endswith(".json"):
+            rec = json.load(open(os.path.join(inc_dir, n)))
+    time.sleep(0.05)  # the reporter thread writes the file
+g.send_signal(signal.SIGTERM)
+g.wait(30)
+entries = []
+deadline = time.monotonic() + 30
+while rec and time.monotonic() < deadline:
+    out = subprocess.run(["journalctl", "-o", "json", "--all", "--no-pager", "SPARKGUARD_INCIDENT=" + rec["id"]],
+                         capture_output=True, text=True, timeout=30).stdout
+    entries = [json.loads(l) for l in out.splitlines() if l.strip()]
+    if len(entries) >= 2:
+        break
+    time.sleep(0.1)  # journald writes asynchronously
+print(json.dumps({"rec": rec, "entries": entries, "log": open(os.path.join(base, "guard.log")).read()}))
+"""
+
+
+def test_the_unclean_shutdown_reaches_a_real_journald_with_its_message_id(tmp_path):
+    """SIGKILL, start again, beside a real systemd-journald: the unclean_shutdown entry (its own
+    MESSAGE_ID) and the report (SPARKGUARD_REPORT = the stored record) are in the journal."""
+    from test_journal import run_with_journald
+    p = run_with_journald(tmp_path, [sys.executable, "-c", JOURNAL_E2E, str(tmp_path), unique("sgtest-nothing")],
+                          timeout=240)
+    assert p.returncode == 0, p.stderr + p.stdout
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    rec = res["rec"]
+    assert rec is not None and rec["kind"] == "unclean-shutdown", res["log"]
+    by_event = {e["SPARKGUARD_EVENT"]: e for e in res["entries"]}
+    assert {"unclean_shutdown", "report"} <= set(by_event), (sorted(by_event), res["log"])
+    u = by_event["unclean_shutdown"]
+    assert u["MESSAGE_ID"] == journal.MESSAGE_IDS["unclean_shutdown"] == "7bdd0f0e6aee40a2821c59306fae68cf"
+    assert u["PRIORITY"] == "3" and u["SPARKGUARD_KIND"] == "unclean-shutdown"
+    report = by_event["report"]
+    assert json.loads(report["SPARKGUARD_REPORT"]) == rec and report["SPARKGUARD_OUTCOME"] == "daemon_died"

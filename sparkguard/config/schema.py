@@ -57,7 +57,7 @@ class GuardConfig:
     # the black box (sparkguard.blackbox, docs/blackbox.md): a ring of the last minute of samples
     blackbox: bool = True
     blackbox_file: str | None = None    # None: <incidents.dir>/blackbox.ring
-    blackbox_sync: float = 5.0          # seconds between writeback starts of the ring (0: the kernel's own)
+    blackbox_sync: float = 1.0          # seconds between writeback starts while near the line (0: never)
 
 
 @dataclass(frozen=True)

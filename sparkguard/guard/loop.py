@@ -236,7 +236,7 @@ class Guard:
                 if now >= ping_at:              # WATCHDOG=1 from the loop itself, never late
                     notifier.watchdog(max(now, notifier.next_ping))
                     ping_at = notifier.next_ping - s.interval
-                if now >= ring_at:              # the black box's record, once a second
+                if now >= ring_at:              # the black box's record (blackbox.IDLE_INTERVAL)
                     ring_at = ring.sample(now, buf, n, avail, s.use_swap, policy.OK, True, ring_mod.target_mem(self.actions))
                 sleep(ms)
         except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
@@ -288,9 +288,11 @@ class Guard:
             self.poll_sum += t1 - t0
             self.last_poll = t1
             ring = self.ring
-            if ring is not None and t0 >= ring.next_at:     # the black box's record, once a second
-                ring.sample(t0, self.reader.inline_parts()[2], self.reader.length, avail, s.use_swap, pol.state,
-                            False, ring_mod.target_mem(self.actions))
+            if ring is not None:            # the black box's record: once a second near the line
+                idle = pol.state is policy.OK and avail >= s.idle_floor
+                if t0 >= (ring.next_at if idle else ring.next_full_at):
+                    ring.sample(t0, self.reader.inline_parts()[2], self.reader.length, avail, s.use_swap,
+                                pol.state, idle, ring_mod.target_mem(self.actions))
         notifier = self.notifier
         if notifier.watchdog_interval is not None:
             notifier.watchdog(t0)

@@ -8,18 +8,23 @@ The format and every decision are in :mod:`sparkguard.blackbox` (pure); this mod
   then starts this run's ring: header with the CLEAN flag cleared, every slot zeroed, one
   ``fdatasync``.  Any failure leaves the guard without a black box, never without its loop.
 * :meth:`Ring.sample` (poll loop, once per :data:`sparkguard.blackbox.INTERVAL`): parses MemFree
-  and SwapFree from the /proc/meminfo text the loop just read, preads the PSI file (every other
-  record) and each zram ``mm_stat`` through descriptors opened at start, packs the record into a
-  reused buffer and ``pwrite``\\ s it at its slot: no open, no allocation that grows, no sync.
+  and SwapFree from the /proc/meminfo text the loop just read, preads the PSI file and each zram
+  ``mm_stat`` through descriptors opened at start (for idle records every :data:`SLOW_EVERY`
+  seconds, else every record), packs the record into a reused buffer and ``pwrite``\\ s it at its
+  slot: no open, no allocation that grows, no sync.
   Errors are counted and logged once per streak; they never reach the loop.
 * A flusher thread starts writeback of the file (:func:`flush`: ``sync_file_range``) every
-  ``guard.blackbox_sync`` seconds when a record was written since (0: no thread; the kernel's
-  own writeback then writes dirty pages once they are ``vm.dirty_expire_centisecs`` old, 30 s
-  by default, Documentation/admin-guide/sysctl/vm.rst).  It may block there; the loop does not.
+  ``guard.blackbox_sync`` seconds while records are not idle, i.e. while memory is near the line
+  or an incident is open; while memory is far above the line it is parked (no wake-ups) and the
+  kernel's own writeback writes dirty pages once they are ``vm.dirty_expire_centisecs`` old (30 s
+  by default, Documentation/admin-guide/sysctl/vm.rst), as it always does with
+  ``blackbox_sync: 0`` (no thread).  It may block in the flush; the loop does not.
 * :meth:`Ring.close` (clean stop): header with CLEAN set and the stop time, ``fdatasync``.
 
 What a hard reset loses: the records written since the last flush that the kernel had not
-written back itself, i.e. at most ``blackbox_sync`` seconds plus the device's write latency.
+written back itself: near the line at most ``blackbox_sync`` seconds plus the device's write
+latency; far above it (idle fast path) up to ~35 s, unless the box stays up long enough for the
+kernel's writeback (a lock-up usually does: it lasts until someone holds the power button).
 ``sync_file_range`` does not flush the drive's volatile cache (``fdatasync`` would, at about 1.5x
 the CPU and a cache flush that stalls every other writer of the device): assumption: a drive
 commits its cache within seconds, and a lock-up lasts longer than that before a person
@@ -48,6 +53,10 @@ log = logging.getLogger("sparkguard")
 #: bytes read of a previous ring at most: the largest header-declared ring this version accepts
 MAX_READ = blackbox.file_size(65536)
 FILE_MODE = 0o640
+#: seconds between reads of PSI and zram for idle records (every other record reads them): PSI's
+#: avg10 is itself a 10 s average (Documentation/accounting/psi.rst), and memory is far above the
+#: line then; each read is a syscall on a cold path
+SLOW_EVERY = 10.0
 _MEMFREE = b"\nMemFree:"
 _KB = b"kB"
 _SWAPFREE = b"\nSwapFree:"
@@ -61,8 +70,9 @@ class Ring:
     (``sample``, ``close``) and its own flusher thread.
 
     Attributes:
-        path: the file; next_at: monotonic s when the next record is due (the loop compares it);
-        written: records written by this run; errors: failed writes.
+        path: the file; next_at, next_full_at: monotonic s when the next record is due while memory
+        is far above the line (idle) and while it is not (the loop compares them); written: records
+        written by this run; errors: failed writes.
     """
 
     def __init__(self, path: str, fd: int, boot_id: str, started_at: float, sync_every: float,
@@ -70,7 +80,7 @@ class Ring:
         self.path, self.fd = path, fd
         self.boot_id, self.started_at = boot_id, started_at
         self._boot = blackbox.boot_bytes(boot_id)
-        self.next_at = 0.0
+        self.next_at = self.next_full_at = 0.0
         self.written = self.errors = 0
         self._seq = 0
         self._buf = bytearray(blackbox.RECORD_SIZE)
@@ -79,9 +89,12 @@ class Ring:
         self._psi_fd = _open_ro(psi_path)
         self._zram_fds = _open_zram(sys_block)
         self._some = self._full = -1.0
+        self._zram_used = -1
+        self._slow_at = 0.0
         self._failing = False
         self._map = _pin(fd)
-        self._dirty = self._stopped = False
+        self._dirty = self._stopped = self._near = False
+        self._wake = threading.Event()      # set while full passes write records: the flusher runs
         if sync_every > 0:
             # its own descriptor: the thread may wake once more after close() and must not sync a
             # number the process has reused since
@@ -90,30 +103,41 @@ class Ring:
 
     # ---- the poll loop's side ------------------------------------------------------------
 
-    def sample(self, now: float, buf: bytearray, n: int, avail: int, use_swap: bool, state: str, fast: bool,
+    def sample(self, now: float, buf: bytearray, n: int, avail: int, use_swap: bool, state: str, idle: bool,
                target_mem: int) -> float:
-        """Write one record; returns the monotonic time the next one is due (also :attr:`next_at`).
+        """Write one record; returns when the next one is due while memory stays far above the line
+        (:attr:`next_at`, monotonic s: :data:`~sparkguard.blackbox.IDLE_INTERVAL` after an idle
+        record, :data:`~sparkguard.blackbox.INTERVAL` after another); near it the next is due at
+        :attr:`next_full_at` (always ``INTERVAL`` later).  A record that is not idle also wakes
+        the flusher.
 
         Args:
             now: monotonic s of the read; buf, n: the /proc/meminfo text the loop just read and its
                 length; avail: MemAvailable parsed from it (bytes); use_swap: the guard's signal
-                includes SwapFree; state: the policy state; fast: the idle fast path read it;
+                includes SwapFree; state: the policy state; idle: memory is far above the line
+                (state OK, MemAvailable at least the idle fast path's floor), as on the fast path;
                 target_mem: the target tree's memory in bytes, -1 unknown.
         Never raises: a failure is counted in :attr:`errors` and logged once per streak.
         """
-        self.next_at = now + blackbox.INTERVAL
+        self.next_full_at = now + blackbox.INTERVAL
+        self.next_at = now + blackbox.IDLE_INTERVAL if idle else self.next_full_at
         try:
             free = _quick(buf, _MEMFREE, n)
             swap = _quick(buf, _SWAPFREE, n)
             self._seq += 1
-            if self._seq & 1:               # PSI's averages move every 2 s (psi.rst): read every other record
+            if not idle or now >= self._slow_at:
+                self._slow_at = now + SLOW_EVERY
                 self._some, self._full = self._psi()
+                self._zram_used = self._zram()
             blackbox.pack_record(self._buf, self._seq, time.time(), now, self._boot,
-                                 avail + max(swap, 0) if use_swap else avail, avail, free, swap, self._zram(),
-                                 target_mem, self._some, self._full, blackbox.state_code(state), fast)
+                                 avail + max(swap, 0) if use_swap else avail, avail, free, swap, self._zram_used,
+                                 target_mem, self._some, self._full, blackbox.state_code(state), idle)
             os.pwrite(self.fd, self._buf, blackbox.offset(self._seq))
             self.written += 1
             self._dirty = True              # the flusher clears it (a bool store: atomic under the GIL)
+            self._near = not idle
+            if not idle and not self._wake.is_set():
+                self._wake.set()
             if self._failing:
                 self._failing = False
                 log.info("black box %s is written again", self.path)
@@ -153,24 +177,30 @@ class Ring:
     # ---- the flusher thread ----------------------------------------------------------------
 
     def _flush_loop(self, fd: int, every: float) -> None:
-        """Every ``every`` s, start writeback of what the loop wrote since (:func:`flush`).  A plain
-        sleep: an Event's timed wait costs about twice the CPU per wake-up (docs/blackbox.md)."""
+        """While full passes write records (memory near the line, an incident), start writeback
+        (:func:`flush`) of what was written every ``every`` s; parked, at no cost, while records
+        are idle (memory far above the line: left to the kernel's writeback).  A race with the loop
+        can park it while near the line: the next full pass's record wakes it again."""
         failing = False
         try:
             while True:
+                self._wake.wait()
+                if self._stopped:
+                    return
                 time.sleep(every)
                 if self._stopped:
                     return
-                if not self._dirty:
-                    continue
-                self._dirty = False
-                try:
-                    flush(fd)
-                    failing = False
-                except OSError as e:
-                    if not failing:
-                        log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
-                    failing = True
+                if self._dirty:
+                    self._dirty = False
+                    try:
+                        flush(fd)
+                        failing = False
+                    except OSError as e:
+                        if not failing:
+                            log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
+                        failing = True
+                if not self._near:
+                    self._wake.clear()
         finally:
             os.close(fd)
 
@@ -182,6 +212,7 @@ class Ring:
         if self.fd < 0:
             return
         self._stopped = True
+        self._wake.set()
         try:
             if clean:
                 os.pwrite(self.fd, blackbox.encode_header(self._header(True, time.time())), 0)

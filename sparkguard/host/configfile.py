@@ -40,7 +40,8 @@ HELP: dict[str, str] = {
     "guard.blackbox": "true: keep the last minute of samples in a file, so that the next start after a reset "
                       "records an unclean-shutdown incident with them (docs/blackbox.md).",
     "guard.blackbox_file": "The black box's file (null: blackbox.ring in incidents.dir).",
-    "guard.blackbox_sync": "Start writeback of the black box this often (0: leave it to the kernel's, ~30 s).",
+    "guard.blackbox_sync": "While memory is near the line, start writeback of the black box this often "
+                           "(0: leave it to the kernel's, ~30 s).",
     "targets": "Whom to signal.",
     "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
                      "e.g. VLLM::EngineCore); earlier ones are preferred.",

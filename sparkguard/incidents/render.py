@@ -147,7 +147,7 @@ def _blackbox_lines(bb: dict) -> list[str]:
             out.append(f"  {_local(r.get('at'), True):<27} {format_size(r.get('signal_bytes')):>10} "
                        f"{format_size(r.get('mem_available_bytes')):>10} {format_size(r.get('mem_free_bytes')):>10} "
                        f"{format_size(r.get('swap_free_bytes')):>10} {format_size(r.get('zram_used_bytes')):>9} "
-                       f"{psi:>11}  {r.get('state', '-')}{' (fast path)' if r.get('fast_path') else ''}")
+                       f"{psi:>11}  {r.get('state', '-')}{' (idle)' if r.get('idle') else ''}")
     return out
 
 
