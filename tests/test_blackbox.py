@@ -407,3 +407,49 @@ def test_the_unclean_shutdown_reaches_a_real_journald_with_its_message_id(tmp_pa
     assert u["PRIORITY"] == "3" and u["SPARKGUARD_KIND"] == "unclean-shutdown"
     report = by_event["report"]
     assert json.loads(report["SPARKGUARD_REPORT"]) == rec and report["SPARKGUARD_OUTCOME"] == "daemon_died"
+
+
+def test_cadence_idle_every_5s_near_the_line_every_second_and_psi_read_every_10s_when_idle(tmp_path):
+    """Idle records (memory far above the line) are due IDLE_INTERVAL apart and reuse PSI/zram for
+    SLOW_EVERY s; a record near the line is due INTERVAL later and reads them anew (real files)."""
+    psi = tmp_path / "pressure"
+    psi.write_text("some avg10=1.00 avg60=0 avg300=0 total=1\nfull avg10=0.50 avg60=0 avg300=0 total=1\n")
+    r, _, err = ring.open_ring(str(tmp_path / "b.ring"), BOOT, 0.0, psi_path=str(psi),
+                               sys_block=str(tmp_path / "nosys"))
+    assert err is None
+    buf = bytearray(b"MemTotal: 100 kB\nMemFree: 7 kB\nMemAvailable: 9 kB\nSwapFree: 3 kB\n")
+    try:
+        assert r.sample(100.0, buf, len(buf), 9216, False, "ok", True, -1) == 100.0 + blackbox.IDLE_INTERVAL
+        psi.write_text("some avg10=42.00 avg60=0 avg300=0 total=9\nfull avg10=21.00 avg60=0 avg300=0 total=9\n")
+        r.sample(105.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 5 s later: PSI kept
+        r.sample(110.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 10 s later: read
+        assert r.sample(110.5, buf, len(buf), 9216, False, "term_sent", False, 5 << 30) == 111.5
+        assert r.next_full_at == 110.5 + blackbox.INTERVAL
+        recs = blackbox.decode(open(tmp_path / "b.ring", "rb").read()).records
+        assert [(x.psi_some_avg10, x.psi_full_avg10, x.idle) for x in recs] == [
+            (1.0, 0.5, True), (1.0, 0.5, True), (42.0, 21.0, True), (42.0, 21.0, False)]
+        assert recs[-1].state == "term_sent" and recs[-1].target_mem == 5 << 30 and recs[-1].zram_used == -1
+    finally:
+        r.close()
+
+
+def test_the_flusher_runs_near_the_line_and_ends_with_close(tmp_path):
+    import threading
+    r, _, err = ring.open_ring(str(tmp_path / "b.ring"), BOOT, 0.01)
+    assert err is None
+    buf = bytearray(b"MemTotal: 100 kB\nMemFree: 7 kB\nMemAvailable: 9 kB\n")
+
+    def flushers():
+        return [t for t in threading.enumerate() if t.name == "sparkguard-blackbox"]
+    try:
+        assert len(flushers()) == 1
+        r.sample(1.0, buf, len(buf), 9216, False, "ok", False, -1)   # near the line: wakes it
+        deadline = time.monotonic() + 10
+        while r._dirty:                                                 # it clears the flag as it flushes
+            assert time.monotonic() < deadline, "the flusher did not run"
+            time.sleep(0.01)
+    finally:
+        r.close()
+    for t in flushers():
+        t.join(5)
+    assert flushers() == []
