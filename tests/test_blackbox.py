@@ -422,12 +422,13 @@ def test_cadence_idle_every_5s_near_the_line_every_second_and_psi_read_every_10s
         assert r.sample(100.0, buf, len(buf), 9216, False, "ok", True, -1) == 100.0 + blackbox.IDLE_INTERVAL
         psi.write_text("some avg10=42.00 avg60=0 avg300=0 total=9\nfull avg10=21.00 avg60=0 avg300=0 total=9\n")
         r.sample(105.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 5 s later: PSI kept
-        r.sample(110.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 10 s later: read
+        r.sample(110.0, buf, len(buf), None, False, "ok", True, -1)             # idle, 10 s later: read
         assert r.sample(110.5, buf, len(buf), 9216, False, "term_sent", False, 5 << 30) == 111.5
         assert r.next_full_at == 110.5 + blackbox.INTERVAL
         recs = blackbox.decode(open(tmp_path / "b.ring", "rb").read()).records
         assert [(x.psi_some_avg10, x.psi_full_avg10, x.idle) for x in recs] == [
             (1.0, 0.5, True), (1.0, 0.5, True), (42.0, 21.0, True), (42.0, 21.0, False)]
+        assert recs[2].mem_available == 9216 and recs[2].signal == 9216     # parsed from buf
         assert recs[-1].state == "term_sent" and recs[-1].target_mem == 5 << 30 and recs[-1].zram_used == -1
     finally:
         r.close()

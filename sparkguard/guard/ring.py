@@ -57,6 +57,7 @@ FILE_MODE = 0o640
 #: avg10 is itself a 10 s average (Documentation/accounting/psi.rst), and memory is far above the
 #: line then; each read is a syscall on a cold path
 SLOW_EVERY = 10.0
+_AVAIL = b"\nMemAvailable:"
 _MEMFREE = b"\nMemFree:"
 _KB = b"kB"
 _SWAPFREE = b"\nSwapFree:"
@@ -103,8 +104,8 @@ class Ring:
 
     # ---- the poll loop's side ------------------------------------------------------------
 
-    def sample(self, now: float, buf: bytearray, n: int, avail: int, use_swap: bool, state: str, idle: bool,
-               target_mem: int) -> float:
+    def sample(self, now: float, buf: bytearray, n: int, avail: int | None, use_swap: bool, state: str,
+               idle: bool, target_mem: int) -> float:
         """Write one record; returns when the next one is due while memory stays far above the line
         (:attr:`next_at`, monotonic s: :data:`~sparkguard.blackbox.IDLE_INTERVAL` after an idle
         record, :data:`~sparkguard.blackbox.INTERVAL` after another); near it the next is due at
@@ -113,7 +114,8 @@ class Ring:
 
         Args:
             now: monotonic s of the read; buf, n: the /proc/meminfo text the loop just read and its
-                length; avail: MemAvailable parsed from it (bytes); use_swap: the guard's signal
+                length; avail: MemAvailable parsed from it (bytes), or None to parse it here (a
+                fast path that compares the text without parsing it); use_swap: the guard's signal
                 includes SwapFree; state: the policy state; idle: memory is far above the line
                 (state OK, MemAvailable at least the idle fast path's floor), as on the fast path;
                 target_mem: the target tree's memory in bytes, -1 unknown.
@@ -122,6 +124,8 @@ class Ring:
         self.next_full_at = now + blackbox.INTERVAL
         self.next_at = now + blackbox.IDLE_INTERVAL if idle else self.next_full_at
         try:
+            if avail is None:
+                avail = _quick(buf, _AVAIL, n)
             free = _quick(buf, _MEMFREE, n)
             swap = _quick(buf, _SWAPFREE, n)
             self._seq += 1
