@@ -203,11 +203,6 @@ class MeminfoReader:
         """
         return self._fd, self._view, self._buf
 
-    @property
-    def length(self) -> int:
-        """Bytes of the last :meth:`sample`'s text in the buffer of :meth:`inline_parts`."""
-        return self._n
-
     def raw(self) -> bytes:
         """The text of the last read (bytes), for snapshots and metrics."""
         return bytes(self._buf[: self._n])

@@ -291,8 +291,9 @@ class Guard:
             if ring is not None:            # the black box's record: once a second near the line
                 idle = pol.state is policy.OK and avail >= s.idle_floor
                 if t0 >= (ring.next_at if idle else ring.next_full_at):
-                    ring.sample(t0, self.reader.inline_parts()[2], self.reader.length, avail, s.use_swap,
-                                pol.state, idle, ring_mod.target_mem(self.actions))
+                    raw = self.reader.raw()
+                    ring.sample(t0, raw, len(raw), avail, s.use_swap, pol.state, idle,
+                                ring_mod.target_mem(self.actions))
         notifier = self.notifier
         if notifier.watchdog_interval is not None:
             notifier.watchdog(t0)

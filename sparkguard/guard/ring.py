@@ -104,7 +104,7 @@ class Ring:
 
     # ---- the poll loop's side ------------------------------------------------------------
 
-    def sample(self, now: float, buf: bytearray, n: int, avail: int | None, use_swap: bool, state: str,
+    def sample(self, now: float, buf: bytes | bytearray, n: int, avail: int | None, use_swap: bool, state: str,
                idle: bool, target_mem: int) -> float:
         """Write one record; returns when the next one is due while memory stays far above the line
         (:attr:`next_at`, monotonic s: :data:`~sparkguard.blackbox.IDLE_INTERVAL` after an idle
@@ -378,7 +378,7 @@ def _open_zram(sys_block: str) -> list[int]:
     return fds
 
 
-def _quick(buf: bytearray, label: bytes, n: int) -> int:
+def _quick(buf: bytes | bytearray, label: bytes, n: int) -> int:
     """A ``kB`` field of the meminfo text in bytes, read the way :func:`sparkguard.meminfo.quick_available`
     reads MemAvailable (one find, one int); -1 when absent or not a number.  A record is evidence,
     not a decision: a value this misreads costs nothing but that record's field."""

@@ -7,7 +7,9 @@ import os
 import tempfile
 import time
 
-from sparkguard import blackbox, linkwatch, meminfo, metrics
+from sparkguard import linkwatch, metrics
+
+from sparkguard import blackbox, meminfo
 from sparkguard.guard import ring
 from sparkguard.model import Thresholds
 
