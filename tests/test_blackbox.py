@@ -454,3 +454,20 @@ def test_the_flusher_runs_near_the_line_and_ends_with_close(tmp_path):
     for t in flushers():
         t.join(5)
     assert flushers() == []
+
+
+def test_zram_ram_used_is_summed_over_devices_with_a_disksize(tmp_path):
+    """A fixture /sys/block: zram0 and zram2 hold data (mm_stat column 3, mem_used_total), zram1 has
+    no disksize and is left out.  Source: Documentation/admin-guide/blockdev/zram.rst."""
+    for name, size, used in (("zram0", 1 << 30, 4096), ("zram1", 0, 999), ("zram2", 1 << 30, 8192)):
+        d = tmp_path / "block" / name
+        d.mkdir(parents=True)
+        (d / "disksize").write_text(f"{size}\n")
+        (d / "comp_algorithm").write_text("lzo [lz4] zstd\n")
+        (d / "mm_stat").write_text(f"  100   50  {used}  0  {used}  0  0  0  0\n")
+    r, _, err = ring.open_ring(str(tmp_path / "b.ring"), BOOT, 0.0, sys_block=str(tmp_path / "block"))
+    assert err is None
+    try:
+        assert r._zram() == 4096 + 8192
+    finally:
+        r.close()

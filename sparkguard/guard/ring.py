@@ -46,7 +46,7 @@ import stat
 import threading
 import time
 
-from sparkguard import blackbox
+from sparkguard import blackbox, sysinfo
 
 log = logging.getLogger("sparkguard")
 
@@ -358,13 +358,11 @@ def _open_ro(path: str) -> int | None:
 
 
 def _open_zram(sys_block: str) -> list[int]:
-    """Descriptors of every zram device's ``mm_stat`` with a non-zero disksize at start.
+    """Descriptors of the ``mm_stat`` of every zram device with a disksize at start
+    (:func:`sparkguard.sysinfo.read_zram` lists them).
     Source: Documentation/admin-guide/blockdev/zram.rst (mm_stat: mem_used_total is column 3)."""
-    fds = []
-    try:
-        names = sorted(n for n in os.listdir(sys_block) if n.startswith("zram"))
-    except OSError:
-        return fds
+    fds = [_open_ro(f"{sys_block}/{d['device']}/mm_stat") for d in sysinfo.read_zram(sys_block)]
+    return [fd for fd in fds if fd is not None]
     for name in names:
         try:
             with open(f"{sys_block}/{name}/disksize") as f:
