@@ -53,7 +53,8 @@ and sparkguard started under each scheduling in turn: ``nice -n -20`` (the unit'
 ``chrt -r 1`` (SCHED_RR priority 1, threads and children inherit it), ``chrt --reset-on-fork -r 1``
 (CPUSchedulingResetOnFork=yes: threads start at SCHED_OTHER nice 0).
 
-Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away (with
+Idle: the three guards run side by side for --idle-seconds with the line 8 GiB away (--idle-headroom;
+more on a shared host whose MemAvailable wanders: sparkguard's idle fast path needs 6.4 GiB; with
 --idle-copies N, N processes of each, compared by their medians), and
 beside them the floors: the plainest loop at sparkguard's default cadence (read /proc/meminfo,
 sleep 200 ms) in Python and, where ``cc`` exists, in C, and ``floor_python_check``, the Python
@@ -636,8 +637,8 @@ def sparkguard_poll_cost(n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def idle(seconds: float, guards, floors: bool = True, copies: int = 1) -> list[dict]:
-    """The guards (and the floor loops) side by side for ``seconds``, the line 8 GiB away;
+def idle(seconds: float, guards, floors: bool = True, copies: int = 1, headroom: float = 8.0) -> list[dict]:
+    """The guards (and the floor loops) side by side for ``seconds``, the line ``headroom`` GiB away;
     ``copies`` processes of each (named ``guard#i`` when more than one).
 
     Returns one row per process: CPU seconds (all threads), % of one core, scheduler runs
@@ -647,7 +648,7 @@ def idle(seconds: float, guards, floors: bool = True, copies: int = 1) -> list[d
     have differed by up to 1.4x in CPU per wake-up (where each lands, what shares its core), as
     much as a guard differs from the floor; :func:`idle_medians` compares medians of copies."""
     work = tempfile.mkdtemp(prefix="sg-h2h-idle-")
-    term = max(GiB, mem_available() - 8 * GiB)
+    term = max(GiB, int(mem_available() - headroom * GiB))
     nss = {}
     rows = []
     try:
@@ -820,6 +821,9 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--idle-copies", type=int, default=1, metavar="N",
                     help="N processes of each guard and floor in the idle run, compared by their medians")
+    ap.add_argument("--idle-headroom", type=float, default=8.0, metavar="GIB",
+                    help="GiB between MemAvailable at the idle run's start and the line (sparkguard's idle fast "
+                         "path runs 6.4 GiB above it)")
     ap.add_argument("--no-idle", action="store_true")
     ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
     ap.add_argument("--no-floors", action="store_true",
@@ -896,7 +900,7 @@ def bench(args, guards: list[str]) -> int:
         stopped = e
         print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
     idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards, not args.no_floors,
-                                                                  max(1, args.idle_copies))
+                                                                  max(1, args.idle_copies), args.idle_headroom)
     fields = ["guard", "scenario", "tier", "bystanders", "spinners", "sched", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
               "terms", "line_bytes", "false_term", "load_s", "step_s", "term_before_cross", "error"]

@@ -31,6 +31,7 @@ no_target             275449425a144f28ace72a82befb8881  3         below the line
 would_signal          032dbf9ce9894711a9187727029087d9  4         dry run: would have sent SIGTERM/SIGKILL
 config_reload_failed  7f5e066f6b814f52b7a19d56c14bbf98  4         SIGHUP reload refused; old config kept
 recovery_timeout      ec9ec42d9229412cb75748ac8d0793fe  3         victim gone, memory still low after recovery_wait
+unclean_shutdown      7bdd0f0e6aee40a2821c59306fae68cf  3         the last run ended without a clean stop (black box)
 event                 592ef58734144acc9848eab09e8ca020  5         any other event (engine, link, drill...)
 ====================  ================================  ========  =================================================
 """
@@ -62,6 +63,7 @@ MESSAGE_IDS: dict[str, str] = {
     "would_signal": "032dbf9ce9894711a9187727029087d9",
     "config_reload_failed": "7f5e066f6b814f52b7a19d56c14bbf98",
     "recovery_timeout": "ec9ec42d9229412cb75748ac8d0793fe",
+    "unclean_shutdown": "7bdd0f0e6aee40a2821c59306fae68cf",
     "event": "592ef58734144acc9848eab09e8ca020",
 }
 
@@ -80,16 +82,17 @@ PRIORITIES: dict[str, int] = {
     "would_signal": 4,
     "config_reload_failed": 4,
     "recovery_timeout": 3,
+    "unclean_shutdown": 3,
     "event": 5,
 }
 
 #: Report id priority by outcome (default ``PRIORITIES["report"]``): the worst outcomes are errors.
-REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3}
+REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3, "hard_reset": 3}
 
 
 def report_priority(outcome: str | None) -> int:
-    """PRIORITY of an incident report: 3 (err) when the outcome is ``killed``/``no_target`` or memory
-    did not come back (``*_memory_not_back``), else 4 (warning)."""
+    """PRIORITY of an incident report: 3 (err) when the outcome is ``killed``/``no_target``/``hard_reset``
+    (an ``unclean-shutdown`` incident from another boot) or memory did not come back (``*_memory_not_back``), else 4 (warning)."""
     o = str(outcome or "")
     if o.endswith("_memory_not_back"):
         return 3

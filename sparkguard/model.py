@@ -1,8 +1,8 @@
 """The incident record: typed parts, the one builder (:func:`new_incident`) and its views.
 
 Every incident (kind ``memory`` from the guard's poll loop, ``wedged`` from the engine
-supervisor, ``link`` from the TP link watch; ``sparkguard drill`` marks its memory incident
-``drill``) is an :class:`Incident` built by :func:`new_incident`.  Its views:
+supervisor, ``link`` from the TP link watch, ``unclean-shutdown`` from the black box at start
+(:mod:`sparkguard.blackbox`); ``sparkguard drill`` marks its memory incident ``drill``) is an :class:`Incident` built by :func:`new_incident`.  Its views:
 
 * :meth:`Incident.to_json`: the incident file (``<incidents.dir>/<id>.json``), the journal's
   ``SPARKGUARD_REPORT`` and ``sparkguard incidents --json``; key order is part of the format.
@@ -189,6 +189,7 @@ class Incident:
     min_available_bytes: int | None = None
     link: Link | None = None
     engine: dict | None = None
+    blackbox: dict | None = None
     meminfo_raw: bytes | None = None
     trigger: dict | None = None
 
@@ -213,7 +214,7 @@ class Incident:
         """The record as written (a new dict, nothing shared with the Incident but ``engine``'s
         and ``psi_memory``'s and ``zram``'s values): key order id, kind, drill, host, boot_id,
         started_at, ended_at, dry_run, thresholds, meminfo, psi_memory, zram, target, timeline,
-        outcome, summary, then where set top_consumers, min_available_bytes, link, engine, trigger.
+        outcome, summary, then where set top_consumers, min_available_bytes, link, engine, trigger, blackbox.
         Parses :attr:`meminfo_raw` first if nobody has (:meth:`parse_meminfo`)."""
         self.parse_meminfo()
         out = {
@@ -234,6 +235,8 @@ class Incident:
             out["engine"] = self.engine
         if self.trigger is not None:
             out["trigger"] = dict(self.trigger)
+        if self.blackbox is not None:
+            out["blackbox"] = self.blackbox
         return out
 
 
@@ -254,7 +257,7 @@ def new_incident(kind: str, started_at: float, thresholds: Thresholds | LinkThre
     """The one builder of incidents, with a fresh id (:func:`new_id`).
 
     Args:
-        kind: ``"memory"``, ``"wedged"`` or ``"link"``.
+        kind: ``"memory"``, ``"wedged"``, ``"link"``, ``"unclean-shutdown"`` (and the supervisor's, docs/incident.md).
         started_at: unix s (names the id).
         thresholds: the lines that applied.
         meminfo: the raw /proc/meminfo text (bytes, parsed later by :meth:`Incident.parse_meminfo`)

@@ -63,6 +63,10 @@ class GuardConfig:
     rate_lead: float = 1.0
     rate_window: float = 1.0
     rate_min_fall: int = 256 * 1024**2      # bytes per second
+    # the black box (sparkguard.blackbox, docs/blackbox.md): a ring of the last minute of samples
+    blackbox: bool = True
+    blackbox_file: str | None = None    # None: <incidents.dir>/blackbox.ring
+    blackbox_sync: float = 1.0          # seconds between writeback starts while near the line (0: never)
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,9 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "rate_lead": duration(0.0, 60.0),               # a minute: beyond it a forecast is a guess
         "rate_window": duration(0.05, 10.0),            # at least ~3 samples at the fastest cadence
         "rate_min_fall": fall_rate,
+        "blackbox": boolean,
+        "blackbox_file": lambda v: None if v is None else abs_path(v),
+        "blackbox_sync": duration(0.0, 60.0),
     }),
     "targets": (TargetsConfig, {
         "match": regex_list,

@@ -109,8 +109,10 @@ class Drill:
         p = self.plan
         dcfg = config.replace(
             self.cfg,
+            # blackbox off: the ring belongs to the daemon (a drill must neither take its lock nor
+            # report and reset the daemon's last run as its own)
             guard=config.dataclasses.replace(g, term_below=p["term_below"], kill_below=p["kill_below"],
-                                             dry_run=False),
+                                             dry_run=False, blackbox=False),
             targets=config.dataclasses.replace(self.cfg.targets, match=(re.escape(self.model) + r"(\s|$)",),
                                                fallback="off"),
             metrics=config.dataclasses.replace(self.cfg.metrics, listen=None))

@@ -25,6 +25,7 @@ import time
 
 from sparkguard import meminfo, notify, policy, rate, recorder, reporter, sysinfo
 from sparkguard.guard import harden, logq, reconfig, settings, startup
+from sparkguard.guard import ring as ring_mod
 from sparkguard.guard.act import Actions
 from sparkguard.guard.engine import Engine
 from sparkguard.units import format_size
@@ -59,6 +60,7 @@ class Guard:
         self._idle_poll = select.poll().poll    # nothing registered: the idle fast path waits for time only
         self.reader = self.reporter = self.recorder = self.notifier = self.metrics = self.linkwatch = None
         self.reloader = None
+        self.ring = None            # the black box (guard/ring.py), None when off
         self.psi_fd = None
         self.stopping = False
         self.keep_engine = False    # SIGUSR2: the supervised engine outlives this daemon
@@ -100,6 +102,8 @@ class Guard:
         self.recorder = self.actions.recorder = recorder.Recorder(self.reader, self.reporter, sysinfo.hostname(),
                                                                   sysinfo.boot_id())
         startup.check_incident_dir(self.cfg, self.reporter)
+        self.ring = startup.open_blackbox(self.cfg, self.recorder, self.reporter, self.recorder.host,
+                                          self.recorder.boot_id)
         self.psi_fd = harden.open_psi_trigger()
         if self.psi_fd is None:
             log.info("PSI memory trigger unavailable; polling only")
@@ -169,11 +173,11 @@ class Guard:
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
         ten seconds of polls (:meth:`_fast_budget`) take the idle fast path instead
-        (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one compare of MemAvailable's bytes with the floor's,
-        the watchdog ping when it falls due, and a sleep on an empty poll set.  After 200 ms of sleep every line runs cold, and each
-        registered fd costs the kernel a poll-table set-up and tear-down per wake.  Signals are
-        seen on the fast path through the flag the handler sets, within one poll interval.  The
-        PSI trigger is not watched there: it could wake the loop before the next poll only for
+        (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one compare of MemAvailable's bytes with the
+        floor's, the watchdog ping and the black box's record (guard/ring.py) when due, and a sleep
+        on an empty poll set.  After 200 ms of sleep every line runs cold, and each registered fd
+        costs the kernel a poll-table set-up and tear-down per wake.  Signals are seen on the fast
+        path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for
         memory falling faster than FILL_RATE, and its own stall threshold (100-150 ms within a
         1-2 s window, harden.PSI_TRIGGERS) spends most of the 200 ms interval first; it is
         watched again from the first full pass.  The fast path checks MemAvailable alone, which
@@ -221,13 +225,15 @@ class Guard:
         fd, view, buf = self.reader.inline_parts()
         preadv, above, monotonic, sleep = os.preadv, meminfo.fast_above, time.monotonic, self._idle_poll
         at, (width, pattern), ms, flags = self._fast_at, s.idle_pattern, s.interval * 1000.0, self._flags
-        notifier = self.notifier
+        notifier, ring = self.notifier, self.ring
         # a ping due before the next wake-up is sent at this one, on the ping schedule
         ping_at = notifier.next_ping - s.interval if notifier.watchdog_interval is not None else math.inf
+        ring_at = ring.next_at if ring is not None else math.inf
         try:
             while left:
                 try:
-                    raw = above(buf, preadv(fd, view, 0), at, width, pattern)
+                    n = preadv(fd, view, 0)
+                    raw = above(buf, n, at, width, pattern)
                 except OSError:                 # the full pass reports it
                     return
                 if raw is None or flags or self.stopping:
@@ -239,6 +245,8 @@ class Guard:
                 if now >= ping_at:              # WATCHDOG=1 from the loop itself, never late
                     notifier.watchdog(max(now, notifier.next_ping))
                     ping_at = notifier.next_ping - s.interval
+                if now >= ring_at:              # the black box's record (blackbox.IDLE_INTERVAL)
+                    ring_at = ring.sample(now, buf, n, None, s.use_swap, policy.OK, True, ring_mod.target_mem(self.actions))
                 sleep(ms)
         except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
             log.exception("poll loop error on the idle path; the guard keeps running")
@@ -292,6 +300,13 @@ class Guard:
             self.poll_count += 1
             self.poll_sum += t1 - t0
             self.last_poll = t1
+            ring = self.ring
+            if ring is not None:            # the black box's record: once a second near the line
+                idle = pol.state is policy.OK and avail >= s.idle_floor
+                if t0 >= (ring.next_at if idle else ring.next_full_at):
+                    raw = self.reader.raw()
+                    ring.sample(t0, raw, len(raw), avail, s.use_swap, pol.state, idle,
+                                ring_mod.target_mem(self.actions))
         notifier = self.notifier
         if notifier.watchdog_interval is not None:
             notifier.watchdog(t0)
@@ -419,7 +434,8 @@ class Guard:
             return False
         cfg, thresholds, protector = result
         for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
-                         ("link", "interfaces"), ("link", "down_after")):
+                         ("link", "interfaces"), ("link", "down_after"), ("guard", "blackbox"),
+                         ("guard", "blackbox_file"), ("guard", "blackbox_sync")):
             new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)
             if new != old:
                 log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
@@ -460,6 +476,8 @@ class Guard:
                 self.metrics.stop()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
+        if self.ring is not None:
+            self.ring.close(clean=True)     # the last thing: the next start finds a clean stop
         log.info("stopped")
         return 0
 

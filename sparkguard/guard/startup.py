@@ -1,12 +1,17 @@
-"""Start-up checks and side services of the guard: the incidents directory, metrics, the link watch."""
+"""Start-up checks and side services of the guard: the incidents directory, the black box, metrics, the link watch."""
 
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
+import time
 
 from sparkguard import gpumem, linkcompat, linkwatch, metrics
+
+from sparkguard import blackbox, meminfo
+from sparkguard.guard import ring
+from sparkguard.model import Thresholds
 
 log = logging.getLogger("sparkguard")
 
@@ -44,6 +49,52 @@ def check_incident_dir(cfg, reporter) -> None:
         log.error("incidents.dir %s is not writable (%s): incident files will be lost%s", d, e.strerror or e,
                   "; the journal still gets them" if nojournal is None else
                   f" and nothing keeps the full reports{nojournal}")
+
+
+def blackbox_path(cfg) -> str:
+    """``guard.blackbox_file``, or ``blackbox.ring`` in ``incidents.dir`` (the state directory the
+    incidents live in: each guard with its own incidents has its own ring)."""
+    return cfg.guard.blackbox_file or os.path.join(cfg.incidents.dir, "blackbox.ring")
+
+
+def open_blackbox(cfg, recorder, reporter, host: str, boot_id: str):
+    """Open the black box (``guard.blackbox``) and report how the run before ended.
+
+    When the previous run's ring shows no clean stop (:func:`sparkguard.blackbox.verdict`), an
+    ``unclean-shutdown`` incident is reported now: its ``unclean_shutdown`` event and the report
+    go to the reporter (journal, incident file), and ``recorder`` counts it.  Then this run's ring
+    starts.  Returns the :class:`sparkguard.guard.ring.Ring`, or None when off or unusable (logged:
+    the guard runs on without it).
+    """
+    if not cfg.guard.blackbox:
+        return None
+    path = blackbox_path(cfg)
+    now = time.time()
+    r, previous, error = ring.open_ring(path, boot_id, cfg.guard.blackbox_sync, now)
+    if r is None:
+        log.error("black box off: %s", error)
+        return None
+    if previous is not None:
+        try:
+            old = blackbox.decode(previous)
+        except blackbox.RingError as e:
+            log.warning("black box %s: the previous run's ring is unreadable (%s); starting a new one", path, e)
+            old = None
+        cause = blackbox.verdict(old, boot_id) if old is not None else None
+        if cause is not None:
+            try:
+                mi = meminfo.read()
+            except OSError:
+                mi = {}
+            inc = blackbox.incident(old, cause, now, host, boot_id, Thresholds.of(cfg.guard), mi)
+            rec = inc.to_json()
+            recorder.count(inc.kind, inc.started_at, inc.id)
+            reporter.event(inc.ref(), rec["timeline"][-1])
+            reporter.finish(rec)
+            log.warning("black box: %s", inc.summary)
+    log.info("black box: one sample a second in %s (writeback every %s)", path,
+             f"{cfg.guard.blackbox_sync:g}s" if cfg.guard.blackbox_sync else "- (the kernel's writeback)")
+    return r
 
 
 def start_metrics(cfg, snapshot, config=None):

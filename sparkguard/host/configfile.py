@@ -42,6 +42,11 @@ HELP: dict[str, str] = {
     "guard.rate_lead": "How far ahead the rate trigger looks: at least the engine's time from SIGTERM to its memory back.",
     "guard.rate_window": "Seconds of samples the fall rate is estimated over (a robust median of slopes).",
     "guard.rate_min_fall": "Bytes per second (e.g. 256MiB/s): a slower fall never triggers.",
+    "guard.blackbox": "true: keep the last minute of samples in a file, so that the next start after a reset "
+                      "records an unclean-shutdown incident with them (docs/blackbox.md).",
+    "guard.blackbox_file": "The black box's file (null: blackbox.ring in incidents.dir).",
+    "guard.blackbox_sync": "While memory is near the line, start writeback of the black box this often "
+                           "(0: leave it to the kernel's, ~30 s).",
     "targets": "Whom to signal.",
     "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
                      "e.g. VLLM::EngineCore); earlier ones are preferred.",

@@ -125,6 +125,32 @@ def _engine_lines(eng: dict) -> list[str]:
     return out
 
 
+def _blackbox_lines(bb: dict) -> list[str]:
+    """The black box part of an ``unclean-shutdown`` incident (docs/blackbox.md)."""
+    lo = bb.get("lowest") if isinstance(bb.get("lowest"), dict) else {}
+    hi = bb.get("highest") if isinstance(bb.get("highest"), dict) else {}
+    out = [f"Black box  {bb.get('cause', '-')}: previous boot {bb.get('previous_boot_id') or '-'}, "
+           f"this boot {bb.get('boot_id') or '-'}, previous pid {bb.get('previous_pid', '-')}",
+           f"  last sample    {_local(bb.get('last_sample_at'), True)}, {format_duration(number(bb.get('gap_seconds')))}"
+           f" before this start ({bb.get('records', '-')} records, {bb.get('unreadable_slots', '-')} unreadable)",
+           f"  last {format_duration(number(bb.get('window_seconds')))}: lowest MemAvailable "
+           f"{format_size(lo.get('mem_available_bytes'))}, MemFree {format_size(lo.get('mem_free_bytes'))}, "
+           f"SwapFree {format_size(lo.get('swap_free_bytes'))}",
+           f"                 highest PSI some/full avg10 {hi.get('psi_some_avg10', '-')}/{hi.get('psi_full_avg10', '-')} %,"
+           f" zram used {format_size(hi.get('zram_used_bytes'))}, target {format_size(hi.get('target_mem_bytes'))}"]
+    last = [r for r in bb.get("last") or [] if isinstance(r, dict)]
+    if last:
+        out.append(f"  {'AT':<27} {'SIGNAL':>10} {'AVAIL':>10} {'FREE':>10} {'SWAPFREE':>10} {'ZRAM':>9} "
+                   f"{'PSI s/f':>11}  STATE")
+        for r in last:
+            psi = f"{r.get('psi_some_avg10', '-')}/{r.get('psi_full_avg10', '-')}"
+            out.append(f"  {_local(r.get('at'), True):<27} {format_size(r.get('signal_bytes')):>10} "
+                       f"{format_size(r.get('mem_available_bytes')):>10} {format_size(r.get('mem_free_bytes')):>10} "
+                       f"{format_size(r.get('swap_free_bytes')):>10} {format_size(r.get('zram_used_bytes')):>9} "
+                       f"{psi:>11}  {r.get('state', '-')}{' (idle)' if r.get('idle') else ''}")
+    return out
+
+
 def render(rec: dict) -> str:
     """A readable multi-line report of one incident record (str, ends with a newline).
 
@@ -249,6 +275,10 @@ def render(rec: dict) -> str:
     if isinstance(eng, dict) and eng:
         L.append("")
         L.extend(_engine_lines(eng))
+    bb = rec.get("blackbox")
+    if isinstance(bb, dict):
+        L.append("")
+        L.extend(_blackbox_lines(bb))
     return "\n".join(L) + "\n"
 
 

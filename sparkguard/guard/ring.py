@@ -1,0 +1,407 @@
+"""The black box's file: lock it, read the last run's ring, write one sample a second, flush, mark the clean stop.
+
+The format and every decision are in :mod:`sparkguard.blackbox` (pure); this module does the I/O:
+
+* :func:`open_ring` (start-up): opens ``guard.blackbox_file`` (O_NOFOLLOW, mode 0640), takes an
+  exclusive ``flock`` (a second guard on the same file gets no ring, rather than reporting the
+  running one as dead), reads what the previous run left (at most :data:`MAX_READ` bytes),
+  then starts this run's ring: header with the CLEAN flag cleared, every slot zeroed, one
+  ``fdatasync``.  Any failure leaves the guard without a black box, never without its loop.
+* :meth:`Ring.sample` (poll loop, once per :data:`sparkguard.blackbox.INTERVAL`): parses MemFree
+  and SwapFree from the /proc/meminfo text the loop just read, preads the PSI file and each zram
+  ``mm_stat`` through descriptors opened at start (for idle records every :data:`SLOW_EVERY`
+  seconds, else every record), packs the record into a reused buffer and ``pwrite``\\ s it at its
+  slot: no open, no allocation that grows, no sync.
+  Errors are counted and logged once per streak; they never reach the loop.
+* A flusher thread starts writeback of the file (:func:`flush`: ``sync_file_range``) every
+  ``guard.blackbox_sync`` seconds while records are not idle, i.e. while memory is near the line
+  or an incident is open; while memory is far above the line it is parked (no wake-ups) and the
+  kernel's own writeback writes dirty pages once they are ``vm.dirty_expire_centisecs`` old (30 s
+  by default, Documentation/admin-guide/sysctl/vm.rst), as it always does with
+  ``blackbox_sync: 0`` (no thread).  It may block in the flush; the loop does not.
+* :meth:`Ring.close` (clean stop): header with CLEAN set and the stop time, ``fdatasync``.
+
+What a hard reset loses: the records written since the last flush that the kernel had not
+written back itself: near the line at most ``blackbox_sync`` seconds plus the device's write
+latency; far above it (idle fast path) up to ~35 s, unless the box stays up long enough for the
+kernel's writeback (a lock-up usually does: it lasts until someone holds the power button).
+``sync_file_range`` does not flush the drive's volatile cache (``fdatasync`` would, at about 1.5x
+the CPU and a cache flush that stalls every other writer of the device): assumption: a drive
+commits its cache within seconds, and a lock-up lasts longer than that before a person
+power-cycles the box.  A crash of the process loses nothing: the page cache holds every ``pwrite``.
+The file's pages are also mapped (``mmap``) and touched once, so that under the daemon's
+``mlockall(MCL_FUTURE|MCL_ONFAULT)`` (:mod:`sparkguard.guard.harden`) they stay resident: a
+``pwrite`` under memory pressure then never waits to read an evicted page back from disk.
+Source: mlockall(2) ("MCL_ONFAULT ... lock pages when they are faulted in"), mmap(2).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+
+from sparkguard import blackbox, sysinfo
+
+log = logging.getLogger("sparkguard")
+
+#: bytes read of a previous ring at most: the largest header-declared ring this version accepts
+MAX_READ = blackbox.file_size(65536)
+FILE_MODE = 0o640
+#: seconds between reads of PSI and zram for idle records (every other record reads them): PSI's
+#: avg10 is itself a 10 s average (Documentation/accounting/psi.rst), and memory is far above the
+#: line then; each read is a syscall on a cold path
+SLOW_EVERY = 10.0
+_AVAIL = b"\nMemAvailable:"
+_MEMFREE = b"\nMemFree:"
+_KB = b"kB"
+_SWAPFREE = b"\nSwapFree:"
+_AVG10 = b"avg10="
+_PSI_PATH = "/proc/pressure/memory"
+_SYS_BLOCK = "/sys/block"
+
+
+class Ring:
+    """This run's ring, open and locked.  Built by :func:`open_ring`; used by the poll-loop thread
+    (``sample``, ``close``) and its own flusher thread.
+
+    Attributes:
+        path: the file; next_at, next_full_at: monotonic s when the next record is due while memory
+        is far above the line (idle) and while it is not (the loop compares them); written: records
+        written by this run; errors: failed writes.
+    """
+
+    def __init__(self, path: str, fd: int, boot_id: str, started_at: float, sync_every: float,
+                 psi_path: str = _PSI_PATH, sys_block: str = _SYS_BLOCK):
+        self.path, self.fd = path, fd
+        self.boot_id, self.started_at = boot_id, started_at
+        self._boot = blackbox.boot_bytes(boot_id)
+        self.next_at = self.next_full_at = 0.0
+        self.written = self.errors = 0
+        self._seq = 0
+        self._buf = bytearray(blackbox.RECORD_SIZE)
+        self._psi_buf = bytearray(512)
+        self._mm_buf = bytearray(256)
+        self._psi_fd = _open_ro(psi_path)
+        self._zram_fds = _open_zram(sys_block)
+        self._some = self._full = -1.0
+        self._zram_used = -1
+        self._slow_at = 0.0
+        self._failing = False
+        self._map = _pin(fd)
+        self._dirty = self._stopped = self._near = False
+        self._wake = threading.Event()      # set while full passes write records: the flusher runs
+        if sync_every > 0:
+            # its own descriptor: the thread may wake once more after close() and must not sync a
+            # number the process has reused since
+            threading.Thread(target=self._flush_loop, args=(os.dup(fd), sync_every), name="sparkguard-blackbox",
+                             daemon=True).start()
+
+    # ---- the poll loop's side ------------------------------------------------------------
+
+    def sample(self, now: float, buf: bytes | bytearray, n: int, avail: int | None, use_swap: bool, state: str,
+               idle: bool, target_mem: int) -> float:
+        """Write one record; returns when the next one is due while memory stays far above the line
+        (:attr:`next_at`, monotonic s: :data:`~sparkguard.blackbox.IDLE_INTERVAL` after an idle
+        record, :data:`~sparkguard.blackbox.INTERVAL` after another); near it the next is due at
+        :attr:`next_full_at` (always ``INTERVAL`` later).  A record that is not idle also wakes
+        the flusher.
+
+        Args:
+            now: monotonic s of the read; buf, n: the /proc/meminfo text the loop just read and its
+                length; avail: MemAvailable parsed from it (bytes), or None to parse it here (a
+                fast path that compares the text without parsing it); use_swap: the guard's signal
+                includes SwapFree; state: the policy state; idle: memory is far above the line
+                (state OK, MemAvailable at least the idle fast path's floor), as on the fast path;
+                target_mem: the target tree's memory in bytes, -1 unknown.
+        Never raises: a failure is counted in :attr:`errors` and logged once per streak.
+        """
+        self.next_full_at = now + blackbox.INTERVAL
+        self.next_at = now + blackbox.IDLE_INTERVAL if idle else self.next_full_at
+        try:
+            if avail is None:
+                avail = _quick(buf, _AVAIL, n)
+            free = _quick(buf, _MEMFREE, n)
+            swap = _quick(buf, _SWAPFREE, n)
+            self._seq += 1
+            if not idle or now >= self._slow_at:
+                self._slow_at = now + SLOW_EVERY
+                self._some, self._full = self._psi()
+                self._zram_used = self._zram()
+            blackbox.pack_record(self._buf, self._seq, time.time(), now, self._boot,
+                                 avail + max(swap, 0) if use_swap else avail, avail, free, swap, self._zram_used,
+                                 target_mem, self._some, self._full, blackbox.state_code(state), idle)
+            os.pwrite(self.fd, self._buf, blackbox.offset(self._seq))
+            self.written += 1
+            self._dirty = True              # the flusher clears it (a bool store: atomic under the GIL)
+            self._near = not idle
+            if not idle and not self._wake.is_set():
+                self._wake.set()
+            if self._failing:
+                self._failing = False
+                log.info("black box %s is written again", self.path)
+        except Exception as e:  # noqa: BLE001 - the black box must never cost the guard its loop
+            self.errors += 1
+            if not self._failing:
+                self._failing = True
+                log.error("black box %s: writing a sample failed (%s); retrying every %gs",
+                          self.path, e, blackbox.INTERVAL)
+        return self.next_at
+
+    def _psi(self) -> tuple[float, float]:
+        """PSI memory some/full avg10 (percent), -1.0 each when unreadable."""
+        fd = self._psi_fd
+        if fd is None:
+            return -1.0, -1.0
+        try:
+            n = os.preadv(fd, [self._psi_buf], 0)
+        except OSError:
+            return -1.0, -1.0
+        return _avg10(self._psi_buf, n)
+
+    def _zram(self) -> int:
+        """RAM used by every zram device (mm_stat's third column, bytes), -1 without zram."""
+        if not self._zram_fds:
+            return -1
+        total = 0
+        b = self._mm_buf
+        for fd in self._zram_fds:
+            try:
+                n = os.preadv(fd, [b], 0)
+                total += int(b[:n].split()[2])
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
+
+    # ---- the flusher thread ----------------------------------------------------------------
+
+    def _flush_loop(self, fd: int, every: float) -> None:
+        """While full passes write records (memory near the line, an incident), start writeback
+        (:func:`flush`) of what was written every ``every`` s; parked, at no cost, while records
+        are idle (memory far above the line: left to the kernel's writeback).  A race with the loop
+        can park it while near the line: the next full pass's record wakes it again."""
+        failing = False
+        try:
+            while True:
+                self._wake.wait()
+                if self._stopped:
+                    return
+                time.sleep(every)
+                if self._stopped:
+                    return
+                if self._dirty:
+                    self._dirty = False
+                    try:
+                        flush(fd)
+                        failing = False
+                    except OSError as e:
+                        if not failing:
+                            log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
+                        failing = True
+                if not self._near:
+                    self._wake.clear()
+        finally:
+            os.close(fd)
+
+    # ---- stop ------------------------------------------------------------------------------
+
+    def close(self, clean: bool = True) -> None:
+        """Stop the flusher; with ``clean`` mark the clean stop (header CLEAN flag, stop time) and
+        flush.  Errors are logged; the file is closed either way.  Safe to call twice."""
+        if self.fd < 0:
+            return
+        self._stopped = True
+        self._wake.set()
+        try:
+            if clean:
+                os.pwrite(self.fd, blackbox.encode_header(self._header(True, time.time())), 0)
+                os.fdatasync(self.fd)
+        except OSError as e:
+            log.error("black box %s: marking the clean stop failed (%s): the next start will report an "
+                      "unclean shutdown", self.path, e.strerror or e)
+        finally:
+            for fd in [self._psi_fd, *self._zram_fds]:
+                if fd is not None:
+                    os.close(fd)
+            self._psi_fd, self._zram_fds = None, []
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+            os.close(self.fd)       # releases the flock
+            self.fd = -1
+
+    def _header(self, clean: bool, stopped_at: float = 0.0) -> blackbox.Header:
+        return blackbox.Header(blackbox.SLOTS, clean, self.boot_id, self.started_at, stopped_at, os.getpid(),
+                               blackbox.INTERVAL)
+
+
+def _sync_file_range():
+    """libc's sync_file_range(2) (Linux >= 2.6.17, glibc >= 2.6), or None."""
+    try:
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+_SFR = _sync_file_range()
+_SFR_WRITE = 2      # SYNC_FILE_RANGE_WRITE (linux/fs.h)
+
+
+def flush(fd: int) -> None:
+    """Start writeback of the file's dirty pages now, without waiting for it:
+    ``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`` (sync_file_range(2): "initiate write-out of
+    all dirty pages ... not presently under write-out"); ``fdatasync`` where libc lacks it.
+
+    Raises:
+        OSError: the call failed (EIO, ENOSPC...).
+    """
+    if _SFR is None:
+        os.fdatasync(fd)
+        return
+    if _SFR(fd, 0, 0, _SFR_WRITE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def target_mem(actions) -> int:
+    """The target tree's memory for a record (``guard.act.Actions``): the victim's, else the armed
+    target's (bytes, RSS + swap as last read); -1 when unknown."""
+    t = actions.target or actions.armed.target
+    m = getattr(t, "mem_bytes", 0) if t is not None else 0
+    return m if isinstance(m, int) and m > 0 else -1
+
+
+def open_ring(path: str, boot_id: str, sync_every: float, now: float | None = None,
+              psi_path: str = _PSI_PATH, sys_block: str = _SYS_BLOCK
+              ) -> tuple[Ring | None, bytes | None, str | None]:
+    """Open, lock and read the ring at ``path``, then start this run's ring in it.
+
+    Args:
+        path: ``guard.blackbox_file``; its directory is created (0750) if missing.
+        boot_id: this boot's id (:func:`sparkguard.sysinfo.boot_id`); sync_every: seconds between
+            the flusher's fdatasyncs (0: none); now: unix s of this start (default time.time()).
+    Returns:
+        ``(ring, previous, error)``: this run's :class:`Ring` (None when it could not be had); the
+        bytes the previous run left (None: no file, or unreadable), for
+        :func:`sparkguard.blackbox.decode`; why there is no ring or no previous content (str), or None.
+    """
+    now = time.time() if now is None else now
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        return None, None, f"cannot open {path}: {e.strerror or e}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        return None, None, f"{path} is locked by another process ({e.strerror or e}): another sparkguard uses it"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None, None, f"{path} is not a regular file"
+        previous = _read_bounded(fd)
+        if previous and not previous.startswith(blackbox.MAGIC) and previous[:8] != bytes(8):
+            os.close(fd)
+            return None, None, (f"{path} holds something that is not a sparkguard black box: left alone "
+                                f"(move it away, or set guard.blackbox_file)")
+        ring_bytes = blackbox.encode_header(blackbox.Header(blackbox.SLOTS, False, boot_id, now, 0.0, os.getpid(),
+                                                            blackbox.INTERVAL))
+        ring_bytes += bytes(blackbox.SLOTS * blackbox.RECORD_SIZE)
+        os.ftruncate(fd, len(ring_bytes))
+        os.pwrite(fd, ring_bytes, 0)
+        os.fdatasync(fd)
+    except OSError as e:
+        os.close(fd)
+        return None, None, f"cannot write {path}: {e.strerror or e}"
+    return Ring(path, fd, boot_id, now, sync_every, psi_path, sys_block), previous or None, None
+
+
+def _read_bounded(fd: int) -> bytes:
+    """The file's bytes from offset 0, at most MAX_READ."""
+    size = min(os.fstat(fd).st_size, MAX_READ)
+    out = bytearray()
+    while len(out) < size:
+        chunk = os.pread(fd, size - len(out), len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _pin(fd: int):
+    """A shared mapping of the ring, each page touched once (resident under mlockall's
+    MCL_FUTURE|MCL_ONFAULT); None where mapping fails (the ring works without it)."""
+    try:
+        m = mmap.mmap(fd, blackbox.file_size(), mmap.MAP_SHARED, mmap.PROT_READ)
+        for at in range(0, blackbox.file_size(), mmap.PAGESIZE):
+            m[at]
+        return m
+    except (OSError, ValueError):
+        return None
+
+
+def _open_ro(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _open_zram(sys_block: str) -> list[int]:
+    """Descriptors of the ``mm_stat`` of every zram device with a disksize at start
+    (:func:`sparkguard.sysinfo.read_zram` lists them).
+    Source: Documentation/admin-guide/blockdev/zram.rst (mm_stat: mem_used_total is column 3)."""
+    fds = [_open_ro(f"{sys_block}/{d['device']}/mm_stat") for d in sysinfo.read_zram(sys_block)]
+    return [fd for fd in fds if fd is not None]
+    for name in names:
+        try:
+            with open(f"{sys_block}/{name}/disksize") as f:
+                if int(f.read().strip() or 0) == 0:
+                    continue
+        except (OSError, ValueError):
+            continue
+        fd = _open_ro(f"{sys_block}/{name}/mm_stat")
+        if fd is not None:
+            fds.append(fd)
+    return fds
+
+
+def _quick(buf: bytes | bytearray, label: bytes, n: int) -> int:
+    """A ``kB`` field of the meminfo text in bytes, read the way :func:`sparkguard.meminfo.quick_available`
+    reads MemAvailable (one find, one int); -1 when absent or not a number.  A record is evidence,
+    not a decision: a value this misreads costs nothing but that record's field."""
+    i = buf.find(label, 0, n)
+    if i < 0:
+        return -1
+    try:
+        return int(buf[i + len(label):buf.find(_KB, i, n)]) << 10
+    except ValueError:
+        return -1
+
+
+def _avg10(buf: bytearray, n: int) -> tuple[float, float]:
+    """``avg10`` of the ``some`` and ``full`` lines of /proc/pressure/memory text (percent), -1.0
+    each when absent.  Source: Documentation/accounting/psi.rst ("some avg10=0.00 avg60=...")."""
+    out = [-1.0, -1.0]
+    i = 0
+    for k in (0, 1):
+        j = buf.find(_AVG10, i, n)
+        if j < 0:
+            break
+        e = buf.find(b" ", j, n)
+        try:
+            out[k] = float(buf[j + len(_AVG10):e if e >= 0 else n])
+        except ValueError:
+            pass
+        i = j + 1
+    return out[0], out[1]
