@@ -292,22 +292,125 @@ def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
         output.remove_fifos(paths)
 
 
+class _Me:
+    """The running test process stands for the kept engine (a live pid with its start time)."""
+    pid = os.getpid()
+    starttime = proctree.read_proc(os.getpid()).starttime
+    cgroup = None
+
+
 def test_stop_post_keeps_on_a_note_or_without_a_stop_job(tmp_path):
     from sparkguard.supervisor import handover
     unit = tmp_path / "x.service"
     unit.mkdir()
     note = str(tmp_path / "note.json")
-    assert handover.stop_post(note, "restart", "success", str(unit))[0] == []
-    assert "left for the next daemon" in handover.stop_post(note, None, "signal", str(unit))[1]
-
-    class R:       # the running test process stands for the kept engine
-        pid = os.getpid()
-        starttime = proctree.read_proc(os.getpid()).starttime
-        cgroup = None
-    handover.write_note(note, R, "restart")
-    assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit))[1]
+    env = {"INVOCATION_ID": "a" * 32}
+    assert handover.stop_post(note, "restart", "success", str(unit), env)[0] == []
+    assert "left for the next daemon" in handover.stop_post(note, None, "signal", str(unit), env)[1]
+    handover.write_note(note, _Me, "systemd is stopping the unit (engine.on_daemon_stop: keep)", env)
+    assert json.loads(open(note).read())["kind"] == "stop"
+    assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit), env)[1]
     os.unlink(note)
-    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit))[1]
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), env)[1]
+
+
+def test_stop_post_ignores_a_note_of_another_invocation_or_of_a_restart(tmp_path):
+    """A note left from a restart (written by an earlier invocation, or for a restart) must not
+    keep the engine on a later `systemctl stop`: only this invocation's note of a stop does."""
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    note = str(tmp_path / "note.json")
+    old, now = {"INVOCATION_ID": "1" * 32}, {"INVOCATION_ID": "2" * 32}
+    handover.write_note(note, _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)", old)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "exit-code", str(unit), now)[1]
+    handover.write_note(note, _Me, "systemd is stopping the unit (engine.on_daemon_stop: keep)", old)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), now)[1]
+    handover.write_note(note, _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)", now)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), now)[1]
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), {})[1]
+
+
+def test_stop_post_treats_an_unreadable_job_as_a_stop_unless_the_daemon_crashed(tmp_path):
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    note = str(tmp_path / "note.json")
+    for result in ("success", "exit-code", "timeout"):
+        assert "the engine goes with the daemon" in handover.stop_post(note, handover.JOB_UNKNOWN, result,
+                                                                       str(unit), {})[1], result
+    for result in handover.CRASH_RESULTS:
+        assert "left for the next daemon" in handover.stop_post(note, handover.JOB_UNKNOWN, result, str(unit), {})[1]
+    assert handover.decide(_ecfg(), False, job=handover.JOB_UNKNOWN)[0] is False
+
+
+def test_unit_job_tells_a_failed_lookup_from_no_job(tmp_path, monkeypatch):
+    """A ``systemctl`` that fails (here: a script that exits 1, as systemctl does without a
+    reachable systemd) is not "no job"."""
+    from sparkguard.supervisor import handover
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "systemctl").write_text("#!/bin/sh\necho 'Failed to connect to bus' >&2\nexit 1\n")
+    (bin_ / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    assert handover.unit_job("sparkguard.service") == handover.JOB_UNKNOWN
+    (bin_ / "systemctl").write_text("#!/bin/sh\nexit 0\n")
+    assert handover.unit_job("sparkguard.service") is None
+
+
+def _stop_post_line(note: str, python: str) -> str:
+    """The unit's ExecStopPost shell command as systemd runs it ("$$" -> "$", %n -> the unit's
+    name, systemd.service(5)), with the note's path and the interpreter replaced."""
+    from conftest import ROOT
+    unit = open(os.path.join(ROOT, "systemd", "sparkguard.service")).read()
+    [line] = [ln for ln in unit.splitlines() if ln.startswith("ExecStopPost=")]
+    cmd = line.split("-c '", 1)[1].rsplit("'", 1)[0]
+    return (cmd.replace("$$", "$").replace("%n", "sparkguard.service")
+            .replace("/run/sparkguard/engine-handover.json", note).replace("@PYTHON@", python))
+
+
+@pytest.mark.parametrize("writer,job,skips", [("this", "restart", True), ("this", "stop", False),
+                                              ("other", "restart", False), (None, "restart", False),
+                                              ("this", None, False)])
+def test_the_units_stop_post_shortcut_skips_only_this_invocations_restart(tmp_path, writer, job, skips):
+    """The shell shortcut in the shipped unit, run by /bin/sh: it skips `sparkguard stop-post`
+    only when this invocation wrote the note and systemd's job is a restart (``systemctl`` is a
+    script printing that job, as systemctl(1)'s list-jobs prints it)."""
+    import subprocess
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    out = f"42 sparkguard.service {job} running" if job else ""
+    (bin_ / "systemctl").write_text(f"#!/bin/sh\necho '{out}'\n")
+    (bin_ / "systemctl").chmod(0o755)
+    (bin_ / "py").write_text("#!/bin/sh\necho RAN \"$@\"\n")
+    (bin_ / "py").chmod(0o755)
+    note = str(tmp_path / "engine-handover.json")
+    me, other = "c" * 32, "d" * 32
+    if writer:
+        handover_write = {"this": me, "other": other}[writer]
+        from sparkguard.supervisor import handover
+        handover.write_note(note, _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)",
+                            {"INVOCATION_ID": handover_write})
+    r = subprocess.run(["/bin/sh", "-c", _stop_post_line(note, str(bin_ / "py"))], capture_output=True, text=True,
+                       timeout=10, env={"PATH": f"{bin_}:/usr/bin:/bin", "INVOCATION_ID": me})
+    assert ("RAN -m sparkguard stop-post" not in r.stdout) == skips, (r.stdout, r.stderr)
+
+
+def test_a_daemon_removes_the_handover_note_first_even_when_its_config_is_rejected(tmp_path):
+    """A note must not outlive the start after it: a daemon whose config is refused (exit 2)
+    has removed it already."""
+    import subprocess
+    import sys
+    from conftest import sg_env
+    from sparkguard.supervisor import handover
+    note = tmp_path / "engine-handover.json"
+    handover.write_note(str(note), _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("guard:\n  grace: forever\n")
+    r = subprocess.run([sys.executable, "-m", "sparkguard", "run", "--config", str(bad)], capture_output=True,
+                       text=True, timeout=60, env=dict(sg_env(), RUNTIME_DIRECTORY=str(tmp_path)))
+    assert r.returncode == 2, r.stderr
+    assert not note.exists(), "the note outlived a rejected start"
 
 
 def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, monkeypatch):  # noqa: F811

@@ -61,8 +61,7 @@ class Adoption:
         (changed command), or sweep its verified leftovers.  True when a run was adopted
         (``self.run`` is set and its threads run)."""
         note = handover.note_path(self.ecfg)
-        kept = handover.read_note(note)
-        handover.remove_note(note)
+        kept = handover.take_note(note)     # (under systemd taken at the daemon's start already)
         lane = self.lane
         try:
             argv, env = lanes.command(self.cfg, lane)

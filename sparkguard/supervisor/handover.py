@@ -13,12 +13,17 @@ When the daemon is asked to exit it decides whether its engine goes with it (:fu
   (what ``SIGTERM`` always did).
 
 A daemon that keeps its engine writes a handover note (:func:`write_note`: the run's pid, start
-time, boot id and cgroup) in the unit's runtime directory (``/run/sparkguard``, which
-``RuntimeDirectoryPreserve=restart`` keeps across restarts; beside the control socket outside systemd).  The unit's ``ExecStopPost=sparkguard
-stop-post`` (:func:`stop_post`) runs after every stop of the daemon, also when it died or hung:
-on a stop job it kills the unit's engine cgroups unless a note names a live engine (the daemon
-kept it on purpose, ``engine.on_daemon_stop: keep``); on a restart or after a crash (no job:
-``Restart=`` comes later) it leaves them for the next daemon to adopt.
+time, boot id and cgroup, the decision's kind and the writer's ``$INVOCATION_ID``) in the unit's
+runtime directory (``/run/sparkguard``, which ``RuntimeDirectoryPreserve=restart`` keeps across
+restarts; beside the control socket outside systemd).  Every daemon takes the note (reads and
+removes it, :func:`take_note`) first thing at start, before its config is read.  The unit's
+``ExecStopPost=sparkguard stop-post`` (:func:`stop_post`) runs after a stop of the daemon, also
+when it died or hung (not after a stop during the auto-restart wait: docs/adoption.md, "Limits"):
+on a stop job it stops the unit's engines unless the note was written by this invocation for a
+stop (``engine.on_daemon_stop: keep``; ExecStopPost shares ``$INVOCATION_ID`` with the main
+process, systemd.exec(5)); on a restart or after a crash (no job: ``Restart=`` comes later) it
+leaves them for the next daemon to adopt.  When systemd's job cannot be read it stops them unless
+``$SERVICE_RESULT`` says the daemon crashed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ NOTE_NAME = "engine-handover.json"
 JOB_TIMEOUT = 1.0          #: seconds: how long ``systemctl list-jobs`` may take at shutdown
 DEFAULT_NOTE = "/run/sparkguard/" + NOTE_NAME
 SWEEP_GRACE = 5.0          #: seconds between SIGTERM and SIGKILL of a left engine cgroup (stop-post)
+JOB_UNKNOWN = "?"          #: :func:`unit_job`: systemd's job could not be read (not "no job")
+#: ``$SERVICE_RESULT`` values of a daemon that died by itself (systemd.exec(5), "Environment
+#: variables set or propagated by the service manager"): a crash, not a stop
+CRASH_RESULTS = ("signal", "core-dump", "watchdog")
+#: the decision's kind (:func:`decide`'s ``why`` starts with the key) recorded in the note
+KINDS = (("SIGUSR2", "signal"), ("systemd is restarting", "restart"), ("systemd is stopping", "stop"))
 
 
 def runtime_dir(env=None) -> str | None:
@@ -77,7 +88,8 @@ def unit_name(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
 
 def unit_job(unit: str, timeout: float = JOB_TIMEOUT) -> str | None:
     """The type of systemd's job running for ``unit`` (``restart``, ``stop``, ``start``...),
-    None when there is none or it cannot be read within ``timeout`` s.
+    None when there is none, :data:`JOB_UNKNOWN` when it cannot be read within ``timeout`` s
+    (systemctl missing, timed out, or exited non-zero).
 
     ``systemctl list-jobs --no-legend --plain --full UNIT`` prints ``ID UNIT TYPE STATE`` per job
     (systemctl(1)).  Never raises."""
@@ -86,7 +98,11 @@ def unit_job(unit: str, timeout: float = JOB_TIMEOUT) -> str | None:
                            capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("engine: cannot ask systemd for the job of %s: %s", unit, e)
-        return None
+        return JOB_UNKNOWN
+    if r.returncode != 0:
+        log.warning("engine: cannot ask systemd for the job of %s: systemctl exited %d: %s", unit,
+                    r.returncode, (r.stderr or "").strip()[:200])
+        return JOB_UNKNOWN
     for line in r.stdout.splitlines():
         f = line.split()
         if len(f) >= 3 and f[1] == unit:
@@ -114,14 +130,24 @@ def decide(ecfg, keep_signal: bool, job: str | None = None) -> tuple[bool, str]:
     if job == "stop":
         keep = ecfg.on_daemon_stop == "keep"
         return keep, f"systemd is stopping the unit (engine.on_daemon_stop: {ecfg.on_daemon_stop})"
+    if job == JOB_UNKNOWN:
+        return False, "systemd's job for the unit could not be read: stopping the daemon"
     return False, "stopping the daemon" + (f" (systemd job {job})" if job else "")
 
 
-def write_note(path: str, run, why: str) -> None:
-    """Record that the engine of ``run`` was kept on purpose (pid, start time, boot id, cgroup).
+def kind_of(why: str) -> str:
+    """The kind of a :func:`decide` reason: ``signal`` (SIGUSR2), ``restart``, ``stop``, else ``""``."""
+    return next((k for prefix, k in KINDS if why.startswith(prefix)), "")
+
+
+def write_note(path: str, run, why: str, env=None) -> None:
+    """Record that the engine of ``run`` was kept on purpose (pid, start time, boot id, cgroup,
+    ``kind``: :func:`kind_of` ``why``, ``invocation_id``: this process's ``$INVOCATION_ID`` or "").
     A write error is logged, never raised."""
+    env = os.environ if env is None else env
     cg = getattr(run, "cgroup", None)
-    note = {"kept": why, "at": time.time(), "pid": run.pid, "starttime": run.starttime,
+    note = {"kept": why, "kind": kind_of(why), "invocation_id": env.get("INVOCATION_ID") or "",
+            "at": time.time(), "pid": run.pid, "starttime": run.starttime,
             "boot_id": sysinfo.boot_id(), "cgroup": cg.path if cg is not None else None}
     try:
         atomic_write(path, json.dumps(note))
@@ -151,6 +177,37 @@ def remove_note(path: str) -> None:
         pass
 
 
+_TAKEN: dict[str, dict | None] = {}     #: note path -> what :func:`take_note` read there (this process)
+
+
+def take_note(path: str) -> dict | None:
+    """Read (:func:`read_note`) and remove the handover note at ``path``, once per process: a
+    later call for the same path returns what the first read.  The daemon calls it first thing at
+    start (``$RUNTIME_DIRECTORY``'s note, before anything can fail), so no note outlives the start
+    that follows it; adoption calls it again for the detail it logs."""
+    if path not in _TAKEN:
+        _TAKEN[path] = read_note(path)
+        remove_note(path)
+    return _TAKEN[path]
+
+
+def take_unit_note(env=None) -> None:
+    """At daemon start: :func:`take_note` of the unit's note, when run by systemd with a runtime
+    directory (else the supervisor takes the one beside its control socket).  Never raises."""
+    d = runtime_dir(env)
+    if d:
+        take_note(os.path.join(d, NOTE_NAME))
+
+
+def honoured_for_stop(note: dict | None, env=None) -> bool:
+    """Does ``note`` keep the engine on a stop job?  Only a note this invocation of the unit wrote
+    (its ``invocation_id`` is ``$INVOCATION_ID``, which ExecStopPost shares with the main process:
+    systemd.exec(5)) for a stop (``kind`` ``stop``: ``engine.on_daemon_stop: keep``)."""
+    env = os.environ if env is None else env
+    me = env.get("INVOCATION_ID") or ""
+    return bool(note) and bool(me) and note.get("invocation_id") == me and note.get("kind") == "stop"
+
+
 def engine_cgroups(unit_dir: str) -> list[str]:
     """The ``engine-*`` cgroup directories directly under ``unit_dir``."""
     try:
@@ -173,21 +230,32 @@ def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/sel
     return d if os.path.basename(d).endswith(".service") else None
 
 
-def stop_post(note: str, job: str | None, service_result: str, directory: str | None) -> tuple[list[str], str]:
+def stop_post(note: str, job: str | None, service_result: str, directory: str | None,
+              env=None) -> tuple[list[str], str]:
     """The ExecStopPost decision and action (module doc).  Returns ``(cgroups stopped, why)``.
 
     Args:
-        note: the handover note's path; job: systemd's job type for the unit (None: none);
-        service_result: ``$SERVICE_RESULT`` (systemd.exec(5)); directory: the unit's cgroup dir.
+        note: the handover note's path; job: systemd's job type for the unit (None: none,
+        :data:`JOB_UNKNOWN`: it could not be read); service_result: ``$SERVICE_RESULT``
+        (systemd.exec(5)); directory: the unit's cgroup dir; env: the environment
+        (``INVOCATION_ID``; default ``os.environ``).
     """
     if directory is None:
         return [], "not in a systemd unit's cgroup: nothing to do"
+    if job == JOB_UNKNOWN:
+        if service_result in CRASH_RESULTS:
+            return [], (f"systemd's job could not be read, the daemon crashed (service result {service_result}): "
+                        "left for the next daemon to adopt")
+        job = "stop"                    # cannot tell: the safe side of a stop is the engine stopped
     kept = read_note(note)
-    if kept is not None:
+    if job == "stop" and honoured_for_stop(kept, env):
         return [], f"the daemon kept pid {kept['pid']} on purpose ({kept.get('kept')})"
     if job != "stop":
         return [], (f"systemd job {job}: left for the next daemon to adopt" if job
                     else f"no stop job (service result {service_result or '?'}): left for the next daemon to adopt")
+    if kept is not None:
+        log.warning("sparkguard stop-post: ignoring the handover note %s (invocation %s, kind %s): not this "
+                    "invocation's stop", note, kept.get("invocation_id") or "?", kept.get("kind") or "?")
     stopped = []
     for path in engine_cgroups(directory):
         cg = cgroups.EngineCgroup(path)
