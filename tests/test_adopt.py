@@ -413,6 +413,73 @@ def test_a_daemon_removes_the_handover_note_first_even_when_its_config_is_reject
     assert not note.exists(), "the note outlived a rejected start"
 
 
+def _rebuilt(tmp_path, **rec):
+    """``Adoption._rebuild`` of a verified record of this test process (no daemon: the parts of
+    the Supervisor it reads), its pidfd closed; returns the Run."""
+    import types
+    from sparkguard import config
+    from sparkguard.supervisor import adopt
+    from sparkguard.supervisor.adoptrun import Adoption
+    me = proctree.read_proc(os.getpid())
+    record = dict({"pid": os.getpid(), "starttime": me.starttime, "digest": "d", "wall_spawn": time.time() - 3600},
+                  **rec)
+    r, bad = adopt.record_of({"engine": record})
+    assert r is not None, bad
+    host = types.SimpleNamespace(ecfg=config.EngineConfig(command=("x",), control_socket=str(tmp_path / "c.sock")),
+                                 placement=None)
+    run = Adoption._rebuild(host, adopt.Verdict(adopt.ADOPTED, "", None, r), ["x"], {}, output_too=False)
+    return run
+
+
+class _Hooks:
+    """health.MonitorHooks that record what the monitor said (the supervisor's side is not
+    under test here)."""
+
+    def __init__(self):
+        self.verdicts, self.ready = [], 0
+
+    def refresh_members(self, run):
+        pass
+
+    def became_ready(self, run):
+        self.ready += 1
+        run.ever_ready = True
+
+    def health_changed(self, run, ok, url):
+        pass
+
+    def probed(self, run, ok):
+        return 0
+
+    def verdict(self, run, kind, detail):
+        self.verdicts.append(kind)
+
+    def cluster(self, run):
+        return False
+
+    def note(self, event, detail):
+        pass
+
+
+@pytest.mark.parametrize("ready,verdicts", [(True, []), (False, ["not_ready"])])
+def test_an_adopted_ready_engine_is_not_restarted_on_its_first_failed_health_check(tmp_path, ready, verdicts):
+    """An engine recorded ready, started an hour ago (ready_timeout 1200 s): a /health that does
+    not answer (a closed port) at adoption is no not_ready verdict; one recorded still loading
+    after an hour is (its clock is its start's)."""
+    from sparkguard import config
+    from sparkguard.supervisor import health
+    run = _rebuilt(tmp_path, ready=ready)
+    url = f"http://127.0.0.1:{free_port()}/health"
+    ecfg = config.EngineConfig(command=("x",), health_url=url, health_interval=0.05)
+    hooks = _Hooks()
+    t = threading.Thread(target=health.monitor, args=(run, lambda: ecfg, hooks), daemon=True)
+    t.start()
+    t.join(1.0)
+    run.done.set()
+    t.join(5)
+    assert hooks.verdicts == verdicts and hooks.ready == 0
+
+
 def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, monkeypatch):  # noqa: F811
     """``engine.command: [docker, run, ...]`` (real dockerd, tests/dockerd.py): the client and its
     container outlive the SIGKILLed daemon; the new one adopts the client, takes the container

@@ -107,6 +107,10 @@ class Adoption:
         run = Run(adopt.AdoptedProc(rec.pid), rec.lane, rec.argv or argv, None, self.ecfg.log_lines,
                   cluster.role_of(rec.argv or argv), wall_spawn=rec.wall_spawn or time.time())
         run.t_spawn = time.monotonic() - max(0.0, time.time() - run.wall_spawn)
+        # engine.ready_timeout: an engine recorded ready loaded long ago; counted from its original
+        # start one failed /health at adoption (a 503, a slow answer under load) would be a
+        # not_ready verdict at once.  Its clock starts again now; one still loading keeps its start.
+        run.t_ready_clock = time.monotonic() if rec.ready else run.t_spawn
         run.adopted, run.pidfd, run.digest = True, v.pidfd, rec.digest
         run.pgid, run.starttime = rec.pgid or rec.pid, rec.starttime
         run.members = dict(rec.members)
