@@ -214,6 +214,24 @@ def test_the_guard_signals_an_adopted_engine_and_the_incident_says_adopted(daemo
     assert st["pid"] != pid and st["restarts"]["guard"] == 1 and st["adopted"] is False, st
 
 
+def test_an_engine_inside_the_guards_escalation_is_stopped_not_handed_over(daemons, tmp_path):
+    """SIGUSR2 (exit keeping the engine) while the guard is in its grace on the engine (an engine
+    that ignores SIGTERM): the daemon finishes the escalation (SIGKILL) instead of leaving the
+    engine to a next daemon with its SIGKILL lost."""
+    from conftest import mem_available
+    model, port = unique(), free_port()
+    a = daemons("a", model, port, "--mode", "ignore-term")
+    pid = a.wait_ready()["pid"]
+    mark = a.mark()
+    reload_with(a, term_below=mem_available() + 800 * 1024**2, grace="4s")
+    a.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
+    a.proc.send_signal(signal.SIGUSR2)
+    assert a.proc.wait(40) == 0, a.output()
+    assert wait_gone(list(a.engine_pids) or [pid], 15) == [], a.output()
+    assert "not handing pid %d over" % pid in a.output(), a.output()
+    assert not (tmp_path / "engine-handover.json").exists()
+
+
 # ---- the decisions, on real processes and files (no daemon) ------------------------------------
 
 def _ecfg(**kw):

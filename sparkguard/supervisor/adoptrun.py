@@ -25,6 +25,7 @@ import os
 import time
 
 from sparkguard import proctree, sysinfo
+from sparkguard.guard import escalation
 from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, output
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor.run import Run
@@ -151,6 +152,26 @@ class Adoption:
             self.last_run, self.run = run, None
             self._history("exit", f"pid {run.pid} (adopted, command changed) stopped"
                           + (f"; swept {len(swept)} leftover processes" if swept else ""))
+
+    def _may_hand_over(self) -> bool:
+        """(Supervisor thread, at exit keeping the engine.)  May the run be left to the next daemon?
+        Not when it is over or being stopped (``term_reason``), nor while the memory guard is
+        stopping it (``guard_hit``, or an escalation of its root in progress: handed over, its
+        pending SIGKILL would be lost and the next daemon would start a fresh grace under memory
+        pressure), nor when its output is plain pipes (no FIFOs: its writes would fail with EPIPE
+        once this daemon is gone).  A refusal is logged; the engine is then stopped."""
+        run = self.run
+        if run is None or run.exit is not None or run.term_reason is not None:
+            return False
+        why = None
+        if run.guard_hit or escalation.OWNER.running(run.pid, run.starttime) is not None:
+            why = "the memory guard is stopping it"
+        elif not run.fifos:
+            why = "its output is plain pipes (no FIFOs), which cannot outlive this daemon"
+        if why:
+            log.warning("engine: not handing pid %d over to the next sparkguard (%s): stopping it", run.pid, why)
+            self._history("handover", f"refused for pid {run.pid}: {why}; stopping it")
+        return why is None
 
     def _hand_over(self) -> None:
         """(Supervisor thread, at exit.)  Leave the running engine for the next daemon: its state

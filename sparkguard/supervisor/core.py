@@ -304,7 +304,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             log.exception("engine supervisor failed; the guard keeps running without it")
             self._set("failed", "supervisor error (see the daemon's log)")
         finally:
-            if self.keep_engine and self.run is not None and self.run.exit is None and self.run.term_reason is None:
+            if self.keep_engine and self._may_hand_over():
                 self._hand_over()           # (an engine already being stopped is stopped: below)
             else:
                 if self.run is not None and self.run.exit is None:
