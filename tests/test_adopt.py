@@ -282,6 +282,34 @@ def test_check_refuses_other_boots_unusable_records_and_reused_pids():
     os.close(v.pidfd)
 
 
+def test_the_adopted_exit_watch_takes_a_pidfd_above_1023_and_waits_for_the_real_exit():
+    """A daemon with many fds open: the pidfd is >= 1024 (select() refuses those).  The watch
+    must not report the live engine's exit; it reports it once the process is gone."""
+    import resource
+    import subprocess
+    from sparkguard.supervisor import adopt
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        fd = os.pidfd_open(p.pid)
+        high = os.dup2(fd, 1500)
+        os.close(fd)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (adopt.wait_exit(high, p.pid, proctree.read_proc(p.pid).starttime),
+                                             done.set()), daemon=True)
+        t.start()
+        assert not done.wait(0.5), "an exit was reported for a live process"
+        p.kill()
+        assert done.wait(5), "the exit was not seen"
+    finally:
+        p.kill()
+        p.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
     """The writer holds the FIFO read-write: with no reader left its writes still succeed (no
     EPIPE), and a new reader opened through /proc/PID/fd/1 gets what was written meanwhile."""

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import select
+import time
 from dataclasses import dataclass, field
 
 from sparkguard import proctree
@@ -204,16 +205,34 @@ class AdoptedProc:
         return None
 
 
-def wait_exit(pidfd: int) -> tuple[int | None, int | None]:
+POLL_EVERY = 0.5    #: seconds between /proc reads when the pidfd cannot be polled (:func:`wait_exit`)
+
+
+def wait_exit(pidfd: int, pid: int | None = None, starttime: int | None = None) -> tuple[int | None, int | None]:
     """Block until the process of ``pidfd`` exits (its pidfd becomes readable: pidfd_open(2));
-    ``(None, None)``: the status of a process that is not our child cannot be read.  Closes the fd."""
+    ``(None, None)``: the status of a process that is not our child cannot be read.  Closes the fd.
+
+    ``poll(2)`` (not ``select``, which cannot take an fd >= 1024).  An error of the poll is no
+    exit: then ``/proc/PID/stat`` is read every :data:`POLL_EVERY` s until ``pid`` is gone, a
+    zombie, or has another start time than ``starttime`` (without ``pid`` the wait ends)."""
     try:
-        select.select([pidfd], [], [])
-    except (OSError, ValueError):
-        pass
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            while not poller.poll():
+                pass
+            return None, None
+        except (OSError, ValueError) as e:
+            if pid is None:
+                return None, None
+            log.warning("engine: cannot poll the pidfd of adopted pid %d (%s); watching /proc instead", pid, e)
+        while True:
+            p = proctree.read_proc(pid)
+            if p is None or p.starttime != starttime or _state(pid, "/proc") in ("Z", "X", None):
+                return None, None
+            time.sleep(POLL_EVERY)
     finally:
         try:
             os.close(pidfd)
         except OSError:
             pass
-    return None, None
