@@ -273,7 +273,7 @@ def test_check_refuses_other_boots_unusable_records_and_reused_pids():
     v = adopt.check({"boot_id": boot, "engine": dict(rec, starttime=me.starttime + 7)}, boot, "d")
     assert v.result == adopt.REFUSED and "another process has that pid" in v.why
     v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup="/nonexistent/engine-1")}, boot, "d")
-    assert v.result == adopt.REFUSED and "not in the run's cgroup" in v.why
+    assert v.result == adopt.REFUSED and "not accepted" in v.why
     v = adopt.check({"boot_id": boot, "engine": rec}, boot, "other")
     assert v.result == adopt.CHANGED and v.pidfd is not None
     os.close(v.pidfd)
@@ -308,6 +308,36 @@ def test_the_adopted_exit_watch_takes_a_pidfd_above_1023_and_waits_for_the_real_
         p.kill()
         p.wait()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_crafted_state_file_cannot_widen_the_kill_set(tmp_path):
+    """The state file is untrusted: a recorded cgroup that is not ``engine-<run id>`` directly
+    below the engines' parent is refused (here: the parent itself, which "contains" the test
+    process; a sibling with another run id; a symlink into the parent); the pgid is the verified
+    root's, whatever the file says; a container record that does not verify is not taken, and
+    one with a non-integer pid raises nothing."""
+    from sparkguard import sysinfo
+    from sparkguard.supervisor import adopt
+    me = proctree.read_proc(os.getpid())
+    boot = sysinfo.boot_id()
+    parent = tmp_path / "unit.service"
+    (parent / "engine-1000.000").mkdir(parents=True)
+    (parent / "engine-2000.000").mkdir()
+    os.symlink(parent, tmp_path / "engine-1000.000")
+    rec = {"pid": os.getpid(), "starttime": me.starttime, "digest": "d", "wall_spawn": 1000.0, "pgid": 1}
+    for bad in (str(parent), str(parent / "engine-2000.000"), str(tmp_path / "engine-1000.000"), "/sys/fs/cgroup"):
+        v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup=bad)}, boot, "d", parent=str(parent))
+        assert v.result == adopt.REFUSED and "not accepted" in v.why, (bad, v)
+    v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup=str(parent / "engine-1000.000"))}, boot, "d")
+    assert v.result == adopt.REFUSED, "a recorded cgroup with no engines' parent (process-group mode)"
+    v = adopt.check({"boot_id": boot, "engine": rec}, boot, "d", parent=str(parent))
+    assert v.result == adopt.ADOPTED and v.record.pgid == os.getpgrp() != 1, v
+    os.close(v.pidfd)
+    for c in ({"id": "f" * 64, "pid": os.getpid(), "starttime": me.starttime, "cgroup": "/sys/fs/cgroup"},
+              {"id": "f" * 64, "pid": "not a pid", "starttime": "x"}, {"pid": [1]}):
+        run = _rebuilt(tmp_path, container=c, launch={"runtime": "docker", "cidfile": str(tmp_path / "cid")})
+        assert run.container is None, c
+        assert run.launch is not None
 
 
 def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):

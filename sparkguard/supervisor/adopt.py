@@ -124,6 +124,47 @@ def cgroup_of(pid: int, proc: str = "/proc") -> str | None:
     return None
 
 
+def run_cgroup_ok(path: str, parent: str | None, wall_spawn: float) -> str:
+    """Why the recorded run cgroup ``path`` cannot be the run's (``""``: it can).  Only a direct
+    child of the engines' parent cgroup (``placement.parent``) named ``engine-<run id>`` (or
+    ``engine-<run id>-N``: :meth:`cgroup.EngineCgroup.create`) after the record's ``wall_spawn``
+    is: a path elsewhere (``/sys/fs/cgroup/system.slice``, the daemon's own) would put strangers
+    in the run's tree and kill set.  Symlinks are resolved first."""
+    if not parent:
+        return "this daemon makes no engine cgroups (process-group tracking)"
+    real, top = os.path.realpath(path), os.path.realpath(parent)
+    name = f"engine-{wall_spawn:.3f}"
+    base = os.path.basename(real)
+    if os.path.dirname(real) != top or not (base == name or (base.startswith(name + "-") and base[len(name) + 1:].isdigit())):
+        return f"it is not {os.path.join(top, name)}, the engine cgroup of that run"
+    if not os.path.isdir(real):
+        return "it does not exist"
+    return ""
+
+
+def verified_container(c: dict | None, proc: str = "/proc"):
+    """The recorded container (``Record.container``) as a ``container.Container`` once verified:
+    its init pid runs with the recorded start time and its own cgroup names the recorded id
+    (:func:`container_cgroup.container_of`); the cgroup directory is read from the init's
+    ``/proc/PID/cgroup``, never taken from the record.  ``(container or None, why)``; never raises."""
+    from sparkguard.supervisor import container, container_cgroup
+    if not c:
+        return None, ""
+    try:
+        pid, start, cid = int(c.get("pid") or 0), int(c.get("starttime") or 0), str(c.get("id") or "")
+    except (TypeError, ValueError) as e:
+        return None, f"unusable container record ({e})"
+    if pid <= 1 or not cid:
+        return None, "the container record has no init pid or id"
+    p = proctree.read_proc(pid, proc)
+    if p is None or p.starttime != start:
+        return None, f"its init pid {pid} no longer runs with the recorded start time"
+    seen = container_cgroup.container_of(pid, proc)
+    if seen is None or seen[1] != cid:
+        return None, f"pid {pid} is not in container {cid[:12]}'s cgroup"
+    return container.Container(cid, str(c.get("name") or ""), pid, p.starttime, container_cgroup.cgroup_dir(pid, proc)), ""
+
+
 def in_cgroup(pid: int, cgroup_dir: str, proc: str = "/proc") -> bool:
     """True when ``pid`` is in cgroup directory ``cgroup_dir`` or below it (compared by the
     directory's ``cgroup.procs`` listing, so no mount-point arithmetic is needed)."""
@@ -142,12 +183,16 @@ class Verdict:
     record: Record | None = None
 
 
-def check(state: dict, boot_id: str, digest: str, proc: str = "/proc") -> Verdict:
-    """Decide about the engine recorded in ``state`` (module doc, checks 1-5).
+def check(state: dict, boot_id: str, digest: str, proc: str = "/proc", parent: str | None = None) -> Verdict:
+    """Decide about the engine recorded in ``state`` (module doc, checks 1-5).  On a verdict with a
+    pidfd the record's ``pgid`` is the verified root's process group (``/proc/PID/stat``), never
+    the file's.
 
     Args:
         state: the state file's contents (``lanes.read_state``); boot_id: this boot's
-            (``sysinfo.boot_id()``); digest: :func:`command_digest` of the command the config asks for now.
+            (``sysinfo.boot_id()``); digest: :func:`command_digest` of the command the config asks for now;
+            parent: the engines' parent cgroup (``placement.parent``; None: no cgroups): a recorded
+            run cgroup is accepted only below it (:func:`run_cgroup_ok`).
     Returns:
         :class:`Verdict`.  Never raises.
     """
@@ -163,6 +208,12 @@ def check(state: dict, boot_id: str, digest: str, proc: str = "/proc") -> Verdic
     if p.starttime != rec.starttime:
         return Verdict(REFUSED, f"pid {rec.pid} has start time {p.starttime}, the recorded engine had "
                        f"{rec.starttime}: another process has that pid now", record=rec)
+    bad_cg = run_cgroup_ok(rec.cgroup, parent, rec.wall_spawn) if rec.cgroup else ""
+    if bad_cg:
+        return Verdict(REFUSED, f"the recorded cgroup {rec.cgroup} of pid {rec.pid} is not accepted: {bad_cg}",
+                       record=rec)
+    if rec.cgroup:
+        rec.cgroup = os.path.realpath(rec.cgroup)
     if rec.cgroup and not in_cgroup(rec.pid, rec.cgroup):
         return Verdict(REFUSED, f"pid {rec.pid} is not in the run's cgroup {rec.cgroup} "
                        f"(it is in {cgroup_of(rec.pid, proc)})", record=rec)
@@ -174,6 +225,7 @@ def check(state: dict, boot_id: str, digest: str, proc: str = "/proc") -> Verdic
     if p is None or p.starttime != rec.starttime:     # exited, and the pid reused, between the checks
         os.close(fd)
         return Verdict(REFUSED, f"pid {rec.pid} changed while it was being verified", record=rec)
+    rec.pgid = p.pgrp
     if not rec.digest:
         return Verdict(CHANGED, f"pid {rec.pid} was recorded without its command's digest (an older "
                        "sparkguard): cannot tell that it runs the configured command", fd, rec)

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from sparkguard import proctree, sysinfo
+from sparkguard import sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, output
 from sparkguard.supervisor import cgroup as cgroups
@@ -70,7 +70,8 @@ class Adoption:
             log.error("engine: cannot build the engine's command (%s); nothing is adopted", e)
             self._sweep_previous()
             return False
-        v = adopt.check(self.previous_state, sysinfo.boot_id(), adopt.command_digest(argv, self.ecfg, lane))
+        v = adopt.check(self.previous_state, sysinfo.boot_id(), adopt.command_digest(argv, self.ecfg, lane),
+                        parent=self.placement.parent if self.placement else None)
         if not v.result:
             self._sweep_previous()
             return False
@@ -113,22 +114,28 @@ class Adoption:
         # not_ready verdict at once.  Its clock starts again now; one still loading keeps its start.
         run.t_ready_clock = time.monotonic() if rec.ready else run.t_spawn
         run.adopted, run.pidfd, run.digest = True, v.pidfd, rec.digest
-        run.pgid, run.starttime = rec.pgid or rec.pid, rec.starttime
+        run.pgid, run.starttime = rec.pgid or rec.pid, rec.starttime     # pgid: the verified root's (adopt.check)
         run.members = dict(rec.members)
         run.group = dict(rec.group)         # a TP head: the ranks' runs it started with (peer verdicts)
         run.members[rec.pid] = rec.starttime
-        if rec.cgroup and os.path.isdir(rec.cgroup):
+        if rec.cgroup:                      # accepted by adopt.check: an engine-<run id> below placement.parent
             run.cgroup = cgroups.EngineCgroup(rec.cgroup)
             run.cgroup.entered = True
+        # the rest of the record is untrusted too: a field that does not parse is left out (and
+        # logged), never an exception out of the supervisor thread
         if rec.launch:
-            run.launch = container.Launch(rec.launch.get("runtime") or "docker", rec.launch.get("cidfile") or "",
-                                          rec.launch.get("name"), env, rec.launch.get("user_name"))
-        c = rec.container
-        if c:
-            p = proctree.read_proc(int(c.get("pid") or 0)) if c.get("pid") else None
-            if p is not None and p.starttime == c.get("starttime"):
-                run.container = container.Container(str(c.get("id")), str(c.get("name") or ""), p.pid, p.starttime,
-                                                    c.get("cgroup"))
+            try:
+                ln = rec.launch
+                run.launch = container.Launch(str(ln.get("runtime") or "docker"), str(ln.get("cidfile") or ""),
+                                              str(ln["name"]) if ln.get("name") else None, env,
+                                              str(ln["user_name"]) if ln.get("user_name") else None)
+            except (TypeError, ValueError, AttributeError) as e:
+                log.warning("engine: adopted pid %d: the state file's container launch is unusable (%s)", rec.pid, e)
+        if rec.container:
+            run.container, why = adopt.verified_container(rec.container)
+            if why:
+                log.warning("engine: adopted pid %d: recorded container not taken (%s)%s", rec.pid, why,
+                            "; looking for it through the cidfile" if run.launch is not None else "")
         if output_too:
             run.fifos, run.fifo_ids = rec.fifos, rec.fifo_ids
             run.streams, why = output.reopen_fifos(rec.pid, rec.fifos, rec.fifo_ids)
