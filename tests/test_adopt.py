@@ -420,6 +420,49 @@ def test_stop_post_treats_an_unreadable_job_as_a_stop_unless_the_daemon_crashed(
     assert handover.decide(_ecfg(), False, job=handover.JOB_UNKNOWN)[0] is False
 
 
+def test_stop_post_stops_the_recorded_engine_with_the_configs_grace_and_protect(tmp_path):
+    """Process-group mode (no engine cgroup): stop-post on a stop job stops the processes the
+    state file records (same start time only), SIGKILL after ``guard.grace`` (not a fixed 5 s),
+    and never SIGKILLs a ``targets.protect`` match."""
+    import subprocess
+    from sparkguard import config, sysinfo
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    import shutil
+    keep = tmp_path / "sgkeep"                 # a protected program: targets.protect matches its name
+    shutil.copy("/bin/sleep", keep)
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 60"])
+    held = subprocess.Popen(["sh", "-c", f"trap '' TERM; exec {keep} 60"])
+    try:
+        wait_until_proc = time.monotonic() + 5
+        while time.monotonic() < wait_until_proc and not all(
+                proctree.read_proc(p.pid) and "sh" not in proctree.read_proc(p.pid).comm for p in (stubborn, held)):
+            time.sleep(0.02)
+        st = {p.pid: proctree.read_proc(p.pid).starttime for p in (stubborn, held)}
+        state = tmp_path / "state.json"
+        state.write_text(json.dumps({"boot_id": sysinfo.boot_id(), "engine": {
+            "pid": stubborn.pid, "starttime": st[stubborn.pid], "members": {str(k): v for k, v in st.items()}}}))
+        cfg = config.from_dict({"guard": {"grace": "1s"}, "targets": {"protect": ["sgkeep"]},
+                                "engine": {"command": ["x"], "state_file": str(state)}})
+        out = []
+        t0 = time.monotonic()
+        t = threading.Thread(target=lambda: out.append(handover.stop_post(str(tmp_path / "note.json"), "stop",
+                                                                          "success", str(unit), {}, cfg)))
+        t.start()
+        assert stubborn.wait(5) == -signal.SIGKILL
+        took = time.monotonic() - t0
+        t.join(20)         # the sweep waits a while for the protected process it did not SIGKILL
+        [(stopped, why)] = out
+        assert "the engine goes with the daemon" in why and stopped, (stopped, why)
+        assert 0.9 <= took < 4.5, f"SIGKILL after {took:.2f} s, guard.grace is 1 s"
+        assert held.poll() is None, "a targets.protect match was SIGKILLed"
+    finally:
+        for p in (stubborn, held):
+            p.kill()
+            p.wait()
+
+
 def test_unit_job_tells_a_failed_lookup_from_no_job(tmp_path, monkeypatch):
     """A ``systemctl`` that fails (here: a script that exits 1, as systemctl does without a
     reachable systemd) is not "no job"."""

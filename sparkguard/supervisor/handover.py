@@ -36,7 +36,6 @@ import sys
 import time
 
 from sparkguard import proctree, sysinfo
-from sparkguard.config import TargetsConfig
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import process
@@ -46,7 +45,6 @@ log = logging.getLogger("sparkguard.supervisor")
 NOTE_NAME = "engine-handover.json"
 JOB_TIMEOUT = 1.0          #: seconds: how long ``systemctl list-jobs`` may take at shutdown
 DEFAULT_NOTE = "/run/sparkguard/" + NOTE_NAME
-SWEEP_GRACE = 5.0          #: seconds between SIGTERM and SIGKILL of a left engine cgroup (stop-post)
 JOB_UNKNOWN = "?"          #: :func:`unit_job`: systemd's job could not be read (not "no job")
 #: ``$SERVICE_RESULT`` values of a daemon that died by itself (systemd.exec(5), "Environment
 #: variables set or propagated by the service manager"): a crash, not a stop
@@ -231,14 +229,15 @@ def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/sel
 
 
 def stop_post(note: str, job: str | None, service_result: str, directory: str | None,
-              env=None) -> tuple[list[str], str]:
-    """The ExecStopPost decision and action (module doc).  Returns ``(cgroups stopped, why)``.
+              env=None, cfg=None) -> tuple[list[str], str]:
+    """The ExecStopPost decision and action (module doc).  Returns ``(what was stopped, why)``.
 
     Args:
         note: the handover note's path; job: systemd's job type for the unit (None: none,
         :data:`JOB_UNKNOWN`: it could not be read); service_result: ``$SERVICE_RESULT``
         (systemd.exec(5)); directory: the unit's cgroup dir; env: the environment
-        (``INVOCATION_ID``; default ``os.environ``).
+        (``INVOCATION_ID``; default ``os.environ``); cfg: ``config.Config`` (``guard.grace``,
+        ``targets.protect``, ``engine.state_file``; default: the defaults).
     """
     if directory is None:
         return [], "not in a systemd unit's cgroup: nothing to do"
@@ -256,23 +255,75 @@ def stop_post(note: str, job: str | None, service_result: str, directory: str | 
     if kept is not None:
         log.warning("sparkguard stop-post: ignoring the handover note %s (invocation %s, kind %s): not this "
                     "invocation's stop", note, kept.get("invocation_id") or "?", kept.get("kind") or "?")
+    return stop_engines(directory, cfg), "a stop job and no handover note: the engine goes with the daemon"
+
+
+def stop_engines(directory: str, cfg=None) -> list[str]:
+    """Stop what the unit's engine left: every populated ``engine-*`` cgroup of ``directory``, the
+    processes the state file records (``engine.state_file``, this boot; each only while it has its
+    recorded start time: the process-group mode has no cgroup), and the recorded container once
+    verified (:func:`adopt.verified_container`: its processes are in the container runtime's
+    cgroup, not the engine's).  SIGTERM, ``guard.grace``, SIGKILL (``targets.protect`` never
+    SIGKILLed: :func:`process.sweep`), then ``RUNTIME rm -f`` of the container
+    (:func:`container.finish`).  Returns what was stopped (cgroup paths, ``container ID``,
+    ``N processes``)."""
+    from sparkguard import config
+    from sparkguard.supervisor import adopt, container, lanes
+    cfg = config.from_dict({}) if cfg is None else cfg
+    grace, protect = cfg.guard.grace, cfg.targets.protect
+    state = lanes.read_state(cfg.engine.state_file)
+    rec, _ = adopt.record_of(state)
+    if rec is not None and state.get("boot_id") != sysinfo.boot_id():
+        rec = None
+    members: dict[int, int] = dict(rec.members) if rec is not None else {}
+    if rec is not None:
+        members[rec.pid] = rec.starttime
+    ctr, why = adopt.verified_container(rec.container if rec is not None else None)
+    if why:
+        log.warning("sparkguard stop-post: recorded container not taken: %s", why)
+    members.update(container.members(ctr))
+
+    def note(ev: str, detail: str) -> None:
+        log.warning("sparkguard stop-post: %s", detail)
     stopped = []
     for path in engine_cgroups(directory):
         cg = cgroups.EngineCgroup(path)
         if cg.populated():
-            process.sweep(None, {}, SWEEP_GRACE, TargetsConfig().protect, lambda ev, d: log.warning("%s", d),
-                          cgroup=cg)
+            process.sweep(None, members, grace, protect, note, cgroup=cg)
+            members = {}
             stopped.append(path)
         cg.remove()
-    return stopped, "a stop job and no handover note: the engine goes with the daemon"
+    if members and process.sweep(None, members, grace, protect, note):
+        stopped.append(f"{len(members)} recorded processes")
+    if ctr is not None and rec is not None and rec.launch:
+        ln = rec.launch
+        launch = container.Launch(str(ln.get("runtime") or "docker"), str(ln.get("cidfile") or ""),
+                                  str(ln["name"]) if ln.get("name") else None, dict(os.environ),
+                                  str(ln["user_name"]) if ln.get("user_name") else None)
+        stopped.append(container.finish(launch, ctr))
+    return stopped
 
 
 def register(sub) -> None:
     """``sparkguard stop-post``: the unit's ExecStopPost (module doc)."""
     p = sub.add_parser("stop-post", help="(the unit's ExecStopPost) stop engine cgroups a stopped daemon left")
+    p.add_argument("--config", default=None, help="the daemon's config (guard.grace, targets.protect, "
+                   "engine.state_file; default /etc/sparkguard/sparkguard.yaml; its defaults when unreadable)")
     p.add_argument("--note", default=None, help=f"the handover note (default $RUNTIME_DIRECTORY/{NOTE_NAME}, "
                    f"else {DEFAULT_NOTE})")
     p.set_defaults(func=_main)
+
+
+def _config(path: str | None):
+    """The daemon's config for stop-post, its defaults when it cannot be read (logged): a
+    refused config must not leave the engine running."""
+    from sparkguard import config
+    path = path or config.DEFAULT_PATH
+    try:
+        return config.load(path)
+    except (config.ConfigError, OSError) as e:
+        log.warning("sparkguard stop-post: config %s not usable (%s); using the defaults", path, e)
+        return config.from_dict({})
 
 
 def _main(args) -> int:
@@ -280,6 +331,6 @@ def _main(args) -> int:
     unit = unit_name()
     job = unit_job(unit, 5.0) if unit else None
     note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
-    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir())
+    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir(), cfg=_config(args.config))
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
     return 0
