@@ -340,6 +340,54 @@ def test_a_crafted_state_file_cannot_widen_the_kill_set(tmp_path):
         assert run.launch is not None
 
 
+def test_an_engine_pipe_that_is_not_the_recorded_fifo_is_still_drained(tmp_path):
+    """An engine whose stdout is a pipe that does not match the record (here an anonymous
+    pipe, no identity recorded) is read through /proc/PID/fd/1 anyway: it writes 2 MiB (more
+    than any pipe buffer) and exits instead of blocking on a pipe nobody reads."""
+    import subprocess
+    import sys
+    from sparkguard.supervisor import output
+    r, w = os.pipe()
+    script = "import sys\nfor i in range(2048):\n    sys.stdout.write('x' * 1023 + '\\n')\nsys.stdout.flush()\n"
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=w, stderr=subprocess.DEVNULL)
+    os.close(w)
+    try:
+        again, why = output.reopen_fifos(p.pid, {}, {})
+        assert "stdout" in again and "anyway" in why, why
+        lines = []
+        output.pump(again["stdout"], None, lambda s, raw: lines.append(raw))
+        assert p.wait(20) == 0 and lines, "the writer blocked"       # (the pump passes 1,000 lines/s on)
+    finally:
+        os.close(r)
+        p.kill()
+        p.wait()
+
+
+def test_the_sweep_after_an_adopted_root_takes_its_group_only_while_a_recorded_member_is_in_it(tmp_path):
+    """A process group whose recorded members are gone may belong to a stranger now (an adopted
+    root is reaped at once): not swept by group; with a live recorded member in it, it is."""
+    import subprocess
+    from sparkguard.supervisor.adoptrun import Adoption
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        run = _rebuilt(tmp_path)
+        run.pgid = stranger.pid
+        run.members = {run.pid: run.starttime, 999999: 1}
+        assert Adoption._group_ok(run) is False
+        deadline = time.monotonic() + 5
+        while (p := proctree.read_proc(stranger.pid)) is None or p.comm != "sleep":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        run.members[stranger.pid] = p.starttime
+        assert Adoption._group_ok(run) is True
+        run.adopted = False
+        run.members = {}
+        assert Adoption._group_ok(run) is True, "a run this daemon started: its pgid stays reserved"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
     """The writer holds the FIFO read-write: with no reader left its writes still succeed (no
     EPIPE), and a new reader opened through /proc/PID/fd/1 gets what was written meanwhile."""

@@ -135,7 +135,8 @@ def run_cgroup_ok(path: str, parent: str | None, wall_spawn: float) -> str:
     real, top = os.path.realpath(path), os.path.realpath(parent)
     name = f"engine-{wall_spawn:.3f}"
     base = os.path.basename(real)
-    if os.path.dirname(real) != top or not (base == name or (base.startswith(name + "-") and base[len(name) + 1:].isdigit())):
+    numbered = base.startswith(name + "-") and base[len(name) + 1:].isdigit()
+    if os.path.dirname(real) != top or not (base == name or numbered):
         return f"it is not {os.path.join(top, name)}, the engine cgroup of that run"
     if not os.path.isdir(real):
         return "it does not exist"
@@ -162,7 +163,8 @@ def verified_container(c: dict | None, proc: str = "/proc"):
     seen = container_cgroup.container_of(pid, proc)
     if seen is None or seen[1] != cid:
         return None, f"pid {pid} is not in container {cid[:12]}'s cgroup"
-    return container.Container(cid, str(c.get("name") or ""), pid, p.starttime, container_cgroup.cgroup_dir(pid, proc)), ""
+    return (container.Container(cid, str(c.get("name") or ""), pid, p.starttime,
+                                container_cgroup.cgroup_dir(pid, proc)), "")
 
 
 def in_cgroup(pid: int, cgroup_dir: str, proc: str = "/proc") -> bool:

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from sparkguard import sysinfo
+from sparkguard import proctree, sysinfo
 from sparkguard.guard import escalation
 from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, output
 from sparkguard.supervisor import cgroup as cgroups
@@ -159,6 +159,21 @@ class Adoption:
             self.last_run, self.run = run, None
             self._history("exit", f"pid {run.pid} (adopted, command changed) stopped"
                           + (f"; swept {len(swept)} leftover processes" if swept else ""))
+
+    @staticmethod
+    def _group_ok(run: Run) -> bool:
+        """May the sweep after ``run``'s exit take every process of its process group?  Always for a
+        run this daemon started (its root, our child, is reaped only after the sweep, so the pgid
+        stays reserved).  An adopted root is reaped at once by its new parent: once its group
+        empties the pgid can be reused by a stranger, so only while a recorded member with its
+        recorded start time is still in the group (as :meth:`Supervisor._sweep_previous`)."""
+        if not run.adopted:
+            return True
+        for pid, start in dict(run.members).items():
+            p = proctree.read_proc(pid) if pid != run.pid else None
+            if p is not None and p.starttime == start and p.pgrp == run.pgid:
+                return True
+        return False
 
     def _may_hand_over(self) -> bool:
         """(Supervisor thread, at exit keeping the engine.)  May the run be left to the next daemon?

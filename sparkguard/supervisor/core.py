@@ -484,7 +484,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
         if run.launch is not None:
             process.refresh_members(run)    # the container's processes, also when its client died
-        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup)
+        swept = self._sweep(run.pgid, run.members, exclude=run.pid, group_ok=self._group_ok(run),
+                            cgroup=run.cgroup)
         ctr_detail = container.finish(run.launch, run.container) if run.launch is not None else ""
         try:
             run.proc.wait(timeout=5)   # reap the root only now: its pgid stayed reserved meanwhile
@@ -561,7 +562,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self._write_state()
         if not restarting:
             self._flush("the engine is not restarted" if not self.quit else "daemon stopping")
-
 
     def _head_at_exit(self, run: Run) -> str:
         """(Supervisor thread.) A headless rank exited 0 by itself: read the head now.  ``"there"``
