@@ -525,6 +525,18 @@ def test_unit_job_tells_a_failed_lookup_from_no_job(tmp_path, monkeypatch):
     assert handover.unit_job("sparkguard.service") is None
 
 
+def test_populated_engine_cgroups_of_an_inactive_unit_are_flagged(tmp_path):
+    """What `engine status` warns about when no daemon answers: the unit's engine-* cgroups that
+    still hold processes (read from cgroup.events, cgroup-v2.rst: "populated")."""
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "sparkguard.service"
+    for name, populated in (("engine-1.000", 1), ("engine-2.000", 0), ("guard", 1)):
+        (unit / name).mkdir(parents=True)
+        (unit / name / "cgroup.events").write_text(f"populated {populated}\nfrozen 0\n")
+    assert handover.unguarded_engines(str(unit)) == [str(unit / "engine-1.000")]
+    assert handover.unguarded_engines(str(tmp_path / "absent")) == []
+
+
 def _stop_post_line(note: str, python: str) -> str:
     """The unit's ExecStopPost shell command as systemd runs it ("$$" -> "$", %n -> the unit's
     name, systemd.service(5)), with the note's path and the interpreter replaced."""

@@ -215,6 +215,20 @@ def engine_cgroups(unit_dir: str) -> list[str]:
         return []
 
 
+def unguarded_engines(directory: str | None = None, unit: str = "sparkguard.service",
+                      mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The populated ``engine-*`` cgroups of the unit (``directory``; default
+    ``<cgroup2 mount>/system.slice/UNIT``): asked when no daemon answers, they are engines nothing
+    guards (a ``systemctl stop`` during the restart wait after a crash leaves one: docs/adoption.md,
+    "Limits").  Empty when none or unreadable; never raises."""
+    if directory is None:
+        mount = cgroups.find_mount(mountinfo)
+        if mount is None:
+            return []
+        directory = cgroups.cgroup_dir(mount, f"/system.slice/{unit}")
+    return [p for p in engine_cgroups(directory) if cgroups.populated(p)]
+
+
 def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> str | None:
     """The unit's cgroup directory as seen from a control process (ExecStopPost runs in
     ``<unit>/.control`` under ``Delegate=yes``, in the unit's cgroup otherwise)."""
