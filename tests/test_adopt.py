@@ -468,10 +468,12 @@ def test_stop_post_treats_an_unreadable_job_as_a_stop_unless_the_daemon_crashed(
     assert handover.decide(_ecfg(), False, job=handover.JOB_UNKNOWN)[0] is False
 
 
-def test_stop_post_stops_the_recorded_engine_with_the_configs_grace_and_protect(tmp_path):
+@pytest.mark.parametrize("grace,max_grace", [("1s", None), ("30s", 1.0)])
+def test_stop_post_stops_the_recorded_engine_with_the_configs_grace_and_protect(tmp_path, grace, max_grace):
     """Process-group mode (no engine cgroup): stop-post on a stop job stops the processes the
-    state file records (same start time only), SIGKILL after ``guard.grace`` (not a fixed 5 s),
-    and never SIGKILLs a ``targets.protect`` match."""
+    state file records (same start time only), SIGKILL after ``guard.grace`` (not a fixed 5 s;
+    or a longer one cut to the 1 s the unit's stop timeout leaves), and never SIGKILLs a
+    ``targets.protect`` match."""
     import subprocess
     from sparkguard import config, sysinfo
     from sparkguard.supervisor import handover
@@ -491,19 +493,20 @@ def test_stop_post_stops_the_recorded_engine_with_the_configs_grace_and_protect(
         state = tmp_path / "state.json"
         state.write_text(json.dumps({"boot_id": sysinfo.boot_id(), "engine": {
             "pid": stubborn.pid, "starttime": st[stubborn.pid], "members": {str(k): v for k, v in st.items()}}}))
-        cfg = config.from_dict({"guard": {"grace": "1s"}, "targets": {"protect": ["sgkeep"]},
+        cfg = config.from_dict({"guard": {"grace": grace}, "targets": {"protect": ["sgkeep"]},
                                 "engine": {"command": ["x"], "state_file": str(state)}})
         out = []
         t0 = time.monotonic()
         t = threading.Thread(target=lambda: out.append(handover.stop_post(str(tmp_path / "note.json"), "stop",
-                                                                          "success", str(unit), {}, cfg)))
+                                                                          "success", str(unit), {}, cfg,
+                                                                          max_grace=max_grace)))
         t.start()
         assert stubborn.wait(5) == -signal.SIGKILL
         took = time.monotonic() - t0
         t.join(20)         # the sweep waits a while for the protected process it did not SIGKILL
         [(stopped, why)] = out
         assert "the engine goes with the daemon" in why and stopped, (stopped, why)
-        assert 0.9 <= took < 4.5, f"SIGKILL after {took:.2f} s, guard.grace is 1 s"
+        assert 0.9 <= took < 4.5, f"SIGKILL after {took:.2f} s, not after 1 s"
         assert held.poll() is None, "a targets.protect match was SIGKILLed"
     finally:
         for p in (stubborn, held):
@@ -535,6 +538,19 @@ def test_populated_engine_cgroups_of_an_inactive_unit_are_flagged(tmp_path):
         (unit / name / "cgroup.events").write_text(f"populated {populated}\nfrozen 0\n")
     assert handover.unguarded_engines(str(unit)) == [str(unit / "engine-1.000")]
     assert handover.unguarded_engines(str(tmp_path / "absent")) == []
+
+
+def test_stop_post_reads_the_units_stop_timeout_which_bounds_its_grace(tmp_path, monkeypatch):
+    """``systemctl show -p TimeoutStopUSec --value`` prints a systemd time span; stop-post's
+    grace must end inside it (systemd SIGKILLs an ExecStopPost that outlives it)."""
+    from sparkguard.supervisor import handover
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    for printed, seconds in (("1min 30s", 90.0), ("8s", 8.0), ("infinity", None), ("", None)):
+        (bin_ / "systemctl").write_text(f"#!/bin/sh\necho '{printed}'\n")
+        (bin_ / "systemctl").chmod(0o755)
+        assert handover.stop_timeout("sparkguard.service") == seconds, printed
 
 
 def _stop_post_line(note: str, python: str) -> str:

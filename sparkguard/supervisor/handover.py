@@ -39,6 +39,7 @@ from sparkguard import proctree, sysinfo
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import process
+from sparkguard.units import parse_duration
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -243,7 +244,7 @@ def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/sel
 
 
 def stop_post(note: str, job: str | None, service_result: str, directory: str | None,
-              env=None, cfg=None) -> tuple[list[str], str]:
+              env=None, cfg=None, max_grace: float | None = None) -> tuple[list[str], str]:
     """The ExecStopPost decision and action (module doc).  Returns ``(what was stopped, why)``.
 
     Args:
@@ -251,7 +252,8 @@ def stop_post(note: str, job: str | None, service_result: str, directory: str | 
         :data:`JOB_UNKNOWN`: it could not be read); service_result: ``$SERVICE_RESULT``
         (systemd.exec(5)); directory: the unit's cgroup dir; env: the environment
         (``INVOCATION_ID``; default ``os.environ``); cfg: ``config.Config`` (``guard.grace``,
-        ``targets.protect``, ``engine.state_file``; default: the defaults).
+        ``targets.protect``, ``engine.state_file``; default: the defaults); max_grace:
+        :func:`stop_engines`.
     """
     if directory is None:
         return [], "not in a systemd unit's cgroup: nothing to do"
@@ -269,22 +271,49 @@ def stop_post(note: str, job: str | None, service_result: str, directory: str | 
     if kept is not None:
         log.warning("sparkguard stop-post: ignoring the handover note %s (invocation %s, kind %s): not this "
                     "invocation's stop", note, kept.get("invocation_id") or "?", kept.get("kind") or "?")
-    return stop_engines(directory, cfg), "a stop job and no handover note: the engine goes with the daemon"
+    return stop_engines(directory, cfg, max_grace), "a stop job and no handover note: the engine goes with the daemon"
 
 
-def stop_engines(directory: str, cfg=None) -> list[str]:
+STOP_POST_MARGIN = 3.0     #: seconds of the unit's stop timeout kept for stop-post's start-up and the SIGKILL
+
+
+def stop_timeout(unit: str, timeout: float = JOB_TIMEOUT) -> float | None:
+    """The unit's ``TimeoutStopSec`` in seconds (``systemctl show -p TimeoutStopUSec --value``,
+    a systemd time span such as ``2min`` or ``1min 30s``), None when unknown or infinite.  It
+    bounds each ExecStopPost command too (systemd.service(5), TimeoutStopSec=): a stop-post still
+    in its grace then is SIGKILLed and the engine left running.  Never raises."""
+    try:
+        r = subprocess.run(["systemctl", "show", "-p", "TimeoutStopUSec", "--value", unit],
+                           capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    total = 0.0
+    try:
+        for part in r.stdout.split():
+            total += parse_duration(part)
+    except ValueError:
+        return None
+    return total or None
+
+
+def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> list[str]:
     """Stop what the unit's engine left: every populated ``engine-*`` cgroup of ``directory``, the
     processes the state file records (``engine.state_file``, this boot; each only while it has its
     recorded start time: the process-group mode has no cgroup), and the recorded container once
     verified (:func:`adopt.verified_container`: its processes are in the container runtime's
     cgroup, not the engine's).  SIGTERM, ``guard.grace``, SIGKILL (``targets.protect`` never
     SIGKILLed: :func:`process.sweep`), then ``RUNTIME rm -f`` of the container
-    (:func:`container.finish`).  Returns what was stopped (cgroup paths, ``container ID``,
-    ``N processes``)."""
+    (:func:`container.finish`).  ``max_grace``: the grace is cut to that many seconds (the time
+    systemd gives this ExecStopPost, :func:`stop_timeout`, less :data:`STOP_POST_MARGIN`; logged).
+    Returns what was stopped (cgroup paths, ``container ID``, ``N processes``)."""
     from sparkguard import config
     from sparkguard.supervisor import adopt, container, lanes
     cfg = config.from_dict({}) if cfg is None else cfg
     grace, protect = cfg.guard.grace, cfg.targets.protect
+    if max_grace is not None and grace > max_grace:
+        log.warning("sparkguard stop-post: guard.grace %g s does not fit the unit's stop timeout: SIGKILL "
+                    "after %g s", grace, max(0.0, max_grace))
+        grace = max(0.0, max_grace)
     state = lanes.read_state(cfg.engine.state_file)
     rec, _ = adopt.record_of(state)
     if rec is not None and state.get("boot_id") != sysinfo.boot_id():
@@ -345,6 +374,8 @@ def _main(args) -> int:
     unit = unit_name()
     job = unit_job(unit, 5.0) if unit else None
     note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
-    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir(), cfg=_config(args.config))
+    limit = stop_timeout(unit) if unit else None
+    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir(), cfg=_config(args.config),
+                             max_grace=limit - STOP_POST_MARGIN if limit else None)
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
     return 0
