@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from sparkguard import proctree
 from sparkguard.supervisor import cgroup as cgroups
+from sparkguard.supervisor import container, container_cgroup
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -148,7 +149,6 @@ def verified_container(c: dict | None, proc: str = "/proc"):
     its init pid runs with the recorded start time and its own cgroup names the recorded id
     (:func:`container_cgroup.container_of`); the cgroup directory is read from the init's
     ``/proc/PID/cgroup``, never taken from the record.  ``(container or None, why)``; never raises."""
-    from sparkguard.supervisor import container, container_cgroup
     if not c:
         return None, ""
     try:

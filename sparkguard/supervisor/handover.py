@@ -35,10 +35,10 @@ import subprocess
 import sys
 import time
 
-from sparkguard import proctree, sysinfo
+from sparkguard import config, proctree, sysinfo
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import process
+from sparkguard.supervisor import adopt, container, lanes, process
 from sparkguard.units import parse_duration
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -306,8 +306,6 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
     (:func:`container.finish`).  ``max_grace``: the grace is cut to that many seconds (the time
     systemd gives this ExecStopPost, :func:`stop_timeout`, less :data:`STOP_POST_MARGIN`; logged).
     Returns what was stopped (cgroup paths, ``container ID``, ``N processes``)."""
-    from sparkguard import config
-    from sparkguard.supervisor import adopt, container, lanes
     cfg = config.from_dict({}) if cfg is None else cfg
     grace, protect = cfg.guard.grace, cfg.targets.protect
     if max_grace is not None and grace > max_grace:
@@ -360,7 +358,6 @@ def register(sub) -> None:
 def _config(path: str | None):
     """The daemon's config for stop-post, its defaults when it cannot be read (logged): a
     refused config must not leave the engine running."""
-    from sparkguard import config
     path = path or config.DEFAULT_PATH
     try:
         return config.load(path)
