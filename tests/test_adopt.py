@@ -713,6 +713,43 @@ def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, mo
             dockerd.docker("rm", "-f", *ids, check=False)
 
 
+def test_stop_post_stops_and_removes_the_recorded_container(tmp_path, dockerd, monkeypatch):  # noqa: F811
+    """A docker run engine whose daemon died in a stop: its processes are in docker's cgroup, not
+    the engine's, so stop-post takes the container from the state file (verified: its init's
+    cgroup names the recorded id), stops its processes and removes it (real dockerd)."""
+    import subprocess
+    from sparkguard import config, sysinfo
+    from sparkguard.supervisor import handover
+    monkeypatch.setenv("DOCKER_HOST", dockerd.host)
+    tag, port = unique_name(), free_port()
+    argv = dockerd.fake_run(tag, "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
+    client = subprocess.Popen(["sleep", "60"])          # stands for the dead daemon's docker client
+    try:
+        cid = dockerd.docker(*argv[1:2], "-d", *argv[2:]).stdout.strip()
+        init = int(dockerd.docker("inspect", "-f", "{{.State.Pid}}", cid).stdout.strip())
+        deadline = time.monotonic() + 5
+        while (c := proctree.read_proc(client.pid)) is None or c.comm != "sleep":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        state = tmp_path / "state.json"
+        state.write_text(json.dumps({"boot_id": sysinfo.boot_id(), "engine": {
+            "pid": client.pid, "starttime": c.starttime,
+            "container": {"id": cid, "name": "", "pid": init, "starttime": proctree.read_proc(init).starttime},
+            "launch": {"runtime": dockerd.cli, "cidfile": str(tmp_path / "cid")}}}))
+        cfg = config.from_dict({"guard": {"grace": "5s"}, "engine": {"command": ["x"], "state_file": str(state)}})
+        unit = tmp_path / "x.service"
+        unit.mkdir()
+        stopped, why = handover.stop_post(str(tmp_path / "note.json"), "stop", "success", str(unit), {}, cfg)
+        assert any(s.startswith(f"container {cid[:12]}") for s in stopped), (stopped, why)
+        assert not dockerd.containers(f"label=sgtest={tag}"), "the recorded container still exists"
+    finally:
+        client.kill()
+        client.wait()
+        ids = dockerd.containers(f"label=sgtest={tag}")
+        if ids:
+            dockerd.docker("rm", "-f", *ids, check=False)
+
+
 def test_a_rolling_restart_of_sparkguard_node_by_node_keeps_the_tp_group(tmp_path):
     """A 2-node TP cluster (network namespaces, tests/netcluster.py): each node's sparkguard in
     turn exits keeping its engine (SIGUSR2, as a restart under systemd does) and a new one adopts
