@@ -183,6 +183,15 @@ def test_changed_command_is_stopped_and_the_configured_one_started(daemons):
     assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
 
 
+def line_above_available() -> int:
+    """A SIGTERM line above MemAvailable (no memory is allocated to cross it) that the config
+    still accepts: below MemTotal (on an idle machine MemAvailable + 800 MiB may not be)."""
+    from conftest import mem_available
+    with open("/proc/meminfo") as f:
+        total = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
+    return min(mem_available() + 800 * 1024**2, total - 64 * 1024**2)
+
+
 def reload_with(d: Daemon, **guard) -> None:
     """Rewrite the daemon's config file with ``guard`` keys changed and wait for the reload."""
     import yaml
@@ -197,13 +206,12 @@ def test_the_guard_signals_an_adopted_engine_and_the_incident_says_adopted(daemo
     """The guard's target is the adopted run: a line placed above MemAvailable (no memory is
     allocated) makes the guard SIGTERM it; the incident's engine part says ``adopted``; once the
     line is back below, the incident closes and the engine is restarted (reason ``guard``)."""
-    from conftest import mem_available
     model, port = unique(), free_port()
     a, pid = ready_then_killed(daemons, model, port)
     b = daemons("b", model, port)
     adopted_status(b)
     mark = b.mark()
-    reload_with(b, term_below=mem_available() + 800 * 1024**2, grace="5s")
+    reload_with(b, term_below=line_above_available(), grace="5s")
     b.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
     assert wait_gone([pid], 15) == [], b.output()
     reload_with(b, term_below="128MiB")
@@ -218,12 +226,11 @@ def test_an_engine_inside_the_guards_escalation_is_stopped_not_handed_over(daemo
     """SIGUSR2 (exit keeping the engine) while the guard is in its grace on the engine (an engine
     that ignores SIGTERM): the daemon finishes the escalation (SIGKILL) instead of leaving the
     engine to a next daemon with its SIGKILL lost."""
-    from conftest import mem_available
     model, port = unique(), free_port()
     a = daemons("a", model, port, "--mode", "ignore-term")
     pid = a.wait_ready()["pid"]
     mark = a.mark()
-    reload_with(a, term_below=mem_available() + 800 * 1024**2, grace="4s")
+    reload_with(a, term_below=line_above_available(), grace="4s")
     a.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
     a.proc.send_signal(signal.SIGUSR2)
     assert a.proc.wait(40) == 0, a.output()
