@@ -347,6 +347,22 @@ def test_a_crafted_state_file_cannot_widen_the_kill_set(tmp_path):
         assert run.launch is not None
 
 
+def test_no_handover_of_a_run_without_fifos_or_one_the_guard_is_stopping(tmp_path):
+    """``_may_hand_over``: a run whose output is plain pipes (no FIFOs: its writes would fail
+    once the daemon is gone) or that the guard has signalled is not left to a next daemon."""
+    import types
+    from sparkguard.supervisor.adoptrun import Adoption
+    run = _rebuilt(tmp_path)
+    notes = []
+    host = types.SimpleNamespace(run=run, _history=lambda ev, d: notes.append(d))
+    run.fifos = {"stdout": "/run/x.stdout", "stderr": "/run/x.stderr"}
+    assert Adoption._may_hand_over(host) is True
+    run.guard_hit = True
+    assert Adoption._may_hand_over(host) is False and "memory guard" in notes[-1]
+    run.guard_hit, run.fifos = False, {}
+    assert Adoption._may_hand_over(host) is False and "plain pipes" in notes[-1]
+
+
 def test_an_engine_pipe_that_is_not_the_recorded_fifo_is_still_drained(tmp_path):
     """An engine whose stdout is a pipe that does not match the record (here an anonymous
     pipe, no identity recorded) is read through /proc/PID/fd/1 anyway: it writes 2 MiB (more
