@@ -344,7 +344,16 @@ def test_a_crafted_state_file_cannot_widen_the_kill_set(tmp_path):
               {"id": "f" * 64, "pid": "not a pid", "starttime": "x"}, {"pid": [1]}):
         run = _rebuilt(tmp_path, container=c, launch={"runtime": "docker", "cidfile": str(tmp_path / "cid")})
         assert run.container is None, c
-        assert run.launch is not None
+    # the launch: the runtime CLI is the configured command's (it is executed), the cidfile only
+    # one of sparkguard's container run directory
+    state_file = str(tmp_path / "engine-state.json")
+    rundir = os.path.join(str(tmp_path), "containers")
+    argv = ["/usr/bin/docker", "run", "img", "vllm", "serve", "m"]
+    ln, why = adopt.launch_of({"runtime": "/tmp/evil", "cidfile": f"{rundir}/engine-0123.cid"}, argv, state_file, {})
+    assert ln is not None and ln.runtime == "/usr/bin/docker" and ln.cidfile == f"{rundir}/engine-0123.cid", why
+    for cidfile in ("/etc/passwd", f"{rundir}/../engine-0123.cid", f"{rundir}/x.cid"):
+        assert adopt.launch_of({"cidfile": cidfile}, argv, state_file, {})[0] is None, cidfile
+    assert adopt.launch_of({"cidfile": f"{rundir}/engine-0123.cid"}, ["x"], state_file, {})[0] is None
 
 
 def test_no_handover_of_a_run_without_fifos_or_one_the_guard_is_stopping(tmp_path):
@@ -758,8 +767,8 @@ def test_stop_post_stops_and_removes_the_recorded_container(tmp_path, dockerd, m
         state.write_text(json.dumps({"boot_id": sysinfo.boot_id(), "engine": {
             "pid": client.pid, "starttime": c.starttime,
             "container": {"id": cid, "name": "", "pid": init, "starttime": proctree.read_proc(init).starttime},
-            "launch": {"runtime": dockerd.cli, "cidfile": str(tmp_path / "cid")}}}))
-        cfg = config.from_dict({"guard": {"grace": "5s"}, "engine": {"command": ["x"], "state_file": str(state)}})
+            "launch": {"runtime": "/tmp/not-run", "cidfile": str(tmp_path / "containers" / "engine-0123.cid")}}}))
+        cfg = config.from_dict({"guard": {"grace": "5s"}, "engine": {"command": argv, "state_file": str(state)}})
         unit = tmp_path / "x.service"
         unit.mkdir()
         stopped, why = handover.stop_post(str(tmp_path / "note.json"), "stop", "success", str(unit), {}, cfg)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from sparkguard import proctree
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import container, container_cgroup
+from sparkguard.supervisor import container, container_argv, container_cgroup
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -165,6 +165,30 @@ def verified_container(c: dict | None, proc: str = "/proc"):
         return None, f"pid {pid} is not in container {cid[:12]}'s cgroup"
     return (container.Container(cid, str(c.get("name") or ""), pid, p.starttime,
                                 container_cgroup.cgroup_dir(pid, proc)), "")
+
+
+def launch_of(ln: dict | None, argv: list[str], state_file: str, env: dict):
+    """The recorded container launch (``Record.launch``) as a ``container.Launch``, trusting no
+    field that is run or written: the runtime CLI is the configured command's (``argv``:
+    ``engine.command``, whose digest the record matched), never the file's (it is executed as
+    root), and the cidfile only as ``engine-<tag>.cid`` directly in :func:`container.rundir`
+    (it is read, and removed after the run).  ``(launch or None, why)``; never raises."""
+    if not ln:
+        return None, ""
+    rt = container_argv.runtime_of(list(argv))
+    if rt is None:
+        return None, "the configured command is no docker|podman run"
+    try:
+        cidfile = os.path.realpath(str(ln.get("cidfile") or ""))
+        name = str(ln["name"]) if ln.get("name") else None
+        user_name = str(ln["user_name"]) if ln.get("user_name") else None
+    except (TypeError, ValueError, AttributeError) as e:
+        return None, f"unusable launch record ({e})"
+    base = os.path.basename(cidfile)
+    if (os.path.dirname(cidfile) != os.path.realpath(container.rundir(state_file))
+            or not (base.startswith("engine-") and base.endswith(".cid"))):
+        return None, f"its cidfile {cidfile} is not one of {container.rundir(state_file)}"
+    return container.Launch(rt, cidfile, name, dict(env), user_name), ""
 
 
 def in_cgroup(pid: int, cgroup_dir: str, proc: str = "/proc") -> bool:

@@ -124,13 +124,9 @@ class Adoption:
         # the rest of the record is untrusted too: a field that does not parse is left out (and
         # logged), never an exception out of the supervisor thread
         if rec.launch:
-            try:
-                ln = rec.launch
-                run.launch = container.Launch(str(ln.get("runtime") or "docker"), str(ln.get("cidfile") or ""),
-                                              str(ln["name"]) if ln.get("name") else None, env,
-                                              str(ln["user_name"]) if ln.get("user_name") else None)
-            except (TypeError, ValueError, AttributeError) as e:
-                log.warning("engine: adopted pid %d: the state file's container launch is unusable (%s)", rec.pid, e)
+            run.launch, why = adopt.launch_of(rec.launch, argv, self.ecfg.state_file, env)
+            if why:
+                log.warning("engine: adopted pid %d: the state file's container launch is not taken (%s)", rec.pid, why)
         if rec.container:
             run.container, why = adopt.verified_container(rec.container)
             if why:

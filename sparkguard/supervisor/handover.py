@@ -337,11 +337,11 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
     if members and process.sweep(None, members, grace, protect, note):
         stopped.append(f"{len(members)} recorded processes")
     if ctr is not None and rec is not None and rec.launch:
-        ln = rec.launch
-        launch = container.Launch(str(ln.get("runtime") or "docker"), str(ln.get("cidfile") or ""),
-                                  str(ln["name"]) if ln.get("name") else None, dict(os.environ),
-                                  str(ln["user_name"]) if ln.get("user_name") else None)
-        stopped.append(container.finish(launch, ctr))
+        launch, why = adopt.launch_of(rec.launch, list(cfg.engine.command), cfg.engine.state_file, dict(os.environ))
+        if launch is not None:
+            stopped.append(container.finish(launch, ctr))
+        else:
+            log.warning("sparkguard stop-post: the recorded container launch is not taken: %s", why)
     return stopped
 
 
