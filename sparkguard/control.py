@@ -34,6 +34,7 @@ import time
 from typing import Callable
 
 from sparkguard import config
+from sparkguard.supervisor import handover
 from sparkguard.supervisor.render import describe
 
 log = logging.getLogger("sparkguard.control")
@@ -371,6 +372,9 @@ def handler(args: argparse.Namespace) -> int:
                 resp = request(path, w, timeout=args.timeout + 10)
     except ControlError as e:
         print(f"sparkguard engine: {e.strerror}", file=sys.stderr)
+        for cg in handover.unguarded_engines():
+            print(f"sparkguard engine: WARNING: {cg} holds processes and no daemon answers: an engine nothing "
+                  "guards ('systemctl start sparkguard' adopts it; docs/adoption.md, Limits)", file=sys.stderr)
         return EXIT_NOT_RUNNING
     if args.json:
         print(json.dumps(resp, indent=2, default=str))

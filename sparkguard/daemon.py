@@ -17,6 +17,7 @@ from sparkguard.host import procview
 from sparkguard.guard import logq, settings
 from sparkguard.guard.loop import Guard
 from sparkguard.cluster.checkconfig import derivation_lines
+from sparkguard.supervisor import handover
 from sparkguard.supervisor.render import cluster_line, config_line
 from sparkguard.units import format_duration, format_size
 
@@ -80,6 +81,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; exit 2 on a bad config or a /proc it cannot use."""
     logq.setup_logging(args.log_level)
+    handover.take_unit_note()       # no handover note outlives a start (ExecStopPost trusts none it did not write)
     view: dict = {}
     why = procview.hidepid_blocks_view(view)
     if why:

@@ -183,6 +183,15 @@ def test_changed_command_is_stopped_and_the_configured_one_started(daemons):
     assert any(h["event"] == "sigterm" and f"pid {pid}" in h["detail"] for h in st["history"]), st["history"]
 
 
+def line_above_available() -> int:
+    """A SIGTERM line above MemAvailable (no memory is allocated to cross it) that the config
+    still accepts: below MemTotal (on an idle machine MemAvailable + 800 MiB may not be)."""
+    from conftest import mem_available
+    with open("/proc/meminfo") as f:
+        total = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
+    return min(mem_available() + 800 * 1024**2, total - 64 * 1024**2)
+
+
 def reload_with(d: Daemon, **guard) -> None:
     """Rewrite the daemon's config file with ``guard`` keys changed and wait for the reload."""
     import yaml
@@ -197,13 +206,12 @@ def test_the_guard_signals_an_adopted_engine_and_the_incident_says_adopted(daemo
     """The guard's target is the adopted run: a line placed above MemAvailable (no memory is
     allocated) makes the guard SIGTERM it; the incident's engine part says ``adopted``; once the
     line is back below, the incident closes and the engine is restarted (reason ``guard``)."""
-    from conftest import mem_available
     model, port = unique(), free_port()
     a, pid = ready_then_killed(daemons, model, port)
     b = daemons("b", model, port)
     adopted_status(b)
     mark = b.mark()
-    reload_with(b, term_below=mem_available() + 800 * 1024**2, grace="5s")
+    reload_with(b, term_below=line_above_available(), grace="5s")
     b.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
     assert wait_gone([pid], 15) == [], b.output()
     reload_with(b, term_below="128MiB")
@@ -212,6 +220,23 @@ def test_the_guard_signals_an_adopted_engine_and_the_incident_says_adopted(daemo
     assert [e["event"] for e in inc["timeline"]][:2] == ["crossed", "sigterm"], inc["timeline"]
     st = b.wait_ready(after=1, timeout=40)
     assert st["pid"] != pid and st["restarts"]["guard"] == 1 and st["adopted"] is False, st
+
+
+def test_an_engine_inside_the_guards_escalation_is_stopped_not_handed_over(daemons, tmp_path):
+    """SIGUSR2 (exit keeping the engine) while the guard is in its grace on the engine (an engine
+    that ignores SIGTERM): the daemon finishes the escalation (SIGKILL) instead of leaving the
+    engine to a next daemon with its SIGKILL lost."""
+    model, port = unique(), free_port()
+    a = daemons("a", model, port, "--mode", "ignore-term")
+    pid = a.wait_ready()["pid"]
+    mark = a.mark()
+    reload_with(a, term_below=line_above_available(), grace="4s")
+    a.wait_line(r"the memory guard sent SIGTERM to pid %d " % pid, timeout=20, start=mark)
+    a.proc.send_signal(signal.SIGUSR2)
+    assert a.proc.wait(40) == 0, a.output()
+    assert wait_gone(list(a.engine_pids) or [pid], 15) == [], a.output()
+    assert "not handing pid %d over" % pid in a.output(), a.output()
+    assert not (tmp_path / "engine-handover.json").exists()
 
 
 # ---- the decisions, on real processes and files (no daemon) ------------------------------------
@@ -255,13 +280,144 @@ def test_check_refuses_other_boots_unusable_records_and_reused_pids():
     v = adopt.check({"boot_id": boot, "engine": dict(rec, starttime=me.starttime + 7)}, boot, "d")
     assert v.result == adopt.REFUSED and "another process has that pid" in v.why
     v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup="/nonexistent/engine-1")}, boot, "d")
-    assert v.result == adopt.REFUSED and "not in the run's cgroup" in v.why
+    assert v.result == adopt.REFUSED and "not accepted" in v.why
     v = adopt.check({"boot_id": boot, "engine": rec}, boot, "other")
     assert v.result == adopt.CHANGED and v.pidfd is not None
     os.close(v.pidfd)
     v = adopt.check({"boot_id": boot, "engine": rec}, boot, "d")
     assert v.result == adopt.ADOPTED and v.pidfd is not None
     os.close(v.pidfd)
+
+
+def test_the_adopted_exit_watch_takes_a_pidfd_above_1023_and_waits_for_the_real_exit():
+    """A daemon with many fds open: the pidfd is >= 1024 (select() refuses those).  The watch
+    must not report the live engine's exit; it reports it once the process is gone."""
+    import resource
+    import subprocess
+    from sparkguard.supervisor import adopt
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        fd = os.pidfd_open(p.pid)
+        high = os.dup2(fd, 1500)
+        os.close(fd)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (adopt.wait_exit(high, p.pid, proctree.read_proc(p.pid).starttime),
+                                             done.set()), daemon=True)
+        t.start()
+        assert not done.wait(0.5), "an exit was reported for a live process"
+        p.kill()
+        assert done.wait(5), "the exit was not seen"
+    finally:
+        p.kill()
+        p.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_crafted_state_file_cannot_widen_the_kill_set(tmp_path):
+    """The state file is untrusted: a recorded cgroup that is not ``engine-<run id>`` directly
+    below the engines' parent is refused (here: the parent itself, which "contains" the test
+    process; a sibling with another run id; a symlink into the parent); the pgid is the verified
+    root's, whatever the file says; a container record that does not verify is not taken, and
+    one with a non-integer pid raises nothing."""
+    from sparkguard import sysinfo
+    from sparkguard.supervisor import adopt
+    me = proctree.read_proc(os.getpid())
+    boot = sysinfo.boot_id()
+    parent = tmp_path / "unit.service"
+    (parent / "engine-1000.000").mkdir(parents=True)
+    (parent / "engine-2000.000").mkdir()
+    os.symlink(parent, tmp_path / "engine-1000.000")
+    rec = {"pid": os.getpid(), "starttime": me.starttime, "digest": "d", "wall_spawn": 1000.0, "pgid": 1}
+    for bad in (str(parent), str(parent / "engine-2000.000"), str(tmp_path / "engine-1000.000"), "/sys/fs/cgroup"):
+        v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup=bad)}, boot, "d", parent=str(parent))
+        assert v.result == adopt.REFUSED and "not accepted" in v.why, (bad, v)
+    v = adopt.check({"boot_id": boot, "engine": dict(rec, cgroup=str(parent / "engine-1000.000"))}, boot, "d")
+    assert v.result == adopt.REFUSED, "a recorded cgroup with no engines' parent (process-group mode)"
+    v = adopt.check({"boot_id": boot, "engine": rec}, boot, "d", parent=str(parent))
+    assert v.result == adopt.ADOPTED and v.record.pgid == os.getpgrp() != 1, v
+    os.close(v.pidfd)
+    for c in ({"id": "f" * 64, "pid": os.getpid(), "starttime": me.starttime, "cgroup": "/sys/fs/cgroup"},
+              {"id": "f" * 64, "pid": "not a pid", "starttime": "x"}, {"pid": [1]}):
+        run = _rebuilt(tmp_path, container=c, launch={"runtime": "docker", "cidfile": str(tmp_path / "cid")})
+        assert run.container is None, c
+    # the launch: the runtime CLI is the configured command's (it is executed), the cidfile only
+    # one of sparkguard's container run directory
+    state_file = str(tmp_path / "engine-state.json")
+    rundir = os.path.join(str(tmp_path), "containers")
+    argv = ["/usr/bin/docker", "run", "img", "vllm", "serve", "m"]
+    ln, why = adopt.launch_of({"runtime": "/tmp/evil", "cidfile": f"{rundir}/engine-0123.cid"}, argv, state_file, {})
+    assert ln is not None and ln.runtime == "/usr/bin/docker" and ln.cidfile == f"{rundir}/engine-0123.cid", why
+    for cidfile in ("/etc/passwd", f"{rundir}/../engine-0123.cid", f"{rundir}/x.cid"):
+        assert adopt.launch_of({"cidfile": cidfile}, argv, state_file, {})[0] is None, cidfile
+    assert adopt.launch_of({"cidfile": f"{rundir}/engine-0123.cid"}, ["x"], state_file, {})[0] is None
+
+
+def test_no_handover_of_a_run_without_fifos_or_one_the_guard_is_stopping(tmp_path):
+    """``_may_hand_over``: a run whose output is plain pipes (no FIFOs: its writes would fail
+    once the daemon is gone) or that the guard has signalled is not left to a next daemon."""
+    import types
+    from sparkguard.supervisor.adoptrun import Adoption
+    run = _rebuilt(tmp_path)
+    notes = []
+    host = types.SimpleNamespace(run=run, _history=lambda ev, d: notes.append(d))
+    run.fifos = {"stdout": "/run/x.stdout", "stderr": "/run/x.stderr"}
+    assert Adoption._may_hand_over(host) is True
+    run.guard_hit = True
+    assert Adoption._may_hand_over(host) is False and "memory guard" in notes[-1]
+    run.guard_hit, run.fifos = False, {}
+    assert Adoption._may_hand_over(host) is False and "plain pipes" in notes[-1]
+
+
+def test_an_engine_pipe_that_is_not_the_recorded_fifo_is_still_drained(tmp_path):
+    """An engine whose stdout is a pipe that does not match the record (here an anonymous
+    pipe, no identity recorded) is read through /proc/PID/fd/1 anyway: it writes 2 MiB (more
+    than any pipe buffer) and exits instead of blocking on a pipe nobody reads."""
+    import subprocess
+    import sys
+    from sparkguard.supervisor import output
+    r, w = os.pipe()
+    script = "import sys\nfor i in range(2048):\n    sys.stdout.write('x' * 1023 + '\\n')\nsys.stdout.flush()\n"
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=w, stderr=subprocess.DEVNULL)
+    os.close(w)
+    try:
+        again, why = output.reopen_fifos(p.pid, {}, {})
+        assert "stdout" in again and "anyway" in why, why
+        lines = []
+        output.pump(again["stdout"], None, lambda s, raw: lines.append(raw))
+        assert p.wait(20) == 0 and lines, "the writer blocked"       # (the pump passes 1,000 lines/s on)
+    finally:
+        os.close(r)
+        p.kill()
+        p.wait()
+
+
+def test_the_sweep_after_an_adopted_root_takes_its_group_only_while_a_recorded_member_is_in_it(tmp_path):
+    """A process group whose recorded members are gone may belong to a stranger now (an adopted
+    root is reaped at once): not swept by group; with a live recorded member in it, it is."""
+    import subprocess
+    from sparkguard.supervisor.adoptrun import Adoption
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        run = _rebuilt(tmp_path)
+        run.pgid = stranger.pid
+        run.members = {run.pid: run.starttime, 999999: 1}
+        assert Adoption._group_ok(run) is False
+        deadline = time.monotonic() + 5
+        while (p := proctree.read_proc(stranger.pid)) is None or p.comm != "sleep":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        run.members[stranger.pid] = p.starttime
+        assert Adoption._group_ok(run) is True
+        run.adopted = False
+        run.members = {}
+        assert Adoption._group_ok(run) is True, "a run this daemon started: its pgid stays reserved"
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
@@ -292,22 +448,263 @@ def test_fifo_output_survives_its_reader_and_is_reopened_through_proc(tmp_path):
         output.remove_fifos(paths)
 
 
+class _Me:
+    """The running test process stands for the kept engine (a live pid with its start time)."""
+    pid = os.getpid()
+    starttime = proctree.read_proc(os.getpid()).starttime
+    cgroup = None
+
+
 def test_stop_post_keeps_on_a_note_or_without_a_stop_job(tmp_path):
     from sparkguard.supervisor import handover
     unit = tmp_path / "x.service"
     unit.mkdir()
     note = str(tmp_path / "note.json")
-    assert handover.stop_post(note, "restart", "success", str(unit))[0] == []
-    assert "left for the next daemon" in handover.stop_post(note, None, "signal", str(unit))[1]
-
-    class R:       # the running test process stands for the kept engine
-        pid = os.getpid()
-        starttime = proctree.read_proc(os.getpid()).starttime
-        cgroup = None
-    handover.write_note(note, R, "restart")
-    assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit))[1]
+    env = {"INVOCATION_ID": "a" * 32}
+    assert handover.stop_post(note, "restart", "success", str(unit), env)[0] == []
+    assert "left for the next daemon" in handover.stop_post(note, None, "signal", str(unit), env)[1]
+    handover.write_note(note, _Me, "systemd is stopping the unit (engine.on_daemon_stop: keep)", env)
+    assert json.loads(open(note).read())["kind"] == "stop"
+    assert "kept pid" in handover.stop_post(note, "stop", "success", str(unit), env)[1]
     os.unlink(note)
-    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit))[1]
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), env)[1]
+
+
+def test_stop_post_ignores_a_note_of_another_invocation_or_of_a_restart(tmp_path):
+    """A note left from a restart (written by an earlier invocation, or for a restart) must not
+    keep the engine on a later `systemctl stop`: only this invocation's note of a stop does."""
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    note = str(tmp_path / "note.json")
+    old, now = {"INVOCATION_ID": "1" * 32}, {"INVOCATION_ID": "2" * 32}
+    handover.write_note(note, _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)", old)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "exit-code", str(unit), now)[1]
+    handover.write_note(note, _Me, "systemd is stopping the unit (engine.on_daemon_stop: keep)", old)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), now)[1]
+    handover.write_note(note, _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)", now)
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), now)[1]
+    assert "the engine goes with the daemon" in handover.stop_post(note, "stop", "success", str(unit), {})[1]
+
+
+def test_stop_post_treats_an_unreadable_job_as_a_stop_unless_the_daemon_crashed(tmp_path):
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    note = str(tmp_path / "note.json")
+    for result in ("success", "exit-code", "timeout"):
+        assert "the engine goes with the daemon" in handover.stop_post(note, handover.JOB_UNKNOWN, result,
+                                                                       str(unit), {})[1], result
+    for result in handover.CRASH_RESULTS:
+        assert "left for the next daemon" in handover.stop_post(note, handover.JOB_UNKNOWN, result, str(unit), {})[1]
+    assert handover.decide(_ecfg(), False, job=handover.JOB_UNKNOWN)[0] is False
+
+
+@pytest.mark.parametrize("grace,max_grace", [("1s", None), ("30s", 1.0)])
+def test_stop_post_stops_the_recorded_engine_with_the_configs_grace_and_protect(tmp_path, grace, max_grace):
+    """Process-group mode (no engine cgroup): stop-post on a stop job stops the processes the
+    state file records (same start time only), SIGKILL after ``guard.grace`` (not a fixed 5 s;
+    or a longer one cut to the 1 s the unit's stop timeout leaves), and never SIGKILLs a
+    ``targets.protect`` match."""
+    import subprocess
+    from sparkguard import config, sysinfo
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "x.service"
+    unit.mkdir()
+    import shutil
+    keep = tmp_path / "sgkeep"                 # a protected program: targets.protect matches its name
+    shutil.copy("/bin/sleep", keep)
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 60"])
+    held = subprocess.Popen(["sh", "-c", f"trap '' TERM; exec {keep} 60"])
+    try:
+        wait_until_proc = time.monotonic() + 5
+        while time.monotonic() < wait_until_proc and not all(
+                proctree.read_proc(p.pid) and "sh" not in proctree.read_proc(p.pid).comm for p in (stubborn, held)):
+            time.sleep(0.02)
+        st = {p.pid: proctree.read_proc(p.pid).starttime for p in (stubborn, held)}
+        state = tmp_path / "state.json"
+        state.write_text(json.dumps({"boot_id": sysinfo.boot_id(), "engine": {
+            "pid": stubborn.pid, "starttime": st[stubborn.pid], "members": {str(k): v for k, v in st.items()}}}))
+        cfg = config.from_dict({"guard": {"grace": grace}, "targets": {"protect": ["sgkeep"]},
+                                "engine": {"command": ["x"], "state_file": str(state)}})
+        out = []
+        t0 = time.monotonic()
+        t = threading.Thread(target=lambda: out.append(handover.stop_post(str(tmp_path / "note.json"), "stop",
+                                                                          "success", str(unit), {}, cfg,
+                                                                          max_grace=max_grace)))
+        t.start()
+        assert stubborn.wait(5) == -signal.SIGKILL
+        took = time.monotonic() - t0
+        t.join(20)         # the sweep waits a while for the protected process it did not SIGKILL
+        [(stopped, why)] = out
+        assert "the engine goes with the daemon" in why and stopped, (stopped, why)
+        assert 0.9 <= took < 4.5, f"SIGKILL after {took:.2f} s, not after 1 s"
+        assert held.poll() is None, "a targets.protect match was SIGKILLed"
+    finally:
+        for p in (stubborn, held):
+            p.kill()
+            p.wait()
+
+
+def test_unit_job_tells_a_failed_lookup_from_no_job(tmp_path, monkeypatch):
+    """A ``systemctl`` that fails (here: a script that exits 1, as systemctl does without a
+    reachable systemd) is not "no job"."""
+    from sparkguard.supervisor import handover
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "systemctl").write_text("#!/bin/sh\necho 'Failed to connect to bus' >&2\nexit 1\n")
+    (bin_ / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    assert handover.unit_job("sparkguard.service") == handover.JOB_UNKNOWN
+    (bin_ / "systemctl").write_text("#!/bin/sh\nexit 0\n")
+    assert handover.unit_job("sparkguard.service") is None
+
+
+def test_populated_engine_cgroups_of_an_inactive_unit_are_flagged(tmp_path):
+    """What `engine status` warns about when no daemon answers: the unit's engine-* cgroups that
+    still hold processes (read from cgroup.events, cgroup-v2.rst: "populated")."""
+    from sparkguard.supervisor import handover
+    unit = tmp_path / "sparkguard.service"
+    for name, populated in (("engine-1.000", 1), ("engine-2.000", 0), ("guard", 1)):
+        (unit / name).mkdir(parents=True)
+        (unit / name / "cgroup.events").write_text(f"populated {populated}\nfrozen 0\n")
+    assert handover.unguarded_engines(str(unit)) == [str(unit / "engine-1.000")]
+    assert handover.unguarded_engines(str(tmp_path / "absent")) == []
+
+
+def test_stop_post_reads_the_units_stop_timeout_which_bounds_its_grace(tmp_path, monkeypatch):
+    """``systemctl show -p TimeoutStopUSec --value`` prints a systemd time span; stop-post's
+    grace must end inside it (systemd SIGKILLs an ExecStopPost that outlives it)."""
+    from sparkguard.supervisor import handover
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    for printed, seconds in (("1min 30s", 90.0), ("8s", 8.0), ("infinity", None), ("", None)):
+        (bin_ / "systemctl").write_text(f"#!/bin/sh\necho '{printed}'\n")
+        (bin_ / "systemctl").chmod(0o755)
+        assert handover.stop_timeout("sparkguard.service") == seconds, printed
+
+
+def _stop_post_line(note: str, python: str) -> str:
+    """The unit's ExecStopPost shell command as systemd runs it ("$$" -> "$", %n -> the unit's
+    name, systemd.service(5)), with the note's path and the interpreter replaced."""
+    from conftest import ROOT
+    unit = open(os.path.join(ROOT, "systemd", "sparkguard.service")).read()
+    [line] = [ln for ln in unit.splitlines() if ln.startswith("ExecStopPost=")]
+    cmd = line.split("-c '", 1)[1].rsplit("'", 1)[0]
+    return (cmd.replace("$$", "$").replace("%n", "sparkguard.service")
+            .replace("/run/sparkguard/engine-handover.json", note).replace("@PYTHON@", python))
+
+
+@pytest.mark.parametrize("writer,job,skips", [("this", "restart", True), ("this", "stop", False),
+                                              ("other", "restart", False), (None, "restart", False),
+                                              ("this", None, False)])
+def test_the_units_stop_post_shortcut_skips_only_this_invocations_restart(tmp_path, writer, job, skips):
+    """The shell shortcut in the shipped unit, run by /bin/sh: it skips `sparkguard stop-post`
+    only when this invocation wrote the note and systemd's job is a restart (``systemctl`` is a
+    script printing that job, as systemctl(1)'s list-jobs prints it)."""
+    import subprocess
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    out = f"42 sparkguard.service {job} running" if job else ""
+    (bin_ / "systemctl").write_text(f"#!/bin/sh\necho '{out}'\n")
+    (bin_ / "systemctl").chmod(0o755)
+    (bin_ / "py").write_text("#!/bin/sh\necho RAN \"$@\"\n")
+    (bin_ / "py").chmod(0o755)
+    note = str(tmp_path / "engine-handover.json")
+    me, other = "c" * 32, "d" * 32
+    if writer:
+        handover_write = {"this": me, "other": other}[writer]
+        from sparkguard.supervisor import handover
+        handover.write_note(note, _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)",
+                            {"INVOCATION_ID": handover_write})
+    r = subprocess.run(["/bin/sh", "-c", _stop_post_line(note, str(bin_ / "py"))], capture_output=True, text=True,
+                       timeout=10, env={"PATH": f"{bin_}:/usr/bin:/bin", "INVOCATION_ID": me})
+    assert ("RAN -m sparkguard stop-post" not in r.stdout) == skips, (r.stdout, r.stderr)
+
+
+def test_a_daemon_removes_the_handover_note_first_even_when_its_config_is_rejected(tmp_path):
+    """A note must not outlive the start after it: a daemon whose config is refused (exit 2)
+    has removed it already."""
+    import subprocess
+    import sys
+    from conftest import sg_env
+    from sparkguard.supervisor import handover
+    note = tmp_path / "engine-handover.json"
+    handover.write_note(str(note), _Me, "systemd is restarting the unit (engine.on_daemon_restart: keep)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("guard:\n  grace: forever\n")
+    r = subprocess.run([sys.executable, "-m", "sparkguard", "run", "--config", str(bad)], capture_output=True,
+                       text=True, timeout=60, env=dict(sg_env(), RUNTIME_DIRECTORY=str(tmp_path)))
+    assert r.returncode == 2, r.stderr
+    assert not note.exists(), "the note outlived a rejected start"
+
+
+def _rebuilt(tmp_path, **rec):
+    """``Adoption._rebuild`` of a verified record of this test process (no daemon: the parts of
+    the Supervisor it reads), its pidfd closed; returns the Run."""
+    import types
+    from sparkguard import config
+    from sparkguard.supervisor import adopt
+    from sparkguard.supervisor.adoptrun import Adoption
+    me = proctree.read_proc(os.getpid())
+    record = dict({"pid": os.getpid(), "starttime": me.starttime, "digest": "d", "wall_spawn": time.time() - 3600},
+                  **rec)
+    r, bad = adopt.record_of({"engine": record})
+    assert r is not None, bad
+    host = types.SimpleNamespace(ecfg=config.EngineConfig(command=("x",), control_socket=str(tmp_path / "c.sock")),
+                                 placement=None)
+    run = Adoption._rebuild(host, adopt.Verdict(adopt.ADOPTED, "", None, r), ["x"], {}, output_too=False)
+    return run
+
+
+class _Hooks:
+    """health.MonitorHooks that record what the monitor said (the supervisor's side is not
+    under test here)."""
+
+    def __init__(self):
+        self.verdicts, self.ready = [], 0
+
+    def refresh_members(self, run):
+        pass
+
+    def became_ready(self, run):
+        self.ready += 1
+        run.ever_ready = True
+
+    def health_changed(self, run, ok, url):
+        pass
+
+    def probed(self, run, ok):
+        return 0
+
+    def verdict(self, run, kind, detail):
+        self.verdicts.append(kind)
+
+    def cluster(self, run):
+        return False
+
+    def note(self, event, detail):
+        pass
+
+
+@pytest.mark.parametrize("ready,verdicts", [(True, []), (False, ["not_ready"])])
+def test_an_adopted_ready_engine_is_not_restarted_on_its_first_failed_health_check(tmp_path, ready, verdicts):
+    """An engine recorded ready, started an hour ago (ready_timeout 1200 s): a /health that does
+    not answer (a closed port) at adoption is no not_ready verdict; one recorded still loading
+    after an hour is (its clock is its start's)."""
+    from sparkguard import config
+    from sparkguard.supervisor import health
+    run = _rebuilt(tmp_path, ready=ready)
+    url = f"http://127.0.0.1:{free_port()}/health"
+    ecfg = config.EngineConfig(command=("x",), health_url=url, health_interval=0.05)
+    hooks = _Hooks()
+    t = threading.Thread(target=health.monitor, args=(run, lambda: ecfg, hooks), daemon=True)
+    t.start()
+    t.join(1.0)
+    run.done.set()
+    t.join(5)
+    assert hooks.verdicts == verdicts and hooks.ready == 0
 
 
 def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, monkeypatch):  # noqa: F811
@@ -343,6 +740,43 @@ def test_a_docker_run_engine_is_adopted_with_its_container(tmp_path, dockerd, mo
     finally:
         for d in made:
             d.stop()
+        ids = dockerd.containers(f"label=sgtest={tag}")
+        if ids:
+            dockerd.docker("rm", "-f", *ids, check=False)
+
+
+def test_stop_post_stops_and_removes_the_recorded_container(tmp_path, dockerd, monkeypatch):  # noqa: F811
+    """A docker run engine whose daemon died in a stop: its processes are in docker's cgroup, not
+    the engine's, so stop-post takes the container from the state file (verified: its init's
+    cgroup names the recorded id), stops its processes and removes it (real dockerd)."""
+    import subprocess
+    from sparkguard import config, sysinfo
+    from sparkguard.supervisor import handover
+    monkeypatch.setenv("DOCKER_HOST", dockerd.host)
+    tag, port = unique_name(), free_port()
+    argv = dockerd.fake_run(tag, "--port", str(port), run_opts=("--label", f"sgtest={tag}"))
+    client = subprocess.Popen(["sleep", "60"])          # stands for the dead daemon's docker client
+    try:
+        cid = dockerd.docker(*argv[1:2], "-d", *argv[2:]).stdout.strip()
+        init = int(dockerd.docker("inspect", "-f", "{{.State.Pid}}", cid).stdout.strip())
+        deadline = time.monotonic() + 5
+        while (c := proctree.read_proc(client.pid)) is None or c.comm != "sleep":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        state = tmp_path / "state.json"
+        state.write_text(json.dumps({"boot_id": sysinfo.boot_id(), "engine": {
+            "pid": client.pid, "starttime": c.starttime,
+            "container": {"id": cid, "name": "", "pid": init, "starttime": proctree.read_proc(init).starttime},
+            "launch": {"runtime": "/tmp/not-run", "cidfile": str(tmp_path / "containers" / "engine-0123.cid")}}}))
+        cfg = config.from_dict({"guard": {"grace": "5s"}, "engine": {"command": argv, "state_file": str(state)}})
+        unit = tmp_path / "x.service"
+        unit.mkdir()
+        stopped, why = handover.stop_post(str(tmp_path / "note.json"), "stop", "success", str(unit), {}, cfg)
+        assert any(s.startswith(f"container {cid[:12]}") for s in stopped), (stopped, why)
+        assert not dockerd.containers(f"label=sgtest={tag}"), "the recorded container still exists"
+    finally:
+        client.kill()
+        client.wait()
         ids = dockerd.containers(f"label=sgtest={tag}")
         if ids:
             dockerd.docker("rm", "-f", *ids, check=False)

@@ -146,6 +146,11 @@ class Stopper:
             with self._lock:
                 esc.killing = False
 
+    def running(self, root: int, starttime: int) -> Escalation | None:
+        """The escalation of the tree rooted at ``root`` (with that start time) in progress, or None."""
+        with self._lock:
+            return self._running.get((root, starttime))
+
     def release(self, esc: Escalation) -> None:
         """The caller is done with ``esc``; the last holder's release closes the tree's pidfds."""
         if esc.dry_run:

@@ -28,10 +28,12 @@ import json
 import logging
 import os
 import select
+import time
 from dataclasses import dataclass, field
 
 from sparkguard import proctree
 from sparkguard.supervisor import cgroup as cgroups
+from sparkguard.supervisor import container, container_argv, container_cgroup
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -123,6 +125,73 @@ def cgroup_of(pid: int, proc: str = "/proc") -> str | None:
     return None
 
 
+def run_cgroup_ok(path: str, parent: str | None, wall_spawn: float) -> str:
+    """Why the recorded run cgroup ``path`` cannot be the run's (``""``: it can).  Only a direct
+    child of the engines' parent cgroup (``placement.parent``) named ``engine-<run id>`` (or
+    ``engine-<run id>-N``: :meth:`cgroup.EngineCgroup.create`) after the record's ``wall_spawn``
+    is: a path elsewhere (``/sys/fs/cgroup/system.slice``, the daemon's own) would put strangers
+    in the run's tree and kill set.  Symlinks are resolved first."""
+    if not parent:
+        return "this daemon makes no engine cgroups (process-group tracking)"
+    real, top = os.path.realpath(path), os.path.realpath(parent)
+    name = f"engine-{wall_spawn:.3f}"
+    base = os.path.basename(real)
+    numbered = base.startswith(name + "-") and base[len(name) + 1:].isdigit()
+    if os.path.dirname(real) != top or not (base == name or numbered):
+        return f"it is not {os.path.join(top, name)}, the engine cgroup of that run"
+    if not os.path.isdir(real):
+        return "it does not exist"
+    return ""
+
+
+def verified_container(c: dict | None, proc: str = "/proc"):
+    """The recorded container (``Record.container``) as a ``container.Container`` once verified:
+    its init pid runs with the recorded start time and its own cgroup names the recorded id
+    (:func:`container_cgroup.container_of`); the cgroup directory is read from the init's
+    ``/proc/PID/cgroup``, never taken from the record.  ``(container or None, why)``; never raises."""
+    if not c:
+        return None, ""
+    try:
+        pid, start, cid = int(c.get("pid") or 0), int(c.get("starttime") or 0), str(c.get("id") or "")
+    except (TypeError, ValueError) as e:
+        return None, f"unusable container record ({e})"
+    if pid <= 1 or not cid:
+        return None, "the container record has no init pid or id"
+    p = proctree.read_proc(pid, proc)
+    if p is None or p.starttime != start:
+        return None, f"its init pid {pid} no longer runs with the recorded start time"
+    seen = container_cgroup.container_of(pid, proc)
+    if seen is None or seen[1] != cid:
+        return None, f"pid {pid} is not in container {cid[:12]}'s cgroup"
+    return (container.Container(cid, str(c.get("name") or ""), pid, p.starttime,
+                                container_cgroup.cgroup_dir(pid, proc)), "")
+
+
+def launch_of(ln: dict | None, argv: list[str], state_file: str, env: dict):
+    """The recorded container launch (``Record.launch``) as a ``container.Launch``, trusting no
+    field that is run or written: the runtime CLI is the configured command's (``argv``:
+    ``engine.command``, whose digest the record matched), never the file's (it is executed as
+    root), with that command's global options and client environment (:func:`container.prepare`
+    gives a started run the same), and the cidfile only as ``engine-<tag>.cid`` directly in :func:`container.rundir`
+    (it is read, and removed after the run).  ``(launch or None, why)``; never raises."""
+    if not ln:
+        return None, ""
+    cmd = container_argv.parse(list(argv))
+    if cmd is None:
+        return None, "the configured command is no docker|podman run"
+    try:
+        cidfile = os.path.realpath(str(ln.get("cidfile") or ""))
+        name = str(ln["name"]) if ln.get("name") else None
+        user_name = str(ln["user_name"]) if ln.get("user_name") else None
+    except (TypeError, ValueError, AttributeError) as e:
+        return None, f"unusable launch record ({e})"
+    base = os.path.basename(cidfile)
+    if (os.path.dirname(cidfile) != os.path.realpath(container.rundir(state_file))
+            or not (base.startswith("engine-") and base.endswith(".cid"))):
+        return None, f"its cidfile {cidfile} is not one of {container.rundir(state_file)}"
+    return container.Launch(cmd.runtime, cidfile, name, cmd.client_env(dict(env)), user_name, list(cmd.global_opts)), ""
+
+
 def in_cgroup(pid: int, cgroup_dir: str, proc: str = "/proc") -> bool:
     """True when ``pid`` is in cgroup directory ``cgroup_dir`` or below it (compared by the
     directory's ``cgroup.procs`` listing, so no mount-point arithmetic is needed)."""
@@ -141,12 +210,16 @@ class Verdict:
     record: Record | None = None
 
 
-def check(state: dict, boot_id: str, digest: str, proc: str = "/proc") -> Verdict:
-    """Decide about the engine recorded in ``state`` (module doc, checks 1-5).
+def check(state: dict, boot_id: str, digest: str, proc: str = "/proc", parent: str | None = None) -> Verdict:
+    """Decide about the engine recorded in ``state`` (module doc, checks 1-5).  On a verdict with a
+    pidfd the record's ``pgid`` is the verified root's process group (``/proc/PID/stat``), never
+    the file's.
 
     Args:
         state: the state file's contents (``lanes.read_state``); boot_id: this boot's
-            (``sysinfo.boot_id()``); digest: :func:`command_digest` of the command the config asks for now.
+            (``sysinfo.boot_id()``); digest: :func:`command_digest` of the command the config asks for now;
+            parent: the engines' parent cgroup (``placement.parent``; None: no cgroups): a recorded
+            run cgroup is accepted only below it (:func:`run_cgroup_ok`).
     Returns:
         :class:`Verdict`.  Never raises.
     """
@@ -162,6 +235,12 @@ def check(state: dict, boot_id: str, digest: str, proc: str = "/proc") -> Verdic
     if p.starttime != rec.starttime:
         return Verdict(REFUSED, f"pid {rec.pid} has start time {p.starttime}, the recorded engine had "
                        f"{rec.starttime}: another process has that pid now", record=rec)
+    bad_cg = run_cgroup_ok(rec.cgroup, parent, rec.wall_spawn) if rec.cgroup else ""
+    if bad_cg:
+        return Verdict(REFUSED, f"the recorded cgroup {rec.cgroup} of pid {rec.pid} is not accepted: {bad_cg}",
+                       record=rec)
+    if rec.cgroup:
+        rec.cgroup = os.path.realpath(rec.cgroup)
     if rec.cgroup and not in_cgroup(rec.pid, rec.cgroup):
         return Verdict(REFUSED, f"pid {rec.pid} is not in the run's cgroup {rec.cgroup} "
                        f"(it is in {cgroup_of(rec.pid, proc)})", record=rec)
@@ -173,6 +252,7 @@ def check(state: dict, boot_id: str, digest: str, proc: str = "/proc") -> Verdic
     if p is None or p.starttime != rec.starttime:     # exited, and the pid reused, between the checks
         os.close(fd)
         return Verdict(REFUSED, f"pid {rec.pid} changed while it was being verified", record=rec)
+    rec.pgid = p.pgrp
     if not rec.digest:
         return Verdict(CHANGED, f"pid {rec.pid} was recorded without its command's digest (an older "
                        "sparkguard): cannot tell that it runs the configured command", fd, rec)
@@ -204,16 +284,34 @@ class AdoptedProc:
         return None
 
 
-def wait_exit(pidfd: int) -> tuple[int | None, int | None]:
+POLL_EVERY = 0.5    #: seconds between /proc reads when the pidfd cannot be polled (:func:`wait_exit`)
+
+
+def wait_exit(pidfd: int, pid: int | None = None, starttime: int | None = None) -> tuple[int | None, int | None]:
     """Block until the process of ``pidfd`` exits (its pidfd becomes readable: pidfd_open(2));
-    ``(None, None)``: the status of a process that is not our child cannot be read.  Closes the fd."""
+    ``(None, None)``: the status of a process that is not our child cannot be read.  Closes the fd.
+
+    ``poll(2)`` (not ``select``, which cannot take an fd >= 1024).  An error of the poll is no
+    exit: then ``/proc/PID/stat`` is read every :data:`POLL_EVERY` s until ``pid`` is gone, a
+    zombie, or has another start time than ``starttime`` (without ``pid`` the wait ends)."""
     try:
-        select.select([pidfd], [], [])
-    except (OSError, ValueError):
-        pass
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            while not poller.poll():
+                pass
+            return None, None
+        except (OSError, ValueError) as e:
+            if pid is None:
+                return None, None
+            log.warning("engine: cannot poll the pidfd of adopted pid %d (%s); watching /proc instead", pid, e)
+        while True:
+            p = proctree.read_proc(pid)
+            if p is None or p.starttime != starttime or _state(pid, "/proc") in ("Z", "X", None):
+                return None, None
+            time.sleep(POLL_EVERY)
     finally:
         try:
             os.close(pidfd)
         except OSError:
             pass
-    return None, None

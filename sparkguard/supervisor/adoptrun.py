@@ -25,6 +25,7 @@ import os
 import time
 
 from sparkguard import proctree, sysinfo
+from sparkguard.guard import escalation
 from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, output
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor.run import Run
@@ -61,8 +62,7 @@ class Adoption:
         (changed command), or sweep its verified leftovers.  True when a run was adopted
         (``self.run`` is set and its threads run)."""
         note = handover.note_path(self.ecfg)
-        kept = handover.read_note(note)
-        handover.remove_note(note)
+        kept = handover.take_note(note)     # (under systemd taken at the daemon's start already)
         lane = self.lane
         try:
             argv, env = lanes.command(self.cfg, lane)
@@ -70,7 +70,8 @@ class Adoption:
             log.error("engine: cannot build the engine's command (%s); nothing is adopted", e)
             self._sweep_previous()
             return False
-        v = adopt.check(self.previous_state, sysinfo.boot_id(), adopt.command_digest(argv, self.ecfg, lane))
+        v = adopt.check(self.previous_state, sysinfo.boot_id(), adopt.command_digest(argv, self.ecfg, lane),
+                        parent=self.placement.parent if self.placement else None)
         if not v.result:
             self._sweep_previous()
             return False
@@ -108,23 +109,29 @@ class Adoption:
         run = Run(adopt.AdoptedProc(rec.pid), rec.lane, rec.argv or argv, None, self.ecfg.log_lines,
                   cluster.role_of(rec.argv or argv), wall_spawn=rec.wall_spawn or time.time())
         run.t_spawn = time.monotonic() - max(0.0, time.time() - run.wall_spawn)
+        # engine.ready_timeout: an engine recorded ready loaded long ago; counted from its original
+        # start one failed /health at adoption (a 503, a slow answer under load) would be a
+        # not_ready verdict at once.  Its clock starts again now; one still loading keeps its start.
+        run.t_ready_clock = time.monotonic() if rec.ready else run.t_spawn
         run.adopted, run.pidfd, run.digest = True, v.pidfd, rec.digest
-        run.pgid, run.starttime = rec.pgid or rec.pid, rec.starttime
+        run.pgid, run.starttime = rec.pgid or rec.pid, rec.starttime     # pgid: the verified root's (adopt.check)
         run.members = dict(rec.members)
         run.group = dict(rec.group)         # a TP head: the ranks' runs it started with (peer verdicts)
         run.members[rec.pid] = rec.starttime
-        if rec.cgroup and os.path.isdir(rec.cgroup):
+        if rec.cgroup:                      # accepted by adopt.check: an engine-<run id> below placement.parent
             run.cgroup = cgroups.EngineCgroup(rec.cgroup)
             run.cgroup.entered = True
+        # the rest of the record is untrusted too: a field that does not parse is left out (and
+        # logged), never an exception out of the supervisor thread
         if rec.launch:
-            run.launch = container.Launch(rec.launch.get("runtime") or "docker", rec.launch.get("cidfile") or "",
-                                          rec.launch.get("name"), env, rec.launch.get("user_name"))
-        c = rec.container
-        if c:
-            p = proctree.read_proc(int(c.get("pid") or 0)) if c.get("pid") else None
-            if p is not None and p.starttime == c.get("starttime"):
-                run.container = container.Container(str(c.get("id")), str(c.get("name") or ""), p.pid, p.starttime,
-                                                    c.get("cgroup"))
+            run.launch, why = adopt.launch_of(rec.launch, argv, self.ecfg.state_file, env)
+            if why:
+                log.warning("engine: adopted pid %d: the state file's container launch is not taken (%s)", rec.pid, why)
+        if rec.container:
+            run.container, why = adopt.verified_container(rec.container)
+            if why:
+                log.warning("engine: adopted pid %d: recorded container not taken (%s)%s", rec.pid, why,
+                            "; looking for it through the cidfile" if run.launch is not None else "")
         if output_too:
             run.fifos, run.fifo_ids = rec.fifos, rec.fifo_ids
             run.streams, why = output.reopen_fifos(rec.pid, rec.fifos, rec.fifo_ids)
@@ -148,6 +155,41 @@ class Adoption:
             self.last_run, self.run = run, None
             self._history("exit", f"pid {run.pid} (adopted, command changed) stopped"
                           + (f"; swept {len(swept)} leftover processes" if swept else ""))
+
+    @staticmethod
+    def _group_ok(run: Run) -> bool:
+        """May the sweep after ``run``'s exit take every process of its process group?  Always for a
+        run this daemon started (its root, our child, is reaped only after the sweep, so the pgid
+        stays reserved).  An adopted root is reaped at once by its new parent: once its group
+        empties the pgid can be reused by a stranger, so only while a recorded member with its
+        recorded start time is still in the group (as :meth:`Supervisor._sweep_previous`)."""
+        if not run.adopted:
+            return True
+        for pid, start in dict(run.members).items():
+            p = proctree.read_proc(pid) if pid != run.pid else None
+            if p is not None and p.starttime == start and p.pgrp == run.pgid:
+                return True
+        return False
+
+    def _may_hand_over(self) -> bool:
+        """(Supervisor thread, at exit keeping the engine.)  May the run be left to the next daemon?
+        Not when it is over or being stopped (``term_reason``), nor while the memory guard is
+        stopping it (``guard_hit``, or an escalation of its root in progress: handed over, its
+        pending SIGKILL would be lost and the next daemon would start a fresh grace under memory
+        pressure), nor when its output is plain pipes (no FIFOs: its writes would fail with EPIPE
+        once this daemon is gone).  A refusal is logged; the engine is then stopped."""
+        run = self.run
+        if run is None or run.exit is not None or run.term_reason is not None:
+            return False
+        why = None
+        if run.guard_hit or escalation.OWNER.running(run.pid, run.starttime) is not None:
+            why = "the memory guard is stopping it"
+        elif not run.fifos:
+            why = "its output is plain pipes (no FIFOs), which cannot outlive this daemon"
+        if why:
+            log.warning("engine: not handing pid %d over to the next sparkguard (%s): stopping it", run.pid, why)
+            self._history("handover", f"refused for pid {run.pid}: {why}; stopping it")
+        return why is None
 
     def _hand_over(self) -> None:
         """(Supervisor thread, at exit.)  Leave the running engine for the next daemon: its state

@@ -313,7 +313,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             log.exception("engine supervisor failed; the guard keeps running without it")
             self._set("failed", "supervisor error (see the daemon's log)")
         finally:
-            if self.keep_engine and self.run is not None and self.run.exit is None and self.run.term_reason is None:
+            if self.keep_engine and self._may_hand_over():
                 self._hand_over()           # (an engine already being stopped is stopped: below)
             else:
                 if self.run is not None and self.run.exit is None:
@@ -500,7 +500,8 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         if run.deadline is None:            # it ended on its own: the sweep's SIGTERM is its first
             run.deadline = stopbudget.Deadline(self.cfg.guard.grace)
         dl = run.deadline
-        swept = self._sweep(run.pgid, run.members, exclude=run.pid, cgroup=run.cgroup, deadline=dl)
+        swept = self._sweep(run.pgid, run.members, exclude=run.pid, group_ok=self._group_ok(run),
+                            cgroup=run.cgroup, deadline=dl)
         ctr_detail = container.finish(run.launch, run.container, dl) if run.launch is not None else ""
         try:
             run.proc.wait(timeout=dl.step(5))   # reap the root only now: its pgid stayed reserved meanwhile
@@ -579,7 +580,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self._write_state()
         if not restarting:
             self._flush("the engine is not restarted" if not self.quit else "daemon stopping")
-
 
     def _head_at_exit(self, run: Run) -> str:
         """(Supervisor thread.) A headless rank exited 0 by itself: read the head now.  ``"there"``

@@ -13,12 +13,17 @@ When the daemon is asked to exit it decides whether its engine goes with it (:fu
   (what ``SIGTERM`` always did).
 
 A daemon that keeps its engine writes a handover note (:func:`write_note`: the run's pid, start
-time, boot id and cgroup) in the unit's runtime directory (``/run/sparkguard``, which
-``RuntimeDirectoryPreserve=restart`` keeps across restarts; beside the control socket outside systemd).  The unit's ``ExecStopPost=sparkguard
-stop-post`` (:func:`stop_post`) runs after every stop of the daemon, also when it died or hung:
-on a stop job it kills the unit's engine cgroups unless a note names a live engine (the daemon
-kept it on purpose, ``engine.on_daemon_stop: keep``); on a restart or after a crash (no job:
-``Restart=`` comes later) it leaves them for the next daemon to adopt.
+time, boot id and cgroup, the decision's kind and the writer's ``$INVOCATION_ID``) in the unit's
+runtime directory (``/run/sparkguard``, which ``RuntimeDirectoryPreserve=restart`` keeps across
+restarts; beside the control socket outside systemd).  Every daemon takes the note (reads and
+removes it, :func:`take_note`) first thing at start, before its config is read.  The unit's
+``ExecStopPost=sparkguard stop-post`` (:func:`stop_post`) runs after a stop of the daemon, also
+when it died or hung (not after a stop during the auto-restart wait: docs/adoption.md, "Limits"):
+on a stop job it stops the unit's engines unless the note was written by this invocation for a
+stop (``engine.on_daemon_stop: keep``; ExecStopPost shares ``$INVOCATION_ID`` with the main
+process, systemd.exec(5)); on a restart or after a crash (no job: ``Restart=`` comes later) it
+leaves them for the next daemon to adopt.  When systemd's job cannot be read it stops them unless
+``$SERVICE_RESULT`` says the daemon crashed.
 """
 
 from __future__ import annotations
@@ -30,18 +35,23 @@ import subprocess
 import sys
 import time
 
-from sparkguard import proctree, sysinfo
-from sparkguard.config import TargetsConfig
+from sparkguard import config, proctree, sysinfo
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import process
+from sparkguard.supervisor import adopt, container, lanes, process
+from sparkguard.units import parse_duration
 
 log = logging.getLogger("sparkguard.supervisor")
 
 NOTE_NAME = "engine-handover.json"
 JOB_TIMEOUT = 1.0          #: seconds: how long ``systemctl list-jobs`` may take at shutdown
 DEFAULT_NOTE = "/run/sparkguard/" + NOTE_NAME
-SWEEP_GRACE = 5.0          #: seconds between SIGTERM and SIGKILL of a left engine cgroup (stop-post)
+JOB_UNKNOWN = "?"          #: :func:`unit_job`: systemd's job could not be read (not "no job")
+#: ``$SERVICE_RESULT`` values of a daemon that died by itself (systemd.exec(5), "Environment
+#: variables set or propagated by the service manager"): a crash, not a stop
+CRASH_RESULTS = ("signal", "core-dump", "watchdog")
+#: the decision's kind (:func:`decide`'s ``why`` starts with the key) recorded in the note
+KINDS = (("SIGUSR2", "signal"), ("systemd is restarting", "restart"), ("systemd is stopping", "stop"))
 
 
 def runtime_dir(env=None) -> str | None:
@@ -77,7 +87,8 @@ def unit_name(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
 
 def unit_job(unit: str, timeout: float = JOB_TIMEOUT) -> str | None:
     """The type of systemd's job running for ``unit`` (``restart``, ``stop``, ``start``...),
-    None when there is none or it cannot be read within ``timeout`` s.
+    None when there is none, :data:`JOB_UNKNOWN` when it cannot be read within ``timeout`` s
+    (systemctl missing, timed out, or exited non-zero).
 
     ``systemctl list-jobs --no-legend --plain --full UNIT`` prints ``ID UNIT TYPE STATE`` per job
     (systemctl(1)).  Never raises."""
@@ -86,7 +97,11 @@ def unit_job(unit: str, timeout: float = JOB_TIMEOUT) -> str | None:
                            capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("engine: cannot ask systemd for the job of %s: %s", unit, e)
-        return None
+        return JOB_UNKNOWN
+    if r.returncode != 0:
+        log.warning("engine: cannot ask systemd for the job of %s: systemctl exited %d: %s", unit,
+                    r.returncode, (r.stderr or "").strip()[:200])
+        return JOB_UNKNOWN
     for line in r.stdout.splitlines():
         f = line.split()
         if len(f) >= 3 and f[1] == unit:
@@ -114,14 +129,24 @@ def decide(ecfg, keep_signal: bool, job: str | None = None) -> tuple[bool, str]:
     if job == "stop":
         keep = ecfg.on_daemon_stop == "keep"
         return keep, f"systemd is stopping the unit (engine.on_daemon_stop: {ecfg.on_daemon_stop})"
+    if job == JOB_UNKNOWN:
+        return False, "systemd's job for the unit could not be read: stopping the daemon"
     return False, "stopping the daemon" + (f" (systemd job {job})" if job else "")
 
 
-def write_note(path: str, run, why: str) -> None:
-    """Record that the engine of ``run`` was kept on purpose (pid, start time, boot id, cgroup).
+def kind_of(why: str) -> str:
+    """The kind of a :func:`decide` reason: ``signal`` (SIGUSR2), ``restart``, ``stop``, else ``""``."""
+    return next((k for prefix, k in KINDS if why.startswith(prefix)), "")
+
+
+def write_note(path: str, run, why: str, env=None) -> None:
+    """Record that the engine of ``run`` was kept on purpose (pid, start time, boot id, cgroup,
+    ``kind``: :func:`kind_of` ``why``, ``invocation_id``: this process's ``$INVOCATION_ID`` or "").
     A write error is logged, never raised."""
+    env = os.environ if env is None else env
     cg = getattr(run, "cgroup", None)
-    note = {"kept": why, "at": time.time(), "pid": run.pid, "starttime": run.starttime,
+    note = {"kept": why, "kind": kind_of(why), "invocation_id": env.get("INVOCATION_ID") or "",
+            "at": time.time(), "pid": run.pid, "starttime": run.starttime,
             "boot_id": sysinfo.boot_id(), "cgroup": cg.path if cg is not None else None}
     try:
         atomic_write(path, json.dumps(note))
@@ -151,6 +176,37 @@ def remove_note(path: str) -> None:
         pass
 
 
+_TAKEN: dict[str, dict | None] = {}     #: note path -> what :func:`take_note` read there (this process)
+
+
+def take_note(path: str) -> dict | None:
+    """Read (:func:`read_note`) and remove the handover note at ``path``, once per process: a
+    later call for the same path returns what the first read.  The daemon calls it first thing at
+    start (``$RUNTIME_DIRECTORY``'s note, before anything can fail), so no note outlives the start
+    that follows it; adoption calls it again for the detail it logs."""
+    if path not in _TAKEN:
+        _TAKEN[path] = read_note(path)
+        remove_note(path)
+    return _TAKEN[path]
+
+
+def take_unit_note(env=None) -> None:
+    """At daemon start: :func:`take_note` of the unit's note, when run by systemd with a runtime
+    directory (else the supervisor takes the one beside its control socket).  Never raises."""
+    d = runtime_dir(env)
+    if d:
+        take_note(os.path.join(d, NOTE_NAME))
+
+
+def honoured_for_stop(note: dict | None, env=None) -> bool:
+    """Does ``note`` keep the engine on a stop job?  Only a note this invocation of the unit wrote
+    (its ``invocation_id`` is ``$INVOCATION_ID``, which ExecStopPost shares with the main process:
+    systemd.exec(5)) for a stop (``kind`` ``stop``: ``engine.on_daemon_stop: keep``)."""
+    env = os.environ if env is None else env
+    me = env.get("INVOCATION_ID") or ""
+    return bool(note) and bool(me) and note.get("invocation_id") == me and note.get("kind") == "stop"
+
+
 def engine_cgroups(unit_dir: str) -> list[str]:
     """The ``engine-*`` cgroup directories directly under ``unit_dir``."""
     try:
@@ -158,6 +214,20 @@ def engine_cgroups(unit_dir: str) -> list[str]:
             return sorted(e.path for e in it if e.is_dir(follow_symlinks=False) and e.name.startswith("engine-"))
     except OSError:
         return []
+
+
+def unguarded_engines(directory: str | None = None, unit: str = "sparkguard.service",
+                      mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The populated ``engine-*`` cgroups of the unit (``directory``; default
+    ``<cgroup2 mount>/system.slice/UNIT``): asked when no daemon answers, they are engines nothing
+    guards (a ``systemctl stop`` during the restart wait after a crash leaves one: docs/adoption.md,
+    "Limits").  Empty when none or unreadable; never raises."""
+    if directory is None:
+        mount = cgroups.find_mount(mountinfo)
+        if mount is None:
+            return []
+        directory = cgroups.cgroup_dir(mount, f"/system.slice/{unit}")
+    return [p for p in engine_cgroups(directory) if cgroups.populated(p)]
 
 
 def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -173,38 +243,127 @@ def unit_dir(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/sel
     return d if os.path.basename(d).endswith(".service") else None
 
 
-def stop_post(note: str, job: str | None, service_result: str, directory: str | None) -> tuple[list[str], str]:
-    """The ExecStopPost decision and action (module doc).  Returns ``(cgroups stopped, why)``.
+def stop_post(note: str, job: str | None, service_result: str, directory: str | None,
+              env=None, cfg=None, max_grace: float | None = None) -> tuple[list[str], str]:
+    """The ExecStopPost decision and action (module doc).  Returns ``(what was stopped, why)``.
 
     Args:
-        note: the handover note's path; job: systemd's job type for the unit (None: none);
-        service_result: ``$SERVICE_RESULT`` (systemd.exec(5)); directory: the unit's cgroup dir.
+        note: the handover note's path; job: systemd's job type for the unit (None: none,
+        :data:`JOB_UNKNOWN`: it could not be read); service_result: ``$SERVICE_RESULT``
+        (systemd.exec(5)); directory: the unit's cgroup dir; env: the environment
+        (``INVOCATION_ID``; default ``os.environ``); cfg: ``config.Config`` (``guard.grace``,
+        ``targets.protect``, ``engine.state_file``; default: the defaults); max_grace:
+        :func:`stop_engines`.
     """
     if directory is None:
         return [], "not in a systemd unit's cgroup: nothing to do"
+    if job == JOB_UNKNOWN:
+        if service_result in CRASH_RESULTS:
+            return [], (f"systemd's job could not be read, the daemon crashed (service result {service_result}): "
+                        "left for the next daemon to adopt")
+        job = "stop"                    # cannot tell: the safe side of a stop is the engine stopped
     kept = read_note(note)
-    if kept is not None:
+    if job == "stop" and honoured_for_stop(kept, env):
         return [], f"the daemon kept pid {kept['pid']} on purpose ({kept.get('kept')})"
     if job != "stop":
         return [], (f"systemd job {job}: left for the next daemon to adopt" if job
                     else f"no stop job (service result {service_result or '?'}): left for the next daemon to adopt")
+    if kept is not None:
+        log.warning("sparkguard stop-post: ignoring the handover note %s (invocation %s, kind %s): not this "
+                    "invocation's stop", note, kept.get("invocation_id") or "?", kept.get("kind") or "?")
+    return stop_engines(directory, cfg, max_grace), "a stop job and no handover note: the engine goes with the daemon"
+
+
+STOP_POST_MARGIN = 3.0     #: seconds of the unit's stop timeout kept for stop-post's start-up and the SIGKILL
+
+
+def stop_timeout(unit: str, timeout: float = JOB_TIMEOUT) -> float | None:
+    """The unit's ``TimeoutStopSec`` in seconds (``systemctl show -p TimeoutStopUSec --value``,
+    a systemd time span such as ``2min`` or ``1min 30s``), None when unknown or infinite.  It
+    bounds each ExecStopPost command too (systemd.service(5), TimeoutStopSec=): a stop-post still
+    in its grace then is SIGKILLed and the engine left running.  Never raises."""
+    try:
+        r = subprocess.run(["systemctl", "show", "-p", "TimeoutStopUSec", "--value", unit],
+                           capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    total = 0.0
+    try:
+        for part in r.stdout.split():
+            total += parse_duration(part)
+    except ValueError:
+        return None
+    return total or None
+
+
+def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> list[str]:
+    """Stop what the unit's engine left: every populated ``engine-*`` cgroup of ``directory``, the
+    processes the state file records (``engine.state_file``, this boot; each only while it has its
+    recorded start time: the process-group mode has no cgroup), and the recorded container once
+    verified (:func:`adopt.verified_container`: its processes are in the container runtime's
+    cgroup, not the engine's).  SIGTERM, ``guard.grace``, SIGKILL (``targets.protect`` never
+    SIGKILLed: :func:`process.sweep`), then ``RUNTIME rm -f`` of the container
+    (:func:`container.finish`).  ``max_grace``: the grace is cut to that many seconds (the time
+    systemd gives this ExecStopPost, :func:`stop_timeout`, less :data:`STOP_POST_MARGIN`; logged).
+    Returns what was stopped (cgroup paths, ``container ID``, ``N processes``)."""
+    cfg = config.from_dict({}) if cfg is None else cfg
+    grace, protect = cfg.guard.grace, cfg.targets.protect
+    if max_grace is not None and grace > max_grace:
+        log.warning("sparkguard stop-post: guard.grace %g s does not fit the unit's stop timeout: SIGKILL "
+                    "after %g s", grace, max(0.0, max_grace))
+        grace = max(0.0, max_grace)
+    state = lanes.read_state(cfg.engine.state_file)
+    rec, _ = adopt.record_of(state)
+    if rec is not None and state.get("boot_id") != sysinfo.boot_id():
+        rec = None
+    members: dict[int, int] = dict(rec.members) if rec is not None else {}
+    if rec is not None:
+        members[rec.pid] = rec.starttime
+    ctr, why = adopt.verified_container(rec.container if rec is not None else None)
+    if why:
+        log.warning("sparkguard stop-post: recorded container not taken: %s", why)
+    members.update(container.members(ctr))
+
+    def note(ev: str, detail: str) -> None:
+        log.warning("sparkguard stop-post: %s", detail)
     stopped = []
     for path in engine_cgroups(directory):
         cg = cgroups.EngineCgroup(path)
         if cg.populated():
-            process.sweep(None, {}, SWEEP_GRACE, TargetsConfig().protect, lambda ev, d: log.warning("%s", d),
-                          cgroup=cg)
+            process.sweep(None, members, grace, protect, note, cgroup=cg)
+            members = {}
             stopped.append(path)
         cg.remove()
-    return stopped, "a stop job and no handover note: the engine goes with the daemon"
+    if members and process.sweep(None, members, grace, protect, note):
+        stopped.append(f"{len(members)} recorded processes")
+    if ctr is not None and rec is not None and rec.launch:
+        launch, why = adopt.launch_of(rec.launch, list(cfg.engine.command), cfg.engine.state_file, dict(os.environ))
+        if launch is not None:
+            stopped.append(container.finish(launch, ctr))
+        else:
+            log.warning("sparkguard stop-post: the recorded container launch is not taken: %s", why)
+    return stopped
 
 
 def register(sub) -> None:
     """``sparkguard stop-post``: the unit's ExecStopPost (module doc)."""
     p = sub.add_parser("stop-post", help="(the unit's ExecStopPost) stop engine cgroups a stopped daemon left")
+    p.add_argument("--config", default=None, help="the daemon's config (guard.grace, targets.protect, "
+                   "engine.state_file; default /etc/sparkguard/sparkguard.yaml; its defaults when unreadable)")
     p.add_argument("--note", default=None, help=f"the handover note (default $RUNTIME_DIRECTORY/{NOTE_NAME}, "
                    f"else {DEFAULT_NOTE})")
     p.set_defaults(func=_main)
+
+
+def _config(path: str | None):
+    """The daemon's config for stop-post, its defaults when it cannot be read (logged): a
+    refused config must not leave the engine running."""
+    path = path or config.DEFAULT_PATH
+    try:
+        return config.load(path)
+    except (config.ConfigError, OSError) as e:
+        log.warning("sparkguard stop-post: config %s not usable (%s); using the defaults", path, e)
+        return config.from_dict({})
 
 
 def _main(args) -> int:
@@ -212,6 +371,8 @@ def _main(args) -> int:
     unit = unit_name()
     job = unit_job(unit, 5.0) if unit else None
     note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
-    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir())
+    limit = stop_timeout(unit) if unit else None
+    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir(), cfg=_config(args.config),
+                             max_grace=limit - STOP_POST_MARGIN if limit else None)
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
     return 0

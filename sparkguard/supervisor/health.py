@@ -154,7 +154,7 @@ def monitor(run, config: Callable[[], object], hooks: MonitorHooks) -> None:
                 hooks.refresh_members(run)      # the whole tree exists once it serves
                 if e.probe is not None:
                     next_probe = time.monotonic() + e.probe.interval
-            elif now - run.t_spawn >= e.ready_timeout:
+            elif now - run.t_ready_clock >= e.ready_timeout:
                 hooks.verdict(run, "not_ready", f"no 200 from {e.health_url} within {e.ready_timeout:g} s")
                 return
         else:

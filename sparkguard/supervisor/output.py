@@ -323,8 +323,11 @@ def fcntl_setpipe(fd: int, size: int) -> None:
 def reopen_fifos(pid: int, paths: dict[str, str], identity: dict[str, list[int]]) -> tuple[dict[str, Fd], str]:
     """Re-attach to a running engine's output FIFOs: for each stream the FIFO at ``/proc/PID/fd/1``
     (``2``) when it is the recorded one (``identity``: ``[st_dev, st_ino]``), else the recorded
-    path when that is.  Returns ``(readers, why)``: non-blocking read ends of the streams found,
-    and for the ones not found why not ("" when all were)."""
+    path when that is.  When neither is, the engine's fd itself is read whenever it is a FIFO or
+    pipe at all (``pid`` is verified by the caller; its fd 1/2 is its output, and a pipe nobody
+    reads would block the engine's writes once full, pipe(7)).  Returns ``(readers, why)``:
+    non-blocking read ends of the streams found, and for the ones not found (or found only that
+    way) why ("" when all were the recorded FIFOs)."""
     readers: dict[str, Fd] = {}
     why = []
     for n, name in enumerate(STREAMS, start=1):
@@ -336,8 +339,17 @@ def reopen_fifos(pid: int, paths: dict[str, str], identity: dict[str, list[int]]
                 readers[name] = Fd(os.open(cand, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
             except OSError as e:
                 why.append(f"{name}: {cand}: {e.strerror}")
-        if name not in readers:
-            why.append(f"{name}: neither the engine's fd {n} nor {paths.get(name)} is the recorded FIFO")
+        if name in readers:
+            continue
+        fd_path = f"/proc/{pid}/fd/{n}"
+        if fifo_identity(fd_path) is not None:
+            try:
+                readers[name] = Fd(os.open(fd_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+                why.append(f"{name}: not the recorded FIFO; reading the engine's fd {n} (a pipe) anyway")
+                continue
+            except OSError as e:
+                why.append(f"{name}: {fd_path}: {e.strerror}")
+        why.append(f"{name}: neither the engine's fd {n} nor {paths.get(name)} is the recorded FIFO")
     return readers, "; ".join(why)
 
 

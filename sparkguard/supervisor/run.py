@@ -36,6 +36,7 @@ class Run:
         self.argv = argv
         self.reason = reason                 # why this start happened (None: first start)
         self.t_spawn = time.monotonic()
+        self.t_ready_clock = self.t_spawn    # monotonic s engine.ready_timeout counts from (adoption may reset it)
         self.wall_spawn = time.time() if wall_spawn is None else wall_spawn
         self.run_id = round(self.wall_spawn, 3)
         self.role = role

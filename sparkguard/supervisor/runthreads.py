@@ -22,7 +22,7 @@ class RunThreads:
         run (not our child), its exit on the pidfd it was verified with, status unknown."""
         if run.adopted:
             fd, run.pidfd = run.pidfd, None
-            code, sig = adopt.wait_exit(fd) if fd is not None else (None, None)
+            code, sig = adopt.wait_exit(fd, run.pid, run.starttime) if fd is not None else (None, None)
         else:
             code, sig = process.wait_exit(run.pid)
         t_exit = time.monotonic()
