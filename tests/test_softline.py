@@ -132,3 +132,158 @@ def test_fake_pause_wait_answers_after_inflight_and_bad_mode_is_422(fakes):
 def _running(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
     return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")))
+
+
+# ---- the pure machine on a fake clock (sparkguard/softline.py) ------------------------------
+
+from sparkguard import policy, softline  # noqa: E402
+from sparkguard.softline import SoftLine, SoftLines  # noqa: E402
+
+PAUSE_AT, HYST, TERM = 8 * GiB, 512 * MiB, 4 * GiB
+LINES = SoftLines(pause_below=PAUSE_AT, hysteresis=HYST, resume_after=10.0, answer_timeout=3.0)
+
+
+class Run:
+    """The soft line beside the real hard policy, both on one fake clock, as the loop feeds them."""
+
+    def __init__(self, lines=LINES):
+        self.soft = SoftLine(lines)
+        self.hard = policy.Policy(policy.Thresholds(term_below=TERM, kill_below=None, grace=5.0))
+        self.t = 0.0
+        self.log: list[tuple[float, str]] = []
+
+    def poll(self, value: int, dt: float = 0.2, offered=True, victim_gone=False) -> tuple[str, ...]:
+        self.t += dt
+        hard = self.hard.step(self.t, value, victim_gone) if (self.hard.state != policy.OK or value < TERM) else ()
+        soft = self.soft.step(self.t, value, self.hard.state == policy.OK, offered)
+        self.log += [(self.t, a) for a in hard + soft]
+        return hard + soft
+
+    def answer(self, op: str, ok: bool) -> tuple[str, ...]:
+        acts = self.soft.answered(self.t, op, ok)
+        self.log += [(self.t, a) for a in acts]
+        return acts
+
+
+def test_cross_soft_line_pauses_once_and_holds():
+    r = Run()
+    assert r.poll(9 * GiB) == ()
+    assert r.poll(PAUSE_AT - 1) == (softline.PAUSE,)
+    assert r.poll(PAUSE_AT - 2) == ()                     # one request, not one per poll
+    assert r.answer("pause", True) == (softline.PAUSED_OK,)
+    assert r.soft.state == softline.PAUSED and r.soft.engine_paused
+    for _ in range(100):                                   # below the line: held, no hard action
+        assert r.poll(6 * GiB) == ()
+    assert r.hard.state == policy.OK
+
+
+def test_resume_needs_the_hysteresis_for_resume_after_seconds():
+    r = Run()
+    r.poll(PAUSE_AT - 1)
+    r.answer("pause", True)
+    for _ in range(100):                                   # above the line, inside the band: no resume
+        assert r.poll(PAUSE_AT + HYST - 1) == ()
+    r.poll(PAUSE_AT + HYST)                                # the clock starts here
+    t_above = r.t
+    for _ in range(60):
+        r.poll(PAUSE_AT + HYST + GiB, dt=0.2)
+        if r.log[-1][1] == softline.RESUME:
+            break
+    assert r.log[-1][1] == softline.RESUME and r.log[-1][0] - t_above == pytest.approx(10.0, abs=0.21)
+    # one dip below the band on the way restarts the count
+    r2 = Run()
+    r2.poll(PAUSE_AT - 1)
+    r2.answer("pause", True)
+    r2.poll(PAUSE_AT + HYST, dt=0.0)
+    r2.poll(PAUSE_AT + HYST, dt=9.0)
+    assert r2.poll(PAUSE_AT, dt=0.5) == ()                 # dipped
+    assert r2.poll(PAUSE_AT + HYST, dt=0.5) == ()          # back: the count restarts
+    assert r2.poll(PAUSE_AT + HYST, dt=9.9) == ()
+    assert r2.poll(PAUSE_AT + HYST, dt=0.2) == (softline.RESUME,)
+    assert r2.answer("resume", True) == (softline.RESUMED,)
+    assert r2.soft.state == softline.IDLE and not r2.soft.engine_paused
+    assert r2.poll(PAUSE_AT - 1) == (softline.PAUSE,)      # a fresh crossing pauses again
+
+
+def test_hard_line_while_paused_sigterms_at_once():
+    r = Run()
+    r.poll(PAUSE_AT - 1)
+    r.answer("pause", True)
+    r.poll(5 * GiB)
+    acts = r.poll(TERM - 1)
+    assert acts == (policy.CROSSED, policy.TERM, softline.ESCALATED)   # SIGTERM first, same poll
+    assert r.soft.state == softline.LATCHED
+    # while the kill runs and memory is low, the soft line sends nothing
+    for _ in range(20):
+        assert softline.PAUSE not in r.poll(TERM - 1)
+    assert r.poll(TERM - 1, victim_gone=True) == (policy.EXITED,)
+    # memory back, the hard incident over; the engine still counts as paused (the victim may have
+    # been another tree): one resume, so it never stays paused
+    assert r.poll(PAUSE_AT + HYST, victim_gone=True) == (policy.RECOVERED, softline.RESUME)
+    assert r.hard.state == policy.OK
+
+
+def test_hard_line_while_the_pause_is_still_unanswered_is_not_delayed():
+    r = Run()
+    assert r.poll(PAUSE_AT - 1) == (softline.PAUSE,)
+    assert r.poll(TERM - 1, dt=0.01) == (policy.CROSSED, policy.TERM, softline.ESCALATED)
+    assert r.answer("pause", True) == ()                 # a late answer changes nothing but the flag
+    assert r.soft.engine_paused
+
+
+def test_pause_failure_goes_on_as_without_the_soft_line():
+    r = Run()
+    r.poll(PAUSE_AT - 1)
+    assert r.answer("pause", False) == (softline.PAUSE_FAILED,)
+    for _ in range(50):                                   # no retry while memory stays low
+        assert r.poll(6 * GiB) == ()
+    assert r.poll(TERM - 1) == (policy.CROSSED, policy.TERM)   # the hard line as ever
+    # no answer at all: failed after answer_timeout
+    r2 = Run()
+    r2.poll(PAUSE_AT - 1)
+    assert r2.poll(6 * GiB, dt=2.9) == ()
+    assert r2.poll(6 * GiB, dt=0.2) == (softline.PAUSE_FAILED,)
+    r2.answer("pause", True)                              # too late: counted as paused, resumed when back
+    assert r2.poll(PAUSE_AT + HYST) == (softline.RESUME,)
+    # re-armed only above the band
+    r3 = Run()
+    r3.poll(PAUSE_AT - 1)
+    r3.answer("pause", False)
+    assert r3.poll(PAUSE_AT + HYST - 1) == ()
+    assert r3.poll(PAUSE_AT + HYST) == ()
+    assert r3.soft.state == softline.IDLE
+    assert r3.poll(PAUSE_AT - 1) == (softline.PAUSE,)
+
+
+def test_engine_without_pause_is_never_sent_one_and_off_means_off():
+    r = Run()
+    assert r.poll(PAUSE_AT - 1, offered=False) == ()
+    assert r.soft.state == softline.IDLE
+    off = Run(SoftLines(pause_below=None, hysteresis=HYST, resume_after=1.0))
+    assert off.poll(TERM + 1) == () and off.soft.state == softline.IDLE
+
+
+def test_resume_failures_retry_then_give_up():
+    r = Run()
+    r.poll(PAUSE_AT - 1)
+    r.answer("pause", True)
+    r.poll(PAUSE_AT + HYST, dt=0.0)
+    assert r.poll(PAUSE_AT + HYST, dt=10.0) == (softline.RESUME,)
+    assert r.answer("resume", False) == (softline.RESUME_FAILED,)
+    assert r.poll(PAUSE_AT + HYST, dt=9.0) == ()
+    assert r.poll(PAUSE_AT + HYST, dt=1.0) == (softline.RESUME,)
+    assert r.poll(PAUSE_AT + HYST, dt=3.0) == (softline.RESUME_FAILED,)     # no answer in time
+    r.poll(PAUSE_AT + HYST, dt=10.0)
+    assert r.answer("resume", False) == (softline.RESUME_GAVE_UP,)
+    assert r.soft.state == softline.LATCHED and r.soft.engine_paused
+
+
+def test_deadline_says_when_time_alone_moves_the_state():
+    r = Run()
+    assert r.soft.deadline(r.t) is None
+    r.poll(PAUSE_AT - 1)
+    assert r.soft.deadline(r.t) == pytest.approx(3.0)
+    r.answer("pause", True)
+    assert r.soft.deadline(r.t) is None                   # only memory can move it now
+    r.poll(PAUSE_AT + HYST)
+    assert r.soft.deadline(r.t) == pytest.approx(10.0)

@@ -8,7 +8,8 @@ keeps the running configuration.
 Sections and keys (see README "Configuration"):
 
 * ``guard``: ``poll_interval``, ``term_below``, ``kill_below``, ``grace``, ``signal``,
-  ``dry_run``, ``recovery_wait``
+  ``dry_run``, ``recovery_wait``, the soft line's ``pause_below``, ``pause_hysteresis``,
+  ``resume_after``, ``pause_url``, ``pause_mode``, ``pause_timeout`` (docs/soft-line.md)
 * ``targets``: ``match``, ``protect``, ``fallback``
 * ``metrics``: ``listen``
 * ``incidents``: ``dir``, ``journal``

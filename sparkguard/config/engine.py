@@ -79,6 +79,7 @@ class EngineConfig:
     head_lost_after: float = 60.0
     give_up_after: int = 3
     give_up_window: float = 7200.0
+    pause: str = "auto"                # "auto": the soft line pauses this engine when it offers /pause; "off"
 
     @property
     def enabled(self) -> bool:

@@ -54,6 +54,15 @@ class GuardConfig:
     signal: str = "available"          # "available" | "available+swap"
     dry_run: bool = False
     recovery_wait: float = 10.0
+    # the soft line (sparkguard.softline, docs/soft-line.md): off unless pause_below is set
+    pause_below: int | None = None
+    # assumption: 512 MiB and 10 s keep a fill that hovers at the line from pausing and resuming
+    # several times a minute; nothing public measures it (docs/soft-line.md)
+    pause_hysteresis: int = 512 * 1024**2
+    resume_after: float = 10.0
+    pause_url: str | None = None       # base URL of the engine's API server when no engine is supervised
+    pause_mode: str = "keep"           # vLLM's /pause mode: "keep" | "abort"
+    pause_timeout: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,12 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "signal": choice("available", "available+swap"),
         "dry_run": boolean,
         "recovery_wait": duration(0.0, HOUR),
+        "pause_below": optional_line_size,
+        "pause_hysteresis": size,
+        "resume_after": duration(0.0, HOUR),
+        "pause_url": optional_url,
+        "pause_mode": choice("keep", "abort"),
+        "pause_timeout": duration(MIN_TICK, 60.0),
     }),
     "targets": (TargetsConfig, {
         "match": regex_list,
@@ -184,6 +199,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "head_lost_after": duration(MIN_TICK, DAY),
         "give_up_after": int_range(0, 1000),
         "give_up_window": duration(MIN_TICK, 7 * DAY),
+        "pause": choice("auto", "off"),
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

@@ -27,6 +27,7 @@ from sparkguard import meminfo, notify, policy, recorder, reporter, sysinfo
 from sparkguard.guard import harden, logq, reconfig, settings, startup
 from sparkguard.guard.act import Actions
 from sparkguard.guard.engine import Engine
+from sparkguard.guard.soft import SoftGuard
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard")
@@ -35,6 +36,7 @@ STATUS_EVERY = 10.0         # seconds between STATUS= refreshes when nothing cha
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
 STATUS_CHANGED = -2         # pseudo-signal in Guard._flags: another thread changed what STATUS= says
+SOFT_ANSWER = -3            # pseudo-signal in Guard._flags: the engine answered a pause/resume/probe
 
 
 class Guard:
@@ -59,6 +61,7 @@ class Guard:
         self._idle_poll = select.poll().poll    # nothing registered: the idle fast path waits for time only
         self.reader = self.reporter = self.recorder = self.notifier = self.metrics = self.linkwatch = None
         self.reloader = None
+        self.soft = None            # guard.soft.SoftGuard, the soft line (docs/soft-line.md)
         self.psi_fd = None
         self.stopping = False
         self._flags: set[int] = set()
@@ -116,6 +119,7 @@ class Guard:
                  " [DRY RUN]" if g.dry_run else "")
         self.engine.start(self.cfg, self.reporter, self.recorder.count, self.metrics)
         self.recorder.supervisor = self.engine.supervisor
+        self.soft = SoftGuard(self.cfg, self.engine, self.recorder, lambda: self._wake(SOFT_ANSWER))
         # everything start-up built (the imported modules, the config, the first armed scan) goes
         # to the collector's permanent generation: a collection that the crossing's allocations
         # trigger walks only what was made since, not the whole heap (gc.freeze, Python 3.7)
@@ -240,7 +244,7 @@ class Guard:
         signal flagged, reads succeeding); else ``s.budget`` (the fast path sends the watchdog
         pings that fall due meanwhile)."""
         if timeout < s.interval or self.policy.state is not policy.OK or self.avail < s.idle_floor or self._flags \
-                or self._fail_since is not None:
+                or self._fail_since is not None or self.soft.engaged():
             return 0
         return s.budget
 
@@ -273,6 +277,10 @@ class Guard:
                 line = pol.watch_line()
                 timeout = s.interval if line is None else policy.next_interval(value - line, s.interval)
                 dl = pol.deadline(time.monotonic())
+                if dl is not None and dl < timeout:
+                    timeout = dl
+            if self.soft.active:        # after the hard policy: a pause never delays a SIGTERM
+                dl = self.soft.step(t0, value, pol.state is policy.OK)
                 if dl is not None and dl < timeout:
                     timeout = dl
             t1 = time.monotonic()
@@ -404,6 +412,7 @@ class Guard:
             # SIGTERM without its escalation): the new dry_run applies when this incident ends
             log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
         self.actions.protector = protector
+        self.soft.reload(cfg)
         error = ""
         try:
             self.engine.reload(cfg)
@@ -419,6 +428,11 @@ class Guard:
         return not error
 
     def _shutdown(self) -> int:
+        if self.soft is not None:
+            try:
+                self.soft.stop(time.monotonic(), self.value)      # resume a paused engine before anything stops
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                log.exception("stopping the soft line failed")
         self.engine.stop()
         if self.recorder is not None and self.recorder.incident is not None:
             self.actions.close_incident(time.monotonic(), self.value,
@@ -450,7 +464,9 @@ class Guard:
         if target is not None and state != "ok":
             state += f" (pid {target.root_pid})"
         problem = self.metrics.problem() if self.metrics is not None else None
-        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "") + (f"; {problem}" if problem else "")
+        soft = self.soft.status() if self.soft is not None else ""
+        return f"{line}; state {state}" + (f"; {soft}" if soft else "") + ("; DRY RUN" if g.dry_run else "") \
+            + (f"; {problem}" if problem else "")
 
     def snapshot(self) -> dict:
         """Current state for metrics/status (its keys: docs/snapshot.md); cheap, any thread."""
@@ -481,6 +497,7 @@ class Guard:
             "victim": {"pid": victim.root_pid, "title": victim.title} if victim is not None else None,
             "proc_view": self.proc_view,
             "metrics": self.metrics.state() if self.metrics is not None else None,
+            "pause": self.soft.snapshot() if self.soft is not None else None,
         }
 
 

@@ -17,7 +17,7 @@ class LoopSettings(NamedTuple):
     use_swap: bool      # the signal includes SwapFree
     interval: float     # guard.poll_interval, seconds
     far: int            # bytes of headroom beyond which the full interval is safe at policy.FILL_RATE
-    idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above term_below + far
+    idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above the top line + far
     budget: int         # fast polls allowed between two full passes
 
 
@@ -28,7 +28,7 @@ def loop_settings(cfg) -> LoopSettings:
     Returns:
         :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget)``: the signal includes SwapFree (bool);
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
-        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
+        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``far`` above the highest line, ``term_below`` or ``pause_below`` (int
         bytes of MemAvailable); the fast polls allowed between two full passes, so that a full pass
         (policy, STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int).
     Raises:
@@ -57,7 +57,8 @@ def loop_settings(cfg) -> LoopSettings:
     if g.signal not in ("available", "available+swap"):
         raise bad("signal", g.signal, "expected available or available+swap")
     far = int(iv * policy.FILL_RATE)
-    return LoopSettings(g.signal == "available+swap", float(iv), far, g.term_below + far,
+    top = max(g.term_below, g.pause_below or 0)     # the highest line the fast path must not skip
+    return LoopSettings(g.signal == "available+swap", float(iv), far, top + far,
                         max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1))
 
 
