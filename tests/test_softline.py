@@ -30,8 +30,9 @@ def fakes():
     started: list = []
 
     def _start(*opts: str, env=None):
-        fe = fake_vllm.start(f"pause-model-{uuid.uuid4().hex[:10]}", "--port", "0", "--tp", "1", *opts,
-                             env=env if env is not None else DEV)
+        model = f"pause-model-{uuid.uuid4().hex[:10]}"
+        fe = fake_vllm.start(model, "--port", "0", "--tp", "1", *opts, env=env if env is not None else DEV)
+        fe.model = model
         started.append(fe)
         fe.wait_serving(30)
         return fe
@@ -287,3 +288,150 @@ def test_deadline_says_when_time_alone_moves_the_state():
     assert r.soft.deadline(r.t) is None                   # only memory can move it now
     r.poll(PAUSE_AT + HYST)
     assert r.soft.deadline(r.t) == pytest.approx(10.0)
+
+
+# ---- end to end: the real daemon, a real fake vLLM, real memory -----------------------------
+
+import glob  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from conftest import mem_available, sg_env  # noqa: E402
+from guardrun import GuardProc  # noqa: E402
+
+_HOLD = ("import sys\nfrom sparkguard.drill.hog import Memory\nm = Memory()\nm.add(int(sys.argv[1]))\n"
+         "print('held', flush=True)\nsys.stdin.read()\n")
+
+
+class Hold:
+    """A process holding ``nbytes`` of real, touched, incompressible memory until :meth:`release`."""
+
+    def __init__(self, nbytes: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(nbytes)], env=sg_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def release(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+
+
+def _incidents(g: GuardProc, kind: str) -> list[dict]:
+    out = []
+    for path in glob.glob(os.path.join(g.cfg["incidents"]["dir"], "*.json")):
+        with open(path) as f:
+            rec = json.load(f)
+        if rec.get("kind") == kind and rec.get("ended_at"):
+            out.append(rec)
+    return sorted(out, key=lambda r: r["started_at"])
+
+
+def _wait_incident(g: GuardProc, kind: str, timeout: float = 30.0) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = _incidents(g, kind)
+        if got:
+            return got[0]
+        g.notify.recv(0.2)          # each pause event changes STATUS=; the file comes from the reporter thread
+    raise AssertionError(f"no finished {kind} incident within {timeout}s (MemAvailable "
+                         f"{mem_available() / MiB:.0f} MiB); log:\n{g.log()[-3000:]}")
+
+
+def _soft_cfg(fe, pause_below: int, term_below: int, **guard) -> dict:
+    return {"guard": {"term_below": term_below, "pause_below": pause_below, "pause_hysteresis": "100MiB",
+                      "resume_after": "1s", "pause_url": fe.url, "pause_timeout": "2s", "grace": "10s", **guard},
+            "targets": {"match": [rf"serve {fe.model}\b"]}}
+
+
+def test_daemon_pauses_at_the_soft_line_and_resumes_when_memory_is_back(fakes):
+    fe = fakes()
+    avail = mem_available()
+    pause_below, term_below = avail - 250 * MiB, avail - 2 * GiB
+    g = GuardProc(_soft_cfg(fe, pause_below, term_below))
+    hold = None
+    try:
+        g.wait_ready()
+        g.wait_log("soft line: GET")            # the probe at start found the endpoint
+        hold = Hold(700 * MiB)
+        g.notify.wait_for(lambda m: "ENGINE PAUSED" in m.get("STATUS", ""), timeout=20)
+        assert _http(fe.url + "/is_paused") == (200, {"is_paused": True})
+        out: dict = {}
+        t = _complete(fe.url, out, "held")
+        _wait(lambda: _waiting(fe.url) >= 1, what="a request held by the pause")
+        assert "held" not in out
+        hold.release()
+        inc = _wait_incident(g, "pause", timeout=30)
+        t.join(10)
+        assert out["held"][0] == 200                 # the held request ran after the resume
+        assert _http(fe.url + "/is_paused") == (200, {"is_paused": False})
+        ev = [e["event"] for e in inc["timeline"]]
+        assert ev == ["pause_crossed", "paused", "resume_sent", "resumed"], ev
+        assert inc["outcome"] == "resumed" and inc["target"] is None
+        assert inc["thresholds"]["pause_below_bytes"] == pause_below
+        assert inc["thresholds"]["term_below_bytes"] == term_below
+        assert inc["thresholds"]["mode"] == "keep"
+        assert inc["min_available_bytes"] < pause_below
+        assert inc["meminfo"]["MemAvailable"] < pause_below + 256 * MiB
+        tl = {e["event"]: e for e in inc["timeline"]}
+        assert tl["paused"]["t"] < 1.0               # the engine answered at once
+        assert tl["resume_sent"]["t"] - tl["paused"]["t"] >= 1.0     # resume_after
+        assert tl["resume_sent"]["available_bytes"] >= pause_below + 100 * MiB
+        assert not _incidents(g, "memory")           # the hard line was never reached
+        assert fe.proc.poll() is None                # nothing was killed
+    finally:
+        if hold is not None:
+            hold.release()
+        g.stop()
+
+
+def test_daemon_without_the_endpoint_records_the_failure_and_keeps_the_hard_line(fakes):
+    fe = fakes(env={k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"})
+    avail = mem_available()
+    pause_below, term_below = avail - 250 * MiB, avail - 2 * GiB
+    g = GuardProc(_soft_cfg(fe, pause_below, term_below))
+    hold = None
+    try:
+        g.wait_ready()
+        g.wait_log("no pause endpoint")              # the probe saw the 404
+        assert "VLLM_SERVER_DEV_MODE=1" in g.log()
+        hold = Hold(700 * MiB)
+        # an engine that offers no pause is not sent one: no incident, the daemon guards as before
+        g.notify.wait_for(lambda m: "engine offers no pause" in m.get("STATUS", ""), timeout=20)
+        assert not _incidents(g, "pause")
+        assert fe.proc.poll() is None
+    finally:
+        if hold is not None:
+            hold.release()
+        g.stop()
+
+
+def test_hard_line_while_paused_sigterms_the_engine_and_both_incidents_tell(fakes):
+    fe = fakes("--fill-size", str(900 * MiB), "--fill-rate", "300MiB", "--fill-on-signal")
+    avail = mem_available()
+    pause_below, term_below = avail - 150 * MiB, avail - 600 * MiB
+    g = GuardProc(_soft_cfg(fe, pause_below, term_below))
+    try:
+        g.wait_ready()
+        g.wait_log("soft line: GET")
+        pids = fe.pids()
+        fe.start_fill()                              # pausing does not stop this fill: memory keeps falling
+        mem = None
+        end = time.monotonic() + 40
+        while time.monotonic() < end and mem is None:
+            got = _incidents(g, "memory")
+            mem = got[0] if got else None
+            g.notify.recv(0.2)
+        assert mem is not None, g.log()[-3000:]
+        assert fe.wait_gone(pids, timeout=15)
+        soft = _wait_incident(g, "pause", timeout=10)
+        ev = [e["event"] for e in soft["timeline"]]
+        assert ev[:2] == ["pause_crossed", "paused"] and ev[-1] == "pause_escalated", ev
+        assert soft["outcome"] == "escalated"
+        assert [e["event"] for e in mem["timeline"]][:2] == ["crossed", "sigterm"]
+        assert mem["target"]["root_pid"] == fe.top_pid
+        # the SIGTERM came at the hard line as without the soft line
+        assert mem["timeline"][1]["t"] < 0.5
+        assert soft["started_at"] < mem["started_at"]
+    finally:
+        g.stop()

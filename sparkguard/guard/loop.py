@@ -280,9 +280,12 @@ class Guard:
                 if dl is not None and dl < timeout:
                     timeout = dl
             if self.soft.active:        # after the hard policy: a pause never delays a SIGTERM
+                before = self.soft.machine.state
                 dl = self.soft.step(t0, value, pol.state is policy.OK)
                 if dl is not None and dl < timeout:
                     timeout = dl
+                if self.soft.machine.state != before:
+                    self._tick(t0)      # STATUS= shows the pause
             t1 = time.monotonic()
             self.poll_count += 1
             self.poll_sum += t1 - t0
