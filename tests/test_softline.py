@@ -435,3 +435,100 @@ def test_hard_line_while_paused_sigterms_the_engine_and_both_incidents_tell(fake
         assert soft["started_at"] < mem["started_at"]
     finally:
         g.stop()
+
+
+# ---- configuration (file, key, value on every refusal; a reload keeps the running config) ------
+
+import socket  # noqa: E402
+
+from conftest import run_sparkguard  # noqa: E402
+from sparkguard import config  # noqa: E402
+
+
+@pytest.mark.parametrize("text, key, value, why", [
+    ("guard:\n  term_below: 2GiB\n  pause_below: 1GiB\n", "guard.pause_below", "1GiB", "not above guard.term_below"),
+    ("guard:\n  term_below: 2GiB\n  pause_below: 2GiB\n", "guard.pause_below", "2GiB", "not above guard.term_below"),
+    ("guard:\n  pause_below: 100PiB\n", "guard.pause_below", "100PiB", ""),
+    ("guard:\n  pause_mode: wait\n", "guard.pause_mode", "wait", "keep"),
+    ("guard:\n  pause_url: ftp://x\n", "guard.pause_url", "ftp://x", ""),
+    ("guard:\n  pause_timeout: 0s\n", "guard.pause_timeout", "0s", ""),
+    ("engine:\n  command: [sleep, '1']\n  pause: on\n", "engine.pause", "on", "auto"),
+])
+def test_bad_soft_line_config_names_file_key_value(tmp_path, text, key, value, why):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load(str(path))
+    msg = str(e.value)
+    assert str(path) in msg and key in msg and value in msg and why in msg, msg
+    c = run_sparkguard("check-config", str(path), timeout=30)
+    assert c.returncode != 0 and key in c.stderr + c.stdout
+
+
+def test_soft_line_defaults_are_off():
+    g = config.from_dict({}, "x").guard
+    assert g.pause_below is None and g.pause_mode == "keep"
+    assert config.from_dict({"guard": {"term_below": "1GiB", "pause_below": "3GiB"}}, "x").guard.pause_below == 3 * GiB
+
+
+def test_a_pause_that_never_answers_does_not_delay_the_sigterm(fakes):
+    """The engine's URL is a socket that accepts and never answers: the pause hangs in the worker
+    thread while memory runs on to the hard line, which SIGTERMs as without the soft line."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    fe = fakes("--fill-size", str(900 * MiB), "--fill-rate", "400MiB", "--fill-on-signal")
+    avail = mem_available()
+    pause_below, term_below = avail - 150 * MiB, avail - 500 * MiB
+    cfg = _soft_cfg(fe, pause_below, term_below)
+    cfg["guard"].update(pause_url=f"http://127.0.0.1:{hole.getsockname()[1]}", pause_timeout="10s")
+    g = GuardProc(cfg)
+    try:
+        g.wait_ready()
+        pids = fe.pids()
+        fe.start_fill()
+        end = time.monotonic() + 40
+        mem = None
+        while time.monotonic() < end and mem is None:
+            got = _incidents(g, "memory")
+            mem = got[0] if got else None
+            g.notify.recv(0.2)
+        assert mem is not None, g.log()[-3000:]
+        assert [e["event"] for e in mem["timeline"]][:2] == ["crossed", "sigterm"]
+        assert mem["timeline"][1]["t"] < 0.5          # not held up by the unanswered pause
+        assert fe.wait_gone(pids, timeout=15)
+        soft = _wait_incident(g, "pause", timeout=10)
+        assert [e["event"] for e in soft["timeline"]] == ["pause_crossed", "pause_escalated"]
+        assert soft["outcome"] == "escalated"
+    finally:
+        g.stop()
+        hole.close()
+
+
+def test_reload_turns_the_soft_line_on_and_a_bad_one_is_refused(fakes):
+    fe = fakes()
+    avail = mem_available()
+    g = GuardProc({"guard": {"term_below": avail - 2 * GiB, "pause_url": fe.url},
+                   "targets": {"match": [rf"serve {fe.model}\b"]}})
+    hold = None
+    try:
+        g.wait_ready()
+        bad = {**g.cfg, "guard": {**g.cfg["guard"], "pause_below": avail - 3 * GiB}}
+        g.write_config(bad)
+        g.proc.send_signal(1)
+        g.wait_log("guard.pause_below")
+        assert "not above guard.term_below" in g.log()
+        good = {**g.cfg, "guard": {**g.cfg["guard"], "pause_below": avail - 250 * MiB, "resume_after": "1s",
+                                   "pause_hysteresis": "100MiB"}}
+        g.write_config(good)
+        g.proc.send_signal(1)
+        g.notify.wait_for(lambda m: "soft line" in m.get("STATUS", ""), timeout=20)
+        hold = Hold(700 * MiB)
+        g.notify.wait_for(lambda m: "ENGINE PAUSED" in m.get("STATUS", ""), timeout=20)
+        hold.release()
+        inc = _wait_incident(g, "pause", timeout=30)
+        assert inc["outcome"] == "resumed"
+    finally:
+        if hold is not None:
+            hold.release()
+        g.stop()
