@@ -532,3 +532,24 @@ def test_reload_turns_the_soft_line_on_and_a_bad_one_is_refused(fakes):
         if hold is not None:
             hold.release()
         g.stop()
+
+
+def test_the_pause_incident_writes_only_documented_fields_in_order():
+    import test_model
+    from sparkguard import model
+    from sparkguard.guard.soft import SoftGuard  # noqa: F401 - the module that builds it
+    th = model.PauseThresholds(8 * GiB, 8 * GiB + HYST, 10.0, TERM, "keep", "available")
+    inc = model.new_incident("pause", 1.0, th, b"MemAvailable: 1 kB\n", host="h", boot_id="b")
+    inc.timeline.append(model.Event("pause_crossed", 0.0, 1.0, 1, [], "x"))
+    inc.outcome, inc.ended_at, inc.min_available_bytes = "resumed", 2.0, 1
+    rec = inc.to_json()
+    fields = test_model.doc_fields()
+    assert list(rec) == [f for f in fields if f in rec]
+    assert list(rec["thresholds"]) == test_model.doc_keys("pause thresholds")
+    assert list(rec["timeline"][0]) == test_model.doc_keys("event")
+    names = test_model.DOC.split("Event names:", 1)[1].split("\n\n", 1)[0]
+    for ev in ("pause_crossed", "paused", "pause_failed", "resume_sent", "resumed", "resume_failed",
+               "pause_escalated"):
+        assert f"`{ev}`" in names
+        from sparkguard import journal
+        assert journal.message_id(ev) != journal.MESSAGE_IDS["event"]
