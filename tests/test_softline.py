@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import urllib.error
@@ -553,3 +554,41 @@ def test_the_pause_incident_writes_only_documented_fields_in_order():
         assert f"`{ev}`" in names
         from sparkguard import journal
         assert journal.message_id(ev) != journal.MESSAGE_IDS["event"]
+
+
+# ---- sparkguard drill --pause ----------------------------------------------------------------
+
+def test_drill_pause_pauses_recovers_resumes_and_says_so(tmp_path, root_only):
+    if mem_available() < 6 * GiB:
+        pytest.skip("not enough MemAvailable for a safe drill on this host right now")
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text(f"guard:\n  resume_after: 1s\n  pause_hysteresis: 128MiB\nincidents:\n  dir: {tmp_path / 'inc'}\n"
+                   "  journal: \"off\"\nmetrics:\n  listen: \"off\"\n")
+    r = run_sparkguard("drill", "--pause", "-c", str(cfg), "--json", "--rate", "1GiB/s", "--margin", "0.4GiB",
+                       "--past", "1GiB", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["result"] == "PASS", rep["reason"]
+    assert rep["mode"] == "pause" and rep["pauses"] == 1 and rep["resumes"] == 1
+    assert not any(rep["signals_sent"].values())
+    assert rep["crossing_to_paused_seconds"] < 0.5
+    assert rep["paused_to_resumed_seconds"] >= 1.0
+    assert rep["resume_bytes"] >= rep["pause_below_bytes"] + 128 * MiB
+    assert [e["event"] for e in rep["timeline"]] == ["pause_crossed", "paused", "resume_sent", "resumed"]
+    assert rep["left_processes"] == []
+    files = list((tmp_path / "inc").glob("*.json"))
+    assert len(files) == 1
+    rec = json.loads(files[0].read_text())
+    assert rec["kind"] == "pause" and rec["drill"] is True and rec["outcome"] == "resumed"
+    assert rec["summary"].startswith("DRILL: ")
+    assert re.match(r"engine paused \d+\.\d ms after the soft line, memory back, resumed", rep["reason"])
+    text = run_sparkguard("drill", "--pause", "-c", str(cfg), "--rate", "1GiB/s", "--margin", "0.4GiB",
+                          "--past", "1GiB", "-q", timeout=120)
+    assert text.returncode == 0 and "sparkguard drill --pause: PASS" in text.stdout, text.stdout + text.stderr
+
+
+def test_drill_pause_refuses_a_margin_inside_the_hysteresis(tmp_path):
+    cfg = tmp_path / "sparkguard.yaml"
+    cfg.write_text("guard:\n  pause_hysteresis: 1GiB\n")
+    r = run_sparkguard("drill", "--pause", "-c", str(cfg), "--margin", "0.5GiB", timeout=60)
+    assert r.returncode == 2 and "guard.pause_hysteresis" in r.stderr, r.stderr

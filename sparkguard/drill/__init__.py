@@ -25,6 +25,9 @@ the line, SIGTERM-to-exit time, whether escalation (SIGKILL) happened, memory re
 The fake tree is SIGKILLed and reaped on every path (normal end, error, timeout,
 SIGINT/Ctrl-C, SIGTERM); the report lists any process of it still alive (none expected).
 Exit status: 0 PASS, 1 FAIL, 2 refused (bad config, not enough headroom), 130 interrupted.
+
+``--pause`` drills the soft line instead (:mod:`sparkguard.drill.pause`): the drill's engine is
+paused at a temporary ``guard.pause_below``, memory comes back, it is resumed; no signal is sent.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(SIGKILL of the whole tree after guard.grace)")
     p.add_argument("--recover", default="3s", help="measure memory this long after the tree is gone (default 3s)")
     p.add_argument("--timeout", default=None, help="give up after this long (default: fill time + grace + 30s)")
+    p.add_argument("--pause", action="store_true", help="drill the soft line: the fake engine is paused at a "
+                   "temporary guard.pause_below (--margin under the memory now; the SIGTERM line --past under it), "
+                   "memory comes back, it is resumed (docs/soft-line.md)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     p.add_argument("--verbose", "-v", action="store_true", help="show the guard's own log lines")
@@ -77,6 +83,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
     except config.ConfigError as e:
         print(f"sparkguard drill: invalid config: {e}", file=sys.stderr)
         return 2
+    if args.pause:
+        return _pause(args, cfg)
     try:
         rate = parse_rate(args.rate)
         margin = parse_size(args.margin)
@@ -97,6 +105,32 @@ def cmd_drill(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=2, default=str))
     else:
         print(format_report(rep))
+    if rep["interrupted"]:
+        return 130
+    return 0 if rep["result"] == "PASS" else 1
+
+
+def _pause(args: argparse.Namespace, cfg) -> int:
+    """``--pause``: the soft line's drill (:mod:`sparkguard.drill.pause`); exit status as the drill's."""
+    from sparkguard.drill import pause
+    from sparkguard.drill.planning import GiB, DrillError, parse_rate, read_signal
+    from sparkguard.units import parse_duration, parse_size
+    try:
+        rate = parse_rate(args.rate)
+        margin = parse_size(args.margin)
+        past = parse_size(args.past) if args.past is not None else GiB
+        p = pause.plan(cfg, read_signal(cfg.guard.signal), margin, past)
+        fill_time = p["fill_size"] / rate if rate else 10.0
+        timeout = (parse_duration(args.timeout) if args.timeout else
+                   fill_time + cfg.guard.pause_timeout + cfg.guard.resume_after + 30)
+    except ValueError as e:
+        print(f"sparkguard drill: bad option: {e}", file=sys.stderr)
+        return 2
+    except DrillError as e:
+        print(f"sparkguard drill: refused: {e}", file=sys.stderr)
+        return 2
+    rep = pause.run(args, cfg, p, rate, timeout)
+    print(json.dumps(rep, indent=2, default=str) if args.json else pause.format_report(rep))
     if rep["interrupted"]:
         return 130
     return 0 if rep["result"] == "PASS" else 1
