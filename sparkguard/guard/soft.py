@@ -258,7 +258,8 @@ def _summary(inc) -> str:
     parts = [f"{'MemAvailable' if th.signal == 'available' else 'MemAvailable+SwapFree'} fell below the soft "
              f"line {format_size(th.pause_below_bytes)} (lowest {format_size(inc.min_available_bytes)})"]
     if "paused" in tl:
-        parts.append(f"engine paused after {tl['paused'].t:.2f}s")
+        t = tl["paused"].t
+        parts.append(f"engine paused after {t * 1000:.0f} ms" if t < 1 else f"engine paused after {t:.2f}s")
     ends = {"resumed": lambda: f"resumed after {tl['resumed'].t:.1f}s" if "resumed" in tl else "resumed",
             "pause_failed": lambda: "pause failed: " + tl["pause_failed"].detail.split(";")[0] if "pause_failed" in tl
             else "pause failed",
