@@ -93,12 +93,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
         p = plan(cfg, read_signal(cfg.guard.signal), margin, past)
         fill_time = p["fill_size"] / rate if rate else 10.0
         timeout = parse_duration(args.timeout) if args.timeout else fill_time + cfg.guard.grace + recover + 30
-    except ValueError as e:
-        print(f"sparkguard drill: bad option: {e}", file=sys.stderr)
-        return 2
-    except DrillError as e:
-        print(f"sparkguard drill: refused: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, DrillError) as e:
+        return _refuse(e)
     d = Drill(args, cfg, p, rate, recover, timeout)
     rep = d.run()
     if args.json:
@@ -123,14 +119,17 @@ def _pause(args: argparse.Namespace, cfg) -> int:
         fill_time = p["fill_size"] / rate if rate else 10.0
         timeout = (parse_duration(args.timeout) if args.timeout else
                    fill_time + cfg.guard.pause_timeout + cfg.guard.resume_after + 30)
-    except ValueError as e:
-        print(f"sparkguard drill: bad option: {e}", file=sys.stderr)
-        return 2
-    except DrillError as e:
-        print(f"sparkguard drill: refused: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, DrillError) as e:
+        return _refuse(e)
     rep = pause.run(args, cfg, p, rate, timeout)
     print(json.dumps(rep, indent=2, default=str) if args.json else pause.format_report(rep))
     if rep["interrupted"]:
         return 130
     return 0 if rep["result"] == "PASS" else 1
+
+
+def _refuse(e: Exception) -> int:
+    """Say why the drill will not run (a bad option, or :class:`.planning.DrillError`); exit status 2."""
+    from sparkguard.drill.planning import DrillError
+    print(f"sparkguard drill: {'refused' if isinstance(e, DrillError) else 'bad option'}: {e}", file=sys.stderr)
+    return 2

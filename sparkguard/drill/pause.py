@@ -12,8 +12,8 @@ requests a pause keeps out; a real vLLM's preallocated KV cache does not shrink 
 The guard's own loop (:class:`sparkguard.guard.loop.Guard`, in this process) runs with the
 configured settings changed in these places only: ``guard.pause_below`` becomes a temporary soft
 line ``--margin`` under the signal read now and ``guard.term_below`` a temporary hard line
-``--past`` under that (the work stops halfway between the two, so the hard line is never reached
-unless the pause fails); ``guard.pause_url`` is the endpoint; ``targets.match`` is the drill's
+``--past`` under that (the work stops a quarter of the way from the soft line to the hard one, so
+the hard line is reached only when the pause fails or something else takes that much memory meanwhile); ``guard.pause_url`` is the endpoint; ``targets.match`` is the drill's
 model alone; no ``engine:`` is supervised and ``metrics.listen`` is off.  Hysteresis, resume
 delay, pause mode and timeout, poll interval and signal kind are the configured ones.  The
 pause incident is reported through the configured reporter with ``drill: true``.
@@ -130,7 +130,7 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
         cfg: ``config.Config`` being drilled; value_now: the signal now, bytes; margin: bytes from
             it down to the temporary soft line; past: bytes from the soft line down to the hard line.
     Returns:
-        dict: ``pause_below``, ``term_below``, ``fill_size`` (the work: halfway between the
+        dict: ``pause_below``, ``term_below``, ``fill_size`` (the work: a quarter of the way between the
         lines), ``floor`` (the lowest the work takes the signal), bytes.
     Raises:
         DrillError: the hysteresis does not fit under the signal now, or the hard line would come
@@ -150,30 +150,34 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
                          f"{format_size(value_now)}; the temporary SIGTERM line {format_size(term_below)} would be "
                          f"closer than {format_size(SAFETY)} to the configured one {format_size(g.term_below)}. "
                          "Free some memory or lower --margin/--past.")
-    return {"pause_below": pause_below, "term_below": term_below, "fill_size": margin + past // 2,
-            "floor": pause_below - past // 2}
+    return {"pause_below": pause_below, "term_below": term_below, "fill_size": margin + past // 4,
+            "floor": pause_below - past // 4}
 
 
-class _Reporter:
-    """Wraps the configured reporter: marks every incident as a drill's (its kind stays) and keeps them."""
+class _Sink:
+    """Keeps the incidents the drill's guard finished (the reporter's ``finish`` calls it)."""
 
-    def __init__(self, inner, sink: list):
-        self.inner, self.sink = inner, sink
+    def __init__(self):
+        self.finished: list[dict] = []
 
-    def event(self, incident, event) -> None:
-        if incident is not None:
-            incident["drill"] = True
-        self.inner.event(incident, event)
+    def on_event(self, event) -> None:
+        pass
 
-    def finish(self, incident) -> None:
-        incident["drill"] = True
-        if not str(incident.get("summary", "")).startswith("DRILL"):
-            incident["summary"] = "DRILL: " + str(incident.get("summary", ""))
-        self.sink.append(incident)
-        self.inner.finish(incident)
+    def on_finish(self, incident) -> None:
+        self.finished.append(incident)
 
-    def close(self, timeout: float = 5.0) -> None:
-        self.inner.close(timeout)
+
+def _reporter(inner, sink: _Sink):
+    """The normal drill's reporter wrapper, marking incidents ``drill: true`` but keeping their kind."""
+    from sparkguard.drill.run import _DrillReporter
+
+    class _Reporter(_DrillReporter):
+        @staticmethod
+        def _mark(incident: dict | None) -> None:
+            if incident is not None:
+                incident["drill"] = True
+
+    return _Reporter(inner, sink)
 
 
 def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) -> dict:
@@ -184,7 +188,8 @@ def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) 
     ``timeout`` seconds have passed."""
     from sparkguard.drill.run import _make_guard, _raise_interrupt, _survivors
     model = "sparkguard-drill-" + os.urandom(4).hex()
-    finished: list[dict] = []
+    sink = _Sink()
+    finished = sink.finished
     work = {"proc": None}
 
     def end_work():
@@ -245,7 +250,7 @@ def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) 
         guard = _make_guard(dcfg, None)
         guard.start()
         # the normal drill's wrapper marks incidents kind "drill"; this one keeps the kind "pause"
-        guard.reporter = guard.recorder.reporter = _Reporter(guard.reporter.inner, finished)
+        guard.reporter = guard.recorder.reporter = _reporter(guard.reporter.inner, sink)
         rep["start_bytes"] = guard.value
         if not args.quiet:
             print(f"drill: fake engine {model} up (pids {', '.join(map(str, pids))}), pause API {ep.url}; "
@@ -311,7 +316,8 @@ def _verdict(rep: dict, inc: dict | None, ep: Endpoint, guard, cfg) -> dict:
     elif inc is None:
         rep["reason"] = rep["reason"] or "no pause incident: memory never fell below the soft line?"
     elif inc.get("outcome") != "resumed":
-        rep["reason"] = f"the pause incident ended {inc.get('outcome')}: {inc.get('summary')}"
+        rep["reason"] = ((rep["reason"] + "; ") if rep["reason"] else "") + \
+            f"the pause incident ended {inc.get('outcome')}: {inc.get('summary')}"
     elif not ep.pauses or not ep.resumes:
         rep["reason"] = "the engine's API saw no pause or no resume"
     elif rep["resume_bytes"] is None or rep["resume_bytes"] < rep["pause_below_bytes"] + rep["hysteresis_bytes"]:

@@ -214,12 +214,8 @@ class SoftGuard:
 
     def _fill(self) -> None:
         """After the pause: the details that cost reads (act first, report after)."""
-        inc = self.incident
-        if inc is None:
-            return
-        inc.parse_meminfo()
-        inc.psi_memory = sysinfo.read_psi_memory()
-        inc.zram = sysinfo.read_zram()
+        if self.incident is not None:
+            self._fill_of(self.incident)
 
     def _event(self, now: float, value: int, name: str, detail: str) -> None:
         inc = self.incident
@@ -246,6 +242,7 @@ class SoftGuard:
 
     @staticmethod
     def _fill_of(inc) -> None:
+        """``inc``'s parsed meminfo (read at the crossing), PSI and zram now."""
         inc.parse_meminfo()
         inc.psi_memory = sysinfo.read_psi_memory()
         inc.zram = sysinfo.read_zram()
