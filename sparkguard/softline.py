@@ -17,6 +17,9 @@ whatever the state here, and this machine only notes that it happened (ESCALATED
       |                            +------------------> LATCHED <---- hard line crossed --- IDLE
       +--- above pause_below + hysteresis, hard policy idle ---'   (resume fails resume_tries times)
 
+A new run of the engine (:meth:`SoftLine.restarted`, the supervisor restarted it) ends an episode
+in progress: a fresh process is not paused, and the line waits LATCHED.
+
 LATCHED means "as without the soft line": nothing is sent until the signal is back above
 ``pause_below + hysteresis`` with the hard policy idle.  Leaving it with the engine still paused
 (the hard line chose another victim, or resuming failed) sends one more resume first.
@@ -37,6 +40,7 @@ RESUMED = "resumed"              # the engine says it resumed: close the inciden
 RESUME_FAILED = "resume_failed"  # the resume failed; it is tried again after resume_after
 RESUME_GAVE_UP = "resume_gave_up"  # resume_tries resumes failed: close; the engine may still be paused
 ESCALATED = "escalated"          # the hard line was crossed while pausing or paused: close (SIGTERM is the policy's)
+RESTARTED = "restarted"          # a new run of the engine is ready: it is not paused; close
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,16 @@ class SoftLine:
                 return (RESUMED,)
             return self._resume_failed(now)
         raise ValueError(op)
+
+    def restarted(self) -> tuple[str, ...]:
+        """A new run of the engine became ready (the supervisor restarted it): a fresh process is
+        not paused.  An episode in progress ends (RESTARTED) and the line waits, LATCHED, for
+        memory to be back above the resume line before it may pause the new run."""
+        self.engine_paused = False
+        if self.state in (PAUSING, PAUSED, RESUMING):
+            self.state, self.tries = LATCHED, 0
+            return (RESTARTED,)
+        return ()
 
     def _resume(self, now: float) -> tuple[str, ...]:
         self.state, self.t_sent = RESUMING, now

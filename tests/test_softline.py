@@ -643,3 +643,15 @@ def test_supervised_engine_is_probed_when_ready_then_paused_and_resumed(tmp_path
         if hold is not None:
             hold.release()
         g.stop()
+
+
+def test_a_restarted_engine_is_not_paused_and_the_episode_ends():
+    r = Run()
+    r.poll(PAUSE_AT - 1)
+    r.answer("pause", True)
+    assert r.soft.restarted() == (softline.RESTARTED,)
+    assert not r.soft.engine_paused and r.soft.state == softline.LATCHED
+    assert r.poll(PAUSE_AT - 1) == ()                     # latched: not paused again while memory is low
+    assert r.poll(PAUSE_AT + HYST) == ()                  # back: re-armed, no resume sent to the new run
+    assert r.soft.state == softline.IDLE
+    assert Run().soft.restarted() == ()

@@ -9,7 +9,8 @@ sends what it decides (never waiting: requests are queued) and records one incid
 the engine resumed (``resumed``), when the pause failed (``pause_failed``: no endpoint, an
 error, no answer; the guard goes on as without the soft line), when the hard line was crossed
 meanwhile (``escalated``: the memory incident of :mod:`sparkguard.recorder` takes over), when
-resuming failed ``softline.SoftLines.resume_tries`` times (``resume_failed``) or when the daemon
+resuming failed ``softline.SoftLines.resume_tries`` times (``resume_failed``), when the supervisor
+restarted the engine meanwhile (``engine_restarted``: a new run is not paused) or when the daemon
 stopped (``daemon_stopped``).
 
 Where the engine is: ``guard.pause_url`` when set (a guard-only host); else, with ``engine.pause:
@@ -112,6 +113,8 @@ class SoftGuard:
             self._do(self.machine.answered(now, ans.op, ans.ok), now, value, ans)
         sup = self.engine.supervisor
         if sup is not None and sup.ready_count != self._ready_seen:
+            if self._ready_seen:                # a new run, not the first: it is not paused
+                self._do(self.machine.restarted(), now, value, None)
             self._ready_seen = sup.ready_count
             client.submit("probe")
         self._do(self.machine.step(now, value, hard_idle, client.offered), now, value, None)
@@ -194,6 +197,9 @@ class SoftGuard:
                                else f"; trying again in {g.resume_after:g}s"))
                 if last:
                     self._close(now, value, "resume_failed")
+            elif a == softline.RESTARTED:
+                self._event(now, value, "pause_engine_restarted", "a new run of the engine is ready: it is not paused")
+                self._close(now, value, "engine_restarted")
             elif a == softline.ESCALATED:
                 self._event(now, value, "pause_escalated",
                             f"memory {format_size(value)} fell to the SIGTERM line {format_size(g.term_below)} "
@@ -263,6 +269,7 @@ def _summary(inc) -> str:
             "escalated": lambda: f"hard line crossed after {tl['pause_escalated'].t:.2f}s: SIGTERM"
             if "pause_escalated" in tl else "escalated",
             "resume_failed": lambda: "resume failed: the engine may still be paused",
-            "daemon_stopped": lambda: "the guard stopped"}
+            "daemon_stopped": lambda: "the guard stopped",
+            "engine_restarted": lambda: "the engine was restarted"}
     parts.append(ends.get(inc.outcome, lambda: str(inc.outcome))())
     return "; ".join(parts)
