@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -655,3 +656,48 @@ def test_a_restarted_engine_is_not_paused_and_the_episode_ends():
     assert r.poll(PAUSE_AT + HYST) == ()                  # back: re-armed, no resume sent to the new run
     assert r.soft.state == softline.IDLE
     assert Run().soft.restarted() == ()
+
+
+# ---- the pause client (sparkguard/pause.py): answers are untrusted ---------------------------
+
+def _client_with(answers: dict):
+    """A PauseClient whose HTTP function answers from ``answers`` ({path: (status, body) or an
+    exception}); its worker thread, queue and wake-up are the real ones."""
+    from sparkguard import pause
+    woke = threading.Event()
+
+    def request(url, deadline, max_body, body=None):
+        path = urllib.parse.urlsplit(url).path
+        got = answers[path]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    return pause.PauseClient("http://127.0.0.1:1", "keep", 1.0, woke.set, request=request), woke
+
+
+def _answer(client, woke, op):
+    woke.clear()
+    client.submit(op)
+    assert woke.wait(5)
+    (ans,) = client.answers()
+    return ans
+
+
+def test_pause_client_judges_untrusted_answers():
+    c, woke = _client_with({"/is_paused": (200, b'{"is_paused": false}'), "/pause": (404, b'{"detail":"Not Found"}'),
+                            "/resume": (200, b"\xff" * 10)})
+    assert _answer(c, woke, "probe").ok and c.offered is True
+    ans = _answer(c, woke, "pause")
+    assert not ans.ok and ans.status == 404 and "VLLM_SERVER_DEV_MODE=1" in ans.detail
+    assert _answer(c, woke, "resume").ok                 # any 2xx, whatever the body
+    c2, woke2 = _client_with({"/is_paused": (200, b'{"is_paused": "yes"}'), "/pause": TimeoutError("no answer"),
+                              "/resume": RuntimeError("bug")})
+    assert not _answer(c2, woke2, "probe").ok and c2.offered is False
+    ans = _answer(c2, woke2, "pause")
+    assert not ans.ok and ans.status is None and "no answer" in ans.detail
+    ans = _answer(c2, woke2, "resume")                   # the worker outlives a bug in a request
+    assert not ans.ok and "RuntimeError" in ans.detail
+    assert _answer(c2, woke2, "probe").op == "probe"     # and keeps serving
+    c.stop()
+    c2.stop()
