@@ -158,7 +158,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "resume_after": duration(0.0, HOUR),
         "pause_url": optional_url,
         "pause_mode": choice("keep", "abort"),
-        "pause_timeout": duration(MIN_TICK, 60.0),
+        "pause_timeout": duration(MIN_TICK, 10.0),     # bounds the shutdown's last resume too
     }),
     "targets": (TargetsConfig, {
         "match": regex_list,

@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_drill(args: argparse.Namespace) -> int:
     """Run the drill; 0 PASS, 1 FAIL, 2 refused, 130 interrupted."""
     from sparkguard import config
-    from sparkguard.drill.planning import GiB, DrillError, parse_rate, plan, read_signal
+    from sparkguard.drill.planning import GiB, DrillError, parse_rate, plan, read_signal, refused
     from sparkguard.drill.report import format_report
     from sparkguard.drill.run import Drill
     from sparkguard.units import parse_duration, parse_size
@@ -84,7 +84,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
         print(f"sparkguard drill: invalid config: {e}", file=sys.stderr)
         return 2
     if args.pause:
-        return _pause(args, cfg)
+        from sparkguard.drill import pause
+        return pause.command(args, cfg)
     try:
         rate = parse_rate(args.rate)
         margin = parse_size(args.margin)
@@ -94,7 +95,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         fill_time = p["fill_size"] / rate if rate else 10.0
         timeout = parse_duration(args.timeout) if args.timeout else fill_time + cfg.guard.grace + recover + 30
     except (ValueError, DrillError) as e:
-        return _refuse(e)
+        return refused(e)
     d = Drill(args, cfg, p, rate, recover, timeout)
     rep = d.run()
     if args.json:
@@ -105,31 +106,3 @@ def cmd_drill(args: argparse.Namespace) -> int:
         return 130
     return 0 if rep["result"] == "PASS" else 1
 
-
-def _pause(args: argparse.Namespace, cfg) -> int:
-    """``--pause``: the soft line's drill (:mod:`sparkguard.drill.pause`); exit status as the drill's."""
-    from sparkguard.drill import pause
-    from sparkguard.drill.planning import GiB, DrillError, parse_rate, read_signal
-    from sparkguard.units import parse_duration, parse_size
-    try:
-        rate = parse_rate(args.rate)
-        margin = parse_size(args.margin)
-        past = parse_size(args.past) if args.past is not None else GiB
-        p = pause.plan(cfg, read_signal(cfg.guard.signal), margin, past)
-        fill_time = p["fill_size"] / rate if rate else 10.0
-        timeout = (parse_duration(args.timeout) if args.timeout else
-                   fill_time + cfg.guard.pause_timeout + cfg.guard.resume_after + 30)
-    except (ValueError, DrillError) as e:
-        return _refuse(e)
-    rep = pause.run(args, cfg, p, rate, timeout)
-    print(json.dumps(rep, indent=2, default=str) if args.json else pause.format_report(rep))
-    if rep["interrupted"]:
-        return 130
-    return 0 if rep["result"] == "PASS" else 1
-
-
-def _refuse(e: Exception) -> int:
-    """Say why the drill will not run (a bad option, or :class:`.planning.DrillError`); exit status 2."""
-    from sparkguard.drill.planning import DrillError
-    print(f"sparkguard drill: {'refused' if isinstance(e, DrillError) else 'bad option'}: {e}", file=sys.stderr)
-    return 2

@@ -36,9 +36,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from sparkguard import config, meminfo
 from sparkguard.drill import hog
-from sparkguard.drill.planning import DrillError, signal_name
+from sparkguard.drill.planning import GiB, SAFETY, DrillError, parse_rate, read_signal, refused, signal_name
+from sparkguard.drill.run import _DrillReporter, _make_guard, _raise_interrupt, _survivors
 from sparkguard.incidents.store import IncidentStore, valid_id
-from sparkguard.units import format_size
+from sparkguard.units import format_size, parse_duration, parse_size
 
 #: the work process: fill argv[1] bytes at argv[2] bytes/s (0: at once) with touched, incompressible
 #: memory (hog.Memory), say "full" when done, hold until stdin closes, then exit (its memory back)
@@ -136,7 +137,6 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
         DrillError: the hysteresis does not fit under the signal now, or the hard line would come
             within 2 GiB of the configured one.
     """
-    from sparkguard.drill.planning import SAFETY
     g = cfg.guard
     if margin <= 0 or past <= 0:
         raise DrillError("--margin and --past must be greater than 0")
@@ -169,7 +169,6 @@ class _Sink:
 
 def _reporter(inner, sink: _Sink):
     """The normal drill's reporter wrapper, marking incidents ``drill: true`` but keeping their kind."""
-    from sparkguard.drill.run import _DrillReporter
 
     class _Reporter(_DrillReporter):
         @staticmethod
@@ -180,13 +179,32 @@ def _reporter(inner, sink: _Sink):
     return _Reporter(inner, sink)
 
 
+def command(args, cfg) -> int:
+    """``sparkguard drill --pause`` after the config was read: options, plan, run, report; the exit
+    status is the drill's (0 PASS, 1 FAIL, 2 refused, 130 interrupted)."""
+    try:
+        rate = parse_rate(args.rate)
+        margin = parse_size(args.margin)
+        past = parse_size(args.past) if args.past is not None else GiB
+        p = plan(cfg, read_signal(cfg.guard.signal), margin, past)
+        fill_time = p["fill_size"] / rate if rate else 10.0
+        timeout = (parse_duration(args.timeout) if args.timeout else
+                   fill_time + cfg.guard.pause_timeout + cfg.guard.resume_after + 30)
+    except (ValueError, DrillError) as e:
+        return refused(e)
+    rep = run(args, cfg, p, rate, timeout)
+    print(json.dumps(rep, indent=2, default=str) if args.json else format_report(rep))
+    if rep["interrupted"]:
+        return 130
+    return 0 if rep["result"] == "PASS" else 1
+
+
 def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) -> dict:
     """Run the pause drill to its end; always removes the drill's tree and work.  Returns the report.
 
     The guard's loop runs in this (the main) thread, as in the normal drill; a controller thread
     starts the work, shows progress and stops the guard once the pause incident is closed or
     ``timeout`` seconds have passed."""
-    from sparkguard.drill.run import _make_guard, _raise_interrupt, _survivors
     model = "sparkguard-drill-" + os.urandom(4).hex()
     sink = _Sink()
     finished = sink.finished

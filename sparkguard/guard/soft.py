@@ -16,7 +16,8 @@ stopped (``daemon_stopped``).
 Where the engine is: ``guard.pause_url`` when set (a guard-only host); else, with ``engine.pause:
 auto``, the supervised engine's ``engine.health_url`` (scheme, host and port).  It is probed
 (``GET /is_paused``) at start for a configured URL and each time the supervised engine becomes
-ready; an engine that does not offer pause is never sent one.  Off in a dry run: a pause is an
+ready; an engine that does not offer pause is never sent one, nor is a supervised engine that is
+not ready (loading: its memory falls by design; or gone).  Off in a dry run: a pause is an
 action, and a dry run takes none.  Everything here runs on the poll-loop thread but
 :meth:`SoftGuard.snapshot` (any thread, plain reads).
 """
@@ -117,7 +118,12 @@ class SoftGuard:
                 self._do(self.machine.restarted(), now, value, None)
             self._ready_seen = sup.ready_count
             client.submit("probe")
-        self._do(self.machine.step(now, value, hard_idle, client.offered), now, value, None)
+        offered = client.offered
+        if sup is not None and not getattr(sup.run, "ready", False):
+            offered = False         # a supervised engine loading (memory falls by design) or gone: never paused
+        self._do(self.machine.step(now, value, hard_idle, offered), now, value, None)
+        if sup is not None:
+            sup.engine_paused = self.machine.engine_paused      # its liveness probe waits while paused
         if self.incident is not None and value < self._min:
             self._min = value
         return self.machine.deadline(now)

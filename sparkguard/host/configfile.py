@@ -46,7 +46,7 @@ HELP: dict[str, str] = {
     "guard.pause_mode": "vLLM's pause mode: keep (requests held, resumed as they were) or abort (in-flight ones "
                         "end with finish_reason abort).",
     "guard.pause_timeout": "Deadline of one pause or resume request.",
-    "engine.pause": "auto: the soft line pauses this engine when it offers /pause (probed when ready); off: never.",
+    "engine.pause": "auto: the soft line pauses this engine if it offers /pause; off: never.",
     "targets": "Whom to signal.",
     "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
                      "e.g. VLLM::EngineCore); earlier ones are preferred.",
