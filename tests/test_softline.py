@@ -454,7 +454,7 @@ def test_daemon_without_the_endpoint_records_the_failure_and_keeps_the_hard_line
 
 
 def test_hard_line_while_paused_sigterms_the_engine_and_both_incidents_tell(fakes):
-    fe = fakes("--fill-size", str(900 * MiB), "--fill-rate", "300MiB", "--fill-on-signal")
+    fe = fakes("--fill-size", str(1600 * MiB), "--fill-rate", "300MiB", "--fill-on-signal")
     avail = _settled_available()
     pause_below, term_below = avail - 150 * MiB, avail - 600 * MiB
     g = GuardProc(_soft_cfg(fe, pause_below, term_below))
@@ -524,7 +524,7 @@ def test_a_pause_that_never_answers_does_not_delay_the_sigterm(fakes):
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(8)
-    fe = fakes("--fill-size", str(900 * MiB), "--fill-rate", "400MiB", "--fill-on-signal")
+    fe = fakes("--fill-size", str(1600 * MiB), "--fill-rate", "400MiB", "--fill-on-signal")
     avail = _settled_available()
     pause_below, term_below = avail - 150 * MiB, avail - 500 * MiB
     cfg = _soft_cfg(fe, pause_below, term_below)
