@@ -33,6 +33,13 @@ config_reload_failed  7f5e066f6b814f52b7a19d56c14bbf98  4         SIGHUP reload 
 recovery_timeout      ec9ec42d9229412cb75748ac8d0793fe  3         victim gone, memory still low after recovery_wait
 unclean_shutdown      7bdd0f0e6aee40a2821c59306fae68cf  3         the last run ended without a clean stop (black box)
 event                 592ef58734144acc9848eab09e8ca020  5         any other event (engine, link, drill...)
+pause_crossed         832dc603cced4e4a8dd03b2131cada76  4         below the soft line: the engine is asked to pause
+paused                e387c43629584dba91dc85e73c23f04a  5         the engine says it is paused
+pause_failed          38ec2aee78b442d3b57d91f7b213785b  4         the pause failed; the guard goes on without it
+resume_sent           e722342fc5b14c8b9eeaef7fba40e5d6  5         memory is back: the engine is asked to resume
+resumed               c6ecc0ee1eed4b4b8998027781e51879  5         the engine says it resumed; pause incident over
+resume_failed         fc3c6a3c50594fc1a0f88bed42e3cafa  3         the resume failed (tried again, then given up)
+pause_escalated       e086d53fefb04e9cbc4fa50bb9e84ee3  4         the hard line was crossed while paused: SIGTERM
 ====================  ================================  ========  =================================================
 """
 
@@ -65,6 +72,14 @@ MESSAGE_IDS: dict[str, str] = {
     "recovery_timeout": "ec9ec42d9229412cb75748ac8d0793fe",
     "unclean_shutdown": "7bdd0f0e6aee40a2821c59306fae68cf",
     "event": "592ef58734144acc9848eab09e8ca020",
+    # the soft line (sparkguard/guard/soft.py, docs/soft-line.md)
+    "pause_crossed": "832dc603cced4e4a8dd03b2131cada76",
+    "paused": "e387c43629584dba91dc85e73c23f04a",
+    "pause_failed": "38ec2aee78b442d3b57d91f7b213785b",
+    "resume_sent": "e722342fc5b14c8b9eeaef7fba40e5d6",
+    "resumed": "c6ecc0ee1eed4b4b8998027781e51879",
+    "resume_failed": "fc3c6a3c50594fc1a0f88bed42e3cafa",
+    "pause_escalated": "e086d53fefb04e9cbc4fa50bb9e84ee3",
 }
 
 #: timeline event names that share an id (dry-run "would" events)
@@ -84,10 +99,17 @@ PRIORITIES: dict[str, int] = {
     "recovery_timeout": 3,
     "unclean_shutdown": 3,
     "event": 5,
+    "pause_crossed": 4,
+    "paused": 5,
+    "pause_failed": 4,
+    "resume_sent": 5,
+    "resumed": 5,
+    "resume_failed": 3,
+    "pause_escalated": 4,
 }
 
 #: Report id priority by outcome (default ``PRIORITIES["report"]``): the worst outcomes are errors.
-REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3, "hard_reset": 3}
+REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3, "hard_reset": 3, "resume_failed": 3}
 
 
 def report_priority(outcome: str | None) -> int:

@@ -1,8 +1,9 @@
 """The incident record: typed parts, the one builder (:func:`new_incident`) and its views.
 
-Every incident (kind ``memory`` from the guard's poll loop, ``wedged`` from the engine
-supervisor, ``link`` from the TP link watch, ``unclean-shutdown`` from the black box at start
-(:mod:`sparkguard.blackbox`); ``sparkguard drill`` marks its memory incident ``drill``) is an :class:`Incident` built by :func:`new_incident`.  Its views:
+Every incident (kind ``memory`` from the guard's poll loop, ``pause`` from its soft line,
+``wedged`` from the engine supervisor, ``link`` from the TP link watch, ``unclean-shutdown`` from
+the black box at start (:mod:`sparkguard.blackbox`); ``sparkguard drill`` marks its memory
+incident ``drill``) is an :class:`Incident` built by :func:`new_incident`.  Its views:
 
 * :meth:`Incident.to_json`: the incident file (``<incidents.dir>/<id>.json``), the journal's
   ``SPARKGUARD_REPORT`` and ``sparkguard incidents --json``; key order is part of the format.
@@ -60,6 +61,32 @@ class LinkThresholds:
 
     def to_json(self) -> dict:
         return {"down_after_seconds": self.down_after_seconds}
+
+
+@dataclass
+class PauseThresholds:
+    """A pause incident's lines (the soft line, docs/soft-line.md): ``pause_below_bytes`` (int,
+    ``guard.pause_below``), ``resume_above_bytes`` (int, plus ``guard.pause_hysteresis``),
+    ``resume_after_seconds`` (float, ``guard.resume_after``), ``term_below_bytes`` (int, the hard
+    line), ``mode`` (str, ``guard.pause_mode``), ``signal`` (str, ``guard.signal``)."""
+
+    pause_below_bytes: int
+    resume_above_bytes: int
+    resume_after_seconds: float
+    term_below_bytes: int
+    mode: str
+    signal: str
+
+    @classmethod
+    def of(cls, g) -> "PauseThresholds":
+        """From ``config.GuardConfig`` ``g`` with ``pause_below`` set."""
+        return cls(g.pause_below, g.pause_below + g.pause_hysteresis, g.resume_after, g.term_below,
+                   g.pause_mode, g.signal)
+
+    def to_json(self) -> dict:
+        return {"pause_below_bytes": self.pause_below_bytes, "resume_above_bytes": self.resume_above_bytes,
+                "resume_after_seconds": self.resume_after_seconds, "term_below_bytes": self.term_below_bytes,
+                "mode": self.mode, "signal": self.signal}
 
 
 @dataclass
@@ -174,7 +201,7 @@ class Incident:
     host: str
     boot_id: str
     started_at: float
-    thresholds: Thresholds | LinkThresholds
+    thresholds: Thresholds | LinkThresholds | PauseThresholds
     meminfo: dict[str, int]
     drill: bool = False
     ended_at: float | None = None
@@ -249,7 +276,7 @@ def new_id(started_at: float) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started_at)) + "-" + os.urandom(3).hex()
 
 
-def new_incident(kind: str, started_at: float, thresholds: Thresholds | LinkThresholds,
+def new_incident(kind: str, started_at: float, thresholds: Thresholds | LinkThresholds | PauseThresholds,
                  meminfo: bytes | dict[str, int], *, host: str | None = None, boot_id: str | None = None,
                  dry_run: bool = False, psi_memory: dict | None = None, zram: list[dict] | None = None,
                  target: Target | None = None, summary: str = "", outcome: str | None = None,
@@ -257,7 +284,8 @@ def new_incident(kind: str, started_at: float, thresholds: Thresholds | LinkThre
     """The one builder of incidents, with a fresh id (:func:`new_id`).
 
     Args:
-        kind: ``"memory"``, ``"wedged"``, ``"link"``, ``"unclean-shutdown"`` (and the supervisor's, docs/incident.md).
+        kind: ``"memory"``, ``"wedged"``, ``"link"``, ``"pause"`` (the soft line,
+            :mod:`sparkguard.guard.soft`), ``"unclean-shutdown"`` (and the supervisor's, docs/incident.md).
         started_at: unix s (names the id).
         thresholds: the lines that applied.
         meminfo: the raw /proc/meminfo text (bytes, parsed later by :meth:`Incident.parse_meminfo`)

@@ -9,7 +9,9 @@ Sections and keys (see README "Configuration"):
 
 * ``guard``: ``poll_interval``, ``term_below``, ``kill_below``, ``grace``, ``signal``,
   ``dry_run``, ``recovery_wait``, ``rate_trigger``, ``rate_lead``, ``rate_window``, ``rate_min_fall``
-  (docs/rate.md)
+  (docs/rate.md),
+  the soft line's ``pause_below``, ``pause_hysteresis``,
+  ``resume_after``, ``pause_url``, ``pause_mode``, ``pause_timeout`` (docs/soft-line.md)
 * ``targets``: ``match``, ``protect``, ``fallback``
 * ``metrics``: ``listen``
 * ``incidents``: ``dir``, ``journal``

@@ -103,6 +103,7 @@ class EngineConfig:
     on_daemon_stop: str = "stop"       # "stop" | "keep": systemd stops the unit
     start_gate: StartGateConfig = field(default_factory=StartGateConfig)
     load_phase: LoadPhaseConfig | None = None       # None: LoadPhaseConfig()'s defaults
+    pause: str = "auto"                # "auto": the soft line pauses this engine when it offers /pause; "off"
 
     @property
     def enabled(self) -> bool:

@@ -91,6 +91,12 @@ def _check(cfg: Config, data: dict, path: str, mem_total: int | None) -> None:
     if g.kill_below is not None and g.kill_below > g.term_below:
         raise ConfigError(path, "guard.kill_below", _raw(data, "guard.kill_below"),
                           f"is above guard.term_below ({g.term_below} bytes); the KILL floor must be lower")
+    if g.pause_below is not None and g.pause_below <= g.term_below:
+        raise ConfigError(path, "guard.pause_below", _raw(data, "guard.pause_below"),
+                          f"is not above guard.term_below ({g.term_below} bytes); the soft line must come first")
+    if total is not None and g.pause_below is not None and g.pause_below >= total:
+        raise ConfigError(path, "guard.pause_below", _raw(data, "guard.pause_below"),
+                          f"is not below MemTotal ({total} bytes)")
     if not cfg.targets.match and cfg.targets.fallback == "off":
         raise ConfigError(path, "targets.match", [], "empty with targets.fallback off: nothing could ever be signalled")
     _check_engine(cfg, data, path, total)

@@ -67,6 +67,15 @@ class GuardConfig:
     blackbox: bool = True
     blackbox_file: str | None = None    # None: <incidents.dir>/blackbox.ring
     blackbox_sync: float = 1.0          # seconds between writeback starts while near the line (0: never)
+    # the soft line (sparkguard.softline, docs/soft-line.md): off unless pause_below is set
+    pause_below: int | None = None
+    # assumption: 512 MiB and 10 s keep a fill that hovers at the line from pausing and resuming
+    # several times a minute; nothing public measures it (docs/soft-line.md)
+    pause_hysteresis: int = 512 * 1024**2
+    resume_after: float = 10.0
+    pause_url: str | None = None       # base URL of the engine's API server when no engine is supervised
+    pause_mode: str = "keep"           # vLLM's /pause mode: "keep" | "abort"
+    pause_timeout: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,12 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "blackbox": boolean,
         "blackbox_file": lambda v: None if v is None else abs_path(v),
         "blackbox_sync": duration(0.0, 60.0),
+        "pause_below": optional_line_size,
+        "pause_hysteresis": size,
+        "resume_after": duration(0.0, HOUR),
+        "pause_url": optional_url,
+        "pause_mode": choice("keep", "abort"),
+        "pause_timeout": duration(MIN_TICK, 10.0),     # bounds the shutdown's last resume too
     }),
     "targets": (TargetsConfig, {
         "match": regex_list,
@@ -208,6 +223,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "on_daemon_stop": choice("stop", "keep"),
         "start_gate": parse_start_gate,
         "load_phase": parse_load_phase,
+        "pause": choice("auto", "off"),
     }),
     "link": (LinkConfig, {
         "interfaces": ifname_list,

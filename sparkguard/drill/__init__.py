@@ -25,6 +25,9 @@ the line, SIGTERM-to-exit time, whether escalation (SIGKILL) happened, memory re
 The fake tree is SIGKILLed and reaped on every path (normal end, error, timeout,
 SIGINT/Ctrl-C, SIGTERM); the report lists any process of it still alive (none expected).
 Exit status: 0 PASS, 1 FAIL, 2 refused (bad config, not enough headroom), 130 interrupted.
+
+``--pause`` drills the soft line instead (:mod:`sparkguard.drill.pause`): the drill's engine is
+paused at a temporary ``guard.pause_below``, memory comes back, it is resumed; no signal is sent.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(SIGKILL of the whole tree after guard.grace)")
     p.add_argument("--recover", default="3s", help="measure memory this long after the tree is gone (default 3s)")
     p.add_argument("--timeout", default=None, help="give up after this long (default: fill time + grace + 30s)")
+    p.add_argument("--pause", action="store_true", help="drill the soft line: the fake engine is paused at a "
+                   "temporary guard.pause_below (--margin under the memory now; the SIGTERM line --past under it), "
+                   "memory comes back, it is resumed (docs/soft-line.md)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     p.add_argument("--verbose", "-v", action="store_true", help="show the guard's own log lines")
@@ -62,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_drill(args: argparse.Namespace) -> int:
     """Run the drill; 0 PASS, 1 FAIL, 2 refused, 130 interrupted."""
     from sparkguard import config
-    from sparkguard.drill.planning import GiB, DrillError, parse_rate, plan, read_signal
+    from sparkguard.drill.planning import GiB, DrillError, parse_rate, plan, read_signal, refused
     from sparkguard.drill.report import format_report
     from sparkguard.drill.run import Drill
     from sparkguard.units import parse_duration, parse_size
@@ -77,6 +83,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
     except config.ConfigError as e:
         print(f"sparkguard drill: invalid config: {e}", file=sys.stderr)
         return 2
+    if args.pause:
+        from sparkguard.drill import pause
+        return pause.command(args, cfg)
     try:
         rate = parse_rate(args.rate)
         margin = parse_size(args.margin)
@@ -85,12 +94,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
         p = plan(cfg, read_signal(cfg.guard.signal), margin, past)
         fill_time = p["fill_size"] / rate if rate else 10.0
         timeout = parse_duration(args.timeout) if args.timeout else fill_time + cfg.guard.grace + recover + 30
-    except ValueError as e:
-        print(f"sparkguard drill: bad option: {e}", file=sys.stderr)
-        return 2
-    except DrillError as e:
-        print(f"sparkguard drill: refused: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, DrillError) as e:
+        return refused(e)
     d = Drill(args, cfg, p, rate, recover, timeout)
     rep = d.run()
     if args.json:
@@ -100,3 +105,4 @@ def cmd_drill(args: argparse.Namespace) -> int:
     if rep["interrupted"]:
         return 130
     return 0 if rep["result"] == "PASS" else 1
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from sparkguard import meminfo
 from sparkguard.units import format_size, parse_size
 
@@ -12,6 +14,12 @@ TERM_LATENCY_LIMIT = 0.5  # seconds from the guard's crossing to SIGTERM for a P
 
 class DrillError(Exception):
     """The drill cannot run safely or at all (message says why and what to change)."""
+
+
+def refused(e: Exception) -> int:
+    """Say on stderr why the drill will not run (a bad option, or a :class:`DrillError`); exit status 2."""
+    print(f"sparkguard drill: {'refused' if isinstance(e, DrillError) else 'bad option'}: {e}", file=sys.stderr)
+    return 2
 
 
 def parse_rate(text: str) -> float | None:

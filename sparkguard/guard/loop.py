@@ -28,6 +28,7 @@ from sparkguard.guard import harden, logq, reconfig, settings, startup
 from sparkguard.guard import ring as ring_mod
 from sparkguard.guard.act import Actions
 from sparkguard.guard.engine import Engine
+from sparkguard.guard.soft import SoftGuard
 from sparkguard.units import format_size
 
 log = logging.getLogger("sparkguard")
@@ -36,6 +37,7 @@ STATUS_EVERY = 10.0         # seconds between STATUS= refreshes when nothing cha
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
 STATUS_CHANGED = -2         # pseudo-signal in Guard._flags: another thread changed what STATUS= says
+SOFT_ANSWER = -3            # pseudo-signal in Guard._flags: the engine answered a pause/resume/probe
 
 
 class Guard:
@@ -61,6 +63,7 @@ class Guard:
         self.reader = self.reporter = self.recorder = self.notifier = self.metrics = self.linkwatch = None
         self.reloader = None
         self.ring = None            # the black box (guard/ring.py), None when off
+        self.soft = None            # guard.soft.SoftGuard, the soft line (docs/soft-line.md)
         self.psi_fd = None
         self.stopping = False
         self.keep_engine = False    # SIGUSR2: the supervised engine outlives this daemon
@@ -128,6 +131,7 @@ class Guard:
                      "at least %s/s)", g.rate_lead, g.rate_window, _fmt_size(g.rate_min_fall))
         self.engine.start(self.cfg, self.reporter, self.recorder.count, self.metrics)
         self.recorder.supervisor = self.engine.supervisor
+        self.soft = SoftGuard(self.cfg, self.engine, self.recorder, lambda: self._wake(SOFT_ANSWER))
         # everything start-up built (the imported modules, the config, the first armed scan) goes
         # to the collector's permanent generation: a collection that the crossing's allocations
         # trigger walks only what was made since, not the whole heap (gc.freeze, Python 3.7)
@@ -257,7 +261,8 @@ class Guard:
         signal flagged, reads succeeding); else ``s.budget`` (the fast path sends the watchdog
         pings that fall due meanwhile)."""
         if timeout < s.interval or self.policy.state is not policy.OK or self.avail < s.idle_floor or self._flags \
-                or self._fail_since is not None or self._fast_at < 0 or s.idle_pattern is None:
+                or self._fail_since is not None or self._fast_at < 0 or s.idle_pattern is None \
+                or self.soft.engaged():
             return 0
         return s.budget
 
@@ -296,6 +301,13 @@ class Guard:
                 dl = pol.deadline(time.monotonic())
                 if dl is not None and dl < timeout:
                     timeout = dl
+            if self.soft.active:        # after the hard policy: a pause never delays a SIGTERM
+                before = self.soft.machine.state
+                dl = self.soft.step(t0, value, pol.state is policy.OK)
+                if dl is not None and dl < timeout:
+                    timeout = dl
+                if self.soft.machine.state != before:
+                    self._tick(t0)      # STATUS= shows the pause
             t1 = time.monotonic()
             self.poll_count += 1
             self.poll_sum += t1 - t0
@@ -448,6 +460,7 @@ class Guard:
             # SIGTERM without its escalation): the new dry_run applies when this incident ends
             log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
         self.actions.protector = protector
+        self.soft.reload(cfg)
         error = ""
         try:
             self.engine.reload(cfg)
@@ -463,6 +476,11 @@ class Guard:
         return not error
 
     def _shutdown(self) -> int:
+        if self.soft is not None:
+            try:
+                self.soft.stop(time.monotonic(), self.value)      # resume a paused engine before anything stops
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                log.exception("stopping the soft line failed")
         self.engine.stop(self.keep_engine)
         if self.recorder is not None and self.recorder.incident is not None:
             self.actions.close_incident(time.monotonic(), self.value,
@@ -496,7 +514,9 @@ class Guard:
         if target is not None and state != "ok":
             state += f" (pid {target.root_pid})"
         problem = self.metrics.problem() if self.metrics is not None else None
-        return f"{line}; state {state}" + ("; DRY RUN" if g.dry_run else "") + (f"; {problem}" if problem else "")
+        soft = self.soft.status() if self.soft is not None else ""
+        return f"{line}; state {state}" + (f"; {soft}" if soft else "") + ("; DRY RUN" if g.dry_run else "") \
+            + (f"; {problem}" if problem else "")
 
     def snapshot(self) -> dict:
         """Current state for metrics/status (its keys: docs/snapshot.md); cheap, any thread."""
@@ -531,6 +551,7 @@ class Guard:
             "fall_rate_bytes_per_second": self.fall.rate if self.fall is not None else None,
             "engine_loading": self.engine.loading(),
             "metrics": self.metrics.state() if self.metrics is not None else None,
+            "pause": self.soft.snapshot() if self.soft is not None else None,
         }
 
 

@@ -17,7 +17,7 @@ class LoopSettings(NamedTuple):
     use_swap: bool      # the signal includes SwapFree
     interval: float     # guard.poll_interval, seconds
     far: int            # bytes of headroom beyond which the full interval is safe at policy.FILL_RATE
-    idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above term_below + far
+    idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above the top line + far
     budget: int         # fast polls allowed between two full passes
     idle_pattern: tuple[int, bytes] | None  # idle_floor as meminfo.fast_above compares it (None: no fast path)
     rate_on: bool = False       # guard.rate_trigger is on: the loop keeps a rate.FallRate
@@ -32,13 +32,13 @@ def loop_settings(cfg) -> LoopSettings:
         :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_pattern, rate_on,
         rate_window)``: the signal includes SwapFree (bool);
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
-        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``term_below + far`` (int
-        bytes of MemAvailable; the higher of ``term_below`` and ``engine.load_phase.term_below``); the
-        fast polls allowed between two full passes, so that a full pass (policy, STATUS=, the armed
-        target's check, poll metrics) runs at least every FULL_PASS_EVERY (int); the floor as the
-        fast path compares it (:func:`sparkguard.meminfo.fast_floor`: ``(width, pattern)``, or None
-        from 954 GiB on, where the fast path stays off); whether the rate trigger is on (bool) and
-        its window (float seconds).
+        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``far`` above the highest line
+        (``term_below``, ``pause_below``, ``engine.load_phase.term_below``) (int bytes of
+        MemAvailable); the fast polls allowed between two full passes, so that a full pass (policy,
+        STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int);
+        the floor as the fast path compares it (:func:`sparkguard.meminfo.fast_floor`: ``(width,
+        pattern)``, or None from 954 GiB on, where the fast path stays off); whether the rate
+        trigger is on (bool) and its window (float seconds).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.
@@ -65,10 +65,10 @@ def loop_settings(cfg) -> LoopSettings:
     if g.signal not in ("available", "available+swap"):
         raise bad("signal", g.signal, "expected available or available+swap")
     far = int(iv * policy.FILL_RATE)
-    line = g.term_below
+    line = max(g.term_below, g.pause_below or 0)     # the highest line the fast path must not skip
     lp = cfg.engine.load_phase.term_below if cfg.engine.enabled and cfg.engine.load_phase is not None else None
     if lp is not None and lp > line:
-        line = lp           # the fast path's floor holds for the higher of the two lines
+        line = lp
     floor = line + far
     return LoopSettings(g.signal == "available+swap", float(iv), far, floor,
                         max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_floor(floor),

@@ -47,6 +47,16 @@ HELP: dict[str, str] = {
     "guard.blackbox_file": "The black box's file (null: blackbox.ring in incidents.dir).",
     "guard.blackbox_sync": "While memory is near the line, start writeback of the black box this often "
                            "(0: leave it to the kernel's, ~30 s).",
+    "guard.pause_below": "The soft line (null: off): below it the engine is paused (vLLM POST /pause, needs "
+                         "VLLM_SERVER_DEV_MODE=1) before any kill; must be above term_below (docs/soft-line.md).",
+    "guard.pause_hysteresis": "Resume only once the watched value is this far above pause_below ...",
+    "guard.resume_after": "... for this long.",
+    "guard.pause_url": "The engine's base URL (http://127.0.0.1:8000) when no engine is supervised; "
+                       "null: engine.health_url's.",
+    "guard.pause_mode": "vLLM's pause mode: keep (requests held, resumed as they were) or abort (in-flight ones "
+                        "end with finish_reason abort).",
+    "guard.pause_timeout": "Deadline of one pause or resume request.",
+    "engine.pause": "auto: the soft line pauses this engine if it offers /pause; off: never.",
     "targets": "Whom to signal.",
     "targets.match": "Regular expressions searched in /proc/PID/cmdline (for setproctitle'd processes the title, "
                      "e.g. VLLM::EngineCore); earlier ones are preferred.",

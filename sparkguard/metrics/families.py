@@ -196,6 +196,25 @@ class GuardCollector:
             for res in ("ok", "failed"):
                 c.add_metric([res], float(r.get(res, 0)))
             yield c
+        yield from self._pause(s.get("pause"))
+
+    @staticmethod
+    def _pause(p: dict | None) -> Iterator[Metric | None]:
+        """The soft line's families (docs/soft-line.md) from the snapshot's ``pause`` part."""
+        if not isinstance(p, dict):
+            return
+        yield _gauge("engine_paused", "1 while the engine's last answer to the soft line was: paused "
+                     "(POST /pause, guard.pause_below), 0 otherwise.", 1 if p.get("engine_paused") else 0)
+        counts = p.get("counts") or {}
+        for op, name, what in (("pause", "pauses", "Pause requests (POST /pause) the engine answered, by result; "
+                                "failed: an error, no endpoint or no answer in guard.pause_timeout"),
+                               ("resume", "resumes", "Resume requests (POST /resume) the engine answered, by "
+                                "result")):
+            c = CounterMetricFamily(P + name, what + ".", labels=["result"])
+            r = counts.get(op) or {}
+            for res in ("ok", "failed"):
+                c.add_metric([res], float(r.get(res, 0)))
+            yield c
 
     # --- read at scrape time
 

@@ -101,6 +101,7 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
         self.starts = 0
         self.ready_count = 0
         self.failed_loads = 0       # runs the memory guard stopped while they loaded (restart.LOAD)
+        self.engine_paused = False   # set by the guard's soft line (guard/soft.py): probes wait meanwhile
         self.backoff = Backoff(self.ecfg.backoff_initial, self.ecfg.backoff_max, self.ecfg.stable_after)
         self.give_up = GiveUp(self.ecfg.give_up_after, self.ecfg.give_up_window)
         self.node_views: list[cluster.NodeView] = []     # the other nodes, last read (gate or monitor)

@@ -123,6 +123,9 @@ class MonitorHooks(Protocol):
     def note(self, event: str, detail: str) -> None:
         """A history entry."""
 
+    #: the guard's soft line has the engine paused: the liveness probe waits (docs/soft-line.md)
+    engine_paused: bool
+
 
 def monitor(run, config: Callable[[], object], hooks: MonitorHooks) -> None:
     """Health -> ready, then liveness probe, head watch, membership refresh, until the run ends
@@ -162,6 +165,9 @@ def monitor(run, config: Callable[[], object], hooks: MonitorHooks) -> None:
                 ok = healthy(e.health_url, e.health_interval)
                 if ok != run.ready and run.exit is None:
                     hooks.health_changed(run, ok, e.health_url)
+            if next_probe is not None and e.probe is not None and hooks.engine_paused:
+                # paused by the soft line (docs/soft-line.md): vLLM holds the probe's request, which proves nothing
+                next_probe = max(next_probe, time.monotonic() + e.probe.interval)
             if next_probe is not None and time.monotonic() >= next_probe and e.probe is not None:
                 ok, why, model = probe(e, model)
                 next_probe = time.monotonic() + e.probe.interval

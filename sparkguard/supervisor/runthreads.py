@@ -209,3 +209,9 @@ class SupervisorMonitorHooks:
         self.refresh_members, self.became_ready = sup._refresh_members, sup._became_ready
         self.health_changed, self.probed, self.verdict = sup._health_changed, sup._probed, sup._verdict
         self.note, self.cluster = sup._history, sup._cluster
+        self._sup = sup
+
+    @property
+    def engine_paused(self) -> bool:
+        """The guard's soft line has the engine paused (``Supervisor.engine_paused``)."""
+        return self._sup.engine_paused

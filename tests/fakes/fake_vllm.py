@@ -52,7 +52,11 @@ HTTP (only with ``--port``; 0 picks a free port): the port is bound at start but
 engine is known dead), ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/chat/completions``
 (one token), ``GET /metrics`` (Prometheus text: ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``),
-``GET /ping``, ``GET /version``.
+``GET /ping``, ``GET /version``.  With ``VLLM_SERVER_DEV_MODE=1`` also ``POST /pause``
+(``mode=abort|wait|keep``), ``POST /resume`` and ``GET /is_paused``, as vLLM's dev-mode router has
+them (``fake_pause.py`` beside this file says what each does, with vLLM's file:function);
+``--request-time S`` makes each completion take S seconds in the engine, so a pause has
+something in flight to abort, freeze or wait for.
 
 Memory fill: worker TP0 (the lowest rank of the node) allocates and touches ``--fill-size``
 bytes at ``--fill-rate`` bytes/s (``max`` = as fast as it can), then holds them.  The fill starts
@@ -195,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dead-linger", type=_duration, default=1.0,
                    help="seconds the top answers 503 after the engine died, before it exits 1 (default 1)")
     p.add_argument("--ready-file", default=None, help="also write the ready line to this file")
+    p.add_argument("--request-time", type=_duration, default=0.0,
+                   help="seconds a completion takes in the engine (default 0); see fake_pause.py")
     p.add_argument("--ready-timeout", type=_duration, default=120.0, help="seconds to wait for the tree to come up")
     return p
 
@@ -206,6 +212,15 @@ def _cluster():
     else:
         import fake_cluster
     return fake_cluster
+
+
+def _pause_module():
+    """fake_pause.py beside this file (the /pause, /resume, /is_paused endpoints)."""
+    if __package__:
+        from . import fake_pause
+    else:
+        import fake_pause
+    return fake_pause
 
 
 def _local_ranks(a: argparse.Namespace) -> list[int]:
@@ -270,6 +285,10 @@ def _parse(argv: list[str]) -> _Cfg:
             timeout = parse_duration(env) if env else 0.0
         except ValueError:
             parser.error(f"environment {_SHUTDOWN_ENV}={env!r}: expected seconds")
+    try:
+        _pause_module().dev_mode()
+    except ValueError:
+        parser.error(f"environment VLLM_SERVER_DEV_MODE={os.environ.get('VLLM_SERVER_DEV_MODE')!r}: expected 0 or 1")
     return _Cfg(args=args, extra=extra, shutdown_timeout=float(timeout), modes=modes)
 
 
@@ -485,6 +504,8 @@ class _State:
         self.running = 0
         self.success = 0
         self.forever = threading.Event()  # never set: what wedged requests wait on
+        fp = _pause_module()
+        self.pause = fp.Pause(fp.dev_mode(), cfg.args.request_time)  # /pause, /resume, /is_paused
 
     def group_report(self, kind: str, rank: int) -> None:
         """A worker's report on rank ``rank``: ``L`` lost, ``U`` unreachable, ``R`` reachable again."""
@@ -559,6 +580,8 @@ def _make_server(cfg: _Cfg, state: _State):
                     "max_model_len": cfg.args.max_model_len or 4096}]})
             elif path == "/metrics":
                 self._send(200, _metrics_text(state).encode(), "text/plain; version=0.0.4; charset=utf-8")
+            elif state.pause.get(path) is not None:
+                self._json(*state.pause.get(path))
             else:
                 self._json(404, {"detail": "Not Found"})
 
@@ -574,6 +597,10 @@ def _make_server(cfg: _Cfg, state: _State):
                     raise ValueError("body is not a JSON object")
             except ValueError as e:
                 self._error(400, "BadRequestError", f"invalid JSON body: {e}")
+                return
+            answer = state.pause.post(path, self.path.partition("?")[2])
+            if answer is not None:
+                self._json(*answer)
                 return
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 self._json(404, {"detail": "Not Found"})
@@ -592,18 +619,19 @@ def _make_server(cfg: _Cfg, state: _State):
                     return
                 if state.wedged():
                     state.forever.wait()  # hangs like a wedged engine: the client's timeout ends it
+                finish = state.pause.run()    # waits while paused, runs --request-time
                 prompt = body.get("prompt", "")
                 ptoks = max(1, len(str(prompt).split()))
                 created = int(time.time())
                 if path == "/v1/completions":
                     reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
                              "model": state.served, "choices": [{"index": 0, "text": " the", "logprobs": None,
-                                                                 "finish_reason": "length", "stop_reason": None}],
+                                                                 "finish_reason": finish, "stop_reason": None}],
                              "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + 1, "completion_tokens": 1}}
                 else:
                     reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
                              "model": state.served, "choices": [{"index": 0, "message": {"role": "assistant",
-                                                                 "content": "The"}, "finish_reason": "length"}],
+                                                                 "content": "The"}, "finish_reason": finish}],
                              "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + 1, "completion_tokens": 1}}
                 with state.lock:
                     state.success += 1
@@ -637,13 +665,14 @@ def _metrics_text(state: _State) -> str:
     lbl = f'engine="0",model_name="{state.served}"'
     with state.lock:
         running, success = state.running, state.success
+    running -= state.pause.waiting      # accepted while paused: waiting, not in a batch
     return (
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
         "# TYPE vllm:num_requests_running gauge\n"
         f"vllm:num_requests_running{{{lbl}}} {float(running)}\n"
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
-        f"vllm:num_requests_waiting{{{lbl}}} 0.0\n"
+        f"vllm:num_requests_waiting{{{lbl}}} {float(state.pause.waiting)}\n"
         "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
         f"vllm:kv_cache_usage_perc{{{lbl}}} {min(1.0, 0.01 * running)}\n"
