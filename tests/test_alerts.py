@@ -203,7 +203,7 @@ def test_dashboard_is_valid_and_uses_only_known_metrics():
 def test_metric_name_check_catches_an_unknown_name():
     assert metric_names('rate(sparkguard_link_rx_errors_total{interface="sparkguard_x"}[5m])') == \
         {"sparkguard_link_rx_errors_total"}
-    assert not metric_names("sparkguard_memory_free_bytes") <= METRICS
+    assert not metric_names("sparkguard_memory_freed_bytes") <= METRICS    # no such metric
 
 
 def test_wheel_ships_rules_and_dashboard(tmp_path):
