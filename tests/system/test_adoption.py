@@ -118,7 +118,8 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     engine = {"command": cmd, "health_url": f"http://127.0.0.1:{PORT}/health", "drop_caches": False,
               "start_above": "64MiB", "stable_for": "0s", "quiesce_timeout": "60s", "health_interval": "200ms"}
     c = machine(config=config("64MiB", tag, grace="2s"))
-    for name, mode in (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644)):
+    for name, mode in (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644),
+                       ("fake_pause.py", 0o644)):
         with open(os.path.join(os.path.dirname(fake_vllm.__file__), name)) as f:
             c.write(f"{FAKES}/{name}", f.read(), mode)
     c.write(CONFIG_PATH, config("64MiB", tag, grace="2s") + "engine: " + json.dumps(engine) + "\n")
