@@ -4,7 +4,7 @@ The engine is the guard's child: it inherits the unit's mount namespace and capa
 set.  The engine here is a probe script started by the guard itself (``engine.command``); it
 reports what it can write, its ``CapBnd`` and its parent, first with the drop-in that ``sparkguard
 install`` adds once the config has an engine, then after ``sparkguard install --no-engine-sandbox``
-and a restart, with the guard-only sandbox.  ``sparkguard doctor`` is asked about both.  One booted
+and a stop and start, with the guard-only sandbox.  ``sparkguard doctor`` is asked about both.  One booted
 Debian machine (see tests/system/nspawn.py), well under a minute.
 """
 
@@ -90,11 +90,12 @@ def test_engine_config_brings_the_sandbox_drop_in_and_the_engine_can_write_its_f
         # the guard-only sandbox, the way an operator switches on the running machine
         r = c.run("sparkguard", "install", "--no-engine-sandbox")
         assert f"removed       {DROPIN}" in r.stdout and "ran           systemctl daemon-reload" in r.stdout, r.stdout
-        assert "next: systemctl restart sparkguard" in r.stdout, r.stdout
+        assert "next: systemctl stop sparkguard && systemctl start sparkguard" in r.stdout, r.stdout
         check = doctor_sandbox(c)
         assert check["status"] == "WARN" and "read-only" in check["message"], check
         c.run("rm", "-f", RESULT)
-        c.run("systemctl", "restart", UNIT, timeout=90)
+        c.run("systemctl", "stop", UNIT, timeout=90)      # a restart would adopt the engine in its old sandbox
+        c.run("systemctl", "start", UNIT, timeout=90)
         places, capbnd, _ = engine_report(c)
         assert places == {p: "denied" for p in PLACES}, places  # ProtectSystem=strict, ProtectHome=read-only
         for cap in ENGINE_CAPS:

@@ -260,5 +260,8 @@ def test_default_config_file_explains_every_engine_key_in_one_line():
     for key in keys:
         i = at[key]
         assert lines[i - 1].startswith("  # ") and len(lines[i - 1]) > 12, (key, lines[i - 1])
-        assert lines[i - 2].startswith(f"  {keys[keys.index(key) - 1]}:") or key == keys[0], \
+        j = i - 2
+        while j > head and lines[j].startswith("    "):      # the previous key's nested mapping
+            j -= 1
+        assert lines[j].startswith(f"  {keys[keys.index(key) - 1]}:") or key == keys[0], \
             f"engine.{key}: the comment takes more than one line"

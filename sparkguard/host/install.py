@@ -244,7 +244,10 @@ def _next_hint(ch: Changes, live: bool, units_changed: bool) -> None:
     active = live and query("is-active", "sparkguard.service") == "active"
     enabled = live and query("is-enabled", "sparkguard.service") == "enabled"
     if active and units_changed:
-        ch.info("next: systemctl restart sparkguard   (the running guard still has the old unit and sandbox)")
+        # a restart keeps a running engine (engine.on_daemon_restart: keep, docs/adoption.md), and with
+        # it the old sandbox: stop and start give the engine the new one too
+        ch.info("next: systemctl stop sparkguard && systemctl start sparkguard   (the running guard and its "
+                "engine still have the old unit and sandbox; a restart would keep the engine as it is)")
     elif active and enabled:
         if ch.changed:
             ch.info("the guard runs: `systemctl reload sparkguard` applies a changed sparkguard.yaml")
