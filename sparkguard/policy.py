@@ -5,7 +5,13 @@ signal on every poll and carries out the returned actions.  Tests drive it with 
 clock.
 
 One incident is one episode (issue #2): it opens at the crossing of ``term_below`` and
-closes when the victim is gone and memory is back above the line.  States::
+closes when the victim is gone and memory is back above the line.  On Linux >= 6.7 a dead
+victim's memory lands on the kernel's per-CPU free lists first, outside MemAvailable, and drains
+into it over a minute or two (:mod:`sparkguard.pcp`): while the signal plus those free pages
+(``pcp_free``) is above the line, the wait for memory goes on past ``recovery_wait``, up to
+:data:`PCP_DRAIN_WAIT` more, so the hidden part is never a reason for a second victim.  Every
+decision to act looks at the signal alone: an allocation that finds the zone short drains the
+lists itself.  States::
 
     OK --crossing--> TERM_SENT --victim gone--> RECOVERING --memory back--> OK
                         |  grace over, or below kill_below   ^
@@ -52,6 +58,13 @@ RECOVERED = "recovered"    # memory is back above the line: close the incident
 GAVE_UP_WAITING = "recovery_timeout"  # victim gone, memory still low after recovery_wait: close; next poll may act again
 RETRY_TARGET = "retry_target"          # NO_TARGET: look for a target again
 UNKILLABLE = "unkillable"              # SIGKILLed for kill_give_up seconds and still there (D state): close
+
+#: seconds the wait for memory may go on past ``recovery_wait`` while memory is back on the
+#: kernel's per-CPU lists.  They drain by ``batch << 5`` pages per CPU per ``vm.stat_interval``
+#: (mm/page_alloc.c ``decay_pcp_high``: 7.9 MiB/s with the usual batch of 63) from at most 1/8 of
+#: the zone split across the node's CPUs (``zone_highsize``): ~0.8 GiB per CPU on a 128 GiB,
+#: 20-CPU GB10, ~100 s.
+PCP_DRAIN_WAIT = 120.0
 
 
 @dataclass
@@ -113,13 +126,16 @@ class Policy:
     """
 
     __slots__ = ("thresholds", "dry_run", "state", "t_term", "t_kill", "t_first_kill", "t_gone", "t_retry",
-                 "fired")
+                 "t_drain", "fired")
 
     def __init__(self, thresholds: Thresholds, dry_run: bool = False):
         self.thresholds = thresholds
         self.dry_run = dry_run
         self.state = OK
         self.t_term = self.t_kill = self.t_first_kill = self.t_gone = self.t_retry = 0.0
+        #: monotonic s when the wait for memory went past ``recovery_wait`` on memory back on the
+        #: per-CPU lists (:data:`PCP_DRAIN_WAIT`), None otherwise (reset by a crossing and by RECOVERING)
+        self.t_drain: float | None = None
         #: what opened the current (or last) incident: {"trigger": "line"|"predicted", "phase":
         #: "serving"|"loading", "line_bytes", "fall_rate_bytes_per_second", "seconds_to_line"}
         self.fired: dict | None = None
@@ -144,7 +160,7 @@ class Policy:
         return None
 
     def step(self, now: float, value: int, victim_gone: bool = False, fall_rate: float = 0.0,
-             loading: bool = False) -> tuple[str, ...]:
+             loading: bool = False, pcp_free: int = 0) -> tuple[str, ...]:
         """Advance the state machine.
 
         Args:
@@ -153,6 +169,9 @@ class Policy:
             victim_gone: True once every process of the victim's tree has exited.
             fall_rate: the signal's estimated fall rate, bytes/s (0.0: unknown or not falling).
             loading: the supervised engine is loading (started, not yet ready).
+            pcp_free: bytes free on the kernel's per-CPU lists (:mod:`sparkguard.pcp`), used only
+                while RECOVERING past ``recovery_wait``: memory back there (a dead victim's pages
+                land on them first, outside MemAvailable) extends the wait instead of ending it.
         Returns:
             A tuple of actions (module constants) to carry out in order; ``()`` for nothing.
         """
@@ -170,16 +189,16 @@ class Policy:
             return self._term(now)
         if st == TERM_SENT:
             if victim_gone:
-                self.state, self.t_gone = RECOVERING, now
-                return (EXITED,) + self._recovery(now, value)
+                self.state, self.t_gone, self.t_drain = RECOVERING, now, None
+                return (EXITED,) + self._recovery(now, value, pcp_free)
             if now - self.t_term >= th.grace or (th.kill_below is not None and value < th.kill_below):
                 self.state, self.t_kill, self.t_first_kill = KILL_SENT, now, now
                 return (KILL,)
             return ()
         if st == KILL_SENT:
             if victim_gone:
-                self.state, self.t_gone = RECOVERING, now
-                return (EXITED,) + self._recovery(now, value)
+                self.state, self.t_gone, self.t_drain = RECOVERING, now, None
+                return (EXITED,) + self._recovery(now, value, pcp_free)
             if not self.dry_run and now - self.t_first_kill >= th.kill_give_up:
                 self.state = OK
                 return (UNKILLABLE,)
@@ -191,7 +210,7 @@ class Policy:
                 return (RECOVERED,)
             return ()
         if st == RECOVERING:
-            return self._recovery(now, value)
+            return self._recovery(now, value, pcp_free)
         if st == NO_TARGET:
             if value >= th.term_below and self.trigger(value, fall_rate, loading) is None:
                 self.state = OK
@@ -203,17 +222,34 @@ class Policy:
         raise AssertionError(st)
 
     def _term(self, now: float) -> tuple[str, ...]:
-        self.state, self.t_term = TERM_SENT, now
+        self.state, self.t_term, self.t_drain = TERM_SENT, now, None
         return (CROSSED, TERM)
 
-    def _recovery(self, now: float, value: int) -> tuple[str, ...]:
-        if value >= self.thresholds.term_below:
+    def _recovery(self, now: float, value: int, pcp_free: int = 0) -> tuple[str, ...]:
+        """RECOVERING: back when the signal alone is above the line.  Past ``recovery_wait``, memory
+        that is back on the per-CPU lists (``value + pcp_free`` above the line) extends the wait,
+        up to :data:`PCP_DRAIN_WAIT` more, while they drain into MemAvailable."""
+        th = self.thresholds
+        if value >= th.term_below:
             self.state = OK
             return (RECOVERED,)
-        if now - self.t_gone >= self.thresholds.recovery_wait:
+        waited = now - self.t_gone
+        if waited >= th.recovery_wait:
+            if value + pcp_free >= th.term_below and waited < th.recovery_wait + PCP_DRAIN_WAIT:
+                if self.t_drain is None:
+                    self.t_drain = now
+                return ()
             self.state = OK
             return (GAVE_UP_WAITING,)
         return ()
+
+    def counts_pcp(self, now: float, victim_gone: bool) -> bool:
+        """Whether the next :meth:`step` at ``now`` would use ``pcp_free`` (so the caller reads
+        the per-CPU lists only then): RECOVERING past ``recovery_wait``, or a victim just gone
+        with no ``recovery_wait``."""
+        if self.state == RECOVERING:
+            return now - self.t_gone >= self.thresholds.recovery_wait
+        return victim_gone and self.state in (TERM_SENT, KILL_SENT) and self.thresholds.recovery_wait <= 0
 
     def no_target(self, now: float) -> None:
         """The caller found nothing to signal after TERM/RETRY_TARGET: wait in NO_TARGET."""
@@ -252,7 +288,8 @@ class Policy:
         if st == KILL_SENT and not self.dry_run:
             return max(0.0, min(self.t_kill + th.kill_repeat, self.t_first_kill + th.kill_give_up) - now)
         if st == RECOVERING:
-            return max(0.0, self.t_gone + th.recovery_wait - now)
+            end = self.t_gone + th.recovery_wait + (PCP_DRAIN_WAIT if self.t_drain is not None else 0.0)
+            return max(0.0, end - now)
         if st == NO_TARGET:
             return max(0.0, self.t_retry + th.retry_target - now)
         return None

@@ -84,18 +84,28 @@ class Recorder:
             return
         inc.target = Target.of(target)
 
-    def close(self, now: float, value: int, g, dry_run: bool, recovered: bool, stopped: bool = False) -> None:
+    def close(self, now: float, value: int, g, dry_run: bool, recovered: bool, stopped: bool = False,
+              pcp_free: int = 0, drained: float | None = None) -> None:
         """End the open incident: last event, outcome, report.  ``g``: ``config.GuardConfig``;
-        ``dry_run``: the policy's; ``stopped``: the daemon is stopping with the incident still open."""
+        ``dry_run``: the policy's; ``stopped``: the daemon is stopping with the incident still open;
+        ``pcp_free``: the most bytes seen on the kernel's per-CPU free lists while waiting for memory
+        (:mod:`sparkguard.pcp`; 0: not read); ``drained``: seconds the wait went on past
+        ``recovery_wait`` because memory was back on those lists (None: it did not)."""
         inc = self.incident
         try:
             if stopped:
                 event, detail = "daemon_stopped", f"the guard stopped with memory at {_fmt_size(value)}"
             elif recovered:
                 event, detail = "recovered", f"memory back to {_fmt_size(value)}"
+                if drained is not None:
+                    detail += (f" after {drained:.1f}s more for up to {_fmt_size(pcp_free)} on the kernel's "
+                               "per-CPU free lists to drain into MemAvailable")
             else:
-                event, detail = "recovery_timeout", (f"victim gone {g.recovery_wait:g}s ago but "
-                                                     f"memory still {_fmt_size(value)}")
+                gone = round(g.recovery_wait + (drained or 0.0), 1)
+                event, detail = "recovery_timeout", (f"victim gone {gone:g}s ago but memory still "
+                                                     f"{_fmt_size(value)}")
+                if pcp_free:
+                    detail += f" (and up to {_fmt_size(pcp_free)} free on the kernel's per-CPU lists)"
             self.event(now, value, event, [], detail + (f", {now - self._t0:.2f}s after the crossing"
                                                         if inc else ""))
             if inc is not None:

@@ -223,3 +223,53 @@ def test_a_load_lead_stops_a_load_predicted_to_cross_its_line():
     assert p.step(0.5, LINE + 3 * GiB, fall_rate=2 * GiB, loading=True) == (P.CROSSED, P.TERM)
     assert p.fired["phase"] == "loading" and p.fired["trigger"] == "predicted"
     assert p.fired["seconds_to_line"] == 1.5
+
+
+def test_memory_back_on_the_per_cpu_lists_extends_the_wait_instead_of_a_second_victim():
+    # the victim's memory went to the kernel's per-CPU lists (sparkguard.pcp), outside MemAvailable:
+    # past recovery_wait the wait goes on while MemAvailable + the lists is above the line
+    p = mk(recovery_wait=10.0)
+    p.step(0.0, LINE - 1)
+    assert p.counts_pcp(1.0, victim_gone=True) is False         # a recovery_wait to wait first
+    assert p.step(1.0, LINE - 100, victim_gone=True) == (P.EXITED,)
+    assert p.counts_pcp(10.9, victim_gone=False) is False
+    assert p.counts_pcp(11.0, victim_gone=False) is True
+    assert p.deadline(5.0) == 6.0
+    assert p.step(11.0, LINE - 100, pcp_free=100) == ()          # back, on the lists
+    assert p.state == P.RECOVERING and p.t_drain == 11.0
+    assert p.deadline(11.0) == P.PCP_DRAIN_WAIT                  # the cap is the next deadline
+    assert p.step(40.0, LINE - 50, pcp_free=60) == ()
+    assert p.step(41.0, LINE) == (P.RECOVERED,)                  # MemAvailable alone is back
+    assert p.state == P.OK and p.counts_pcp(42.0, victim_gone=True) is False
+    assert p.step(42.0, LINE - 1) == (P.CROSSED, P.TERM) and p.t_drain is None   # a new incident
+
+
+def test_the_wait_on_the_lists_ends_when_they_no_longer_lift_it_or_at_the_cap():
+    p = mk(recovery_wait=10.0)
+    p.step(0.0, LINE - 1)
+    p.step(1.0, LINE - 100, victim_gone=True)
+    assert p.step(11.0, LINE - 100, pcp_free=200) == ()
+    assert p.step(12.0, LINE - 100, pcp_free=99) == (P.GAVE_UP_WAITING,)   # consumed again: act again
+    q = mk(recovery_wait=10.0)
+    q.step(0.0, LINE - 1)
+    q.step(1.0, LINE - 100, victim_gone=True)
+    assert q.step(11.0 + P.PCP_DRAIN_WAIT - 0.1, LINE - 100, pcp_free=GiB) == ()
+    assert q.step(11.0 + P.PCP_DRAIN_WAIT, LINE - 100, pcp_free=GiB) == (P.GAVE_UP_WAITING,)
+
+
+def test_free_pages_on_the_per_cpu_lists_never_delay_or_cancel_an_action():
+    # the crossing and the escalation look at the signal alone: lists that would lift it above
+    # the line do not stop the SIGTERM, nor the SIGKILL after the grace
+    p = mk(grace=2.0)
+    assert p.step(0.0, LINE - 1, pcp_free=4 * GiB) == (P.CROSSED, P.TERM)
+    assert p.step(2.0, LINE - 1, pcp_free=4 * GiB) == (P.KILL,)
+    assert p.step(2.5, LINE - 1, victim_gone=True, pcp_free=4 * GiB) == (P.EXITED,)
+    assert p.step(5.0, LINE - 1, pcp_free=4 * GiB) == ()                    # still within recovery_wait
+
+
+def test_no_recovery_wait_asks_for_the_lists_as_the_victim_goes():
+    p = mk(recovery_wait=0.0)
+    p.step(0.0, LINE - 1)
+    assert p.counts_pcp(1.0, victim_gone=True) is True
+    assert p.step(1.0, LINE - 100, victim_gone=True, pcp_free=100) == (P.EXITED,)
+    assert p.step(1.2, LINE - 100, pcp_free=0) == (P.GAVE_UP_WAITING,)

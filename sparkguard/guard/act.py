@@ -34,6 +34,8 @@ class Actions:
         tree_fds: set[int], the victim's pidfds registered in ``poller``.
         signals_sent: ``{"SIGTERM": n, "SIGKILL": n}`` since the start.
         armed: ``armed.Armed``, the target chosen before the crossing.
+        pcp_free: int, the most bytes the loop saw on the kernel's per-CPU free lists while waiting
+            for memory (:mod:`sparkguard.pcp`; 0 when not read), named in the incident's closing event.
     """
 
     def __init__(self, cfg, pol: policy.Policy, engine, poller):
@@ -49,6 +51,7 @@ class Actions:
         self.tree_fds: set[int] = set()
         self._killed: set[int] = set()
         self.signals_sent = {"SIGTERM": 0, "SIGKILL": 0}
+        self.pcp_free = 0
         self.armed = armed.Armed(self.scan_choice, policy.FILL_RATE)
         self._armed_for = cfg.targets
 
@@ -229,8 +232,11 @@ class Actions:
         pidfds whatever happens while reporting.  ``stopped``: the daemon is stopping with the incident
         still open."""
         try:
-            self.recorder.close(now, value, self.cfg.guard, self.policy.dry_run, recovered, stopped)
+            t_drain = self.policy.t_drain
+            self.recorder.close(now, value, self.cfg.guard, self.policy.dry_run, recovered, stopped,
+                                pcp_free=self.pcp_free, drained=None if t_drain is None else now - t_drain)
         finally:
+            self.pcp_free = 0
             if self.tree is not None:
                 for fd in list(self.tree_fds):
                     try:
