@@ -19,9 +19,10 @@ comes back by 0.52 GiB, and 1.10 GiB sits on the two CPUs' lists, draining at ~1
 minute to drain).  MemAvailable plus the lists' pages is back to within 1 MiB at once.  On a
 20-CPU, 128 GiB GB10 the same arithmetic gives ~0.8 GiB per CPU that freed.
 
-So the guard counts these pages when it asks whether a victim's memory is back (policy
-``pcp_free``), and never when it decides to act (an allocation under pressure drains the lists
-itself, so MemAvailable alone is the conservative signal there).
+So while a victim's memory is coming back, memory back on these lists extends the guard's wait
+(policy ``pcp_free``, ``PCP_DRAIN_WAIT``) instead of a second victim being chosen; no decision to
+act counts them (an allocation under pressure drains the lists only after it has reclaimed, so
+MemAvailable alone is the conservative signal there).
 
 /proc/zoneinfo lists, per zone, ``pagesets`` then for each CPU ``cpu: N`` followed by
 ``count: N`` (pages on that CPU's lists), ``high:``, ``batch:`` and, since 6.7, ``high_min:`` and
