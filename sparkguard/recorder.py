@@ -22,7 +22,7 @@ import time
 
 from sparkguard import proctree, sysinfo
 from sparkguard.model import Event, Incident, Target, Thresholds, TreeRow, new_incident
-from sparkguard.units import format_size
+from sparkguard.units import format_line, format_size
 
 
 class Recorder:
@@ -94,18 +94,18 @@ class Recorder:
         inc = self.incident
         try:
             if stopped:
-                event, detail = "daemon_stopped", f"the guard stopped with memory at {_fmt_size(value)}"
+                event, detail = "daemon_stopped", f"the guard stopped with memory at {format_line(value)}"
             elif recovered:
-                event, detail = "recovered", f"memory back to {_fmt_size(value)}"
+                event, detail = "recovered", f"memory back to {format_line(value)}"
                 if drained is not None:
-                    detail += (f" after {drained:.1f}s more for up to {_fmt_size(pcp_free)} on the kernel's "
+                    detail += (f" after {drained:.1f}s more for up to {format_line(pcp_free)} on the kernel's "
                                "per-CPU free lists to drain into MemAvailable")
             else:
                 gone = round(g.recovery_wait + (drained or 0.0), 1)
                 event, detail = "recovery_timeout", (f"victim gone {gone:g}s ago but memory still "
-                                                     f"{_fmt_size(value)}")
+                                                     f"{format_line(value)}")
                 if pcp_free:
-                    detail += f" (and up to {_fmt_size(pcp_free)} free on the kernel's per-CPU lists)"
+                    detail += f" (and up to {format_line(pcp_free)} free on the kernel's per-CPU lists)"
             self.event(now, value, event, [], detail + (f", {now - self._t0:.2f}s after the crossing"
                                                         if inc else ""))
             if inc is not None:
@@ -166,18 +166,14 @@ def crossed_detail(value: int, term_below: int, fired: dict | None) -> str:
     which = "the SIGTERM line" if fired is None or fired["phase"] == "serving" else "the load phase's SIGTERM line"
     if fired is not None and fired["trigger"] == "predicted":
         rate = fired["fall_rate_bytes_per_second"] / 1024**3
-        out = (f"predicted: {rate:.1f} GiB/s, crossing in {fired['seconds_to_line']:.1f} s: {_fmt_size(value)} "
-               f"({value} bytes) is {(value - line) / 1024**2:.1f} MiB above {which} {_fmt_size(line)}")
+        out = (f"predicted: {rate:.1f} GiB/s, crossing in {fired['seconds_to_line']:.1f} s: {format_line(value)} "
+               f"({value} bytes) is {(value - line) / 1024**2:.1f} MiB above {which} {format_line(line)}")
     else:
-        out = (f"{_fmt_size(value)} ({value} bytes) is {(line - value) / 1024**2:.1f} MiB below {which} "
-               f"{_fmt_size(line)}")
+        out = (f"{format_line(value)} ({value} bytes) is {(line - value) / 1024**2:.1f} MiB below {which} "
+               f"{format_line(line)}")
     if fired is not None and fired["phase"] == "loading":
         out += "; the engine is loading (not yet ready): a failed load"
     return out
-
-
-def _fmt_size(n) -> str:
-    return format_size(n) if n is not None else "off"
 
 
 def _summary(inc: Incident) -> str:

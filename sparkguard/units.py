@@ -139,6 +139,11 @@ def format_size(nbytes: int | float | None, exact: bool = False) -> str:
     return f"{sign}{n:.0f} B"
 
 
+def format_line(nbytes: int | float | None) -> str:
+    """A memory line for people: :func:`format_size`, or ``"off"`` for a line that is not set (None)."""
+    return format_size(nbytes) if nbytes is not None else "off"
+
+
 def format_duration(seconds: float | None) -> str:
     """Format seconds for people: ``"250 ms"``, ``"12.0 s"``, ``"3.5 min"``; None gives ``"-"``."""
     if seconds is None:

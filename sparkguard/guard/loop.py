@@ -24,12 +24,12 @@ import signal
 import time
 
 from sparkguard import meminfo, notify, pcp, policy, rate, recorder, reporter, sysinfo
-from sparkguard.guard import harden, logq, reconfig, settings, startup
+from sparkguard.guard import harden, reconfig, settings, startup, view
 from sparkguard.guard import ring as ring_mod
 from sparkguard.guard.act import Actions
 from sparkguard.guard.engine import Engine
 from sparkguard.guard.soft import SoftGuard
-from sparkguard.units import format_size
+from sparkguard.units import format_line
 
 log = logging.getLogger("sparkguard")
 
@@ -128,11 +128,11 @@ class Guard:
         self.reloader.start_result(self.cfg.path)
         g = self.cfg.guard
         log.info("started: SIGTERM below %s, grace %.1fs, kill_below %s, poll %.3fs, config %s%s",
-                 _fmt_size(g.term_below), g.grace, _fmt_size(g.kill_below), g.poll_interval, self.cfg.path,
+                 format_line(g.term_below), g.grace, format_line(g.kill_below), g.poll_interval, self.cfg.path,
                  " [DRY RUN]" if g.dry_run else "")
         if g.rate_trigger == "on":
             log.info("rate trigger on: SIGTERM when the fall would reach the line within %.2fs (window %.2fs, "
-                     "at least %s/s)", g.rate_lead, g.rate_window, _fmt_size(g.rate_min_fall))
+                     "at least %s/s)", g.rate_lead, g.rate_window, format_line(g.rate_min_fall))
         self.engine.start(self.cfg, self.reporter, self.recorder.count, self.metrics)
         self.recorder.supervisor = self.engine.supervisor
         self.soft = SoftGuard(self.cfg, self.engine, self.recorder, lambda: self._wake(SOFT_ANSWER))
@@ -443,59 +443,9 @@ class Guard:
     # ---- reload / stop / snapshot -----------------------------------------------------------
 
     def finish_reload(self) -> bool:
-        """From the loop: put a config read by ``reloader.begin()`` in force, or keep the running one
-        when it was refused.  Returns success; False when no read had finished.
-
-        The new config passed the same checks as ``check-config`` (``config.load`` and
-        :func:`settings.prepare`, which builds everything derived from it) before any of it is put
-        in force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
-        ``sparkguard reload`` returns once it is in force or refused."""
-        loaded = self.reloader.take()
-        if loaded is None:
-            return False
-        started, result = loaded
-        if isinstance(result, Exception):
-            e = result
-            self.reloads["failed"] += 1
-            log.error("reload failed, keeping the running config: %s", e)
-            self.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
-                                       "available_bytes": self.value, "pids": [],
-                                       "detail": f"reload failed, running config kept: {e}"})
-            self.notifier.ready()
-            self.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
-            self._next_status = time.monotonic() + 30
-            self.reloader.record(started, False, str(e), self.cfg.path)
-            return False
-        cfg, thresholds, protector = result
-        for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
-                         ("link", "interfaces"), ("link", "down_after"), ("guard", "blackbox"),
-                         ("guard", "blackbox_file"), ("guard", "blackbox_sync")):
-            new, old = getattr(getattr(cfg, sec), key), getattr(getattr(self.cfg, sec), key)
-            if new != old:
-                log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
-        self.actions.cfg = cfg
-        self.policy.thresholds = thresholds
-        if self.policy.state == "ok":
-            self.policy.dry_run = cfg.guard.dry_run
-        elif self.policy.dry_run != cfg.guard.dry_run:
-            # switching mid-incident would SIGKILL a tree that never got SIGTERM (or leave a real
-            # SIGTERM without its escalation): the new dry_run applies when this incident ends
-            log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
-        self.actions.protector = protector
-        self.soft.reload(cfg)
-        error = ""
-        try:
-            self.engine.reload(cfg)
-        except Exception as e:  # noqa: BLE001 - the guard's part is in force; say what was not
-            log.exception("reload: the engine supervisor did not take the new config")
-            error = f"guard settings applied, engine supervisor refused them: {type(e).__name__}: {e}"
-        self.reloads["ok" if not error else "failed"] += 1
-        log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, _fmt_size(cfg.guard.term_below),
-                 cfg.guard.grace)
-        self.notifier.ready()
-        self._tick(time.monotonic())
-        self.reloader.record(started, not error, error, self.cfg.path)
-        return not error
+        """From the loop: put a finished config read in force, or keep the running config when it
+        was refused (:func:`sparkguard.guard.reconfig.finish`).  Returns success."""
+        return reconfig.finish(self)
 
     def _shutdown(self) -> int:
         if self.soft is not None:
@@ -522,60 +472,9 @@ class Guard:
         return 0
 
     def status_line(self) -> str:
-        """One line for STATUS=: available, line, state; or why the guard is blind."""
-        if self.notifier is not None and self.notifier.blind:
-            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self._fail_wall))
-            return f"BLIND: cannot read {self.reader.path} since {since}: {self._fail_error}"
-        g = self.cfg.guard
-        what = "MemAvailable" if g.signal == "available" else "MemAvailable+SwapFree"
-        line = f"{what} {_fmt_size(self.value)}, SIGTERM line {_fmt_size(g.term_below)}"
-        if g.kill_below is not None:
-            line += f", SIGKILL line {_fmt_size(g.kill_below)}"
-        state = self.policy.state
-        target = self.actions.target
-        if target is not None and state != "ok":
-            state += f" (pid {target.root_pid})"
-        problem = self.metrics.problem() if self.metrics is not None else None
-        soft = self.soft.status() if self.soft is not None else ""
-        return f"{line}; state {state}" + (f"; {soft}" if soft else "") + ("; DRY RUN" if g.dry_run else "") \
-            + (f"; {problem}" if problem else "")
+        """One line for STATUS= (:func:`sparkguard.guard.view.status_line`)."""
+        return view.status_line(self)
 
     def snapshot(self) -> dict:
-        """Current state for metrics/status (its keys: docs/snapshot.md); cheap, any thread."""
-        g = self.cfg.guard
-        mono_now = time.monotonic()
-        total = self.reader.mem_total if self.reader else 0
-        swap_total = self.reader.swap_total if self.reader else 0
-        victim = self.actions.target      # read once: the loop may clear it between two reads
-        rec = self.recorder
-        raw = self.fast_raw               # the idle fast path's last read, newer than self.avail
-        avail = (raw is not None and meminfo.fast_value(raw)) or self.avail
-        return {
-            "available_bytes": avail, "total_bytes": total, "swap_free_bytes": self.swap_free,
-            "swap_total_bytes": swap_total, "signal": g.signal,
-            # the idle fast path refreshes MemAvailable only: with signal "available" it is the value
-            "signal_bytes": avail if g.signal == "available" else self.value,
-            "term_below_bytes": g.term_below, "kill_below_bytes": g.kill_below, "grace_seconds": g.grace,
-            "poll_interval_seconds": g.poll_interval, "state": self.policy.state, "dry_run": g.dry_run,
-            "signals_sent": dict(self.actions.signals_sent),
-            "incidents": dict(rec.counts) if rec is not None else {},
-            "last_incident_timestamp": rec.last_incident if rec is not None else None,
-            "last_incident": rec.last_incident_ref if rec is not None else None, "poll_count": self.poll_count,
-            "poll_seconds_sum": self.poll_sum, "polls_total": self.poll_count + self.fast_polls,
-            "last_poll_timestamp": time.time() - (mono_now - self.last_poll) if self.last_poll else None,
-            "started_timestamp": self.started, "config_path": self.cfg.path,
-            "config_reloads": dict(self.reloads),
-            "notify_dropped": self.notifier.dropped if self.notifier else 0,
-            "log_dropped": logq.dropped(),
-            "blind": bool(self.notifier and self.notifier.blind),
-            "victim": {"pid": victim.root_pid, "title": victim.title} if victim is not None else None,
-            "proc_view": self.proc_view,
-            "fall_rate_bytes_per_second": self.fall.rate if self.fall is not None else None,
-            "engine_loading": self.engine.loading(),
-            "metrics": self.metrics.state() if self.metrics is not None else None,
-            "pause": self.soft.snapshot() if self.soft is not None else None,
-        }
-
-
-def _fmt_size(n) -> str:
-    return format_size(n) if n is not None else "off"
+        """Current state for metrics/status (:func:`sparkguard.guard.view.snapshot`); cheap, any thread."""
+        return view.snapshot(self)

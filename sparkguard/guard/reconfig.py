@@ -3,7 +3,7 @@
 The :class:`Reloader` belongs to the poll loop, except :meth:`Reloader._load`, which runs in a
 thread of its own (``sparkguard-reload``) and touches nothing of the running guard: it leaves
 its outcome in ``loaded`` (one reference assignment) and wakes the loop.  The loop takes the
-outcome (:meth:`Reloader.take`) and puts it in force (``Guard.finish_reload``).
+outcome (:meth:`Reloader.take`) and puts it in force (:func:`finish`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 from sparkguard import config
 from sparkguard import reload as reload_cmd
 from sparkguard.guard import settings
+from sparkguard.units import format_line
 
 log = logging.getLogger("sparkguard")
 
@@ -112,3 +114,59 @@ class Reloader:
                 error=error, config_path=config_path))
         except OSError as e:
             log.warning("cannot write the reload result in %s: %s", self._dir, e.strerror or e)
+
+
+def finish(guard) -> bool:
+    """From the loop: put a config read by ``guard.reloader.begin()`` in force, or keep the running
+    one when it was refused.  ``guard``: the :class:`sparkguard.guard.loop.Guard`.  Returns success; False when no read had finished.
+
+    The new config passed the same checks as ``check-config`` (``config.load`` and
+    :func:`settings.prepare`, which builds everything derived from it) before any of it is put
+    in force.  The result goes to the reload result file (:mod:`sparkguard.reload`) last, so
+    ``sparkguard reload`` returns once it is in force or refused."""
+    loaded = guard.reloader.take()
+    if loaded is None:
+        return False
+    started, result = loaded
+    if isinstance(result, Exception):
+        e = result
+        guard.reloads["failed"] += 1
+        log.error("reload failed, keeping the running config: %s", e)
+        guard.reporter.event(None, {"event": "config_reload_failed", "t": 0.0, "at": time.time(),
+                                   "available_bytes": guard.value, "pids": [],
+                                   "detail": f"reload failed, running config kept: {e}"})
+        guard.notifier.ready()
+        guard.notifier.status("reload FAILED, running config kept: " + str(e)[:200])
+        guard._next_status = time.monotonic() + 30
+        guard.reloader.record(started, False, str(e), guard.cfg.path)
+        return False
+    cfg, thresholds, protector = result
+    for sec, key in (("metrics", "listen"), ("incidents", "dir"), ("incidents", "journal"),
+                     ("link", "interfaces"), ("link", "down_after"), ("guard", "blackbox"),
+                     ("guard", "blackbox_file"), ("guard", "blackbox_sync")):
+        new, old = getattr(getattr(cfg, sec), key), getattr(getattr(guard.cfg, sec), key)
+        if new != old:
+            log.warning("%s.%s changed to %s: takes effect after a restart", sec, key, new)
+    guard.actions.cfg = cfg
+    guard.policy.thresholds = thresholds
+    if guard.policy.state == "ok":
+        guard.policy.dry_run = cfg.guard.dry_run
+    elif guard.policy.dry_run != cfg.guard.dry_run:
+        # switching mid-incident would SIGKILL a tree that never got SIGTERM (or leave a real
+        # SIGTERM without its escalation): the new dry_run applies when this incident ends
+        log.warning("guard.dry_run changes to %s when the open incident ends", cfg.guard.dry_run)
+    guard.actions.protector = protector
+    guard.soft.reload(cfg)
+    error = ""
+    try:
+        guard.engine.reload(cfg)
+    except Exception as e:  # noqa: BLE001 - the guard's part is in force; say what was not
+        log.exception("reload: the engine supervisor did not take the new config")
+        error = f"guard settings applied, engine supervisor refused them: {type(e).__name__}: {e}"
+    guard.reloads["ok" if not error else "failed"] += 1
+    log.info("reloaded %s: SIGTERM below %s, grace %.1fs", cfg.path, format_line(cfg.guard.term_below),
+             cfg.guard.grace)
+    guard.notifier.ready()
+    guard._tick(time.monotonic())
+    guard.reloader.record(started, not error, error, guard.cfg.path)
+    return not error
