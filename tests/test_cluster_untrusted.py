@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkguard import status, untrusted
+from sparkguard import status_gather, status_render, untrusted
 from sparkguard.cluster import cli, ops, ssh, timeline
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
 from test_cluster_view_logic import _Page
@@ -186,13 +186,13 @@ def test_status_url_of_a_hostile_endpoint_shows_question_marks_and_no_control_ch
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:
-        st = status.gather_remote(f"http://127.0.0.1:{srv.server_address[1]}/metrics")
+        st = status_gather.gather_remote(f"http://127.0.0.1:{srv.server_address[1]}/metrics")
     finally:
         srv.shutdown()
         srv.server_close()
     d = st["daemon"]
     assert d["running"] and d["available_bytes"] is None and d["incidents"] == {"memory": "?"}, d
-    text = status.render_remote(st)
+    text = status_render.render_remote(st)
     assert not CONTROL.search(text.replace("\n", "")), text
     assert "run started ?" in text and "up ?" in text, text
     assert "last incident ? (? ago)" in text, text

@@ -350,14 +350,14 @@ def test_the_container_of_a_process_is_read_from_its_cgroup(tmp_path, line, foun
 
 
 def test_sparkguard_status_says_a_container_engine_is_tracked_by_its_containers_cgroup():
-    from sparkguard import status
+    from sparkguard import status_daemon
     by = {"sparkguard_engine_state": {"running": 1.0}, "sparkguard_engine_tracking_info": {"none": 1.0}}
     labels = {"delegation": "none", "mode": "cgroup", "tracks": "container"}
-    e = status._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, labels)
+    e = status_daemon._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, labels)
     assert e["tracking"] == "cgroup (its container's cgroup, from the runtime's State.Pid)"
-    e = status._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, dict(labels, tracks="engine"))
+    e = status_daemon._engine_from_metrics({"sparkguard_engine_up": 1.0}, by, dict(labels, tracks="engine"))
     assert e["tracking"] == "cgroup"
     # a daemon of before the labels: the mode is the only label
     old = {"sparkguard_engine_state": {"running": 1.0}, "sparkguard_engine_tracking_info": {"process-group": 1.0}}
-    assert status._engine_from_metrics({"sparkguard_engine_up": 1.0}, old, {"mode": "process-group"})["tracking"] \
+    assert status_daemon._engine_from_metrics({"sparkguard_engine_up": 1.0}, old, {"mode": "process-group"})["tracking"] \
         == "process-group"

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from conftest import mem_available, run_sparkguard, sg_env, sparkguard_cmd
-from sparkguard import metrics, status
+from sparkguard import metrics, status_daemon, status_url
 from sparkguard.units import format_size, parse_size
 from test_metrics import snapshot_dict, zram_device  # noqa: F401  (fixture; uses conftest.own_zram)
 
@@ -247,12 +247,32 @@ REMOTE_SNAPSHOT = {"available_bytes": 7 * GiB, "total_bytes": 100 * GiB, "swap_f
 
 
 def test_is_local_url():
-    assert status.is_local_url("http://127.0.0.1:8799/metrics")
-    assert status.is_local_url("http://localhost:8799/metrics")
-    assert status.is_local_url("http://[::1]:8799/metrics")
-    assert status.is_local_url(f"http://{socket.gethostname()}:8799/metrics")
-    assert not status.is_local_url("http://sparkguard-test.invalid:8799/metrics")   # RFC 2606: never resolves
-    assert not status.is_local_url("not a url")
+    assert status_url.is_local_url("http://127.0.0.1:8799/metrics")
+    assert status_url.is_local_url("http://localhost:8799/metrics")
+    assert status_url.is_local_url("http://[::1]:8799/metrics")
+    assert status_url.is_local_url(f"http://{socket.gethostname()}:8799/metrics")
+    assert not status_url.is_local_url("http://sparkguard-test.invalid:8799/metrics")   # RFC 2606: never resolves
+    assert not status_url.is_local_url("not a url")
+
+
+def test_the_daemons_state_is_parsed_from_its_exposition_text():
+    """The scraped text turns into the dict the screen shows, with no I/O (status_daemon.parse_metrics):
+    labelled families by their label, the state that is 1, a value no number can show (NaN, an
+    int past 2**63) as None; text that is not Prometheus, or holds no sparkguard_ metric, is an
+    error that names the URL."""
+    text = ('sparkguard_build_info{hostname="h1",version="9.9"} 1\n'
+            'sparkguard_guard_state{state="normal"} 1\nsparkguard_guard_state{state="stopping"} 0\n'
+            'sparkguard_memory_available_bytes 5e9\nsparkguard_term_below_bytes NaN\n'
+            'sparkguard_kill_below_bytes 1e300\nsparkguard_signals_total{signal="SIGTERM"} 2\n'
+            'sparkguard_polls_total 7\n')
+    d = status_daemon.parse_metrics("http://h1:8799/metrics", text)
+    assert d["running"] and (d["version"], d["hostname"], d["state"]) == ("9.9", "h1", "normal")
+    assert d["available_bytes"] == 5_000_000_000 and d["term_below_bytes"] is None and d["kill_below_bytes"] is None
+    assert d["signals"] == {"SIGTERM": 2} and d["polls"] == 7 and d["engine"] is None
+    bad = status_daemon.parse_metrics("http://h1:8799/metrics", "not prometheus {{{")
+    assert not bad["running"] and bad["error"].startswith("http://h1:8799/metrics answered, but not with Prometheus")
+    other = status_daemon.parse_metrics("http://h1:8799/metrics", "node_load1 0.5\n")
+    assert not other["running"] and "it is not sparkguard" in other["error"]
 
 
 def test_status_url_of_another_node_shows_only_what_its_endpoint_reports(root_only):
@@ -265,7 +285,7 @@ def test_status_url_of_another_node_shows_only_what_its_endpoint_reports(root_on
             "print(srv.url, flush=True); sys.stdin.read()\n")
     with Cluster(1) as c:
         node = c.nodes[0]
-        assert not status.is_local_url(f"http://{node.addr}:1/metrics")      # not this (root) namespace's
+        assert not status_url.is_local_url(f"http://{node.addr}:1/metrics")      # not this (root) namespace's
         srv = node.spawn([sys.executable, "-c", code, node.addr], env=sg_env(), stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
         try:
@@ -313,7 +333,7 @@ def test_a_loopback_url_of_another_hosts_endpoint_is_remote(root_only, daemon_en
                            text=True)
     try:
         url, host = srv.stdout.readline().split()
-        assert host == other and status.is_local_url(url)
+        assert host == other and status_url.is_local_url(url)
         r = run_sparkguard("status", "--url", url, "--config", "/nonexistent/sparkguard.yaml")
         assert r.returncode == 0, r.stderr
         assert f"sparkguard status of {url} (host {other})" in r.stdout and "another host's endpoint" in r.stdout

@@ -8,7 +8,7 @@ import os
 import re
 import resource
 
-from sparkguard import linkcompat, linkwatch, status
+from sparkguard import linkcompat, linkwatch, status_daemon, status_url
 from sparkguard.host import procview
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, UNIT, UNIT_FILE, WARN, Check, Context, guard_pids, worse
 from sparkguard.host.files import read_text
@@ -240,11 +240,11 @@ def check_links(ctx: Context) -> Check:
 
 def check_metrics(ctx: Context) -> Check:
     """The guard's metrics endpoint (``metrics.listen``) answers as sparkguard, and if not, who
-    holds its port (``sparkguard.status.read_daemon``, ``port_holder``)."""
-    url = status.metrics_url(ctx.config.metrics.listen)
+    holds its port (``sparkguard.status_daemon.read_daemon``, ``port_holder``)."""
+    url = status_url.metrics_url(ctx.config.metrics.listen)
     if url is None:
         return Check("metrics", INFO, "metrics.listen is off: no Prometheus metrics", None)
-    d = status.read_daemon(url)
+    d = status_daemon.read_daemon(url)
     if d.get("running"):
         return Check("metrics", PASS, f"the guard serves metrics on {url}", None, {"url": url})
     h = d.get("holder") or {}

@@ -47,8 +47,10 @@ says who writes what).
 
 Modules, one concern each:
 
-* :mod:`.core`: :class:`core.Supervisor`, the supervisor thread (start, supervise, stop,
-  restart) and the guard's hooks;
+* :mod:`.core`: :class:`core.Supervisor`, its state, the supervisor thread's main loop and the
+  guard's hooks;
+* :mod:`.spawn`, :mod:`.stopping`, :mod:`.afterrun`: one run's start; its supervision and stop
+  (the one escalation); after its exit: sweep, reap, record, the restart decision;
 * :mod:`.api`: the mailbox, and the hooks of the reload, link watch and control threads;
 * :mod:`.state`: the status dict, the history, incident engine parts, the state file;
 * :mod:`.runthreads`: the exit watcher, output pump and monitor of a run, the gate hooks;

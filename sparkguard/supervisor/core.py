@@ -7,6 +7,14 @@ incident reports (:mod:`.reports`).  The guard's poll loop only calls the cheap,
 hooks (:meth:`Supervisor.target`, :meth:`Supervisor.on_guard_event`, :meth:`Supervisor.take_incident`);
 control requests arrive on the control socket's threads (:meth:`Supervisor.handle`).
 
+This module holds the state (``__init__``, who writes what), the public API and the guard's
+hooks, and the supervisor thread's main loop (:meth:`Supervisor._main`).  The class's other parts,
+one concern each, are its base classes: the mailbox and the other threads' hooks (:mod:`.api`),
+the status views and state file (:mod:`.state`), the per-run threads (:mod:`.runthreads`), the
+wait between runs (:mod:`.schedule`), adoption (:mod:`.adoptrun`), the start of a run
+(:mod:`.spawn`), its supervision and stop (:mod:`.stopping`) and what follows its exit
+(:mod:`.afterrun`).
+
 One owner: the supervisor thread (``sg-supervisor``) owns the Supervisor's state and writes it
 under ``cv``.  Other threads never write it: they post an event (a function) to the
 supervisor's mailbox (:meth:`ControlApi._post`), and the supervisor thread applies the events
@@ -24,25 +32,23 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from typing import Callable
 
-from sparkguard import control, proctree, sysinfo
-from sparkguard.guard import escalation
+from sparkguard import control
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, nodes, output, process, reports
-from sparkguard.supervisor import stopbudget, tracking
+from sparkguard.supervisor import adopt, cluster, lanes, output, process, reports, stopbudget, tracking
 from sparkguard.supervisor.adoptrun import Adoption
+from sparkguard.supervisor.afterrun import AfterRun
 from sparkguard.supervisor.api import EVENTS_MAX, ControlApi
-from sparkguard.supervisor.gates import read_mem_available
-from sparkguard.supervisor.restart import CLUSTER, COMMANDED, LOAD, REASONS, Backoff, GiveUp, classify_exit, restarts
+from sparkguard.supervisor.restart import REASONS, Backoff, GiveUp, restarts
 from sparkguard.supervisor.run import Run
-from sparkguard.supervisor.runthreads import SUMMARY, RunThreads, SupervisorMonitorHooks
+from sparkguard.supervisor.runthreads import RunThreads
 from sparkguard.supervisor.schedule import BetweenRuns
+from sparkguard.supervisor.spawn import Spawning
 from sparkguard.supervisor.state import HALTED, StatusViews
-from sparkguard.units import format_size
+from sparkguard.supervisor.stopping import Stopping
 
 log = logging.getLogger("sparkguard.supervisor")
 
@@ -50,7 +56,7 @@ HISTORY = 50             # status history entries kept
 STALE_CGROUP_AGE = 60.0  # seconds: an empty engine-<run id> cgroup older than this at start is removed
 
 
-class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
+class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption, Spawning, Stopping, AfterRun):
     """Starts, watches and restarts one engine.
 
     Args:
@@ -257,11 +263,6 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
             self.state, self.detail = state, detail
             self.cv.notify_all()
 
-    def _sweep(self, pgid: int | None, members: dict[int, int], exclude: int | None = None,
-               group_ok: bool = True, cgroup: cgroups.EngineCgroup | None = None, deadline=None) -> list[int]:
-        return process.sweep(pgid, members, self.cfg.guard.grace, self.cfg.targets.protect, self._history,
-                             exclude=exclude, group_ok=group_ok, cgroup=cgroup, deadline=deadline)
-
     def _status(self) -> dict:
         st = super()._status()
         run = self.run
@@ -324,312 +325,3 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption):
                 if self.run is not None:
                     self._after_run()
             self._flush("daemon stopping")
-
-    def _spawn(self) -> None:
-        e = self.ecfg
-        argv, env = lanes.command(self.cfg, self.lane)
-        digest = adopt.command_digest(argv, e, self.lane)
-        reason = self.next_reason
-        wall = time.time()
-        cg = cgroups.EngineCgroup.create(self.placement, round(wall, 3)) if self.placement else None
-        fifos, child_fds, streams = self._make_fifos(f"{wall:.3f}")
-        try:
-            argv, launch = container.for_engine(argv, env, e, self.cfg.guard.grace)
-            proc = process.spawn(argv, env, e.cwd, e.user, cgroup=cg, out=child_fds or None)
-        except (OSError, ValueError) as ex:
-            for r in streams.values():
-                r.close()
-            output.remove_fifos(fifos)
-            if cg is not None:
-                cg.remove()
-            log.error("engine: cannot start %s: %s", argv, ex)
-            with self.cv:
-                self.last_exit = {"code": None, "signal": None, "at": time.time(), "uptime": 0.0,
-                                  "reason": "exit", "detail": f"cannot start: {ex}"}
-                if self.give_up.record(time.monotonic(), True, False, "exit"):
-                    self._given_up(self.last_exit)
-                else:
-                    self._schedule_restart("exit", failure=True, uptime=0.0)
-            return
-        finally:
-            for fd in child_fds.values():       # the engine holds its own copies now
-                os.close(fd)
-        role = cluster.role_of(argv)
-        if cg is not None and not cg.entered:
-            cg.remove()
-            cg = None
-        run = Run(proc, self.lane, argv, reason, e.log_lines, role, wall_spawn=wall)
-        run.launch = launch
-        run.cgroup = cg
-        run.digest = digest
-        run.fifos, run.streams = fifos, streams
-        run.fifo_ids = {k: output.fifo_identity(v.fileno()) for k, v in streams.items()}
-        if role.role == "head":
-            run.group = {v.node_rank: v.run for v in self.start_views if cluster.waiting_for_head(v)}
-        p = proctree.read_proc(run.pid)
-        run.starttime = p.starttime if p else 0
-        if p:
-            run.members[run.pid] = p.starttime
-        with self.cv:
-            self.run = run
-            self.starts += 1
-            if reason:
-                self.restarts[reason] = self.restarts.get(reason, 0) + 1
-            self.next_reason = None
-            if role.role == "headless" and e.peers:
-                self.state, self.detail = "waiting_for_head", "not yet in the head's group"
-            else:
-                self.state = "starting"
-                self.detail = f"waiting for {e.health_url} to answer 200" if e.health_url else ""
-            self._history("start", f"pid {run.pid}" + (f" lane {run.lane}" if run.lane else "")
-                          + (f" (restart: {reason})" if reason else "")
-                          + f", tracked by {cgroups.describe(self.placement, cg, run=True)}: " + " ".join(argv)[:300])
-            self.cv.notify_all()
-        self._write_state()
-        try:
-            avail = format_size(read_mem_available())
-        except (OSError, ValueError):
-            avail = "?"
-        gt = self.gate_timeout
-        timed_out = (f" (the {gt['gate']} gate timed out after engine.quiesce_timeout "
-                     f"{e.quiesce_timeout:g} s, started anyway: {gt['detail']})") if gt else ""
-        self._flush("", restart_detail=(
-            f"engine restarted (pid {run.pid}{', lane ' + run.lane if run.lane else ''}) after a quiesce wait of "
-            f"{self.quiesce_wait or 0:.1f} s{timed_out}; MemAvailable {avail}{self._gates_note()}"), pids=[run.pid],
-            views=self.start_views)
-        run.start_thread("sg-engine-exit", self._watch_exit)
-        run.start_thread("sg-engine-out", self._pump)
-        run.start_thread("sg-engine-mon", health.monitor, lambda: self.ecfg, SupervisorMonitorHooks(self))
-        if launch is not None:
-            run.start_thread("sg-engine-ctr", self._find_container)
-
-    def _find_container(self, run: Run) -> None:
-        """(The run's ``sg-engine-ctr`` thread.) Learn the container of a ``docker|podman run``
-        engine (:func:`container.discover`) and hand it to the supervisor thread: from then on the
-        container's processes are in the run's tree."""
-        ctr = container.discover(run.launch, run.done)
-        if ctr is None:
-            return
-
-        def found() -> None:
-            run.container = ctr
-            self._history("container", f"{ctr.label()}: init pid {ctr.pid}, cgroup {ctr.cgroup or '(not found)'}")
-            process.refresh_members(run)
-            self._write_state()
-        self._post(found)
-
-    def _supervise(self) -> None:
-        """Wait for the run to end; stop it on a command, a verdict or shutdown."""
-        run = self.run
-        while True:
-            self._wait_for(lambda: run.exit is not None or run.verdict is not None or self._interrupted())
-            with self.cv:
-                if run.exit is not None:
-                    break
-                if self.quit and self.keep_engine:
-                    return                      # the daemon exits keeping the engine (_hand_over)
-                if self.quit:
-                    why = "shutdown"
-                elif self.want != "run":
-                    why = "stop"
-                elif self.request is not None:
-                    why = self.request[0]
-                    if why == "restart":
-                        why = "manual"
-                else:
-                    why = run.verdict
-            if run.guard_hit and why != "shutdown" and run.term_reason is None:
-                # the memory guard is already escalating on this run (SIGTERM, grace, SIGKILL): one
-                # owner per escalation, or the engine gets a second SIGTERM and a second grace clock
-                # (uvicorn force-exits on a second signal); the command or verdict applies after exit
-                if not self._await_exit(1.0):
-                    continue
-            elif run.term_reason is None:
-                if why == "wedged" and self.cfg.guard.dry_run:
-                    self._wedged_dry_run(run)
-                    continue
-                if why == run.verdict and why in SUMMARY and run.incident is None:
-                    run.incident = self._open_incident(run, why, run.verdict_detail)   # before the SIGTERM
-                self._terminate(why)
-            elif not self._await_exit(1.0):
-                continue
-        self._after_run()
-
-    def _await_exit(self, timeout: float) -> bool:
-        """(Supervisor thread.) Wait up to ``timeout`` seconds for the run's exit; True once it exited."""
-        run = self.run
-        return self._wait_for(lambda: run.exit is not None, timeout)
-
-    def _terminate(self, why: str) -> None:
-        """SIGTERM the root, wait ``guard.grace`` for it to exit, then SIGKILL the whole tree: one
-        escalation (:mod:`sparkguard.guard.escalation`).  When the guard is already stopping the
-        same tree this joins it: no second SIGTERM, the rest of the guard's grace."""
-        run = self.run
-        run.term_reason = why
-        grace = self.cfg.guard.grace
-        self._set("stopping", f"{why}: SIGTERM pid {run.pid}, SIGKILL after {grace:g} s")
-        inc = run.incident
-
-        def note(event: str, esc: escalation.Escalation, killed: list[int]) -> None:
-            if run.deadline is None:        # the one stop deadline, from the first SIGTERM (stopbudget)
-                run.deadline = stopbudget.Deadline(esc.grace, t0=esc.t_term)
-            if event == "joined":
-                self._history("sigterm", f"{why}: pid {run.pid} is already being stopped ({esc.reason}): "
-                                         "no second SIGTERM")
-            elif event == "sigterm":
-                to = f" (to its container's init, pid {esc.tree.term})" if esc.tree.term is not None else ""
-                self._history("sigterm", f"{why}: SIGTERM pid {run.pid}{to}" + ("" if esc.sent else " (already gone)"))
-                if inc is not None:
-                    self.reports.event(inc, "sigterm", f"SIGTERM the wedged engine (pid {run.pid})" if inc.kind == "wedged"
-                                       else f"SIGTERM the engine (pid {run.pid}): {why}", [run.pid])
-            else:
-                self._history("sigkill", f"{why}: pid {run.pid} still alive {esc.grace:g} s after SIGTERM; "
-                                         f"SIGKILL {len(killed)} processes")
-                if inc is not None:
-                    self.reports.event(inc, "sigkill", f"SIGKILL {len(killed)} processes {esc.grace:g} s after "
-                                       "SIGTERM", killed)
-        escalation.OWNER.stop(process.signal_tree(run), why, grace, self._await_exit,
-                              proctree.Protector(self.cfg.targets.protect), note=note)
-
-    def _after_run(self) -> None:
-        """The root exited: record it, sweep leftovers, reap, decide about the restart."""
-        run = self.run
-        run.done.set()
-        self._set("sweeping", f"pid {run.pid} exited; sweeping what is left of its tree")
-        if run.launch is not None:
-            process.refresh_members(run)    # the container's processes, also when its client died
-        if run.deadline is None:            # it ended on its own: the sweep's SIGTERM is its first
-            run.deadline = stopbudget.Deadline(self.cfg.guard.grace)
-        dl = run.deadline
-        swept = self._sweep(run.pgid, run.members, exclude=run.pid, group_ok=self._group_ok(run),
-                            cgroup=run.cgroup, deadline=dl)
-        ctr_detail = container.finish(run.launch, run.container, dl) if run.launch is not None else ""
-        try:
-            run.proc.wait(timeout=dl.step(5))   # reap the root only now: its pgid stayed reserved meanwhile
-        except Exception:  # noqa: BLE001
-            pass
-        self._remove_cgroup(run)
-        for t in run.threads:
-            if t is not threading.current_thread():
-                t.join(min(2.0, dl.left()))
-        for stream in (run.proc.stdout, run.proc.stderr, *run.streams.values()):
-            try:
-                stream.close()
-            except (OSError, AttributeError):
-                pass
-        output.remove_fifos(run.fifos)
-        code = run.exit[0] if run.exit is not None else None
-        counts = True
-        if run.role.role == "headless" and self.ecfg.peers:
-            if code == 0 and run.term_reason is None and not run.guard_hit:
-                run.head_at_exit = self._head_at_exit(run)
-            counts = run.joined is not None or bool(run.head_watch.exposed)
-        reason, failure = classify_exit(code, run.term_reason, run.guard_hit, run.headless_at_exit(), run.load_hit)
-        rec = dict(run.exit_record() or run.exit_record((None, None), run.t_exit))
-        if swept:
-            rec["detail"] += f"; swept {len(swept)} leftover processes"
-        if ctr_detail:
-            rec["detail"] += f"; {ctr_detail}"
-        if run.adopted:
-            rec["detail"] += "; adopted from a previous sparkguard: not its child, exit status unknown"
-        rec["reason"] = reason or run.term_reason
-        with self.cv:
-            if reason == LOAD:
-                self.failed_loads += 1
-            run.exit_info = rec
-            self.last_exit = rec
-            self._history("exit", f"pid {run.pid} {rec['detail']}")
-            self.last_run, self.run = run, None
-            if reason is None:
-                self.state = "stopped"
-                self.detail = "stopped by command" if run.term_reason == "stop" else "the daemon is stopping"
-            elif reason in COMMANDED:
-                self.next_reason = reason
-                self.delay = 0.0
-            elif self.give_up.record(time.monotonic(), failure, run.ever_ready, reason, counts):
-                self._given_up(rec)
-            else:
-                self._schedule_restart(reason, failure, rec["uptime"])
-            restarting = self.want == "run" and not self.quit and self.state not in HALTED + ("stopped",)
-            self.cv.notify_all()
-        if self.state == "given_up":
-            given = self.reports.open("given_up", self.cfg, None, "given_up", self.detail,
-                                      self._engine_info(run, rec), [run.pid], SUMMARY["given_up"] + self.detail)
-            self.reports.close_engine(given, self._engine_info(run, rec), SUMMARY["given_up"] + self.detail, False)
-            self.reports.finish(given)
-        inc = run.incident
-        if inc is None and reason in ("exit", "head") and not run.guard_hit:
-            # the run ended by itself (a rank death; a headless rank whose head went away): the
-            # verdicts' runs and the guard's have their incidents already
-            kind = reason
-            engine = self._engine_info(run, rec)
-            if kind == "head":      # exited 0 by itself: its head went away (what the head's sparkguard said last)
-                head = cluster.find_head(self.node_views)
-                engine["cause"] = {"reason": "head", "node": head.as_dict() if head else None, "was": run.joined}
-            detail = rec["detail"]
-            run.incident = inc = self.reports.open(kind, self.cfg, None, "exited", f"engine pid {run.pid}: {detail}",
-                                                   engine, [run.pid], SUMMARY[kind] + detail)
-            summary = SUMMARY[kind] + detail
-        elif inc is not None:
-            self.reports.event(inc, "exited", f"engine pid {run.pid}: {rec['detail']}", [run.pid])
-            summary = SUMMARY[inc.kind] + run.verdict_detail
-        if inc is not None:
-            self.reports.close_engine(inc, self._engine_info(run, rec), summary, restarting)
-            if restarting:     # reported now, and again once the restart happened (else once, below)
-                self.reports.finish(inc)
-            self.reports.track(inc)
-        self._write_state()
-        if not restarting:
-            self._flush("the engine is not restarted" if not self.quit else "daemon stopping")
-
-    def _head_at_exit(self, run: Run) -> str:
-        """(Supervisor thread.) A headless rank exited 0 by itself: read the head now.  ``"there"``
-        when the head still runs the run this rank was in and is not stopping it (so this rank
-        died on its own), else ``"gone"`` (also when the head cannot be read: vLLM's headless node exits 0 when its head
-        dies, and a rank that cannot tell is given that benefit)."""
-        views = nodes.read_all(self.ecfg.peers, min(3.0, max(0.5, self.ecfg.health_interval)))
-        with self.cv:
-            self.node_views = views
-        head = cluster.find_head(views)
-        if (run.joined is not None and head is not None and head.wanted and head.run == run.joined
-                and head.state not in ("stopping", "sweeping")):
-            return "there"
-        return "gone"
-
-    # ---- sweeping ------------------------------------------------------------------------------
-
-    def _flush_leftovers(self) -> None:
-        """Before a start: sweep anything of the previous run still alive (belt and braces: the
-        normal path swept right after the exit)."""
-        prev = self.last_run
-        if prev is not None:
-            self._set("sweeping", "checking for leftovers of the previous run")
-            self._sweep(prev.pgid, prev.members, group_ok=False, cgroup=prev.cgroup)
-            self._remove_cgroup(prev)
-
-    def _remove_cgroup(self, run: Run) -> None:
-        """The run's cgroup, once empty (``populated 0``, awaited up to 2 s), is removed; one that
-        cannot be (still populated: a D-state process) is kept for the sweep before the next start."""
-        cg = run.cgroup
-        if cg is None:
-            return
-        if not (cg.wait_empty(2.0) and cg.remove()):
-            self._history("sweep", f"cgroup {cg.path} is not empty yet; kept for the next sweep")
-
-    def _sweep_previous(self) -> None:
-        """At daemon start: stop what a previous daemon's engine left behind (same boot only).
-
-        Its process group counts only while a recorded member is still alive (then the group
-        never emptied, so its id cannot have been reused)."""
-        prev = lanes.previous_engine(self.previous_state, sysinfo.boot_id())
-        if prev is None:
-            return
-        pgid, members = prev
-        live = process.leftovers(None, members)
-        if live:
-            # a member may have left the group (setsid, as Ray does): then the group id could have
-            # been reused by a stranger; trust it only while a live member is still in it
-            in_group = any((p := proctree.read_proc(pid)) is not None and p.pgrp == pgid for pid in live)
-            self._set("sweeping", "stopping the engine a previous sparkguard left running")
-            found = self._sweep(pgid, members, group_ok=in_group)
-            log.warning("engine: stopped %d processes left by a previous sparkguard (pgid %d)", len(found), pgid)
