@@ -18,7 +18,8 @@ runtime directory (``/run/sparkguard``, which ``RuntimeDirectoryPreserve=restart
 restarts; beside the control socket outside systemd).  Every daemon takes the note (reads and
 removes it, :func:`take_note`) first thing at start, before its config is read.  The unit's
 ``ExecStopPost=sparkguard stop-post`` (:func:`stop_post`) runs after a stop of the daemon, also
-when it died or hung (not after a stop during the auto-restart wait: docs/adoption.md, "Limits"):
+when it died or hung (not after a stop during the auto-restart wait: there the check that the
+crash's stop-post arms, :mod:`.orphancheck`, stops the engine):
 on a stop job it stops the unit's engines unless the note was written by this invocation for a
 stop (``engine.on_daemon_stop: keep``; ExecStopPost shares ``$INVOCATION_ID`` with the main
 process, systemd.exec(5)); on a restart or after a crash (no job: ``Restart=`` comes later) it
@@ -38,7 +39,7 @@ import time
 from sparkguard import config, proctree, sysinfo
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import adopt, container, lanes, process
+from sparkguard.supervisor import adopt, container, lanes, orphancheck, process
 from sparkguard.units import parse_duration
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -296,7 +297,7 @@ def stop_timeout(unit: str, timeout: float = JOB_TIMEOUT) -> float | None:
     return total or None
 
 
-def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> list[str]:
+def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose: bool = True) -> list[str]:
     """Stop what the unit's engine left: every populated ``engine-*`` cgroup of ``directory``, the
     processes the state file records (``engine.state_file``, this boot; each only while it has its
     recorded start time: the process-group mode has no cgroup), and the recorded container once
@@ -305,6 +306,8 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
     SIGKILLed: :func:`process.sweep`), then ``RUNTIME rm -f`` of the container
     (:func:`container.finish`).  ``max_grace``: the grace is cut to that many seconds (the time
     systemd gives this ExecStopPost, :func:`stop_timeout`, less :data:`STOP_POST_MARGIN`; logged).
+    ``loose=False``: only the processes of the ``engine-*`` cgroups are signalled (the recorded
+    container is still removed through its runtime CLI): :mod:`.orphancheck`.
     Returns what was stopped (cgroup paths, ``container ID``, ``N processes``)."""
     cfg = config.from_dict({}) if cfg is None else cfg
     grace, protect = cfg.guard.grace, cfg.targets.protect
@@ -323,6 +326,8 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
     if why:
         log.warning("sparkguard stop-post: recorded container not taken: %s", why)
     members.update(container.members(ctr))
+    if not loose:
+        members = {}
 
     def note(ev: str, detail: str) -> None:
         log.warning("sparkguard stop-post: %s", detail)
@@ -355,7 +360,7 @@ def register(sub) -> None:
     p.set_defaults(func=_main)
 
 
-def _config(path: str | None):
+def stop_config(path: str | None):
     """The daemon's config for stop-post, its defaults when it cannot be read (logged): a
     refused config must not leave the engine running."""
     path = path or config.DEFAULT_PATH
@@ -372,7 +377,11 @@ def _main(args) -> int:
     job = unit_job(unit, 5.0) if unit else None
     note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
     limit = stop_timeout(unit) if unit else None
-    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir(), cfg=_config(args.config),
+    result, directory, cfg = os.environ.get("SERVICE_RESULT", ""), unit_dir(), stop_config(args.config)
+    stopped, why = stop_post(note, job, result, directory, cfg=cfg,
                              max_grace=limit - STOP_POST_MARGIN if limit else None)
+    if unit and directory and unguarded_engines(directory) and orphancheck.should_arm(job, result, CRASH_RESULTS):
+        why += "; " + orphancheck.arm(unit, os.environ.get("INVOCATION_ID", ""), directory,
+                                      args.config or config.DEFAULT_PATH, cfg.guard.grace)
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
     return 0

@@ -108,6 +108,10 @@ CACHE_DIR = Path(os.environ.get("SPARKGUARD_TEST_CACHE", "/var/cache/sparkguard-
 VENV = "/opt/sparkguard"
 CHECKOUT = Path(__file__).resolve().parents[2]
 PATH_IN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The fake vLLM (tests/fakes) is not in the wheel: :meth:`Container.copy_fakes` copies its launcher
+#: and the modules it imports (name, mode) to :data:`FAKES_IN`, where it runs on the installed sparkguard.
+FAKE_FILES = (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644), ("fake_pause.py", 0o644))
+FAKES_IN = "/opt/sparkguard-tests/fakes"
 
 
 class NspawnUnavailable(RuntimeError):
@@ -802,6 +806,12 @@ class Container:
         shutil.copyfile(src, tmp)
         tmp.chmod(mode)
         os.rename(tmp, p)
+
+    def copy_fakes(self, dest: str = FAKES_IN) -> str:
+        """Copy the fake vLLM's files (:data:`FAKE_FILES`) to ``dest`` inside; returns its launcher's path."""
+        for name, mode in FAKE_FILES:
+            self.copy_in(CHECKOUT / "tests" / "fakes" / name, f"{dest}/{name}", mode)
+        return f"{dest}/vllm"
 
     # -- boot
 
