@@ -221,8 +221,8 @@ def unguarded_engines(directory: str | None = None, unit: str = "sparkguard.serv
                       mountinfo: str = "/proc/self/mountinfo") -> list[str]:
     """The populated ``engine-*`` cgroups of the unit (``directory``; default
     ``<cgroup2 mount>/system.slice/UNIT``): asked when no daemon answers, they are engines nothing
-    guards (a ``systemctl stop`` during the restart wait after a crash leaves one: docs/adoption.md,
-    "Limits").  Empty when none or unreadable; never raises."""
+    guards (a ``systemctl stop`` during the restart wait after a crash leaves one until the orphan
+    check stops it: :mod:`.orphancheck`, docs/adoption.md).  Empty when none or unreadable; never raises."""
     if directory is None:
         mount = cgroups.find_mount(mountinfo)
         if mount is None:
@@ -351,13 +351,23 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose
 
 
 def register(sub) -> None:
-    """``sparkguard stop-post``: the unit's ExecStopPost (module doc)."""
+    """``sparkguard stop-post``: the unit's ExecStopPost (module doc); ``sparkguard orphan-check``:
+    the check a crash's stop-post arms (:mod:`.orphancheck`)."""
     p = sub.add_parser("stop-post", help="(the unit's ExecStopPost) stop engine cgroups a stopped daemon left")
     p.add_argument("--config", default=None, help="the daemon's config (guard.grace, targets.protect, "
                    "engine.state_file; default /etc/sparkguard/sparkguard.yaml; its defaults when unreadable)")
     p.add_argument("--note", default=None, help=f"the handover note (default $RUNTIME_DIRECTORY/{NOTE_NAME}, "
                    f"else {DEFAULT_NOTE})")
     p.set_defaults(func=_main)
+    p = sub.add_parser("orphan-check", help="(armed by stop-post after a crash) stop an engine that a stop of "
+                       "the unit during its restart wait left unguarded")
+    p.add_argument("--unit", required=True, help="the sparkguard unit (sparkguard.service)")
+    p.add_argument("--invocation", required=True, help="the crashed invocation's id ($INVOCATION_ID)")
+    p.add_argument("--attempt", type=int, default=1, help=f"this check's number (at most {orphancheck.ATTEMPTS})")
+    p.add_argument("--cgroup", required=True, help="the unit's cgroup directory")
+    p.add_argument("--config", default=config.DEFAULT_PATH, help="the daemon's config (guard.grace, "
+                   "targets.protect, engine.state_file, engine.on_daemon_stop)")
+    p.set_defaults(func=orphan_check)
 
 
 def stop_config(path: str | None):
@@ -384,4 +394,28 @@ def _main(args) -> int:
         why += "; " + orphancheck.arm(unit, os.environ.get("INVOCATION_ID", ""), directory,
                                       args.config or config.DEFAULT_PATH, cfg.guard.grace)
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
+    return 0
+
+
+def orphan_check(args) -> int:
+    """``sparkguard orphan-check``: the verdict of :func:`orphancheck.verdict` on the unit as it is
+    now, and what it says: stop the engine cgroups (:func:`stop_engines`, ``loose=False``), arm the
+    next check, or leave; one line to the unit's journal.  Exit 2 on unusable arguments."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    oc = orphancheck
+    if not oc.args_ok(args.unit, args.invocation, args.cgroup):
+        print(f"sparkguard orphan-check: refused: unit {args.unit!r}, invocation {args.invocation!r}, "
+              f"cgroup {args.cgroup!r}", file=sys.stderr)
+        return 2
+    cfg = stop_config(args.config)
+    props = oc.show(args.unit, ("InvocationID", "ActiveState", "SubState"))
+    action, why = oc.verdict(args.invocation, props, unit_job(args.unit, oc.CLI_TIMEOUT),
+                             bool(unguarded_engines(args.cgroup)), cfg.engine.on_daemon_stop)
+    if action == oc.AGAIN:
+        why += "; " + (oc.arm(args.unit, args.invocation, args.cgroup, args.config, cfg.guard.grace, args.attempt + 1)
+                       if args.attempt < oc.ATTEMPTS else f"no check after {oc.ATTEMPTS}")
+    elif action == oc.STOP:
+        why += "; stopped " + (", ".join(stop_engines(args.cgroup, cfg, loose=False)) or "nothing")
+    oc.tell(args.unit, f"sparkguard orphan-check: invocation {args.invocation}, check {args.attempt}: {action}: {why}",
+            4 if action == oc.STOP else 5)
     return 0

@@ -23,7 +23,9 @@ The check's service is ordered ``Before=`` the unit (systemd.unit(5), "Before=, 
 of the unit queued while the check runs waits until it has finished, so no daemon can adopt the
 engine between the verdict and the stop.  A stop of the unit, on the other hand, goes first (a
 stop job is never held up by a start ordered before it).  Still in the restart wait (a loaded
-machine), the check arms itself again, :data:`ATTEMPTS` times at most.  What it stops: the
+machine), the check arms itself again, :data:`ATTEMPTS` times at most.  The command
+(``sparkguard orphan-check``) is :func:`sparkguard.supervisor.handover.orphan_check`, beside
+stop-post, whose stop it shares.  What it stops: the
 processes of the unit's ``engine-*`` cgroups (SIGTERM, ``guard.grace``, ``cgroup.kill``) and the
 recorded container once verified, through the configured runtime CLI (``rm -f``); nothing
 outside those cgroups is signalled.  Its verdict is logged to the unit's journal
@@ -33,17 +35,14 @@ systemd.journal-fields(7)).
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import subprocess
 import sys
 
-from sparkguard import config, journal
+from sparkguard import journal
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.units import parse_duration
-
-log = logging.getLogger("sparkguard.supervisor")
 
 PREFIX = "sparkguard-orphan-check-"   #: the transient units' name: PREFIX + invocation id + "-" + attempt
 MARGIN = 3.0        #: seconds after the restart wait: the rest of stop-post's run, systemd queueing the restart
@@ -178,47 +177,15 @@ def tell(unit: str, text: str, priority: int = 5) -> None:
         print(text, file=sys.stderr)
 
 
-def _cgroup_ok(path: str, unit: str) -> bool:
-    """``path`` is a cgroup directory of ``unit`` under this host's cgroup2 mount."""
+def cgroup_ok(path: str, unit: str) -> bool:
+    """``path`` (the ``--cgroup`` the check was armed with) is ``unit``'s cgroup directory under
+    this host's cgroup2 mount (symlinks resolved)."""
     mount = cgroups.find_mount()
     real = os.path.realpath(path)
     return (mount is not None and os.path.basename(real) == unit
             and real.startswith(mount[0].rstrip("/") + "/") and cgroups.populated(real) is not None)
 
 
-def register(sub) -> None:
-    """``sparkguard orphan-check``: run by the timer :func:`arm` makes (module doc)."""
-    p = sub.add_parser("orphan-check", help="(armed by stop-post after a crash) stop an engine the unit's stop "
-                       "during its restart wait left unguarded")
-    p.add_argument("--unit", required=True, help="the sparkguard unit (sparkguard.service)")
-    p.add_argument("--invocation", required=True, help="the crashed invocation's id ($INVOCATION_ID)")
-    p.add_argument("--attempt", type=int, default=1, help=f"this check's number (at most {ATTEMPTS})")
-    p.add_argument("--cgroup", required=True, help="the unit's cgroup directory")
-    p.add_argument("--config", default=config.DEFAULT_PATH, help="the daemon's config (guard.grace, "
-                   "targets.protect, engine.state_file, engine.on_daemon_stop)")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    from sparkguard.supervisor import handover     # here: handover imports this module (stop-post arms the check)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    if not unit_name_ok(args.unit) or not _ID.match(args.invocation) or not _cgroup_ok(args.cgroup, args.unit):
-        print(f"sparkguard orphan-check: refused: unit {args.unit!r}, invocation {args.invocation!r}, "
-              f"cgroup {args.cgroup!r}", file=sys.stderr)
-        return 2
-    cfg = handover.stop_config(args.config)
-    populated = bool(handover.unguarded_engines(args.cgroup))
-    props = show(args.unit, ("InvocationID", "ActiveState", "SubState"))
-    action, why = verdict(args.invocation, props, handover.unit_job(args.unit, CLI_TIMEOUT), populated,
-                          cfg.engine.on_daemon_stop)
-    if action == AGAIN:
-        if args.attempt < ATTEMPTS:
-            why += "; " + arm(args.unit, args.invocation, args.cgroup, args.config, cfg.guard.grace, args.attempt + 1)
-        else:
-            why += f"; no check after {ATTEMPTS}"
-    elif action == STOP:
-        stopped = handover.stop_engines(args.cgroup, cfg, loose=False)
-        why += "; stopped " + (", ".join(stopped) or "nothing")
-    tell(args.unit, f"sparkguard orphan-check: invocation {args.invocation}, check {args.attempt}: {action}: {why}",
-         4 if action == STOP else 5)
-    return 0
+def args_ok(unit: str, invocation: str, cgroup_dir: str) -> bool:
+    """The check's arguments are usable: a unit name, a 32-hex-digit invocation id, its cgroup."""
+    return unit_name_ok(unit) and bool(_ID.match(invocation)) and cgroup_ok(cgroup_dir, unit)

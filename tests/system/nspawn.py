@@ -58,6 +58,12 @@ controllers + a cgroup2 "unified" hierarchy without controllers; systemd 252):
   ``$SERVICE_RESULT`` ``signal`` / ``watchdog``; with ``KillMode=process`` the next start logs
   "Found left-over process N (...) in control group while starting unit. Ignoring."; SIGSTOP
   cannot fake a hung daemon on stop (systemd sends SIGCONT after the SIGTERM, systemd.kill(5)).
+* Same container, the orphan check (sparkguard/supervisor/orphancheck.py): a ``systemctl stop`` of
+  the unit in ``auto-restart`` leaves it ``inactive`` with the crashed invocation's ``InvocationID``
+  still shown by ``systemctl show`` (the engine's populated cgroup keeps the unit loaded);
+  ``systemd-run --on-active=`` works from the unit's ExecStopPost under its sandbox
+  (ProtectSystem=strict, the capability bounding set); an entry sent by root with
+  ``OBJECT_SYSTEMD_UNIT=sparkguard.service`` is listed by ``journalctl -u sparkguard``.
 * nspawn prints "Attempted to remove disk file system under /run/systemd/nspawn/propagate/
   NAME, and we can't allow that" at exit (host /run is not a tmpfs); the directory is
   removed anyway.  Machine names are unique per container so the propagate directories
