@@ -21,16 +21,18 @@ So the crash's stop-post arms a check (:func:`arm`): a transient timer and onesh
 
 The check's service is ordered ``Before=`` the unit (systemd.unit(5), "Before=, After="): a start
 of the unit queued while the check runs waits until it has finished, so no daemon can adopt the
-engine between the verdict and the stop.  A stop of the unit, on the other hand, goes first (a
-stop job is never held up by a start ordered before it).  Still in the restart wait (a loaded
-machine), the check arms itself again, :data:`ATTEMPTS` times at most.  The command
-(``sparkguard orphan-check``) is :func:`sparkguard.supervisor.handover.orphan_check`, beside
-stop-post, whose stop it shares.  What it stops: the
-processes of the unit's ``engine-*`` cgroups (SIGTERM, ``guard.grace``, ``cgroup.kill``) and the
-recorded container once verified, through the configured runtime CLI (``rm -f``); nothing
-outside those cgroups is signalled.  Its verdict is logged to the unit's journal
-(``OBJECT_SYSTEMD_UNIT=``, which ``journalctl -u`` matches for entries sent by root:
-systemd.journal-fields(7)).
+engine between the verdict and the stop; a stop of the unit goes first (systemd's
+``src/core/job.c``, ``job_compare()``: of two ordered jobs a stop or restart one runs first, else
+the one ordered before; read from the source, not provoked in a test).  Still in the restart wait
+(a loaded machine), the check arms itself again, :data:`ATTEMPTS` times at most.
+
+What it stops: the processes of the unit's ``engine-*`` cgroups (SIGTERM, ``guard.grace``,
+``cgroup.kill``) and the recorded container once verified, through the configured runtime CLI
+(``rm -f``); nothing outside those cgroups is signalled.  The command (``sparkguard
+orphan-check``) is :func:`sparkguard.supervisor.handover.orphan_check`, beside stop-post, whose
+stop it shares.  Its verdict goes to the unit's journal (``OBJECT_SYSTEMD_UNIT=``, which
+``journalctl -u`` matches for entries sent by root: systemd.journal-fields(7), journalctl's
+``add_matches_for_unit()``).
 """
 
 from __future__ import annotations

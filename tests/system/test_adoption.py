@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 
 import pytest
@@ -256,6 +257,7 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     c.run("systemctl", "restart", UNIT, timeout=60)     # adopts the engine kept in step 5 (same command)
     st = adopted(c, pid)
     cg = st["tracking"]["cgroup"]
+    t_crash = time.monotonic()
     inv = crash(c)
     wait_for("the restart wait", lambda: c.show(UNIT, "SubState")["SubState"] == "auto-restart", timeout=20,
              interval=0.05)
@@ -267,6 +269,8 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     print(f"[adoption] stop during the restart wait: {verdict}")
     assert ": stop: the unit stopped during its restart wait" in verdict and cg in verdict, verdict
     wait_for("the engine to be gone", lambda: not alive(c, pid), timeout=30)
+    print(f"[adoption] stop during the restart wait: the engine gone {time.monotonic() - t_crash:.1f} s after the "
+          "crash (RestartSec 5 s + 3 s, then SIGTERM)")
     assert c.run("test", "-e", cg, check=False).returncode != 0, f"{cg} was not removed"
     r = c.run(PY, "-m", "sparkguard", "engine", "status", check=False, timeout=30)
     assert r.returncode == 3 and "holds processes" not in r.stderr, r.stderr
