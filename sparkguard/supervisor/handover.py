@@ -297,7 +297,8 @@ def stop_timeout(unit: str, timeout: float = JOB_TIMEOUT) -> float | None:
     return total or None
 
 
-def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose: bool = True) -> list[str]:
+def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose: bool = True,
+                 who: str = "stop-post") -> list[str]:
     """Stop what the unit's engine left: every populated ``engine-*`` cgroup of ``directory``, the
     processes the state file records (``engine.state_file``, this boot; each only while it has its
     recorded start time: the process-group mode has no cgroup), and the recorded container once
@@ -307,13 +308,14 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose
     (:func:`container.finish`).  ``max_grace``: the grace is cut to that many seconds (the time
     systemd gives this ExecStopPost, :func:`stop_timeout`, less :data:`STOP_POST_MARGIN`; logged).
     ``loose=False``: only the processes of the ``engine-*`` cgroups are signalled (the recorded
-    container is still removed through its runtime CLI): :mod:`.orphancheck`.
+    container is still removed through its runtime CLI): :mod:`.orphancheck`.  ``who``: the
+    command its log lines name (``sparkguard WHO: ...``).
     Returns what was stopped (cgroup paths, ``container ID``, ``N processes``)."""
     cfg = config.from_dict({}) if cfg is None else cfg
     grace, protect = cfg.guard.grace, cfg.targets.protect
     if max_grace is not None and grace > max_grace:
-        log.warning("sparkguard stop-post: guard.grace %g s does not fit the unit's stop timeout: SIGKILL "
-                    "after %g s", grace, max(0.0, max_grace))
+        log.warning("sparkguard %s: guard.grace %g s does not fit the unit's stop timeout: SIGKILL "
+                    "after %g s", who, grace, max(0.0, max_grace))
         grace = max(0.0, max_grace)
     state = lanes.read_state(cfg.engine.state_file)
     rec, _ = adopt.record_of(state)
@@ -324,13 +326,13 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose
         members[rec.pid] = rec.starttime
     ctr, why = adopt.verified_container(rec.container if rec is not None else None)
     if why:
-        log.warning("sparkguard stop-post: recorded container not taken: %s", why)
+        log.warning("sparkguard %s: recorded container not taken: %s", who, why)
     members.update(container.members(ctr))
     if not loose:
         members = {}
 
     def note(ev: str, detail: str) -> None:
-        log.warning("sparkguard stop-post: %s", detail)
+        log.warning("sparkguard %s: %s", who, detail)
     stopped = []
     for path in engine_cgroups(directory):
         cg = cgroups.EngineCgroup(path)
@@ -346,7 +348,7 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose
         if launch is not None:
             stopped.append(container.finish(launch, ctr))
         else:
-            log.warning("sparkguard stop-post: the recorded container launch is not taken: %s", why)
+            log.warning("sparkguard %s: the recorded container launch is not taken: %s", who, why)
     return stopped
 
 
@@ -415,7 +417,7 @@ def orphan_check(args) -> int:
         why += "; " + (oc.arm(args.unit, args.invocation, args.cgroup, args.config, cfg.guard.grace, args.attempt + 1)
                        if args.attempt < oc.ATTEMPTS else f"no check after {oc.ATTEMPTS}")
     elif action == oc.STOP:
-        why += "; stopped " + (", ".join(stop_engines(args.cgroup, cfg, loose=False)) or "nothing")
+        why += "; stopped " + (", ".join(stop_engines(args.cgroup, cfg, loose=False, who="orphan-check")) or "nothing")
     oc.tell(args.unit, f"sparkguard orphan-check: invocation {args.invocation}, check {args.attempt}: {action}: {why}",
             4 if action == oc.STOP else 5)
     return 0

@@ -21,9 +21,11 @@ So the crash's stop-post arms a check (:func:`arm`): a transient timer and onesh
 
 The check's service is ordered ``Before=`` the unit (systemd.unit(5), "Before=, After="): a start
 of the unit queued while the check runs waits until it has finished, so no daemon can adopt the
-engine between the verdict and the stop; a stop of the unit goes first (systemd's
-``src/core/job.c``, ``job_compare()``: of two ordered jobs a stop or restart one runs first, else
-the one ordered before; read from the source, not provoked in a test).  Still in the restart wait
+engine between the verdict and the stop (seen in the booted Debian 12: the start job listed
+``waiting`` while the check's job runs, tests/system/test_adoption.py step 7; a start queued before
+the verdict is seen by it, and the check leaves the engine to that daemon).  A stop of the unit
+goes first (systemd's ``src/core/job.c``, ``job_compare()``: of two ordered jobs a stop or restart
+one runs first, else the one ordered before; read from the source, not provoked in a test).  Still in the restart wait
 (a loaded machine), the check arms itself again, :data:`ATTEMPTS` times at most.
 
 What it stops: the processes of the unit's ``engine-*`` cgroups (SIGTERM, ``guard.grace``,

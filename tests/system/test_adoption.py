@@ -16,7 +16,9 @@ One boot: sparkguard supervises the fake vLLM (tests/fakes) as configured in
 6. ``systemctl stop`` while the unit waits to restart after a crash (``RestartSec``) runs no
    ExecStopPost; the orphan check the crash's stop-post armed stops the engine once the wait is
    over (sparkguard/supervisor/orphancheck.py), and ``sparkguard engine status`` has nothing to
-   warn about then.
+   warn about then;
+7. a start queued while that check stops the engine waits for it (no daemon adopts an engine the
+   check is stopping).
 
 The client saw no failed request during 1 and 2.
 
@@ -274,3 +276,34 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     assert c.run("test", "-e", cg, check=False).returncode != 0, f"{cg} was not removed"
     r = c.run(PY, "-m", "sparkguard", "engine", "status", check=False, timeout=30)
     assert r.returncode == 3 and "holds processes" not in r.stderr, r.stderr
+
+    # 7. a start queued while the check stops the engine waits for it (the check's service is
+    #    ordered Before= the unit): an engine that ignores SIGTERM and a 4 s grace hold the check
+    #    in its stop; `systemctl start --no-block` meanwhile is a waiting job, and the daemon it
+    #    starts finds the old engine gone (nothing to adopt) and starts a new one
+    engine["command"] = cmd + ["--mode", "ignore-term"]
+    c.write(CONFIG_PATH, config("64MiB", tag, grace="4s") + "engine: " + json.dumps(engine) + "\n")
+    c.run("systemctl", "start", UNIT, timeout=60)
+    st = wait_for("a new engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
+                  timeout=60, interval=0.3)
+    pid = st["pid"]
+    inv = crash(c)
+    wait_for("the restart wait", lambda: c.show(UNIT, "SubState")["SubState"] == "auto-restart", timeout=20,
+             interval=0.05)
+    c.run("systemctl", "stop", UNIT, timeout=60)
+    check = f"sparkguard-orphan-check-{inv}-1.service"
+    wait_for("the check stopping the engine (its sweep's first line)",
+             lambda: re.search(r"orphan-check: \d+ leftover processes of the engine", c.journal_text("-b", "-u", check)),
+             timeout=30, interval=0.1)
+    r = c.sh(f"systemctl start --no-block {UNIT}; systemctl list-jobs --no-legend --plain --full; "
+             f"systemctl show -p ActiveState --value {check}")
+    jobs, running = r.stdout.strip().rsplit("\n", 1)
+    print(f"[adoption] a start queued while the check stops the engine (check {running}): jobs {jobs!r}")
+    if running == "activating":      # the check ran on past list-jobs: the start must have been waiting for it
+        assert re.search(rf"{re.escape(UNIT)}\s+start\s+waiting", jobs), jobs
+    st = wait_for("the next daemon's engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(
+        engine_status(c)), timeout=90, interval=0.3)
+    assert st["pid"] != pid and not alive(c, pid), st
+    assert ": stop: " in check_verdict(c, inv)
+    assert st.get("adoption", {}).get("result") in (None, "gone"), st.get("adoption")
+    c.run("systemctl", "stop", UNIT, timeout=60)
