@@ -307,3 +307,5 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     assert ": stop: " in check_verdict(c, inv)
     assert st.get("adoption", {}).get("result") in (None, "gone"), st.get("adoption")
     c.run("systemctl", "stop", UNIT, timeout=60)
+    left = c.run("systemctl", "list-units", "--all", "--plain", "--no-legend", "sparkguard-orphan-check-*").stdout
+    assert left.strip() == "", f"orphan check units left loaded:\n{left}"
