@@ -30,6 +30,7 @@ COMMANDS = {
     "doctor": "sparkguard.host.cli",
     "engine": "sparkguard.control",      # engine status|start|stop|restart|lane
     "stop-post": "sparkguard.supervisor.handover",   # the unit's ExecStopPost
+    "orphan-check": "sparkguard.supervisor.handover",   # armed by stop-post after a crash
     "drill": "sparkguard.drill",
     "cluster": "sparkguard.cluster.cli",  # cluster status|incidents|lane|stop|start|restart
     "completion": "sparkguard.docgen",    # completion bash|zsh (shtab)

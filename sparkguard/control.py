@@ -374,7 +374,8 @@ def handler(args: argparse.Namespace) -> int:
         print(f"sparkguard engine: {e.strerror}", file=sys.stderr)
         for cg in handover.unguarded_engines():
             print(f"sparkguard engine: WARNING: {cg} holds processes and no daemon answers: an engine nothing "
-                  "guards ('systemctl start sparkguard' adopts it; docs/adoption.md, Limits)", file=sys.stderr)
+                  "guards ('systemctl start sparkguard' adopts it; docs/adoption.md, 'A stop during the restart "
+                  "wait')", file=sys.stderr)
         return EXIT_NOT_RUNNING
     if args.json:
         print(json.dumps(resp, indent=2, default=str))

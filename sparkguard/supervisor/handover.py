@@ -18,7 +18,8 @@ runtime directory (``/run/sparkguard``, which ``RuntimeDirectoryPreserve=restart
 restarts; beside the control socket outside systemd).  Every daemon takes the note (reads and
 removes it, :func:`take_note`) first thing at start, before its config is read.  The unit's
 ``ExecStopPost=sparkguard stop-post`` (:func:`stop_post`) runs after a stop of the daemon, also
-when it died or hung (not after a stop during the auto-restart wait: docs/adoption.md, "Limits"):
+when it died or hung (not after a stop during the auto-restart wait: there the check that the
+crash's stop-post arms, :mod:`.orphancheck`, stops the engine):
 on a stop job it stops the unit's engines unless the note was written by this invocation for a
 stop (``engine.on_daemon_stop: keep``; ExecStopPost shares ``$INVOCATION_ID`` with the main
 process, systemd.exec(5)); on a restart or after a crash (no job: ``Restart=`` comes later) it
@@ -38,7 +39,7 @@ import time
 from sparkguard import config, proctree, sysinfo
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
-from sparkguard.supervisor import adopt, container, lanes, process
+from sparkguard.supervisor import adopt, container, lanes, orphancheck, process
 from sparkguard.units import parse_duration
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -220,8 +221,8 @@ def unguarded_engines(directory: str | None = None, unit: str = "sparkguard.serv
                       mountinfo: str = "/proc/self/mountinfo") -> list[str]:
     """The populated ``engine-*`` cgroups of the unit (``directory``; default
     ``<cgroup2 mount>/system.slice/UNIT``): asked when no daemon answers, they are engines nothing
-    guards (a ``systemctl stop`` during the restart wait after a crash leaves one: docs/adoption.md,
-    "Limits").  Empty when none or unreadable; never raises."""
+    guards (a ``systemctl stop`` during the restart wait after a crash leaves one until the orphan
+    check stops it: :mod:`.orphancheck`, docs/adoption.md).  Empty when none or unreadable; never raises."""
     if directory is None:
         mount = cgroups.find_mount(mountinfo)
         if mount is None:
@@ -296,7 +297,8 @@ def stop_timeout(unit: str, timeout: float = JOB_TIMEOUT) -> float | None:
     return total or None
 
 
-def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> list[str]:
+def stop_engines(directory: str, cfg=None, max_grace: float | None = None, loose: bool = True,
+                 who: str = "stop-post") -> list[str]:
     """Stop what the unit's engine left: every populated ``engine-*`` cgroup of ``directory``, the
     processes the state file records (``engine.state_file``, this boot; each only while it has its
     recorded start time: the process-group mode has no cgroup), and the recorded container once
@@ -305,12 +307,15 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
     SIGKILLed: :func:`process.sweep`), then ``RUNTIME rm -f`` of the container
     (:func:`container.finish`).  ``max_grace``: the grace is cut to that many seconds (the time
     systemd gives this ExecStopPost, :func:`stop_timeout`, less :data:`STOP_POST_MARGIN`; logged).
+    ``loose=False``: only the processes of the ``engine-*`` cgroups are signalled (the recorded
+    container is still removed through its runtime CLI): :mod:`.orphancheck`.  ``who``: the
+    command its log lines name (``sparkguard WHO: ...``).
     Returns what was stopped (cgroup paths, ``container ID``, ``N processes``)."""
     cfg = config.from_dict({}) if cfg is None else cfg
     grace, protect = cfg.guard.grace, cfg.targets.protect
     if max_grace is not None and grace > max_grace:
-        log.warning("sparkguard stop-post: guard.grace %g s does not fit the unit's stop timeout: SIGKILL "
-                    "after %g s", grace, max(0.0, max_grace))
+        log.warning("sparkguard %s: guard.grace %g s does not fit the unit's stop timeout: SIGKILL "
+                    "after %g s", who, grace, max(0.0, max_grace))
         grace = max(0.0, max_grace)
     state = lanes.read_state(cfg.engine.state_file)
     rec, _ = adopt.record_of(state)
@@ -321,11 +326,13 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
         members[rec.pid] = rec.starttime
     ctr, why = adopt.verified_container(rec.container if rec is not None else None)
     if why:
-        log.warning("sparkguard stop-post: recorded container not taken: %s", why)
+        log.warning("sparkguard %s: recorded container not taken: %s", who, why)
     members.update(container.members(ctr))
+    if not loose:
+        members = {}
 
     def note(ev: str, detail: str) -> None:
-        log.warning("sparkguard stop-post: %s", detail)
+        log.warning("sparkguard %s: %s", who, detail)
     stopped = []
     for path in engine_cgroups(directory):
         cg = cgroups.EngineCgroup(path)
@@ -341,21 +348,31 @@ def stop_engines(directory: str, cfg=None, max_grace: float | None = None) -> li
         if launch is not None:
             stopped.append(container.finish(launch, ctr))
         else:
-            log.warning("sparkguard stop-post: the recorded container launch is not taken: %s", why)
+            log.warning("sparkguard %s: the recorded container launch is not taken: %s", who, why)
     return stopped
 
 
 def register(sub) -> None:
-    """``sparkguard stop-post``: the unit's ExecStopPost (module doc)."""
+    """``sparkguard stop-post``: the unit's ExecStopPost (module doc); ``sparkguard orphan-check``:
+    the check a crash's stop-post arms (:mod:`.orphancheck`)."""
     p = sub.add_parser("stop-post", help="(the unit's ExecStopPost) stop engine cgroups a stopped daemon left")
     p.add_argument("--config", default=None, help="the daemon's config (guard.grace, targets.protect, "
                    "engine.state_file; default /etc/sparkguard/sparkguard.yaml; its defaults when unreadable)")
     p.add_argument("--note", default=None, help=f"the handover note (default $RUNTIME_DIRECTORY/{NOTE_NAME}, "
                    f"else {DEFAULT_NOTE})")
     p.set_defaults(func=_main)
+    p = sub.add_parser("orphan-check", help="(armed by stop-post after a crash) stop an engine that a stop of "
+                       "the unit during its restart wait left unguarded")
+    p.add_argument("--unit", required=True, help="the sparkguard unit (sparkguard.service)")
+    p.add_argument("--invocation", required=True, help="the crashed invocation's id ($INVOCATION_ID)")
+    p.add_argument("--attempt", type=int, default=1, help=f"this check's number (at most {orphancheck.ATTEMPTS})")
+    p.add_argument("--cgroup", required=True, help="the unit's cgroup directory")
+    p.add_argument("--config", default=config.DEFAULT_PATH, help="the daemon's config (guard.grace, "
+                   "targets.protect, engine.state_file, engine.on_daemon_stop)")
+    p.set_defaults(func=orphan_check)
 
 
-def _config(path: str | None):
+def stop_config(path: str | None):
     """The daemon's config for stop-post, its defaults when it cannot be read (logged): a
     refused config must not leave the engine running."""
     path = path or config.DEFAULT_PATH
@@ -372,7 +389,35 @@ def _main(args) -> int:
     job = unit_job(unit, 5.0) if unit else None
     note = args.note or os.path.join(runtime_dir() or os.path.dirname(DEFAULT_NOTE), NOTE_NAME)
     limit = stop_timeout(unit) if unit else None
-    stopped, why = stop_post(note, job, os.environ.get("SERVICE_RESULT", ""), unit_dir(), cfg=_config(args.config),
+    result, directory, cfg = os.environ.get("SERVICE_RESULT", ""), unit_dir(), stop_config(args.config)
+    stopped, why = stop_post(note, job, result, directory, cfg=cfg,
                              max_grace=limit - STOP_POST_MARGIN if limit else None)
+    if unit and directory and unguarded_engines(directory) and orphancheck.should_arm(job, result, CRASH_RESULTS):
+        why += "; " + orphancheck.arm(unit, os.environ.get("INVOCATION_ID", ""), directory,
+                                      args.config or config.DEFAULT_PATH, cfg.guard.grace)
     print(f"sparkguard stop-post: {why}" + (f"; stopped {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
+    return 0
+
+
+def orphan_check(args) -> int:
+    """``sparkguard orphan-check``: the verdict of :func:`orphancheck.verdict` on the unit as it is
+    now, and what it says: stop the engine cgroups (:func:`stop_engines`, ``loose=False``), arm the
+    next check, or leave; one line to the unit's journal.  Exit 2 on unusable arguments."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    oc = orphancheck
+    if not oc.args_ok(args.unit, args.invocation, args.cgroup):
+        print(f"sparkguard orphan-check: refused: unit {args.unit!r}, invocation {args.invocation!r}, "
+              f"cgroup {args.cgroup!r}", file=sys.stderr)
+        return 2
+    cfg = stop_config(args.config)
+    props = oc.show(args.unit, ("InvocationID", "ActiveState", "SubState"))
+    action, why = oc.verdict(args.invocation, props, unit_job(args.unit, oc.CLI_TIMEOUT),
+                             bool(unguarded_engines(args.cgroup)), cfg.engine.on_daemon_stop)
+    if action == oc.AGAIN:
+        why += "; " + (oc.arm(args.unit, args.invocation, args.cgroup, args.config, cfg.guard.grace, args.attempt + 1)
+                       if args.attempt < oc.ATTEMPTS else f"no check after {oc.ATTEMPTS}")
+    elif action == oc.STOP:
+        why += "; stopped " + (", ".join(stop_engines(args.cgroup, cfg, loose=False, who="orphan-check")) or "nothing")
+    oc.tell(args.unit, f"sparkguard orphan-check: invocation {args.invocation}, check {args.attempt}: {action}: {why}",
+            4 if action == oc.STOP else 5)
     return 0

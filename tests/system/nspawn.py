@@ -58,6 +58,12 @@ controllers + a cgroup2 "unified" hierarchy without controllers; systemd 252):
   ``$SERVICE_RESULT`` ``signal`` / ``watchdog``; with ``KillMode=process`` the next start logs
   "Found left-over process N (...) in control group while starting unit. Ignoring."; SIGSTOP
   cannot fake a hung daemon on stop (systemd sends SIGCONT after the SIGTERM, systemd.kill(5)).
+* Same container, the orphan check (sparkguard/supervisor/orphancheck.py): a ``systemctl stop`` of
+  the unit in ``auto-restart`` leaves it ``inactive`` with the crashed invocation's ``InvocationID``
+  still shown by ``systemctl show`` (the engine's populated cgroup keeps the unit loaded);
+  ``systemd-run --on-active=`` works from the unit's ExecStopPost under its sandbox
+  (ProtectSystem=strict, the capability bounding set); an entry sent by root with
+  ``OBJECT_SYSTEMD_UNIT=sparkguard.service`` is listed by ``journalctl -u sparkguard``.
 * nspawn prints "Attempted to remove disk file system under /run/systemd/nspawn/propagate/
   NAME, and we can't allow that" at exit (host /run is not a tmpfs); the directory is
   removed anyway.  Machine names are unique per container so the propagate directories
@@ -108,6 +114,10 @@ CACHE_DIR = Path(os.environ.get("SPARKGUARD_TEST_CACHE", "/var/cache/sparkguard-
 VENV = "/opt/sparkguard"
 CHECKOUT = Path(__file__).resolve().parents[2]
 PATH_IN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The fake vLLM (tests/fakes) is not in the wheel: :meth:`Container.copy_fakes` copies its launcher
+#: and the modules it imports (name, mode) to :data:`FAKES_IN`, where it runs on the installed sparkguard.
+FAKE_FILES = (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644), ("fake_pause.py", 0o644))
+FAKES_IN = "/opt/sparkguard-tests/fakes"
 
 
 class NspawnUnavailable(RuntimeError):
@@ -802,6 +812,12 @@ class Container:
         shutil.copyfile(src, tmp)
         tmp.chmod(mode)
         os.rename(tmp, p)
+
+    def copy_fakes(self, dest: str = FAKES_IN) -> str:
+        """Copy the fake vLLM's files (:data:`FAKE_FILES`) to ``dest`` inside; returns its launcher's path."""
+        for name, mode in FAKE_FILES:
+            self.copy_in(CHECKOUT / "tests" / "fakes" / name, f"{dest}/{name}", mode)
+        return f"{dest}/vllm"
 
     # -- boot
 

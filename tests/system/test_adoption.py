@@ -7,14 +7,18 @@ One boot: sparkguard supervises the fake vLLM (tests/fakes) as configured in
    engine, the new daemon adopts it; the time from the restart to the adopted engine ready (and
    the guard's READY=1) is measured inside the container and printed;
 2. ``kill -9`` of the main pid, then a SIGSTOPped daemon aborted by the watchdog: systemd
-   restarts the unit (``Restart=always``), ExecStopPost leaves the engine (no stop job), the new
-   daemon adopts it;
+   restarts the unit (``Restart=always``), ExecStopPost leaves the engine (no stop job) and arms the
+   orphan check, the new daemon adopts it, and the check, once it fires, leaves it (no false stop);
 3. ``systemctl stop sparkguard``: the engine is stopped with the daemon (``engine.on_daemon_stop: stop``);
 4. a daemon killed by systemd inside its stop (TimeoutStopSec): ExecStopPost stops the engine's cgroup;
-5. ``engine.on_daemon_stop: keep``: the stop leaves the engine, the next start adopts it;
-6. the documented gap: ``systemctl stop`` while the unit waits to restart after a crash
-   (``RestartSec``) runs no ExecStopPost and leaves the engine running; ``sparkguard engine
-   status`` warns about it, and ``systemctl start`` + ``systemctl stop`` stops it.
+5. ``engine.on_daemon_stop: keep``: the stop leaves the engine, the next start adopts it; a stop
+   (keep) right after a crash and its adoption is not undone by the crash's orphan check;
+6. ``systemctl stop`` while the unit waits to restart after a crash (``RestartSec``) runs no
+   ExecStopPost; the orphan check the crash's stop-post armed stops the engine once the wait is
+   over (sparkguard/supervisor/orphancheck.py), and ``sparkguard engine status`` has nothing to
+   warn about then;
+7. a start queued while that check stops the engine waits for it (no daemon adopts an engine the
+   check is stopping).
 
 The client saw no failed request during 1 and 2.
 
@@ -23,19 +27,17 @@ The client saw no failed request during 1 and 2.
 from __future__ import annotations
 
 import json
-import os
 import re
+import time
 import uuid
 
 import pytest
 
-from conftest import fake_vllm
 from .conftest import CONFIG_PATH
 from .test_systemd import PY, UNIT, alive, config, guard_journal, wait_for
 
 pytestmark = pytest.mark.system
 
-FAKES = "/opt/sparkguard-tests/fakes"
 PORT = 8011
 RESTARTS = 3     #: restarts timed in a row
 
@@ -106,6 +108,24 @@ def unguarded(c) -> list[float]:
     return out
 
 
+def check_verdict(c, invocation: str, timeout: float = 60) -> str:
+    """The verdict line of the orphan check armed at the crash of ``invocation``, once it has run
+    (the check's journal line in the unit's journal)."""
+    mark = f"orphan-check: invocation {invocation}, check "
+
+    def final():
+        lines = [ln for ln in guard_journal(c).splitlines() if mark in ln and ": again: " not in ln]
+        return lines[-1] if lines else None
+    return wait_for(f"the orphan check of invocation {invocation}", final, timeout=timeout, interval=0.3)
+
+
+def crash(c) -> str:
+    """``kill -9`` of the unit's main pid; returns the crashed invocation's id."""
+    p = c.show(UNIT, "MainPID", "InvocationID")
+    c.run("kill", "-9", p["MainPID"])
+    return p["InvocationID"]
+
+
 def adopted(c, pid: int, timeout: float = 30) -> dict:
     return wait_for(f"pid {pid} adopted and ready",
                     lambda: (lambda st: st if st.get("adopted") and st.get("pid") == pid and st.get("state") == "ready"
@@ -114,14 +134,10 @@ def adopted(c, pid: int, timeout: float = 30) -> dict:
 
 def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     tag = uuid.uuid4().hex[:10]
-    cmd = [PY, f"{FAKES}/vllm", "serve", f"sgtest-{tag}", "--tp", "2", "--port", str(PORT)]
+    c = machine(config=config("64MiB", tag, grace="2s"))
+    cmd = [PY, c.copy_fakes(), "serve", f"sgtest-{tag}", "--tp", "2", "--port", str(PORT)]
     engine = {"command": cmd, "health_url": f"http://127.0.0.1:{PORT}/health", "drop_caches": False,
               "start_above": "64MiB", "stable_for": "0s", "quiesce_timeout": "60s", "health_interval": "200ms"}
-    c = machine(config=config("64MiB", tag, grace="2s"))
-    for name, mode in (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644),
-                       ("fake_pause.py", 0o644)):
-        with open(os.path.join(os.path.dirname(fake_vllm.__file__), name)) as f:
-            c.write(f"{FAKES}/{name}", f.read(), mode)
     c.write(CONFIG_PATH, config("64MiB", tag, grace="2s") + "engine: " + json.dumps(engine) + "\n")
     c.run("systemctl", "restart", UNIT, timeout=60)      # no engine yet: a plain restart
     st = wait_for("the engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
@@ -153,13 +169,20 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     assert "adoption adopted: pid %d" % pid in journal, journal
     assert alive(c, pid)
 
-    # 2. kill -9 of the daemon: restarted by systemd, ExecStopPost leaves the engine, adopted again
+    # 2. kill -9 of the daemon: restarted by systemd, ExecStopPost leaves the engine (and arms the
+    #    orphan check), adopted again; the check, once it has run, has left the adopted engine alone
     main = int(c.show(UNIT, "MainPID")["MainPID"])
-    c.run("kill", "-9", str(main))
+    inv = crash(c)
     wait_for("a new main pid", lambda: int(c.show(UNIT, "MainPID")["MainPID"]) not in (0, main), timeout=30)
     adopted(c, pid)
     journal = guard_journal(c)
-    assert re.search(r"stop-post: no stop job \(service result signal\): left for the next daemon", journal), journal
+    assert re.search(r"stop-post: no stop job \(service result signal\): left for the next daemon to adopt; "
+                     r"orphan check 1 armed", journal), journal
+    verdict = check_verdict(c, inv)
+    print(f"[adoption] the orphan check after a crash and its restart: {verdict}")
+    assert ": leave: the unit was started again since" in verdict, verdict
+    st = engine_status(c)
+    assert st.get("adopted") and st.get("pid") == pid and st.get("state") == "ready", st
 
     # 2b. a wedged daemon (SIGSTOP): the unit's watchdog (WatchdogSec=5s) aborts it, systemd
     #     restarts it, the engine is adopted again
@@ -210,8 +233,13 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     st = wait_for("a new engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
                   timeout=60, interval=0.3)
     pid = st["pid"]
+    inv = crash(c)          # the crash arms an orphan check; the stop (keep) after the adoption is not undone
+    adopted(c, pid)
     c.run("systemctl", "stop", UNIT, timeout=60)
     assert alive(c, pid), guard_journal(c)
+    verdict = check_verdict(c, inv)
+    print(f"[adoption] the orphan check after a crash, its adoption and a stop (keep): {verdict}")
+    assert ": leave: " in verdict and alive(c, pid), verdict
     assert c.run("test", "-e", "/run/sparkguard", check=False).returncode != 0, "RuntimeDirectory kept on stop?"
     c.run("systemctl", "start", UNIT, timeout=60)
     st = adopted(c, pid)
@@ -222,26 +250,62 @@ def test_restart_and_crash_keep_the_engine_serving_and_stop_stops_it(machine):
     assert "engine: handover: pid %d kept running" % pid in journal, journal
 
     # 6. a stop during the restart wait after a crash (RestartSec, widened to 5 s here so the
-    #    stop lands in it): systemd 252 goes to inactive without ExecStopPost; the engine runs
-    #    on unguarded (docs/adoption.md, "Limits"); engine status warns; start + stop stops it
+    #    stop lands in it): systemd 252 goes to inactive without ExecStopPost; the orphan check
+    #    armed at the crash stops the engine once the wait is over
     engine["on_daemon_stop"] = "stop"
     c.write(CONFIG_PATH, config("64MiB", tag, grace="2s") + "engine: " + json.dumps(engine) + "\n")
     c.write("/etc/systemd/system/sparkguard.service.d/60-test-restartsec.conf", "[Service]\nRestartSec=5s\n")
     c.run("systemctl", "daemon-reload")
     c.run("systemctl", "restart", UNIT, timeout=60)     # adopts the engine kept in step 5 (same command)
     st = adopted(c, pid)
-    main = int(c.show(UNIT, "MainPID")["MainPID"])
-    c.run("kill", "-9", str(main))
+    cg = st["tracking"]["cgroup"]
+    t_crash = time.monotonic()
+    inv = crash(c)
     wait_for("the restart wait", lambda: c.show(UNIT, "SubState")["SubState"] == "auto-restart", timeout=20,
              interval=0.05)
     c.run("systemctl", "stop", UNIT, timeout=60)
-    assert c.show(UNIT, "ActiveState")["ActiveState"] in ("inactive", "failed")
-    gap = alive(c, pid)
-    print(f"[adoption] stop during the restart wait: engine {'left running (the documented gap)' if gap else 'stopped'}")
-    if gap:
-        r = c.run(PY, "-m", "sparkguard", "engine", "status", check=False, timeout=30)
-        assert r.returncode == 3 and "holds processes and no daemon answers" in r.stderr, r.stderr
-        c.run("systemctl", "start", UNIT, timeout=60)
-        adopted(c, pid)
-        c.run("systemctl", "stop", UNIT, timeout=60)
-        wait_for("the engine to be gone", lambda: not alive(c, pid), timeout=30)
+    p = c.show(UNIT, "ActiveState", "InvocationID")
+    assert p["ActiveState"] in ("inactive", "failed") and p["InvocationID"] == inv, p
+    assert alive(c, pid), "stopped by the stop itself: no gap to close?"
+    verdict = check_verdict(c, inv)
+    print(f"[adoption] stop during the restart wait: {verdict}")
+    assert ": stop: the unit stopped during its restart wait" in verdict and cg in verdict, verdict
+    wait_for("the engine to be gone", lambda: not alive(c, pid), timeout=30)
+    print(f"[adoption] stop during the restart wait: the engine gone {time.monotonic() - t_crash:.1f} s after the "
+          "crash (RestartSec 5 s + 3 s, then SIGTERM)")
+    assert c.run("test", "-e", cg, check=False).returncode != 0, f"{cg} was not removed"
+    r = c.run(PY, "-m", "sparkguard", "engine", "status", check=False, timeout=30)
+    assert r.returncode == 3 and "holds processes" not in r.stderr, r.stderr
+
+    # 7. a start queued while the check stops the engine waits for it (the check's service is
+    #    ordered Before= the unit): an engine that ignores SIGTERM and a 4 s grace hold the check
+    #    in its stop; `systemctl start --no-block` meanwhile is a waiting job, and the daemon it
+    #    starts finds the old engine gone (nothing to adopt) and starts a new one
+    engine["command"] = cmd + ["--mode", "ignore-term"]
+    c.write(CONFIG_PATH, config("64MiB", tag, grace="4s") + "engine: " + json.dumps(engine) + "\n")
+    c.run("systemctl", "start", UNIT, timeout=60)
+    st = wait_for("a new engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(engine_status(c)),
+                  timeout=60, interval=0.3)
+    pid = st["pid"]
+    inv = crash(c)
+    wait_for("the restart wait", lambda: c.show(UNIT, "SubState")["SubState"] == "auto-restart", timeout=20,
+             interval=0.05)
+    c.run("systemctl", "stop", UNIT, timeout=60)
+    check = f"sparkguard-orphan-check-{inv}-1.service"
+    wait_for("the check stopping the engine (its sweep's first line)",
+             lambda: re.search(r"orphan-check: \d+ leftover processes of the engine", c.journal_text("-b", "-u", check)),
+             timeout=30, interval=0.1)
+    r = c.sh(f"systemctl start --no-block {UNIT}; systemctl list-jobs --no-legend --plain --full; "
+             f"systemctl show -p ActiveState --value {check}")
+    jobs, running = r.stdout.strip().rsplit("\n", 1)
+    print(f"[adoption] a start queued while the check stops the engine (check {running}): jobs {jobs!r}")
+    if running == "activating":      # the check ran on past list-jobs: the start must have been waiting for it
+        assert re.search(rf"{re.escape(UNIT)}\s+start\s+waiting", jobs), jobs
+    st = wait_for("the next daemon's engine ready", lambda: (lambda s: s if s.get("state") == "ready" else None)(
+        engine_status(c)), timeout=90, interval=0.3)
+    assert st["pid"] != pid and not alive(c, pid), st
+    assert ": stop: " in check_verdict(c, inv)
+    assert st.get("adoption", {}).get("result") in (None, "gone"), st.get("adoption")
+    c.run("systemctl", "stop", UNIT, timeout=60)
+    left = c.run("systemctl", "list-units", "--all", "--plain", "--no-legend", "sparkguard-orphan-check-*").stdout
+    assert left.strip() == "", f"orphan check units left loaded:\n{left}"

@@ -12,14 +12,12 @@ thresholds are placed relative to the MemAvailable read inside, and the fake eng
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
 
 import pytest
 
-from conftest import fake_vllm
 from .conftest import CONFIG_PATH
 from .nspawn import CAP_SYS_RESOURCE, VENV, has_capability
 
@@ -86,15 +84,10 @@ def start_fake_engine(c, tag: str, *opts: str) -> dict:
     whatever is gone afterwards was taken down by the guard (or by the engine itself).
     RemainAfterExit: the unit (and how its top process ended) stays to be inspected.  Running
     as another user makes the guard need CAP_KILL under its capability bounding set.
-    The fake is not in the wheel: its files (tests/fakes/vllm, fake_vllm.py, fake_cluster.py, fake_pause.py) are copied
-    to /opt/sparkguard-tests/fakes/ inside, where it runs on the installed sparkguard.
+    The fake is not in the wheel: its files are copied inside (``Container.copy_fakes``).
     Returns ``{"unit", "model", "pids": [top, core, w0, w1]}`` once the tree is up.
     """
-    script = "/opt/sparkguard-tests/fakes/vllm"
-    for name, mode in (("vllm", 0o755), ("fake_vllm.py", 0o644), ("fake_cluster.py", 0o644),
-                       ("fake_pause.py", 0o644)):
-        with open(os.path.join(os.path.dirname(fake_vllm.__file__), name)) as f:
-            c.write(os.path.join(os.path.dirname(script), name), f.read(), mode)
+    script = c.copy_fakes()
     model = f"sgtest-{tag}"
     unit = f"fake-vllm-{tag}.service"
     ready = f"/tmp/fake-vllm-{tag}.ready"
