@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkguard import config, control, gpumem, linkcompat, linkwatch, meminfo, portowner, proctree, sysinfo, untrusted
+from sparkguard import softview
+from sparkguard.incidents.store import IncidentStore
 from sparkguard.host import procview
 from sparkguard.supervisor.render import describe
 from sparkguard.units import format_duration as fd
@@ -176,7 +178,8 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         otherwise ``{"url", "running": True, "state", "dry_run", "version", "available_bytes",
         "signal_bytes", "term_below_bytes", "kill_below_bytes", "signals": {sig: n},
         "incidents": {kind: n}, "last_incident_timestamp", "last_poll_timestamp",
-        "start_time", "polls", "poll_seconds_sum", "rss_bytes", "config_reloads": {result: n}}``
+        "start_time", "polls", "poll_seconds_sum", "rss_bytes", "config_reloads": {result: n},
+        "pause": the soft line, dict or None (sparkguard.softview.from_metrics)}``
         (absent metrics give None).  Never raises.
     Source: the metric names of sparkguard.metrics (README "Metrics").
     """
@@ -258,6 +261,7 @@ def read_daemon(url: str, timeout: float = 3.0, local: bool = True) -> dict:
         "swap_free_bytes": num("sparkguard_swap_free_bytes", int),
         "swap_total_bytes": num("sparkguard_swap_total_bytes", int),
         "engine": _engine_from_metrics(one, by, tracking_labels),
+        "pause": softview.from_metrics(one, by),
     })
     return out
 
@@ -383,6 +387,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
         "targets": targets, "targets_error": targets_error,
         "swaps": sysinfo.read_swaps(), "zram": zram, "psi_memory": sysinfo.read_psi_memory(),
         "daemon": daemon, "engine": read_engine(cfg, socket), "timestamp": time.time(),
+        "soft": softview.gather(cfg, IncidentStore(cfg.incidents.dir).newest("pause")),
     }
 
 
@@ -414,6 +419,7 @@ def render_remote(st: dict) -> str:
         if d.get("swap_total_bytes"):
             L.append(f"  SwapFree {fs(d.get('swap_free_bytes'))} of {fs(d['swap_total_bytes'])}")
         L.append("")
+    L += softview.render(None, d, now)
     L += render_daemon(d, now)
     e = d.get("engine") if d.get("running") else None
     if e is not None:
@@ -519,6 +525,7 @@ def render(st: dict) -> str:
                      + (f"   total {v['total_us'] / 1e6:.1f} s" if "total_us" in v else ""))
     L.append("")
 
+    L += softview.render(st.get("soft"), d, now)
     L += render_daemon(d, now)
     L.append("")
     L += render_engine(st["engine"])
