@@ -363,17 +363,6 @@ def _open_zram(sys_block: str) -> list[int]:
     Source: Documentation/admin-guide/blockdev/zram.rst (mm_stat: mem_used_total is column 3)."""
     fds = [_open_ro(f"{sys_block}/{d['device']}/mm_stat") for d in sysinfo.read_zram(sys_block)]
     return [fd for fd in fds if fd is not None]
-    for name in names:
-        try:
-            with open(f"{sys_block}/{name}/disksize") as f:
-                if int(f.read().strip() or 0) == 0:
-                    continue
-        except (OSError, ValueError):
-            continue
-        fd = _open_ro(f"{sys_block}/{name}/mm_stat")
-        if fd is not None:
-            fds.append(fd)
-    return fds
 
 
 def _quick(buf: bytes | bytearray, label: bytes, n: int) -> int:
