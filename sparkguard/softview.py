@@ -20,6 +20,7 @@ the URL is read from the ``pause_crossed`` detail, which has named it since the 
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -169,24 +170,28 @@ def from_metrics(one: dict[str, float], by: dict[str, dict[str, float]]) -> dict
             "pauses": counts("sparkguard_pauses_total"), "resumes": counts("sparkguard_resumes_total")}
 
 
-def gather(cfg, last: dict | None) -> dict:
+def gather(cfg, store) -> dict:
     """The soft line here and now, for ``sparkguard status``: the configuration's lines and the
     last episode.
 
     Args:
         cfg: ``config.Config``.
-        last: the newest closed ``pause`` incident record (``IncidentStore.newest("pause")`` of
-            ``incidents.dir``), or None.
+        store: the ``sparkguard.incidents.store.IncidentStore`` of ``incidents.dir``: its
+            :meth:`newest` ``pause`` record is the last episode.  A directory this user may not
+            read (it is 0750 root's) is not read: no warning on every ``status`` of an operator
+            outside its group; ``store_readable`` says so.
     Returns:
         ``{"pause_below_bytes" (int or None: off), "resume_above_bytes", "resume_after_seconds",
-        "mode", "url" (the engine's base URL or None), "dry_run", "last" (:func:`episode` of
-        ``last``, or None)}``.
+        "mode", "url" (the engine's base URL or None), "dry_run", "store_readable" (bool),
+        "last" (:func:`episode` of the newest pause incident, or None)}``.
     """
     g = cfg.guard
+    readable = not os.path.isdir(store.dir) or os.access(store.dir, os.R_OK | os.X_OK)
+    last = store.newest("pause") if readable else None
     return {"pause_below_bytes": g.pause_below,
             "resume_above_bytes": None if g.pause_below is None else g.pause_below + g.pause_hysteresis,
             "resume_after_seconds": g.resume_after, "mode": g.pause_mode, "url": url_of(cfg),
-            "dry_run": g.dry_run, "last": episode(last) if last is not None else None}
+            "dry_run": g.dry_run, "store_readable": readable, "last": episode(last) if last is not None else None}
 
 
 def render(soft: dict | None, daemon: dict, now: float) -> list[str]:
@@ -225,6 +230,8 @@ def render(soft: dict | None, daemon: dict, now: float) -> list[str]:
         L.append(f"  last         engaged {untrusted.stamp(last.get('engaged_at'))}{ago} at {fs(last['signal_bytes'])}")
         L.append(f"               paused {_paused_line(last)}")
         L.append(f"               ended: {last['ended']}; `sparkguard incidents {last['id']}`")
+    elif "pause_below_bytes" in soft and not soft.get("store_readable", True):
+        L.append("  last         unknown: incidents.dir is not readable by this user (run as root)")
     elif "pause_below_bytes" in soft:
         L.append("  last         never engaged (no pause incident in incidents.dir)")
     L.append("")

@@ -387,7 +387,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
         "targets": targets, "targets_error": targets_error,
         "swaps": sysinfo.read_swaps(), "zram": zram, "psi_memory": sysinfo.read_psi_memory(),
         "daemon": daemon, "engine": read_engine(cfg, socket), "timestamp": time.time(),
-        "soft": softview.gather(cfg, IncidentStore(cfg.incidents.dir).newest("pause")),
+        "soft": softview.gather(cfg, IncidentStore(cfg.incidents.dir)),
     }
 
 

@@ -16,6 +16,7 @@ import random
 import pytest
 
 from conftest import run_sparkguard
+from unprivileged import nobody  # noqa: F401 - the fixture
 from sparkguard import model, softview
 from sparkguard.incidents.render import render
 
@@ -168,3 +169,22 @@ def test_status_finds_the_last_pause_incident_in_a_real_store(tmp_path):
     st = json.loads(r.stdout)
     assert st["soft"]["last"]["paused_seconds"] == pytest.approx(14.2074, abs=1e-3)
     assert st["soft"]["url"] == URL
+
+
+def test_an_operator_outside_the_incidents_group_gets_a_plain_unknown_not_a_warning(nobody):
+    """incidents.dir is 0750 root's: `sparkguard status` as another user says the last episode is
+    unknown to it, and prints no warning about the directory on every call."""
+    import os
+    inc = nobody.dir / "inc"
+    inc.mkdir(mode=0o700)
+    (inc / f"{RESUMED['id']}.json").write_text(json.dumps(RESUMED))
+    cfg = nobody.dir / "sparkguard.yaml"
+    cfg.write_text(f"guard:\n  pause_below: 4GiB\n  pause_url: {URL}\nincidents:\n  dir: {inc}\n"
+                   "metrics:\n  listen: \"off\"\n")
+    os.chmod(cfg, 0o644)
+    import subprocess
+    r = subprocess.run(nobody.sparkguard("status", "--config", str(cfg)), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "last         unknown: incidents.dir is not readable by this user (run as root)" in r.stdout, r.stdout
+    assert "incident directory" not in r.stderr, r.stderr
