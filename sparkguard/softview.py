@@ -194,6 +194,16 @@ def gather(cfg, store) -> dict:
             "dry_run": g.dry_run, "store_readable": readable, "last": episode(last) if last is not None else None}
 
 
+def _ago(seconds: float) -> str:
+    """A span for people, up to days (``format_duration`` stops at minutes)."""
+    seconds = max(0.0, seconds)
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return fd(seconds)
+
+
 def render(soft: dict | None, daemon: dict, now: float) -> list[str]:
     """The "Soft line" section of ``sparkguard status`` (with a blank line after it), or ``[]``
     when the soft line is off and has never engaged.
@@ -225,8 +235,7 @@ def render(soft: dict | None, daemon: dict, now: float) -> list[str]:
         L.append(f"  now          {'ENGINE PAUSED' if live['engine_paused'] else 'not paused'}; since the daemon "
                  f"started: pauses {p['ok']} ok, {p['failed']} failed; resumes {r['ok']} ok, {r['failed']} failed")
     if last is not None:
-        ago = f" ({fd(max(0.0, now - last['engaged_at']))} ago)" \
-            if untrusted.stamp(last.get("engaged_at")) != "?" else ""
+        ago = f" ({_ago(now - last['engaged_at'])} ago)" if untrusted.stamp(last.get("engaged_at")) != "?" else ""
         L.append(f"  last         engaged {untrusted.stamp(last.get('engaged_at'))}{ago} at {fs(last['signal_bytes'])}")
         L.append(f"               paused {_paused_line(last)}")
         L.append(f"               ended: {last['ended']}; `sparkguard incidents {last['id']}`")

@@ -138,6 +138,7 @@ def test_the_status_section_is_absent_while_the_soft_line_is_off_and_never_engag
     lines = softview.render(dict(off, last=softview.episode(RESUMED)), quiet, T0 + 300)
     assert lines[0] == "Soft line   off (guard.pause_below not set)"
     assert "(5.0 min ago) at 3.90 GiB" in lines[2] and lines[-1] == ""
+    assert "(3.0 days ago)" in softview.render(dict(off, last=softview.episode(RESUMED)), quiet, T0 + 3 * 86400)[2]
     remote = softview.render(None, dict(quiet, pause=dict(quiet["pause"], engine_paused=True)), T0)
     assert remote[:2] == ["Soft line   (from the endpoint's metrics)",
                           "  now          ENGINE PAUSED; since the daemon started: pauses 0 ok, 0 failed; "
