@@ -91,11 +91,13 @@ class GpuMemory:
         self.thread: threading.Thread | None = None
 
     def start(self) -> "GpuMemory":
+        """Start the ``sg-gpumem`` daemon thread; returns self."""
         self.thread = threading.Thread(target=self._run, name="sg-gpumem", daemon=True)
         self.thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """End the thread after its NVML call in progress; waits at most ``timeout`` seconds."""
         self.stop_event.set()
         if self.thread is not None:
             self.thread.join(timeout)

@@ -40,6 +40,7 @@ resume_sent           e722342fc5b14c8b9eeaef7fba40e5d6  5         memory is back
 resumed               c6ecc0ee1eed4b4b8998027781e51879  5         the engine says it resumed; pause incident over
 resume_failed         fc3c6a3c50594fc1a0f88bed42e3cafa  3         the resume failed (tried again, then given up)
 pause_escalated       e086d53fefb04e9cbc4fa50bb9e84ee3  4         the hard line was crossed while paused: SIGTERM
+fragmented            250a5fc9ab854a85af67458906434ada  3         the engine's start is blocked: MemFree not in 2 MiB blocks
 ====================  ================================  ========  =================================================
 """
 
@@ -80,6 +81,8 @@ MESSAGE_IDS: dict[str, str] = {
     "resumed": "c6ecc0ee1eed4b4b8998027781e51879",
     "resume_failed": "fc3c6a3c50594fc1a0f88bed42e3cafa",
     "pause_escalated": "e086d53fefb04e9cbc4fa50bb9e84ee3",
+    # the start gates (sparkguard/supervisor/gates.py, docs/start-gate.md)
+    "fragmented": "250a5fc9ab854a85af67458906434ada",
 }
 
 #: timeline event names that share an id (dry-run "would" events)
@@ -106,15 +109,19 @@ PRIORITIES: dict[str, int] = {
     "resumed": 5,
     "resume_failed": 3,
     "pause_escalated": 4,
+    "fragmented": 3,
 }
 
 #: Report id priority by outcome (default ``PRIORITIES["report"]``): the worst outcomes are errors.
-REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3, "hard_reset": 3, "resume_failed": 3}
+REPORT_PRIORITIES: dict[str, int] = {"killed": 3, "no_target": 3, "hard_reset": 3, "resume_failed": 3,
+                                     "blocked": 3}
 
 
 def report_priority(outcome: str | None) -> int:
     """PRIORITY of an incident report: 3 (err) when the outcome is ``killed``/``no_target``/``hard_reset``
-    (an ``unclean-shutdown`` incident from another boot) or memory did not come back (``*_memory_not_back``), else 4 (warning)."""
+    (an ``unclean-shutdown`` incident from another boot), ``resume_failed`` (the engine may still be
+    paused), ``blocked`` (a ``fragmented`` incident: no start until a person acts, or the blocks come
+    back) or memory did not come back (``*_memory_not_back``), else 4 (warning)."""
     o = str(outcome or "")
     if o.endswith("_memory_not_back"):
         return 3

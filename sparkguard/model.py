@@ -219,6 +219,7 @@ class Incident:
     blackbox: dict | None = None
     meminfo_raw: bytes | None = None
     trigger: dict | None = None
+    pause: dict | None = None
 
     def parse_meminfo(self) -> None:
         """Parse :attr:`meminfo_raw` into :attr:`meminfo` (no-op once done)."""
@@ -241,7 +242,8 @@ class Incident:
         """The record as written (a new dict, nothing shared with the Incident but ``engine``'s
         and ``psi_memory``'s and ``zram``'s values): key order id, kind, drill, host, boot_id,
         started_at, ended_at, dry_run, thresholds, meminfo, psi_memory, zram, target, timeline,
-        outcome, summary, then where set top_consumers, min_available_bytes, link, engine, trigger, blackbox.
+        outcome, summary, then where set top_consumers, min_available_bytes, link, engine, trigger, blackbox,
+        pause.
         Parses :attr:`meminfo_raw` first if nobody has (:meth:`parse_meminfo`)."""
         self.parse_meminfo()
         out = {
@@ -264,6 +266,8 @@ class Incident:
             out["trigger"] = dict(self.trigger)
         if self.blackbox is not None:
             out["blackbox"] = self.blackbox
+        if self.pause is not None:
+            out["pause"] = dict(self.pause)
         return out
 
 

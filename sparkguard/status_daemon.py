@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkguard import portowner, proctree
+from sparkguard import portowner, proctree, softview
 from sparkguard.host import procview
 
 #: bytes of the daemon's answer read at most (its exposition is about 10 KiB)
@@ -91,8 +91,9 @@ def parse_metrics(url: str, text: str) -> dict:
         "hostname", "available_bytes", "signal_bytes", "term_below_bytes", "kill_below_bytes",
         "grace_seconds", "signals": {sig: n}, "incidents": {kind: n}, "config_reloads": {result: n},
         "last_incident_timestamp", "last_poll_timestamp", "start_time", "polls", "poll_seconds_sum",
-        "rss_bytes", "total_bytes", "swap_free_bytes", "swap_total_bytes", "engine"}`` (absent or
-        unshowable metrics give None; ``engine``: :func:`_engine_from_metrics`).  Never raises.
+        "rss_bytes", "total_bytes", "swap_free_bytes", "swap_total_bytes", "engine", "pause"}`` (absent
+        or unshowable metrics give None; ``engine``: :func:`_engine_from_metrics`; ``pause``: the soft
+        line, :func:`sparkguard.softview.from_metrics`).  Never raises.
     Source: the metric names of sparkguard.metrics (docs/metrics.md).
     """
     out: dict = {"url": url, "running": False}
@@ -158,6 +159,7 @@ def parse_metrics(url: str, text: str) -> dict:
         "swap_free_bytes": num("sparkguard_swap_free_bytes", int),
         "swap_total_bytes": num("sparkguard_swap_total_bytes", int),
         "engine": _engine_from_metrics(one, by, tracking_labels),
+        "pause": softview.from_metrics(one, by),
     })
     return out
 

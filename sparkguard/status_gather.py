@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import time
 
-from sparkguard import control, gpumem, linkcompat, linkwatch, meminfo, proctree, sysinfo
+from sparkguard import control, gpumem, linkcompat, linkwatch, meminfo, proctree, softview, sysinfo
+from sparkguard.incidents.store import IncidentStore
 from sparkguard.status_daemon import read_daemon
 
 
@@ -109,6 +110,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
         "targets": targets, "targets_error": targets_error,
         "swaps": sysinfo.read_swaps(), "zram": zram, "psi_memory": sysinfo.read_psi_memory(),
         "daemon": daemon, "engine": read_engine(cfg, socket), "timestamp": time.time(),
+        "soft": softview.gather(cfg, IncidentStore(cfg.incidents.dir)),
     }
 
 

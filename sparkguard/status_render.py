@@ -7,7 +7,7 @@ shown through :mod:`sparkguard.untrusted`); :func:`render_daemon`, :func:`render
 
 from __future__ import annotations
 
-from sparkguard import untrusted
+from sparkguard import softview, untrusted
 from sparkguard.supervisor.render import describe
 from sparkguard.units import format_duration as fd
 from sparkguard.units import format_size as fs
@@ -36,6 +36,7 @@ def render_remote(st: dict) -> str:
         if d.get("swap_total_bytes"):
             L.append(f"  SwapFree {fs(d.get('swap_free_bytes'))} of {fs(d['swap_total_bytes'])}")
         L.append("")
+    L += softview.render(None, d, now)
     L += render_daemon(d, now)
     e = d.get("engine") if d.get("running") else None
     if e is not None:
@@ -141,6 +142,7 @@ def render(st: dict) -> str:
                      + (f"   total {v['total_us'] / 1e6:.1f} s" if "total_us" in v else ""))
     L.append("")
 
+    L += softview.render(st.get("soft"), d, now)
     L += render_daemon(d, now)
     L.append("")
     L += render_engine(st["engine"])

@@ -471,3 +471,31 @@ def test_zram_ram_used_is_summed_over_devices_with_a_disksize(tmp_path):
         assert r._zram() == 4096 + 8192
     finally:
         r.close()
+
+
+def test_a_zram_device_set_up_after_the_start_is_counted_from_the_next_listing(tmp_path):
+    """A boot's zram swap may come up after the guard: the ring lists the devices again every
+    ZRAM_RELIST seconds (FIELD-NOTES: swap added after start must not go unnoticed)."""
+    import time as _time
+    block = tmp_path / "block"
+    block.mkdir()
+    r, _, err = ring.open_ring(str(tmp_path / "b.ring"), BOOT, 0.0, sys_block=str(block))
+    assert err is None
+    try:
+        text = b"MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable: 20 kB\nSwapFree: 0 kB\n"
+        t0 = _time.monotonic()
+        r.sample(t0, text, len(text), None, False, "ok", False, -1)
+        assert r._zram_used == -1                         # no zram yet
+        d = block / "zram0"
+        d.mkdir()
+        (d / "disksize").write_text(f"{1 << 30}\n")
+        (d / "comp_algorithm").write_text("[lz4] zstd\n")
+        (d / "mm_stat").write_text("  100   50  12288  0  12288  0  0  0  0\n")
+        r.sample(t0 + 1, text, len(text), None, False, "ok", False, -1)
+        assert r._zram_used == -1                         # listed again only after ZRAM_RELIST
+        r.sample(t0 + ring.ZRAM_RELIST + 1, text, len(text), None, False, "ok", False, -1)
+        assert r._zram_used == 12288 and len(r._zram_fds) == 1
+        r.sample(t0 + 2 * ring.ZRAM_RELIST + 2, text, len(text), None, False, "ok", False, -1)
+        assert len(r._zram_fds) == 1 and r.errors == 0   # the last listing's descriptors closed, not kept
+    finally:
+        r.close()

@@ -396,3 +396,36 @@ def test_a_vllm_engine_on_ray_without_the_monitor_off_is_flagged(tmp_path, monit
     rows = {r["pid"]: r for r in c["data"]["ray"]}
     assert rows[pid]["RAY_memory_monitor_refresh_ms"] == monitor
     assert (f"Ray process pid {pid} runs Ray's memory monitor" in c["message"]) == flagged, c
+
+
+@pytest.mark.parametrize("engine,flag,util,source", [
+    (None, None, 0.92, "vLLM's default --gpu-memory-utilization 0.92; no engine in the configuration"),
+    ({"command": ["vllm", "serve", "m", "--gpu-memory-utilization", "0.85"]}, None, 0.85,
+     "--gpu-memory-utilization 0.85 (engine.command)"),
+    ({"command": ["docker", "run", "--rm", "img", "vllm", "serve", "m", "--gpu-memory-utilization=0.7"],
+      "lanes": {"big": {"args": ["--gpu-memory-utilization", "0.6"]}}, "lane": "big"}, None, 0.6,
+     "--gpu-memory-utilization 0.6 (engine.command)"),
+    ({"command": ["vllm", "serve", "m"]}, None, 0.92, "vLLM's default --gpu-memory-utilization 0.92"),
+    ({"command": ["vllm", "serve", "m", "--gpu-memory-utilization", "lots"]}, None, 0.92,
+     "vLLM's default 0.92 (--gpu-memory-utilization 'lots' is no number in engine.command)"),
+    ({"command": ["vllm", "serve", "m", "--gpu-memory-utilization", "0.85"], "start_gate": {"utilization": 0.8}},
+     None, 0.8, "engine.start_gate.utilization 0.8"),
+    ({"command": ["vllm", "serve", "m", "--gpu-memory-utilization", "0.85"]}, "0.5", 0.5,
+     "sparkguard doctor --gpu-memory-utilization 0.5"),
+])
+def test_the_page_cache_check_uses_the_engines_own_utilization(tmp_path, engine, flag, util, source):
+    """vLLM's own default is 0.92 (vllm/config/cache.py), not 0.9; the configured engine's
+    --gpu-memory-utilization (its lane's last) counts before it, the operator's flag before all."""
+    import yaml
+    cfg = {"guard": {"term_below": "1GiB"}}
+    if engine is not None:
+        cfg["engine"] = {"health_url": "http://127.0.0.1:8000/health", **engine}
+    path = tmp_path / "sparkguard.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    _, report = doctor_json("--config", str(path), *(("--gpu-memory-utilization", flag) if flag else ()))
+    c = by_name(report)["page_cache"]
+    assert c["data"]["gpu_memory_utilization"] == util
+    assert c["data"]["gpu_memory_utilization_source"] == source
+    assert c["data"]["needed_bytes"] == int(c["data"]["mem_total_bytes"] * util)
+    if c["status"] != "INFO":               # INFO: an engine runs on this host; the check then waits
+        assert f"{util:g} x MemTotal" in c["message"] and source in c["message"]

@@ -292,3 +292,33 @@ def test_real_journald_stores_small_multiline_and_memfd_entries(tmp_path):
     assert small["SPARKGUARD_MULTI"] == "x\ny"
     assert big["SPARKGUARD_REPORT"] == "r" * 300_000
     assert big["_TRANSPORT"] == "journal"
+
+
+def test_a_fragmented_start_has_its_own_message_id_and_is_an_error(tmp_path, standin):
+    """The start gate's ``fragmented`` incident (docs/start-gate.md), opened as the supervisor opens
+    it (``supervisor/reports.py`` ``EngineIncidents.open``, the real Reporter, a socket standing in for
+    journald): its event and its report are found by MESSAGE_ID, at PRIORITY 3 (a start that
+    waits for a reboot needs a person), and the catalog explains the id."""
+    import time
+
+    from sparkguard import config
+    from sparkguard.reporter import Reporter
+    from sparkguard.supervisor.reports import EngineIncidents
+    from sparkguard.supervisor.memgate import fragmented_detail
+    rep = Reporter(str(tmp_path / "inc"), journal="on", journal_socket=standin.path)
+    detail = fragmented_detail(37227 * 1024**2, 160 * 1024**2)
+    (tmp_path / "sparkguard.yaml").write_text("guard: {term_below: 1GiB}\n")
+    reports = EngineIncidents(rep)
+    inc = reports.open("fragmented", config.load(str(tmp_path / "sparkguard.yaml")), None, "fragmented", detail,
+                       {}, [], "engine start blocked by fragmentation: " + detail)
+    inc.outcome, inc.ended_at = "blocked", time.time()
+    reports.finish(inc)
+    rep.close()
+    ev, _, _ = standin.recv()
+    assert ev["MESSAGE_ID"] == journal.MESSAGE_IDS["fragmented"] == "250a5fc9ab854a85af67458906434ada"
+    assert ev["PRIORITY"] == "3" and ev["SPARKGUARD_EVENT"] == "fragmented" and "reboot recommended" in ev["MESSAGE"]
+    report, _, _ = standin.recv()
+    assert report["MESSAGE_ID"] == journal.MESSAGE_IDS["report"] and report["PRIORITY"] == "3"
+    assert report["SPARKGUARD_OUTCOME"] == "blocked"
+    assert f"-- {journal.MESSAGE_IDS['fragmented']}\n" in CATALOG.read_text()
+    assert f"| fragmented | `{journal.MESSAGE_IDS['fragmented']}` | 3 err |" in (ROOT / "docs" / "journal.md").read_text()

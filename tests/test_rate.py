@@ -206,6 +206,29 @@ def test_a_loads_steep_fall_is_not_a_leak_but_a_load_below_its_line_is_a_failed_
         d.cleanup()
 
 
+def test_failed_loads_are_failures_that_end_in_giving_up_not_blind_retries():
+    """A load the guard stopped (restart reason ``load``) is a failure before ready: the backoff
+    grows and ``engine.give_up_after`` of them within the window stop the supervisor (issue 17:
+    "not retried blindly"); a load the guard did not touch is an ordinary exit, and a run that
+    got ready in between starts the count again.  The pure parts the supervisor uses
+    (sparkguard/supervisor/restart.py)."""
+    from sparkguard.supervisor import restart
+    assert restart.classify_exit(None, None, guard_hit=True, load_hit=True) == (restart.LOAD, True)
+    assert restart.classify_exit(None, None, guard_hit=True, load_hit=False) == ("guard", True)
+    g = restart.GiveUp(after=3, window=600.0)
+    assert not g.record(0.0, True, False, restart.LOAD)
+    assert not g.record(60.0, True, False, restart.LOAD)
+    assert g.record(120.0, True, False, restart.LOAD)          # the third failed load: give up
+    g = restart.GiveUp(after=3, window=600.0)
+    g.record(0.0, True, False, restart.LOAD)
+    g.record(60.0, True, False, restart.LOAD)
+    assert not g.record(90.0, True, True, "guard")            # it got ready once: the count starts again
+    assert not g.record(120.0, True, False, restart.LOAD) and not g.record(180.0, True, False, restart.LOAD)
+    assert g.record(240.0, True, False, restart.LOAD)
+    b = restart.Backoff(1.0, 60.0, stable_after=300.0)
+    assert [b.next(5.0) for _ in range(3)] == [1.0, 2.0, 4.0]  # loads that fail at once back off
+
+
 # ---- the fake vLLM's load phase and allocation size ------------------------------------------------
 
 def rss(pid: int) -> int:

@@ -298,7 +298,8 @@ import glob  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from conftest import mem_available, sg_env  # noqa: E402
+from conftest import mem_available, run_sparkguard, sg_env  # noqa: E402
+from sparkguard.units import format_size  # noqa: E402
 from guardrun import GuardProc  # noqa: E402
 
 _HOLD = ("import sys\nfrom sparkguard.drill.hog import Memory\nm = Memory()\n"
@@ -394,9 +395,12 @@ def _far_lines() -> tuple[int, int]:
 
 
 def test_daemon_pauses_at_the_soft_line_and_resumes_when_memory_is_back(fakes):
+    from supervisor_helpers import free_port
     fe = fakes()
     pause_below, term_below = _far_lines()
-    g = GuardProc(_soft_cfg(fe, pause_below, term_below))
+    cfg = _soft_cfg(fe, pause_below, term_below)
+    cfg["metrics"] = {"listen": f"127.0.0.1:{free_port()}"}
+    g = GuardProc(cfg)
     hold = None
     try:
         g.wait_ready()
@@ -404,6 +408,14 @@ def test_daemon_pauses_at_the_soft_line_and_resumes_when_memory_is_back(fakes):
         hold = Hold()
         hold.until_paused(g)
         assert _http(fe.url + "/is_paused") == (200, {"is_paused": True})
+        # `sparkguard status` shows the pause now, from the daemon's metrics (sparkguard/softview.py)
+        st = run_sparkguard("status", "--config", g.config_path, timeout=60)
+        assert st.returncode == 0, st.stderr
+        soft = st.stdout.split("Soft line   ", 1)[1].split("\n\n", 1)[0]
+        assert soft.startswith(f"pause below {format_size(pause_below)}, resume above "
+                               f"{format_size(pause_below + 100 * MiB)} held 1.0 s, mode keep; engine {fe.url}"), soft
+        assert "now          ENGINE PAUSED; since the daemon started: pauses 1 ok, 0 failed" in soft, soft
+        assert "never engaged" in soft                  # the episode is open: no record yet
         out: dict = {}
         t = _complete(fe.url, out, "held")
         _wait(lambda: _waiting(fe.url) >= 1, what="a request held by the pause")
@@ -427,6 +439,24 @@ def test_daemon_pauses_at_the_soft_line_and_resumes_when_memory_is_back(fakes):
         assert tl["resume_sent"]["available_bytes"] >= pause_below + 100 * MiB
         assert not _incidents(g, "memory")           # the hard line was never reached
         assert fe.proc.poll() is None                # nothing was killed
+        assert inc["pause"] == {"url": fe.url, "engine_pid": None, "lane": None}   # a guard.pause_url engine
+        # after it: status tells the last episode, `incidents ID` the whole of it
+        st = run_sparkguard("status", "--config", g.config_path, timeout=60)
+        assert st.returncode == 0, st.stderr
+        soft = st.stdout.split("Soft line   ", 1)[1].split("\n\n", 1)[0]
+        assert "now          not paused; since the daemon started: pauses 1 ok, 0 failed; resumes 1 ok" in soft
+        assert re.search(rf"last         engaged .* at \d+\.\d\d GiB\n +paused {re.escape(fe.url)}, mode keep, "
+                         rf"\d+ ms after the crossing, for \d+\.\d s\n +ended: resumed \d+\.\d s after the "
+                         rf"crossing; `sparkguard incidents {inc['id']}`", soft), soft
+        rep = run_sparkguard("incidents", inc["id"], "--dir", g.cfg["incidents"]["dir"], "--no-journal")
+        assert rep.returncode == 0, rep.stderr
+        section = rep.stdout.split("Soft line (", 1)[1].split("\n\n", 1)[0]
+        assert f"pause below {format_size(pause_below)}, resume above" in section
+        assert f"SIGTERM below {format_size(term_below)}" in section
+        assert re.search(rf"paused +{re.escape(fe.url)}, mode keep, \d+ ms after the crossing, for "
+                         rf"{tl['resumed']['t'] - tl['paused']['t']:.1f} s", section), section
+        assert re.search(r"ended +resumed \d+\.\d s after the crossing at ", section), section
+        assert "  TERM below " not in rep.stdout            # no kill/grace lines a pause incident does not have
     finally:
         if hold is not None:
             hold.release()

@@ -14,9 +14,10 @@ from typing import Any, Callable
 from sparkguard.config.errors import NestedValueError
 from sparkguard.config.parsers import boolean, choice, size
 
-#: vLLM's default ``--gpu-memory-utilization``: ``CacheConfig.gpu_memory_utilization`` in
-#: vllm/config/cache.py (0.92 in vLLM's main branch read 2026; older releases had 0.9), which
-#: ``EngineArgs.gpu_memory_utilization`` in vllm/engine/arg_utils.py takes as its default.
+#: vLLM's default ``--gpu-memory-utilization``: ``CacheConfig.gpu_memory_utilization: float =
+#: Field(default=0.92, gt=0, le=1)`` in vllm/config/cache.py (vllm-project/vllm at 002f10e0cfa1,
+#: read 2026-12-02; older releases had 0.9), which ``EngineArgs.gpu_memory_utilization`` in
+#: vllm/engine/arg_utils.py takes as its default.
 VLLM_DEFAULT_UTILIZATION = 0.92
 
 

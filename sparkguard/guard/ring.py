@@ -11,7 +11,8 @@ The format and every decision are in :mod:`sparkguard.blackbox` (pure); this mod
   and SwapFree from the /proc/meminfo text the loop just read, preads the PSI file and each zram
   ``mm_stat`` through descriptors opened at start (for idle records every :data:`SLOW_EVERY`
   seconds, else every record), packs the record into a reused buffer and ``pwrite``\\ s it at its
-  slot: no open, no allocation that grows, no sync.
+  slot: no allocation that grows, no sync, and no open but the zram devices' listing every
+  :data:`ZRAM_RELIST` seconds (sysfs, in memory).
   Errors are counted and logged once per streak; they never reach the loop.
 * A flusher thread starts writeback of the file (:func:`flush`: ``sync_file_range``) every
   ``guard.blackbox_sync`` seconds while records are not idle, i.e. while memory is near the line
@@ -57,6 +58,11 @@ FILE_MODE = 0o640
 #: avg10 is itself a 10 s average (Documentation/accounting/psi.rst), and memory is far above the
 #: line then; each read is a syscall on a cold path
 SLOW_EVERY = 10.0
+#: seconds between two listings of the zram devices: one set up after the guard started (a boot's
+#: zram swap unit may start after sparkguard; FIELD-NOTES "What the peers do": swap added after
+#: start must not go unnoticed) is counted from the next listing on; a listing is a readdir of
+#: /sys/block and three small sysfs reads per device
+ZRAM_RELIST = 60.0
 _AVAIL = b"\nMemAvailable:"
 _MEMFREE = b"\nMemFree:"
 _KB = b"kB"
@@ -88,7 +94,9 @@ class Ring:
         self._psi_buf = bytearray(512)
         self._mm_buf = bytearray(256)
         self._psi_fd = _open_ro(psi_path)
+        self._sys_block = sys_block
         self._zram_fds = _open_zram(sys_block)
+        self._zram_list_at = time.monotonic() + ZRAM_RELIST
         self._some = self._full = -1.0
         self._zram_used = -1
         self._slow_at = 0.0
@@ -132,6 +140,8 @@ class Ring:
             if not idle or now >= self._slow_at:
                 self._slow_at = now + SLOW_EVERY
                 self._some, self._full = self._psi()
+                if now >= self._zram_list_at:
+                    self._relist_zram(now)
                 self._zram_used = self._zram()
             blackbox.pack_record(self._buf, self._seq, time.time(), now, self._boot,
                                  avail + max(swap, 0) if use_swap else avail, avail, free, swap, self._zram_used,
@@ -163,6 +173,14 @@ class Ring:
         except OSError:
             return -1.0, -1.0
         return _avg10(self._psi_buf, n)
+
+    def _relist_zram(self, now: float) -> None:
+        """Open the ``mm_stat`` of the zram devices there now (:func:`_open_zram`) in place of the
+        last listing's; the next listing is due :data:`ZRAM_RELIST` s after ``now`` (monotonic s)."""
+        self._zram_list_at = now + ZRAM_RELIST
+        old, self._zram_fds = self._zram_fds, _open_zram(self._sys_block)
+        for fd in old:
+            os.close(fd)
 
     def _zram(self) -> int:
         """RAM used by every zram device (mm_stat's third column, bytes), -1 without zram."""
@@ -363,17 +381,6 @@ def _open_zram(sys_block: str) -> list[int]:
     Source: Documentation/admin-guide/blockdev/zram.rst (mm_stat: mem_used_total is column 3)."""
     fds = [_open_ro(f"{sys_block}/{d['device']}/mm_stat") for d in sysinfo.read_zram(sys_block)]
     return [fd for fd in fds if fd is not None]
-    for name in names:
-        try:
-            with open(f"{sys_block}/{name}/disksize") as f:
-                if int(f.read().strip() or 0) == 0:
-                    continue
-        except (OSError, ValueError):
-            continue
-        fd = _open_ro(f"{sys_block}/{name}/mm_stat")
-        if fd is not None:
-            fds.append(fd)
-    return fds
 
 
 def _quick(buf: bytes | bytearray, label: bytes, n: int) -> int:

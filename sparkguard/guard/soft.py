@@ -218,11 +218,19 @@ class SoftGuard:
         wall = time.time()
         self.incident = new_incident("pause", wall, PauseThresholds.of(g), rec.reader.raw(), host=rec.host,
                                      boot_id=rec.boot_id)
+        self.incident.pause = self._paused_what()
         self._t0, self._min = now, value
         rec.count("pause", wall, self.incident.id)
         self._event(now, value, "pause_crossed",
                     f"{format_size(value)} ({value} bytes) is {(g.pause_below - value) / 1024**2:.1f} MiB below the "
                     f"soft line {format_size(g.pause_below)}: POST {self.client.base}/pause?mode={g.pause_mode}")
+
+    def _paused_what(self) -> dict:
+        """The incident's ``pause`` part (docs/incident.md): the engine's ``url``; the supervised
+        run's ``engine_pid`` and ``lane`` (None for a ``guard.pause_url`` engine).  Plain
+        attribute reads: it runs on the loop thread at the crossing."""
+        run = getattr(self.engine.supervisor, "run", None)
+        return {"url": self.client.base, "engine_pid": getattr(run, "pid", None), "lane": getattr(run, "lane", None)}
 
     def _fill(self) -> None:
         """After the pause: the details that cost reads (act first, report after)."""

@@ -146,6 +146,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--config", metavar="PATH", help="configuration to check against "
                    "(default /etc/sparkguard/sparkguard.yaml or the built-in defaults)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
-                   help="the engine's --gpu-memory-utilization, for the page-cache check (default 0.9)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F",
+                   help="the engine's --gpu-memory-utilization, for the page-cache check (default: the "
+                        "configured engine's, else vLLM's default 0.92)")
     p.set_defaults(func=_handler("sparkguard.host.doctor", "doctor"))

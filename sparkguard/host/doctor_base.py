@@ -37,10 +37,12 @@ class Check:
 @dataclass
 class Context:
     """What the checks share: the loaded config, and the GPU memory utilisation vLLM is
-    started with (the fraction of MemTotal its start-up check wants free)."""
+    started with (the fraction of MemTotal its start-up check wants free) when the operator
+    gave one (``--gpu-memory-utilization``); None: from the configured engine, else vLLM's
+    default (:func:`sparkguard.host.doctor_memory.utilization`)."""
 
     config: Any
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     _procs: list | None = None
 
     def processes(self) -> list[tuple[int, int, list[str]]]:

@@ -9,7 +9,9 @@ import re
 
 from sparkguard import meminfo, sysinfo
 from sparkguard.host import sysctl, virt
+from sparkguard.config.startgate import VLLM_DEFAULT_UTILIZATION, vllm_utilization
 from sparkguard.host.doctor_base import FAIL, INFO, PASS, WARN, Check, Context, engine_roots
+from sparkguard.supervisor.memgate import vllm_argv
 from sparkguard.units import format_size
 
 def tune_fix(**options: int) -> str:
@@ -166,33 +168,67 @@ def check_container(ctx: Context) -> Check:
                  "change the host's kernel", None, data)
 
 
+def utilization(ctx: Context) -> tuple[float, str]:
+    """The ``gpu_memory_utilization`` (a fraction in (0, 1]) the page-cache check assumes, and
+    where it came from (str, shown in the check).
+
+    In order: ``sparkguard doctor --gpu-memory-utilization F``; ``engine.start_gate.utilization``
+    when set (the operator's figure for the start gate, docs/start-gate.md); the last
+    ``--gpu-memory-utilization`` of the configured engine's command and its ``engine.lane``'s args
+    when it starts vLLM (``vllm serve``, ``python -m vllm...`` or a wrapper such as ``docker run
+    ... vllm serve``: :func:`sparkguard.supervisor.memgate.vllm_argv`,
+    :func:`sparkguard.config.startgate.vllm_utilization`); else vLLM's default, 0.92 (source:
+    vllm/config/cache.py ``CacheConfig.gpu_memory_utilization: float = Field(default=0.92, gt=0,
+    le=1)``, vllm-project/vllm at 002f10e0cfa1373a19a0d2756598a34b700d20e5, read 2026-12-02;
+    ``EngineArgs`` in vllm/engine/arg_utils.py takes its default from there).
+    """
+    if ctx.gpu_memory_utilization is not None:
+        return ctx.gpu_memory_utilization, f"sparkguard doctor --gpu-memory-utilization {ctx.gpu_memory_utilization:g}"
+    e = getattr(ctx.config, "engine", None)
+    if e is None or not e.enabled:
+        return VLLM_DEFAULT_UTILIZATION, (f"vLLM's default --gpu-memory-utilization {VLLM_DEFAULT_UTILIZATION:g}; "
+                                          "no engine in the configuration")
+    if e.start_gate.utilization is not None:
+        return e.start_gate.utilization, f"engine.start_gate.utilization {e.start_gate.utilization:g}"
+    lane = e.lanes.get(e.lane) if e.lane else None
+    argv = vllm_argv(list(e.command or ()) + (list(lane.args) if lane is not None else []))
+    if argv is None:
+        return VLLM_DEFAULT_UTILIZATION, (f"vLLM's default --gpu-memory-utilization {VLLM_DEFAULT_UTILIZATION:g}; "
+                                          "engine.command does not start vLLM")
+    util, source = vllm_utilization(argv)
+    if util is None:        # a value vLLM refuses: it would not start at all; judge with its default
+        return VLLM_DEFAULT_UTILIZATION, f"vLLM's default {VLLM_DEFAULT_UTILIZATION:g} ({source} in engine.command)"
+    return util, source + (" (engine.command)" if source.startswith("--") else "")
+
+
 def check_page_cache(ctx: Context) -> Check:
     """Would vLLM's start-up check (free >= MemTotal * gpu_memory_utilization) fail because of page cache?
 
     On an integrated GPU "free" is close to MemFree, and page cache left from reading the
     weights trips it; ``sync; echo 3 > /proc/sys/vm/drop_caches`` is the fix (vLLM
-    ``worker/gpu_worker.py`` "Free memory on device ... less than desired").
+    ``worker/gpu_worker.py`` "Free memory on device ... less than desired").  The fraction is
+    :func:`utilization`'s.
     """
     mi = meminfo.read()
     total, free = mi.get("MemTotal", 0), mi.get("MemFree", 0)
     cache = mi.get("Cached", 0) + mi.get("Buffers", 0)
-    need = int(total * ctx.gpu_memory_utilization)
+    util, source = utilization(ctx)
+    need = int(total * util)
     data = {"mem_total_bytes": total, "mem_free_bytes": free, "page_cache_bytes": cache,
-            "needed_bytes": need, "gpu_memory_utilization": ctx.gpu_memory_utilization}
+            "needed_bytes": need, "gpu_memory_utilization": util, "gpu_memory_utilization_source": source}
     running = [pid for pid, cmd in engine_roots(ctx)]
     if running:
         return Check("page_cache", INFO, f"an engine is running (pid {running[0]}); the start-up check applies "
                      "at its next start", None, data)
-    util = ctx.gpu_memory_utilization
     if free >= need:
-        return Check("page_cache", PASS, f"MemFree {format_size(free)} >= {util:g} x MemTotal: an engine start "
-                     "passes vLLM's free-memory check", None, data)
+        return Check("page_cache", PASS, f"MemFree {format_size(free)} >= {util:g} x MemTotal ({source}): an "
+                     "engine start passes vLLM's free-memory check", None, data)
     if free + cache >= need:
         return Check("page_cache", WARN, f"MemFree {format_size(free)} < {util:g} x MemTotal "
-                     f"({format_size(need)}) with {format_size(cache)} page cache: vLLM's start-up check "
+                     f"({format_size(need)}; {source}) with {format_size(cache)} page cache: vLLM's start-up check "
                      "'Free memory on device ... less than desired' would fail",
                      "sync; echo 3 > /proc/sys/vm/drop_caches   (before starting the engine)", data)
-    return Check("page_cache", WARN, f"MemFree {format_size(free)} < {util:g} x MemTotal ({format_size(need)}) "
+    return Check("page_cache", WARN, f"MemFree {format_size(free)} < {util:g} x MemTotal ({format_size(need)}; {source}) "
                  "even without page cache: other processes hold the memory an engine start needs",
                  "stop what uses the memory, or lower --gpu-memory-utilization", data)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from sparkguard import untrusted
+from sparkguard import softview, untrusted
 from sparkguard.model import available_at_crossing, duration, min_available, number, summary, target_label
 from sparkguard.units import format_duration, format_size
 
@@ -172,6 +172,8 @@ def render(rec: dict) -> str:
     L.append(f"  ended          {_local(end, True) if end is not None else 'not yet (open)'}"
              + (f"   (after {format_duration(duration(rec))})" if duration(rec) is not None else ""))
     L.append(f"  host           {rec.get('host', '-')}   boot {rec.get('boot_id', '-') or '-'}")
+    if kind == "pause":
+        L += [""] + softview.report_lines(rec)
 
     th = rec.get("thresholds") or {}
     L.append("")
@@ -181,9 +183,10 @@ def render(rec: dict) -> str:
         L.append(f"  signal         {'MemAvailable + SwapFree' if sig == 'available+swap' else 'MemAvailable'}"
                  f" ({sig})")
         kill = th.get("kill_below_bytes")
-        L.append(f"  TERM below     {format_size(th.get('term_below_bytes'))}    "
-                 f"KILL below {format_size(kill) if kill is not None else 'off'}    "
-                 f"grace {format_duration(th.get('grace_seconds'))}")
+        if "pause_below_bytes" not in th:        # a pause incident's lines are in its "Soft line" section
+            L.append(f"  TERM below     {format_size(th.get('term_below_bytes'))}    "
+                     f"KILL below {format_size(kill) if kill is not None else 'off'}    "
+                     f"grace {format_duration(th.get('grace_seconds'))}")
     L.append(f"  at crossing    MemAvailable {format_size(available_at_crossing(rec))}")
     low = min_available(rec)
     low_t = None

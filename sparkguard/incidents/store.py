@@ -122,6 +122,15 @@ class IncidentStore:
             return None
         return rec
 
+    def newest(self, kind: str, scan: int = 64) -> dict | None:
+        """The newest closed record of ``kind`` (``ended_at`` set) among the ``scan`` newest files
+        by name (an id starts with its UTC start), or None: a bounded read for ``sparkguard status``."""
+        for iid in sorted(self.ids(), reverse=True)[:scan]:
+            rec = self.load(iid)
+            if rec is not None and rec.get("kind") == kind and rec.get("ended_at") is not None:
+                return rec
+        return None
+
     def list(self) -> list[dict]:
         """All readable records, newest first (by ``started_at``, then id)."""
         recs = [r for r in (self.load(i) for i in self.ids()) if r is not None]
