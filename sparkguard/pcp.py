@@ -88,17 +88,23 @@ class PcpReader:
     def free_bytes(self) -> int | None:
         """Bytes free on the per-CPU lists now, or None when the file cannot be read (``error``
         says why: no file, no permission, larger than :data:`MAX_BYTES`).  Never raises; one
-        ``preadv`` into the buffer (and one more that finds the end), no allocation beyond the parse."""
+        ``preadv`` into the buffer, no allocation beyond the parse.
+
+        The kernel prints each zone with its lock held (mm/vmstat.c ``zoneinfo_show``), the lock the
+        page allocator takes: callers read this at most once a second."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
                 self._buf = bytearray(MAX_BYTES)
             buf, n = self._buf, 0
-            while n < MAX_BYTES:            # seq_file gives it all in one read; a short read goes on
+            while n < MAX_BYTES:
+                # seq_file fills a read with whole zones while they fit: a read shorter than what
+                # was left of the buffer has reached the end (another read would print every zone
+                # again, each under its zone lock)
                 got = os.preadv(self._fd, [memoryview(buf)[n:]], n)
-                if got <= 0:
+                n += max(got, 0)
+                if got < MAX_BYTES - (n - got):
                     break
-                n += got
         except OSError as e:
             self.error = f"{self.path}: {e.strerror or e}"
             self.close()

@@ -8,8 +8,9 @@ One incident is one episode (issue #2): it opens at the crossing of ``term_below
 closes when the victim is gone and memory is back above the line.  On Linux >= 6.7 a dead
 victim's memory lands on the kernel's per-CPU free lists first, outside MemAvailable, and drains
 into it over a minute or two (:mod:`sparkguard.pcp`): while the signal plus those free pages
-(``pcp_free``) is above the line, the wait for memory goes on past ``recovery_wait``, up to
-:data:`PCP_DRAIN_WAIT` more, so the hidden part is never a reason for a second victim.  Every
+(``pcp_free``) is above the line and the signal itself is not falling, the wait for memory goes on
+past ``recovery_wait``, up to :data:`PCP_DRAIN_WAIT` more, so the hidden part is never a reason for
+a second victim.  Every
 decision to act looks at the signal alone: an allocation that finds the zone short drains the
 lists itself.  States::
 
@@ -37,7 +38,7 @@ and no longer predicted to cross it (so a steady fall does not open one incident
 Guarantees (FIELD-NOTES, "their users' worst reports"): a victim is SIGTERMed once; if
 it has not exited ``grace`` seconds later it is SIGKILLed (tree-wide), never re-TERMed;
 while a victim's memory is coming back (RECOVERING, up to ``recovery_wait`` seconds
-after it is gone) no second victim is chosen.
+after it is gone, longer while it is back on the per-CPU lists) no second victim is chosen.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ UNKILLABLE = "unkillable"              # SIGKILLed for kill_give_up seconds and 
 #: the zone split across the node's CPUs (``zone_highsize``): ~0.8 GiB per CPU on a 128 GiB,
 #: 20-CPU GB10, ~100 s.
 PCP_DRAIN_WAIT = 120.0
+#: bytes the signal may fall below its value at the start of that extension before the wait ends:
+#: MemAvailable rises while the lists drain (~8 MiB/s per CPU); a fall means something allocates
+#: faster than that, and at 1 GiB/s this ends the wait within 64 ms
+DRAIN_SLACK = 64 * 1024**2
 
 
 @dataclass
@@ -126,7 +131,7 @@ class Policy:
     """
 
     __slots__ = ("thresholds", "dry_run", "state", "t_term", "t_kill", "t_first_kill", "t_gone", "t_retry",
-                 "t_drain", "fired")
+                 "t_drain", "v_drain", "fired")
 
     def __init__(self, thresholds: Thresholds, dry_run: bool = False):
         self.thresholds = thresholds
@@ -136,6 +141,7 @@ class Policy:
         #: monotonic s when the wait for memory went past ``recovery_wait`` on memory back on the
         #: per-CPU lists (:data:`PCP_DRAIN_WAIT`), None otherwise (reset by a crossing and by RECOVERING)
         self.t_drain: float | None = None
+        self.v_drain = 0            #: the signal (bytes) when that extension began
         #: what opened the current (or last) incident: {"trigger": "line"|"predicted", "phase":
         #: "serving"|"loading", "line_bytes", "fall_rate_bytes_per_second", "seconds_to_line"}
         self.fired: dict | None = None
@@ -226,30 +232,35 @@ class Policy:
         return (CROSSED, TERM)
 
     def _recovery(self, now: float, value: int, pcp_free: int = 0) -> tuple[str, ...]:
-        """RECOVERING: back when the signal alone is above the line.  Past ``recovery_wait``, memory
-        that is back on the per-CPU lists (``value + pcp_free`` above the line) extends the wait,
-        up to :data:`PCP_DRAIN_WAIT` more, while they drain into MemAvailable."""
+        """RECOVERING: back when the signal alone is above the line.  Past ``recovery_wait`` (when
+        it is not 0), memory that is back on the per-CPU lists (``value + pcp_free`` above the line)
+        extends the wait, up to :data:`PCP_DRAIN_WAIT` more, while they drain into MemAvailable and
+        the signal does not fall: below what it was when the extension began, less
+        :data:`DRAIN_SLACK`, or below ``kill_below``, something is taking memory again (the
+        kernel's watermarks do not count the lists, so reclaim runs as if they were not there) and
+        the wait ends, so the next poll may act."""
         th = self.thresholds
         if value >= th.term_below:
             self.state = OK
             return (RECOVERED,)
         waited = now - self.t_gone
-        if waited >= th.recovery_wait:
-            if value + pcp_free >= th.term_below and waited < th.recovery_wait + PCP_DRAIN_WAIT:
-                if self.t_drain is None:
-                    self.t_drain = now
+        if waited < th.recovery_wait:
+            return ()
+        if th.recovery_wait > 0 and value + pcp_free >= th.term_below \
+                and waited < th.recovery_wait + PCP_DRAIN_WAIT \
+                and (th.kill_below is None or value >= th.kill_below):
+            if self.t_drain is None:
+                self.t_drain, self.v_drain = now, value
+            if value >= self.v_drain - DRAIN_SLACK:
                 return ()
-            self.state = OK
-            return (GAVE_UP_WAITING,)
-        return ()
+        self.state = OK
+        return (GAVE_UP_WAITING,)
 
     def counts_pcp(self, now: float, victim_gone: bool) -> bool:
         """Whether the next :meth:`step` at ``now`` would use ``pcp_free`` (so the caller reads
-        the per-CPU lists only then): RECOVERING past ``recovery_wait``, or a victim just gone
-        with no ``recovery_wait``."""
-        if self.state == RECOVERING:
-            return now - self.t_gone >= self.thresholds.recovery_wait
-        return victim_gone and self.state in (TERM_SENT, KILL_SENT) and self.thresholds.recovery_wait <= 0
+        the per-CPU lists only then): RECOVERING past a ``recovery_wait`` that is not 0."""
+        rw = self.thresholds.recovery_wait
+        return self.state == RECOVERING and rw > 0 and now - self.t_gone >= rw
 
     def no_target(self, now: float) -> None:
         """The caller found nothing to signal after TERM/RETRY_TARGET: wait in NO_TARGET."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
 
 from sparkguard import untrusted
 from sparkguard.guard.soft import url_of
@@ -157,7 +156,7 @@ def from_metrics(one: dict[str, float], by: dict[str, dict[str, float]]) -> dict
     """The soft line as the daemon's endpoint shows it (docs/metrics.md "Soft line"):
     ``{"engine_paused": bool, "pauses": {"ok": int, "failed": int}, "resumes": {...}}``, None from
     a daemon without ``sparkguard_engine_paused``.  ``one``/``by``: samples without labels, and by
-    their first label's value (``sparkguard.status.read_daemon``); untrusted numbers count as 0."""
+    their first label's value (``sparkguard.status_daemon.read_daemon``); untrusted numbers count as 0."""
     if "sparkguard_engine_paused" not in one:
         return None
 
@@ -210,7 +209,7 @@ def render(soft: dict | None, daemon: dict, now: float) -> list[str]:
 
     Args:
         soft: :func:`gather`'s dict, or None (another host's endpoint: only its metrics count).
-        daemon: ``sparkguard.status.read_daemon``'s dict (its ``pause``: :func:`from_metrics`).
+        daemon: ``sparkguard.status_daemon.read_daemon``'s dict (its ``pause``: :func:`from_metrics`).
         now: unix seconds.
     """
     live = daemon.get("pause") if daemon.get("running") and isinstance(daemon.get("pause"), dict) else None

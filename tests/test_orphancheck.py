@@ -77,10 +77,12 @@ def test_arm_refuses_what_it_cannot_put_on_a_command_line():
     assert "unusable" in oc.arm("sparkguard.service", "not-an-id", "/x", "/c", 2.0)
     assert "unusable" in oc.arm("a b.service", ARMED, "/x", "/c", 2.0)
     assert "unusable" in oc.arm("sparkguard.service", "", "/x", "/c", 2.0)
+    assert "unusable" in oc.arm("-x.service", ARMED, "/x", "/c", 2.0)      # read as an option
 
 
 @pytest.mark.parametrize("text,seconds", [("1s", 1.0), ("100ms", 0.1), ("1min 30s", 90.0), ("infinity", None),
-                                          ("", None)])
+                                          ("", None), ("1d 2h", 93600.0), ("2w", 1209600.0),
+                                          ("1month", 2629800.0), ("1y 1d", 31557600.0 + 86400.0)])
 def test_systemd_time_spans(text, seconds):
     assert oc.span(text) == seconds
 
@@ -181,3 +183,55 @@ def test_the_check_signals_only_the_engine_cgroups_processes(tmp_path, engine_cg
     finally:
         outside.kill()
         outside.wait()
+
+
+def test_a_cgroup_that_is_not_the_units_own_is_refused(tmp_path, engine_cgroup):
+    """The ``--cgroup`` must be the unit's own ``ControlGroup`` when systemd reports one: a
+    directory of the same name elsewhere is refused (exit 2) and its processes left alone."""
+    unit, eng, inside = engine_cgroup
+    name = os.path.basename(unit)
+    mount = cgroups.find_mount()[0].rstrip("/")
+    rel = "/" + os.path.relpath(unit, mount)
+    assert oc.cgroup_ok(unit, name, rel) and oc.cgroup_ok(unit, name, None)
+    assert not oc.cgroup_ok(unit, name, "/system.slice/" + name)
+    assert not oc.cgroup_ok(unit + "/../" + name, name, None)                   # not as given
+    link = tmp_path / name
+    link.symlink_to(unit)
+    assert not oc.cgroup_ok(str(link), name, None)                              # a symlink to it
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "systemctl").write_text(SYSTEMCTL)
+    (bin_ / "systemctl").chmod(0o755)
+    (tmp_path / "show").write_text("InvocationID=%s\nActiveState=inactive\nSubState=dead\n"
+                                   "ControlGroup=/system.slice/%s\n" % (ARMED, name))
+    env = dict(sg_env(), PATH=f"{bin_}:{os.environ['PATH']}", SG_SHOW=str(tmp_path / "show"))
+    r = subprocess.run([sys.executable, "-m", "sparkguard", "orphan-check", "--unit", name, "--invocation", ARMED,
+                        "--cgroup", unit, "--config", str(tmp_path / "absent.yaml")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "refused" in r.stderr, r.stderr
+    assert inside.poll() is None and handover.unguarded_engines(unit) == [eng]
+
+
+def test_a_check_that_fails_says_so_in_the_units_journal_and_arms_the_next(monkeypatch, tmp_path):
+    """An error while stopping (EPERM on a cgroup, a container CLI that fails) is logged at
+    priority 3 to the unit's journal, and the next check is armed while attempts remain."""
+    import argparse
+    told, armed = [], []
+    monkeypatch.setattr(oc, "args_ok", lambda *a: True)
+    monkeypatch.setattr(oc, "show", lambda unit, props, timeout=0: {
+        "InvocationID": ARMED, "ActiveState": "inactive", "SubState": "dead"})
+    monkeypatch.setattr(handover, "unit_job", lambda unit, timeout: None)
+    monkeypatch.setattr(handover, "unguarded_engines", lambda d: ["x/engine-1"])
+
+    def fail(*a, **k):
+        raise PermissionError(1, "Operation not permitted", "cgroup.kill")
+    monkeypatch.setattr(handover, "stop_engines", fail)
+    monkeypatch.setattr(oc, "arm", lambda *a: armed.append(a) or "orphan check 2 armed")
+    monkeypatch.setattr(oc, "tell", lambda unit, text, priority=5: told.append((text, priority)))
+    args = argparse.Namespace(unit="sparkguard.service", invocation=ARMED, cgroup=str(tmp_path), attempt=1,
+                              config=str(tmp_path / "absent.yaml"))
+    assert handover.orphan_check(args) == 0
+    (text, priority), = told
+    assert priority == 3 and "failed (PermissionError" in text and "again" in text, text
+    assert len(armed) == 1 and armed[0][5] == 2
+

@@ -230,13 +230,13 @@ def test_memory_back_on_the_per_cpu_lists_extends_the_wait_instead_of_a_second_v
     # past recovery_wait the wait goes on while MemAvailable + the lists is above the line
     p = mk(recovery_wait=10.0)
     p.step(0.0, LINE - 1)
-    assert p.counts_pcp(1.0, victim_gone=True) is False         # a recovery_wait to wait first
+    assert p.counts_pcp(1.0, victim_gone=True) is False          # nothing asked before RECOVERING
     assert p.step(1.0, LINE - 100, victim_gone=True) == (P.EXITED,)
     assert p.counts_pcp(10.9, victim_gone=False) is False
     assert p.counts_pcp(11.0, victim_gone=False) is True
     assert p.deadline(5.0) == 6.0
     assert p.step(11.0, LINE - 100, pcp_free=100) == ()          # back, on the lists
-    assert p.state == P.RECOVERING and p.t_drain == 11.0
+    assert p.state == P.RECOVERING and p.t_drain == 11.0 and p.v_drain == LINE - 100
     assert p.deadline(11.0) == P.PCP_DRAIN_WAIT                  # the cap is the next deadline
     assert p.step(40.0, LINE - 50, pcp_free=60) == ()
     assert p.step(41.0, LINE) == (P.RECOVERED,)                  # MemAvailable alone is back
@@ -257,6 +257,26 @@ def test_the_wait_on_the_lists_ends_when_they_no_longer_lift_it_or_at_the_cap():
     assert q.step(11.0 + P.PCP_DRAIN_WAIT, LINE - 100, pcp_free=GiB) == (P.GAVE_UP_WAITING,)
 
 
+def test_the_wait_on_the_lists_ends_when_memavailable_falls_though_the_lists_stay_full():
+    # a hog that is not a target goes on after the victim is gone: the lists of the CPUs that freed
+    # the victim stay full (reclaim runs before they are drained), MemAvailable alone falls
+    p = mk(recovery_wait=10.0)
+    p.step(0.0, LINE - 1)
+    p.step(1.0, LINE // 2, victim_gone=True)
+    assert p.step(11.0, LINE // 2, pcp_free=4 * GiB) == ()
+    assert p.step(11.2, LINE // 2 - P.DRAIN_SLACK, pcp_free=4 * GiB) == ()        # within the slack
+    assert p.step(11.4, LINE // 2 - P.DRAIN_SLACK - 1, pcp_free=4 * GiB) == (P.GAVE_UP_WAITING,)
+    assert p.step(11.6, LINE // 2 - P.DRAIN_SLACK - 1, pcp_free=4 * GiB) == (P.CROSSED, P.TERM)
+
+
+def test_the_wait_on_the_lists_ends_below_kill_below():
+    p = mk(recovery_wait=10.0, kill_below=LINE // 2)
+    p.step(0.0, LINE - 1)
+    p.step(1.0, LINE // 2 + 10, victim_gone=True)
+    assert p.step(11.0, LINE // 2 + 10, pcp_free=GiB) == ()
+    assert p.step(11.2, LINE // 2 - 1, pcp_free=GiB) == (P.GAVE_UP_WAITING,)
+
+
 def test_free_pages_on_the_per_cpu_lists_never_delay_or_cancel_an_action():
     # the crossing and the escalation look at the signal alone: lists that would lift it above
     # the line do not stop the SIGTERM, nor the SIGKILL after the grace
@@ -267,9 +287,9 @@ def test_free_pages_on_the_per_cpu_lists_never_delay_or_cancel_an_action():
     assert p.step(5.0, LINE - 1, pcp_free=4 * GiB) == ()                    # still within recovery_wait
 
 
-def test_no_recovery_wait_asks_for_the_lists_as_the_victim_goes():
+def test_no_recovery_wait_means_no_wait_on_the_lists_either():
+    # guard.recovery_wait: 0 asks to act again at once: the lists do not add a wait
     p = mk(recovery_wait=0.0)
     p.step(0.0, LINE - 1)
-    assert p.counts_pcp(1.0, victim_gone=True) is True
-    assert p.step(1.0, LINE - 100, victim_gone=True, pcp_free=100) == (P.EXITED,)
-    assert p.step(1.2, LINE - 100, pcp_free=0) == (P.GAVE_UP_WAITING,)
+    assert p.counts_pcp(1.0, victim_gone=True) is False
+    assert p.step(1.0, LINE - 100, victim_gone=True, pcp_free=GiB) == (P.EXITED, P.GAVE_UP_WAITING)

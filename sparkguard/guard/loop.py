@@ -37,6 +37,7 @@ STATUS_EVERY = 10.0         # seconds between STATUS= refreshes when nothing cha
 BLIND_AFTER = 3.0           # seconds of failed /proc/meminfo reads in a row before WATCHDOG=1 stops (WatchdogSec=5s)
 RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread has read the config
 STATUS_CHANGED = -2         # pseudo-signal in Guard._flags: another thread changed what STATUS= says
+PCP_EVERY = 1.0             # seconds between reads of the per-CPU free lists (Guard._pcp_free)
 SOFT_ANSWER = -3            # pseudo-signal in Guard._flags: the engine answered a pause/resume/probe
 
 
@@ -88,6 +89,7 @@ class Guard:
         self.proc_view: dict | None = None   # what /proc shows this process (procview.hidepid_blocks_view)
         self.pcp = pcp.PcpReader(os.path.join(os.path.dirname(meminfo_path), "zoneinfo"))
         self._pcp_failed = False    # the last read of the per-CPU lists failed (logged once per streak)
+        self._pcp_at, self._pcp_last = -math.inf, 0     # monotonic s and bytes of the last read
 
     @property
     def cfg(self):
@@ -104,6 +106,9 @@ class Guard:
         self.reader = meminfo.MeminfoReader(self.meminfo_path)
         self.avail, self.swap_free = self.reader.sample()
         self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
+        if self.pcp.free_bytes() is None:       # opened, its buffer allocated and the parse run once, now
+            log.info("the per-CPU free lists cannot be read (%s): the wait for a victim's memory counts "
+                     "MemAvailable alone", self.pcp.error)
         self.notifier = notify.Notifier()
         self.reporter = reporter.Reporter(self.cfg.incidents.dir, self.cfg.incidents.journal)
         self.recorder = self.actions.recorder = recorder.Recorder(self.reader, self.reporter, sysinfo.hostname(),
@@ -270,21 +275,25 @@ class Guard:
             return 0
         return s.budget
 
-    def _pcp_free(self, value: int) -> int:
-        """Bytes on the kernel's per-CPU free lists, read only while a victim's memory is not back
-        by ``value`` alone past ``guard.recovery_wait`` (one read of /proc/zoneinfo, ~45 us on 2
-        CPUs); 0 when unreadable, logged once per streak.  The largest read of the incident is kept
-        in ``self.actions.pcp_free`` for its closing event."""
-        held = 0
-        if value < self.policy.thresholds.term_below:
-            b = self.pcp.free_bytes()
-            if b is None and not self._pcp_failed:
-                log.warning("cannot read the per-CPU free lists (%s); memory back is MemAvailable alone",
-                            self.pcp.error)
-            self._pcp_failed = b is None
-            held = b or 0
-        self.actions.pcp_free = max(self.actions.pcp_free, held)
-        return held
+    def _pcp_free(self, value: int, now: float) -> int:
+        """Bytes on the kernel's per-CPU free lists, while a victim's memory is not back by
+        ``value`` alone past ``guard.recovery_wait``: one read of /proc/zoneinfo (~45 us on 2 CPUs)
+        at most every :data:`PCP_EVERY` s (the lists drain once per ``vm.stat_interval``, and the
+        read takes every zone's lock), the last one reused in between; 0 when unreadable, logged
+        once per streak.  The largest read of the incident is kept in ``self.actions.pcp_free``
+        for its closing event."""
+        if value >= self.policy.thresholds.term_below:
+            return 0
+        if now - self._pcp_at < PCP_EVERY:
+            return self._pcp_last
+        b = self.pcp.free_bytes()
+        if b is None and not self._pcp_failed:
+            log.warning("cannot read the per-CPU free lists (%s); memory back is MemAvailable alone",
+                        self.pcp.error)
+        self._pcp_failed = b is None
+        self._pcp_at, self._pcp_last = now, b or 0
+        self.actions.pcp_free = max(self.actions.pcp_free, self._pcp_last)
+        return self._pcp_last
 
     def _pass(self, s: settings.LoopSettings) -> float:
         """One full poll: sample, decide, act, record, ping.  Returns the seconds to sleep."""
@@ -310,7 +319,7 @@ class Guard:
                 self.actions.arm(t0, headroom, s.far)
             else:
                 gone = self.actions.victim_gone()
-                held = self._pcp_free(value) if pol.counts_pcp(t0, gone) else 0
+                held = self._pcp_free(value, t0) if pol.counts_pcp(t0, gone) else 0
                 acts = pol.step(t0, value, gone, fall, loading, held)
                 if acts:
                     try:

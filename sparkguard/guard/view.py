@@ -34,6 +34,7 @@ def status_line(guard) -> str:
     return f"{line}; state {state}" + (f"; {soft}" if soft else "") + ("; DRY RUN" if g.dry_run else "") \
         + (f"; {problem}" if problem else "")
 
+
 def snapshot(guard) -> dict:
     """The state of ``guard`` for metrics and status (its keys: docs/snapshot.md): plain reads of
     what the loop keeps, safe from any thread, no I/O."""

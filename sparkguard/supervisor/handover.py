@@ -372,14 +372,14 @@ def register(sub) -> None:
     p.set_defaults(func=orphan_check)
 
 
-def stop_config(path: str | None):
-    """The daemon's config for stop-post, its defaults when it cannot be read (logged): a
-    refused config must not leave the engine running."""
+def stop_config(path: str | None, who: str = "stop-post"):
+    """The daemon's config for stop-post (``who``: the command, for the log), its defaults when it
+    cannot be read (logged): a refused config must not leave the engine running."""
     path = path or config.DEFAULT_PATH
     try:
         return config.load(path)
     except (config.ConfigError, OSError) as e:
-        log.warning("sparkguard stop-post: config %s not usable (%s); using the defaults", path, e)
+        log.warning("sparkguard %s: config %s not usable (%s); using the defaults", who, path, e)
         return config.from_dict({})
 
 
@@ -402,22 +402,32 @@ def _main(args) -> int:
 def orphan_check(args) -> int:
     """``sparkguard orphan-check``: the verdict of :func:`orphancheck.verdict` on the unit as it is
     now, and what it says: stop the engine cgroups (:func:`stop_engines`, ``loose=False``), arm the
-    next check, or leave; one line to the unit's journal.  Exit 2 on unusable arguments."""
+    next check, or leave; one line to the unit's journal, also when the check itself fails (it then
+    arms the next check while attempts remain).  Exit 2 on unusable arguments."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     oc = orphancheck
-    if not oc.args_ok(args.unit, args.invocation, args.cgroup):
+    props = oc.show(args.unit, ("InvocationID", "ActiveState", "SubState", "ControlGroup")) \
+        if oc.unit_name_ok(args.unit) else None
+    if not oc.args_ok(args.unit, args.invocation, args.cgroup, (props or {}).get("ControlGroup")):
         print(f"sparkguard orphan-check: refused: unit {args.unit!r}, invocation {args.invocation!r}, "
               f"cgroup {args.cgroup!r}", file=sys.stderr)
         return 2
-    cfg = stop_config(args.config)
-    props = oc.show(args.unit, ("InvocationID", "ActiveState", "SubState"))
-    action, why = oc.verdict(args.invocation, props, unit_job(args.unit, oc.CLI_TIMEOUT),
-                             bool(unguarded_engines(args.cgroup)), cfg.engine.on_daemon_stop)
+    cfg, action, priority = None, oc.AGAIN, 5
+    try:
+        cfg = stop_config(args.config, who="orphan-check")
+        action, why = oc.verdict(args.invocation, props, unit_job(args.unit, oc.CLI_TIMEOUT),
+                                 bool(unguarded_engines(args.cgroup)), cfg.engine.on_daemon_stop)
+        if action == oc.STOP:
+            priority = 4
+            why += "; stopped " + (", ".join(stop_engines(args.cgroup, cfg, loose=False, who="orphan-check"))
+                                   or "nothing")
+    except Exception as e:  # noqa: BLE001 - the unit's journal must say what happened, and a check follows
+        action, priority = oc.AGAIN, 3
+        why = f"the check failed ({type(e).__name__}: {e})"
     if action == oc.AGAIN:
-        why += "; " + (oc.arm(args.unit, args.invocation, args.cgroup, args.config, cfg.guard.grace, args.attempt + 1)
+        grace = cfg.guard.grace if cfg is not None else config.from_dict({}).guard.grace
+        why += "; " + (oc.arm(args.unit, args.invocation, args.cgroup, args.config, grace, args.attempt + 1)
                        if args.attempt < oc.ATTEMPTS else f"no check after {oc.ATTEMPTS}")
-    elif action == oc.STOP:
-        why += "; stopped " + (", ".join(stop_engines(args.cgroup, cfg, loose=False, who="orphan-check")) or "nothing")
     oc.tell(args.unit, f"sparkguard orphan-check: invocation {args.invocation}, check {args.attempt}: {action}: {why}",
-            4 if action == oc.STOP else 5)
+            priority)
     return 0

@@ -29,8 +29,13 @@ one runs first, else the one ordered before; read from the source, not provoked 
 (a loaded machine), the check arms itself again, :data:`ATTEMPTS` times at most.
 
 What it stops: the processes of the unit's ``engine-*`` cgroups (SIGTERM, ``guard.grace``,
-``cgroup.kill``) and the recorded container once verified, through the configured runtime CLI
-(``rm -f``); nothing outside those cgroups is signalled.  The command (``sparkguard
+``cgroup.kill``), and the recorded container once verified (its init's start time and its cgroup
+name match the state file), through the configured runtime CLI (``rm -f``): the container runtime
+kills that container's processes, which live in the runtime's own scope; nothing else outside
+those cgroups is signalled or removed.  Tested on systemd 252 (Debian 12); the two behaviours it
+relies on (``InvocationID`` kept after a stop in the restart wait, no ``ExecStopPost`` run by that
+stop) were seen there only, not on the 255 of Ubuntu 24.04.  A start of the unit queued while the
+check stops an engine waits for it: up to ``guard.grace`` plus :data:`START_TIMEOUT_EXTRA`.  The command (``sparkguard
 orphan-check``) is :func:`sparkguard.supervisor.handover.orphan_check`, beside stop-post, whose
 stop it shares.  Its verdict goes to the unit's journal (``OBJECT_SYSTEMD_UNIT=``, which
 ``journalctl -u`` matches for entries sent by root: systemd.journal-fields(7), journalctl's
@@ -70,13 +75,20 @@ def should_arm(job: str | None, service_result: str, crash_results) -> bool:
     return True
 
 
+#: the units ``systemctl show`` prints a time span in beyond parse_duration's (systemd's
+#: ``format_timespan()``, src/basic/time-util.c: ``y``, ``month``, ``w``, ``d``), seconds each
+_LONG_UNITS = {"y": 31557600.0, "month": 2629800.0, "w": 604800.0, "d": 86400.0}
+_LONG = re.compile(r"(\d+(?:\.\d+)?)(y|month|w|d)\Z")
+
+
 def span(text: str) -> float | None:
-    """A systemd time span as ``systemctl show`` prints it (``100ms``, ``5s``, ``1min 30s``) in
-    seconds; None when it does not parse or is ``infinity``."""
+    """A systemd time span as ``systemctl show`` prints it (``100ms``, ``5s``, ``1min 30s``,
+    ``1d 2h``) in seconds; None when it does not parse or is ``infinity``."""
     total = 0.0
     try:
         for part in text.split():
-            total += parse_duration(part)
+            m = _LONG.match(part)
+            total += float(m.group(1)) * _LONG_UNITS[m.group(2)] if m else parse_duration(part)
     except ValueError:
         return None
     return total if text.strip() else None
@@ -103,8 +115,9 @@ def restart_wait(unit: str) -> float:
 
 
 def unit_name_ok(name: str) -> bool:
-    """A ``.service`` name safe to put on a command line (systemd.unit(5) name characters)."""
-    return bool(re.fullmatch(r"[A-Za-z0-9:_.\\@-]{1,200}\.service", name))
+    """A ``.service`` name safe to put on a command line (systemd.unit(5) name characters, and a
+    first one that no command line reads as an option)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9:_.\\@-]{0,199}\.service", name))
 
 
 def argv(unit: str, invocation: str, attempt: int, delay: float, cgroup_dir: str, python: str,
@@ -163,12 +176,14 @@ def verdict(armed: str, props: dict[str, str] | None, job: str | None, populated
     if job == "stop":
         return AGAIN, "a stop job runs for the unit"
     if job:
-        return LEAVE, f"a {job} job is queued for the unit: the next daemon adopts the engine"
+        return LEAVE, (f"a {job} job is queued for the unit: the daemon it starts adopts the engine"
+                       if job in ("start", "restart") else f"a {job} job is queued for the unit: left to it")
     if active not in ("inactive", "failed"):
         return AGAIN, f"the unit is still {active} ({sub}) after the crash"
     if on_daemon_stop != "stop":
         return LEAVE, f"the unit stopped during its restart wait; engine.on_daemon_stop: {on_daemon_stop} keeps the engine"
-    return STOP, "the unit stopped during its restart wait after the crash (no ExecStopPost ran): the engine goes with it"
+    return STOP, (f"the unit is {active} after the crash and was not started again (stopped during its restart "
+                  "wait, or not restarted at all): no daemon guards the engine, which goes with it")
 
 
 def tell(unit: str, text: str, priority: int = 5) -> None:
@@ -181,15 +196,20 @@ def tell(unit: str, text: str, priority: int = 5) -> None:
         print(text, file=sys.stderr)
 
 
-def cgroup_ok(path: str, unit: str) -> bool:
+def cgroup_ok(path: str, unit: str, control_group: str | None = None) -> bool:
     """``path`` (the ``--cgroup`` the check was armed with) is ``unit``'s cgroup directory under
-    this host's cgroup2 mount (symlinks resolved)."""
+    this host's cgroup2 mount, as given (no symlink in it), and, when systemd's ``ControlGroup``
+    of the unit is known (``control_group``, e.g. ``/system.slice/sparkguard.service``), that one."""
     mount = cgroups.find_mount()
-    real = os.path.realpath(path)
-    return (mount is not None and os.path.basename(real) == unit
-            and real.startswith(mount[0].rstrip("/") + "/") and cgroups.populated(real) is not None)
+    if mount is None or os.path.realpath(path) != path:     # no "..", no symlink, no trailing "/"
+        return False
+    root = mount[0].rstrip("/")
+    if os.path.basename(path) != unit or not path.startswith(root + "/") or cgroups.populated(path) is None:
+        return False
+    return not control_group or os.path.normpath(root + "/" + control_group.lstrip("/")) == os.path.normpath(path)
 
 
-def args_ok(unit: str, invocation: str, cgroup_dir: str) -> bool:
-    """The check's arguments are usable: a unit name, a 32-hex-digit invocation id, its cgroup."""
-    return unit_name_ok(unit) and bool(_ID.match(invocation)) and cgroup_ok(cgroup_dir, unit)
+def args_ok(unit: str, invocation: str, cgroup_dir: str, control_group: str | None = None) -> bool:
+    """The check's arguments are usable: a unit name, a 32-hex-digit invocation id, its cgroup
+    (``control_group``: the unit's ``ControlGroup`` as systemd reports it, when readable)."""
+    return unit_name_ok(unit) and bool(_ID.match(invocation)) and cgroup_ok(cgroup_dir, unit, control_group)
