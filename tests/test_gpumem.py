@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_sparkguard, sg_env
-from supervisor_helpers import Daemon, engine_config, fake_cmd, free_port, unique
+from supervisor_helpers import READY_RE, Daemon, engine_config, fake_cmd, free_port, unique
 from sparkguard import config, gpumem, proctree
 
 FAKES = Path(__file__).parent / "fakes" / "nvml"
@@ -164,6 +164,7 @@ def test_a_daemon_with_nvml_shows_the_engines_gpu_memory(tmp_path, monkeypatch):
         d.wait_control()
         d.wait_line(r"gpumem: reading each process's GPU memory from NVML every 2 s")
         st = d.wait_ready(timeout=30)
+        d.wait_line(READY_RE.pattern)       # the reader thread records the pids before it keeps the line
         pids = list(d.engine_pids)
         worker = pids[2]
         state.write_text(json.dumps({"devices": [{"procs": [{"pid": worker, "used": 3 * GiB}]},
