@@ -33,77 +33,39 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 HEAD = "        try:\n            while left:"
 END = "    def _fast_budget"
 
+_READ = """            try:
+                {n}preadv(fd, view, 0)
+            except OSError:
+                return
+"""
+_LOOP = "        while left:\n"
+_TAIL = "            left -= 1\n            sleep(ms)\n\n"
+
+
+def _body(setup: str = "", check: str = "", n: str = "") -> str:
+    """The loop: ``setup`` lines before it, the read, ``check`` lines after the read, the sleep."""
+    return setup + _LOOP + _READ.format(n=n) + check + _TAIL
+
+
 BODIES = {
-    "fastfloor": """        while left:
-            preadv(fd, view, 0)
-            left -= 1
-            sleep(ms)
-
-""",
-    "f1": """        while left:
-            try:
-                preadv(fd, view, 0)
-            except OSError:
-                return
-            left -= 1
-            sleep(ms)
-
-""",
-    "f2": """        while left:
-            try:
-                preadv(fd, view, 0)
-            except OSError:
-                return
-            if flags or self.stopping:
-                return
-            left -= 1
-            sleep(ms)
-
-""",
-    "f3": """        label = meminfo.FAST_LABEL
-        while left:
-            try:
-                preadv(fd, view, 0)
-            except OSError:
-                return
-            if not buf.startswith(label, at) or flags or self.stopping:
-                return
-            left -= 1
-            sleep(ms)
-
-""",
-    "inline": """        label, end = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN
-        vat = at + meminfo._FAST_VALUE
-        wat, pend = vat + width, vat + len(pattern)
-        while left:
-            try:
-                n = preadv(fd, view, 0)
-            except OSError:
-                return
-            if n < end or not buf.startswith(label, at) or flags or self.stopping:
-                return
-            c = buf[wat]
-            if c == 32:
-                if buf[vat:pend] < pattern:
-                    return
-            elif not 48 <= c <= 57:
-                return
-            left -= 1
-            sleep(ms)
-
-""",
-    "nobook": """        while left:
-            try:
-                n = preadv(fd, view, 0)
-                raw = above(buf, n, at, width, pattern)
-            except OSError:
-                return
-            if raw is None or flags or self.stopping:
-                return
-            left -= 1
-            sleep(ms)
-
-""",
+    "fastfloor": _LOOP + "            preadv(fd, view, 0)\n" + _TAIL,
+    "f1": _body(),
+    "f2": _body(check="            if flags or self.stopping:\n                return\n"),
+    "f3": _body("        label = meminfo.FAST_LABEL\n",
+                "            if not buf.startswith(label, at) or flags or self.stopping:\n                return\n"),
+    "inline": _body("        label, end = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN\n"
+                    "        vat = at + meminfo._FAST_VALUE\n"
+                    "        wat, pend = vat + width, vat + len(pattern)\n",
+                    "            if n < end or not buf.startswith(label, at) or flags or self.stopping:\n"
+                    "                return\n"
+                    "            c = buf[wat]\n"
+                    "            if c == 32:\n"
+                    "                if buf[vat:pend] < pattern:\n"
+                    "                    return\n"
+                    "            elif not 48 <= c <= 57:\n"
+                    "                return\n", n="n = "),
+    "nobook": _body(check="            raw = above(buf, n, at, width, pattern)\n"
+                          "            if raw is None or flags or self.stopping:\n                return\n", n="n = "),
 }
 
 
