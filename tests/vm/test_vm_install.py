@@ -192,7 +192,14 @@ def test_install_enable_reboot_then_uninstall_reboot(vm):
     after = _host_state(vm, shipped_keys)
     assert after["swaps"] == before["swaps"], (before["swaps"], after["swaps"])
     assert after["sysctls"] == before["sysctls"], (before["sysctls"], after["sysctls"])
-    added = sorted(set(after["files"]) - set(before["files"]))
+    # uninstall keeps (and names) the incident records unless --purge (README, "uninstall")
+    kept = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("kept")]
+    assert kept == ["/var/lib/sparkguard/incidents/"], r.stdout
+
+    def named_kept(p: str) -> bool:
+        return any(p.startswith(k) or k.startswith(p + "/") for k in kept)
+
+    added = sorted(p for p in set(after["files"]) - set(before["files"]) if not named_kept(p))
     removed = sorted(set(before["files"]) - set(after["files"]))
     changed = sorted(p for p in set(before["files"]) & set(after["files"]) if before["files"][p] != after["files"][p])
     assert not (added or removed or changed), f"left by install+uninstall: added {added}, removed {removed}, changed {changed}"
