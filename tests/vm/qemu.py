@@ -134,6 +134,7 @@ class VM:
         self.boot_id: str | None = None
         self.boot_seconds: list[float] = []
         self._cv = threading.Condition()
+        self._send_lock = threading.Lock()
         self._answers: dict[int, dict] = {}
         self._hellos: list[str] = []
         self._next_id = 1
@@ -246,12 +247,17 @@ class VM:
 
     # -- inside
 
-    def _request(self, req: dict, timeout: float) -> dict:
-        with self._cv:
+    def _send(self, req: dict) -> int:
+        """Send one request to the agent; returns its id (the answer, if any, lands in _answers).
+        Safe from several threads (``run`` may be called concurrently)."""
+        with self._send_lock:  # one whole line at a time, whichever thread sends
             rid = self._next_id
             self._next_id += 1
-        data = (json.dumps(dict(req, id=rid)) + "\n").encode()
-        self.sock.sendall(data)
+            self.sock.sendall((json.dumps(dict(req, id=rid)) + "\n").encode())
+        return rid
+
+    def _request(self, req: dict, timeout: float) -> dict:
+        rid = self._send(req)
         deadline = time.monotonic() + timeout + 30  # the agent kills the command at timeout; allow for TCG
         with self._cv:
             while rid not in self._answers:
@@ -293,11 +299,7 @@ class VM:
         """
         t0 = time.monotonic()
         old = self.boot_id
-        rid_req = {"argv": ["systemctl", "reboot", "--no-block"], "input": None, "timeout": 60}
-        with self._cv:
-            rid = self._next_id
-            self._next_id += 1
-        self.sock.sendall((json.dumps(dict(rid_req, id=rid)) + "\n").encode())
+        self._send({"argv": ["systemctl", "reboot", "--no-block"], "input": None, "timeout": 60})
         self._wait_boot(old, t0, timeout)
 
     def qmp(self, command: str, **arguments) -> dict:
@@ -333,8 +335,7 @@ class VM:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(Exception):
                 if self.sock is not None:
-                    self.sock.sendall((json.dumps({"id": 0, "argv": ["systemctl", "poweroff", "--no-block"],
-                                                   "timeout": 30}) + "\n").encode())
+                    self._send({"argv": ["systemctl", "poweroff", "--no-block"], "timeout": 30})
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
