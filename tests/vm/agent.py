@@ -8,7 +8,8 @@ Protocol, one JSON object per line (UTF-8) on the port named :data:`PORT_NAME`:
 
 * guest -> host at start: ``{"hello": BOOT_ID}`` with the kernel's boot id
   (/proc/sys/kernel/random/boot_id), so the host can tell one boot from the next;
-* host -> guest: ``{"id": N, "argv": [...], "input": str|null, "timeout": seconds}``, answered by
+* host -> guest: ``{"id": N, "argv": [...], "input": str|null, "timeout": seconds}`` (run at
+  oom_score_adj 0, not the agent's -1000), answered by
   ``{"id": N, "rc": int, "stdout": str, "stderr": str}`` (rc -9 and ``"timeout": true`` when the
   command ran past ``timeout`` and was SIGKILLed, with its process group);
 * host -> guest: ``{"id": N, "put": PATH, "data": BASE64, "mode": int}``: write a file
@@ -72,7 +73,10 @@ class Agent:
                 os.rename(tmp, path)
                 self.send({"id": rid, "rc": 0, "stdout": "", "stderr": ""})
                 return
-            p = subprocess.Popen(req["argv"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            # The agent runs at OOMScoreAdjust=-1000, which children inherit (proc(5)): each command
+            # starts at 0, like one from a login shell, so the kernel's OOM killer may choose it.
+            argv = ["/bin/sh", "-c", 'echo 0 > /proc/self/oom_score_adj && exec "$@"', "sh", *req["argv"]]
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True,
                                  env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                                       "LANG": "C.UTF-8", "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0",

@@ -79,4 +79,7 @@ def test_agent_says_hello_runs_commands_writes_files_and_kills_on_timeout(agent,
 
     send({"id": 5, "argv": ["/nonexistent/x"], "timeout": 10})
     a = receive()
-    assert a["id"] == 5 and a["rc"] == 255 and "FileNotFoundError" in a["stderr"]
+    assert a["id"] == 5 and a["rc"] == 127 and "/nonexistent/x" in a["stderr"]
+
+    send({"id": 6, "argv": ["cat", "/proc/self/oom_score_adj"], "timeout": 10})
+    assert receive()["stdout"] == "0\n"
