@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -79,6 +80,9 @@ def main() -> int:
     if reason:
         print(f"vm_oom: cannot run here: {reason}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds through the finally below, which powers the guest off and ends QEMU
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    qemu.reap_stale()
     img = image.cached_image(log=lambda m: print(f"[vm_oom] {m}", file=sys.stderr, flush=True))
     wheel = nspawn.build_wheel(Path(tempfile.mkdtemp(prefix="vm_oom-")))
     vm = qemu.VM(img)
