@@ -411,7 +411,9 @@ def uninstall(args) -> int:
             if f"{DROPIN_DIR}/{name}" != ENGINE_DROPIN:  # ours was removed or reported above
                 ch.note("kept", f"{DROPIN_DIR}/{name}", "not written by sparkguard install; remove it yourself")
     remove_file(ch, root, MANIFEST_PATH)
-    remove_empty_dirs(ch, root, "/etc/sparkguard", os.path.dirname(CATALOG_PATH))
+    # the catalog's folder and its parent (/usr/local/lib/systemd: no Debian package ships it), when empty
+    remove_empty_dirs(ch, root, "/etc/sparkguard", os.path.dirname(CATALOG_PATH),
+                      os.path.dirname(os.path.dirname(CATALOG_PATH)))
 
     state = in_root(root, STATE_DIR)
     if args.purge:
