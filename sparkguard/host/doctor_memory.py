@@ -52,7 +52,7 @@ def check_zram(ctx: Context) -> Check:
     if not zr:
         if not os.path.isdir("/sys/class/zram-control") and not os.path.isdir("/sys/block/zram0"):
             return Check("zram", WARN, "no zram swap, and the zram module is not loaded",
-                         "modprobe zram; sparkguard install-zram", data)
+                         "sparkguard install-zram (it loads the module, as the set-up unit does at boot)", data)
         return Check("zram", WARN, "no zram swap is active: reclaim spikes go straight to the livelock",
                      "sparkguard install-zram (6 GiB at priority 100)", data)
     top = max(s["priority"] for s in zr)
