@@ -94,7 +94,7 @@ def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
         return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
-                if ln.startswith("sparkguard_poll") and not ln.startswith("#")}
+                if ln.startswith(("sparkguard_poll", "sparkguard_last_poll")) and not ln.startswith("#")}
 
     try:
         g.wait_ready()
@@ -102,9 +102,14 @@ def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
         a, t0 = scrape(), time.monotonic()
         # a rate needs an interval, and one full pass (every 10 s while idle) must fall in it:
         # 12 s of polling, waited out on the guard's own notify socket
+        # the last poll's timestamp stays fresh on the fast path, which reads the clock only
+        # once per batch of polls (5 s with the black box on): checked at each scrape
         end = t0 + 12.0
+        ages = []
         while time.monotonic() < end:
-            g.notify.recv(max(0.01, end - time.monotonic()))
+            g.notify.recv(max(0.01, min(1.0, end - time.monotonic())))
+            ages.append(time.time() - scrape()["sparkguard_last_poll_timestamp_seconds"])
+        assert len(ages) >= 8 and max(ages) < 0.7 and min(ages) > -0.05, ages
         b, t1 = scrape(), time.monotonic()
         rate = (b["sparkguard_polls_total"] - a["sparkguard_polls_total"]) / (t1 - t0)
         assert 4.0 <= rate <= 5.5, rate                           # poll_interval 0.2 s: 5 a second
@@ -112,3 +117,23 @@ def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
         assert 0 < timed < 0.5 * (b["sparkguard_polls_total"] - a["sparkguard_polls_total"])  # mostly fast path
     finally:
         g.stop()
+
+
+def test_an_idle_batch_ends_at_the_poll_where_a_ping_or_a_record_falls_due():
+    from types import SimpleNamespace as NS
+    from sparkguard.guard import settings, view
+    from sparkguard.guard.loop import Guard
+    no_dog, no_ring = NS(watchdog_interval=None), None
+    g = NS(notifier=no_dog, ring=no_ring)
+    assert Guard._idle_batch(g, 100.0, 0.2) == int(settings.FULL_PASS_EVERY / 0.2) + 1
+    g.notifier = NS(watchdog_interval=2.5, next_ping=102.5)       # sent one interval early: at 102.3
+    assert Guard._idle_batch(g, 100.0, 0.2) == 12                 # the 12th poll wakes at >= 102.4
+    g.ring = NS(next_at=101.0)
+    assert Guard._idle_batch(g, 100.0, 0.2) == 5
+    assert Guard._idle_batch(g, 101.5, 0.2) == 1                  # overdue: the next poll
+    # the snapshot's last poll: the batch's start plus one interval per poll counted since,
+    # never later than now; a loop that stops counting goes stale
+    g = NS(poll_mark=(50.0, 7), fast_polls=10, cfg=NS(guard=NS(poll_interval=0.2)))
+    assert abs(view.last_poll(g, 51.0) - 50.6) < 1e-9
+    assert view.last_poll(g, 50.3) == 50.3
+    assert abs(view.last_poll(g, 90.0) - 50.6) < 1e-9

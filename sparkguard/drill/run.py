@@ -50,18 +50,12 @@ class _DrillReporter:
 
 def _make_guard(cfg, drill: "Drill"):
     class DrillGuard(Guard):
-        """The daemon's Guard with the drill's reporter and a stop button for the controller thread."""
+        """The daemon's Guard with the drill's reporter (its controller thread stops it with
+        :meth:`Guard.request_stop`)."""
 
         def start(self) -> None:
             super().start()
             self.reporter = self.recorder.reporter = _DrillReporter(self.reporter, drill)
-
-        def request_stop(self) -> None:
-            self.stopping = True
-            try:
-                os.write(self._wake_w, b"\0")
-            except OSError:
-                pass
 
     return DrillGuard(cfg, config_arg=None)
 

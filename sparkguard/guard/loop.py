@@ -39,6 +39,7 @@ RELOAD_READ = -1            # pseudo-signal in Guard._flags: the reload thread h
 STATUS_CHANGED = -2         # pseudo-signal in Guard._flags: another thread changed what STATUS= says
 PCP_EVERY = 1.0             # seconds between reads of the per-CPU free lists (Guard._pcp_free)
 SOFT_ANSWER = -3            # pseudo-signal in Guard._flags: the engine answered a pause/resume/probe
+STOP_REQUESTED = -4         # pseudo-signal in Guard._flags: another thread set ``stopping`` (request_stop)
 
 
 class Guard:
@@ -71,6 +72,7 @@ class Guard:
         self.stopping = False
         self.keep_engine = False    # SIGUSR2: the supervised engine outlives this daemon
         self._flags: set[int] = set()
+        self._wake_r = self._wake_w = -1      # the wake-up pipe, made by start()
         self.avail = self.swap_free = self.value = 0
         self.fall: rate.FallRate | None = None     # the signal's fall-rate estimate (guard.rate_trigger on)
         self.poll_count = 0         # timed (full) passes; poll_sum is their total seconds
@@ -78,7 +80,8 @@ class Guard:
         self.fast_raw = None        # MemAvailable as the fast path last read it (meminfo.fast_above), or None
         self._fast_at = -1          # offset of the MemAvailable line for the fast path (meminfo.fast_layout)
         self.poll_sum = 0.0
-        self.last_poll = 0.0
+        self.last_poll = 0.0        # monotonic s of the last full pass or idle batch's end; 0 before the first
+        self.poll_mark = (0.0, 0)   # (last_poll, fast_polls then): guard.view estimates the last poll from it
         self.started = time.time()
         self.reloads = {"ok": 0, "failed": 0}
         self.read_errors = 0
@@ -176,6 +179,12 @@ class Guard:
         except OSError:
             pass
 
+    def request_stop(self) -> None:
+        """From another thread (the drill's controller): end the loop within one poll interval, as
+        SIGTERM would, but leaving STATUS= and the engine to the caller."""
+        self.stopping = True
+        self._wake(STOP_REQUESTED)
+
     # ---- the loop ------------------------------------------------------------------
 
     def loop(self) -> int:
@@ -227,42 +236,76 @@ class Guard:
     def _idle(self, left: int, s: settings.LoopSettings) -> None:
         """The idle fast path: up to ``left`` polls of MemAvailable alone, each followed by a sleep
         of ``s.interval``; returns at the first read that is not far above the line
-        (``s.idle_floor``), fails, or finds a signal flagged.  Kept to these few lines: five times
-        a second, forever.
+        (``s.idle_floor``), fails, or finds a flag set (a signal, a stop request).  Kept to these
+        few lines: five times a second, forever.
 
         MemAvailable is checked by :func:`sparkguard.meminfo.fast_above`, as bytes at the offset the
         last full pass found (``_fast_at``); its answer only ever ends the fast path: a line that
         moved, a short read or a value below the floor does, and the full pass then reads with
         :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.  The value itself is
-        kept as the kernel printed it (``fast_raw``); :meth:`snapshot` parses it when asked."""
+        kept as the kernel printed it (``fast_raw``); :meth:`snapshot` parses it when asked.
+
+        A poll only reads, compares, counts and sleeps.  The clock is read once per batch of
+        polls (:meth:`_idle_batch`), at the poll where the next watchdog ping or black-box record
+        falls due, since after 200 ms of sleep every line of Python runs cold and each costs
+        (bench/results/idle-parse.txt)."""
         fd, view, buf = self.reader.inline_parts()
-        preadv, above, monotonic, sleep = os.preadv, meminfo.fast_above, time.monotonic, self._idle_poll
+        preadv, above, sleep = os.preadv, meminfo.fast_above, self._idle_poll
         at, (width, pattern), ms, flags = self._fast_at, s.idle_pattern, s.interval * 1000.0, self._flags
-        notifier, ring = self.notifier, self.ring
-        # a ping due before the next wake-up is sent at this one, on the ping schedule
-        ping_at = notifier.next_ping - s.interval if notifier.watchdog_interval is not None else math.inf
-        ring_at = ring.next_at if ring is not None else math.inf
+        k = min(left, self._idle_batch(time.monotonic(), s.interval))
+        left -= k
         try:
-            while left:
-                try:
-                    n = preadv(fd, view, 0)
-                    raw = above(buf, n, at, width, pattern)
-                except OSError:                 # the full pass reports it
+            while True:
+                n = preadv(fd, view, 0)
+                raw = above(buf, n, at, width, pattern)
+                if raw is None or flags:
                     return
-                if raw is None or flags or self.stopping:
-                    return
-                left -= 1
                 self.fast_polls += 1
                 self.fast_raw = raw
-                self.last_poll = now = monotonic()
-                if now >= ping_at:              # WATCHDOG=1 from the loop itself, never late
-                    notifier.watchdog(max(now, notifier.next_ping))
-                    ping_at = notifier.next_ping - s.interval
-                if now >= ring_at:              # the black box's record (blackbox.IDLE_INTERVAL)
-                    ring_at = ring.sample(now, buf, n, None, s.use_swap, policy.OK, True, ring_mod.target_mem(self.actions))
+                k -= 1
+                if not k:
+                    now = self._idle_due(buf, n, s)
+                    if not left:
+                        sleep(ms)
+                        return
+                    k = min(left, self._idle_batch(now, s.interval))
+                    left -= k
                 sleep(ms)
+        except OSError:                         # the full pass reports it
+            return
         except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
             log.exception("poll loop error on the idle path; the guard keeps running")
+
+    def _idle_batch(self, now: float, interval: float) -> int:
+        """Polls of the idle fast path from ``now`` (monotonic s) to the first one at or after the
+        next watchdog ping's send time (one ``interval`` before ``notifier.next_ping``) or the black
+        box's next record (``ring.next_at``); at least 1, and ``FULL_PASS_EVERY / interval`` without
+        either.  Each poll sleeps ``interval`` s, so the batch never ends early; its wake-ups' lateness
+        adds up over it (at most 25 polls with the black box on): with ~1 ms each, the ping is
+        ~25 ms late on a schedule of half of WatchdogSec."""
+        due = math.inf
+        notifier, ring = self.notifier, self.ring
+        if notifier.watchdog_interval is not None:
+            due = notifier.next_ping - interval
+        if ring is not None:
+            due = min(due, ring.next_at)
+        if due == math.inf:
+            return int(settings.FULL_PASS_EVERY / interval) + 1
+        return max(1, math.ceil((due - now) / interval))
+
+    def _idle_due(self, buf: bytearray, n: int, s: settings.LoopSettings) -> float:
+        """At the end of a batch of idle polls (``buf[:n]``, the last read): note the poll's time
+        (``poll_mark``), send the watchdog ping and take the black box's record when due.  Returns
+        the monotonic time (s)."""
+        now = time.monotonic()
+        self.last_poll = now
+        self.poll_mark = (now, self.fast_polls)
+        notifier, ring = self.notifier, self.ring
+        if notifier.watchdog_interval is not None and now >= notifier.next_ping - s.interval:
+            notifier.watchdog(max(now, notifier.next_ping))     # WATCHDOG=1 from the loop itself
+        if ring is not None and now >= ring.next_at:          # the black box's record (blackbox.IDLE_INTERVAL)
+            ring.sample(now, buf, n, None, s.use_swap, policy.OK, True, ring_mod.target_mem(self.actions))
+        return now
 
     def _fast_budget(self, timeout: float, s: settings.LoopSettings) -> int:
         """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
@@ -343,6 +386,7 @@ class Guard:
             self.poll_count += 1
             self.poll_sum += t1 - t0
             self.last_poll = t1
+            self.poll_mark = (t1, self.fast_polls)
             ring = self.ring
             if ring is not None:            # the black box's record: once a second near the line
                 idle = pol.state is policy.OK and avail >= s.idle_floor
