@@ -40,15 +40,17 @@ MAGIC = b"SGBLKBOX"
 VERSION = 1
 HEADER_SIZE = 128
 RECORD_SIZE = 128
-#: slots of the ring: 64 s of history at INTERVAL s per record, 320 s at IDLE_INTERVAL (a minute asked)
+#: slots of the ring: 64 s of history at INTERVAL s per record, 640 s at IDLE_INTERVAL (a minute asked)
 SLOTS = 64
 #: seconds between two records of full passes (memory near the line, an incident): the loop
 #: writes one at its first full pass after this
 INTERVAL = 1.0
 #: seconds between two records on the idle fast path (memory far above the line): a record costs a
 #: cold wake-up about one extra read of /proc/meminfo, and the issue's bound is the idle CPU figure
-#: (bench/results/ring.txt: one a second moved it by 7-8 %)
-IDLE_INTERVAL = 5.0
+#: (bench/results/ring.txt: one a second moved it by 7-8 %; one every 5 s by 4-5 us per wake-up on
+#: the GPU machine, bench/results/idle-parse.txt section 4, against 2.7 us between identical copies);
+#: 10 s, the idle full pass's period (settings.FULL_PASS_EVERY), halves that
+IDLE_INTERVAL = 10.0
 FLAG_CLEAN = 1
 #: how many of the last records an incident carries in full
 LAST_IN_FULL = 10

@@ -54,7 +54,7 @@ log = logging.getLogger("sparkguard")
 #: bytes read of a previous ring at most: the largest header-declared ring this version accepts
 MAX_READ = blackbox.file_size(65536)
 FILE_MODE = 0o640
-#: seconds between reads of PSI and zram for idle records (every other record reads them): PSI's
+#: seconds between reads of PSI and zram for idle records (each one at IDLE_INTERVAL 10 s): PSI's
 #: avg10 is itself a 10 s average (Documentation/accounting/psi.rst), and memory is far above the
 #: line then; each read is a syscall on a cold path
 SLOW_EVERY = 10.0
