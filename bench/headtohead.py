@@ -694,6 +694,13 @@ def idle(seconds: float, guards, floors: bool = True, copies: int = 1, headroom:
     return rows
 
 
+#: wake-ups per second above which a sparkguard of the idle run was not idling on its fast path:
+#: 5 polls, 0.5 reads of the NVML thread (sparkguard/gpumem.py, where nvidia-ml-py is installed),
+#: some slack; the GPU machine showed 6.2-7.6 when ~100 guard processes (30-65 MiB each, mlocked)
+#: had taken most of the 8 GiB headroom and the full pass polled faster
+IDLE_WAKEUPS_MAX = 5.7
+
+
 def idle_medians(rows: list[dict], floor_name: str = "floor_python"
                  ) -> list[tuple[str, int, float, float, float, float | None]]:
     """Per guard (copies merged): ``(guard, copies, median, min, max, ratio)`` of CPU us per
@@ -823,7 +830,8 @@ def main() -> int:
                     help="N processes of each guard and floor in the idle run, compared by their medians")
     ap.add_argument("--idle-headroom", type=float, default=8.0, metavar="GIB",
                     help="GiB between MemAvailable at the idle run's start and the line (sparkguard's idle fast "
-                         "path runs 6.4 GiB above it)")
+                         "path runs 6.4 GiB above it; each guard process of the run takes 30-65 MiB of it: "
+                         "with many --idle-copies give 16 or more)")
     ap.add_argument("--no-idle", action="store_true")
     ap.add_argument("--idle-only", action="store_true", help="only the idle measurement")
     ap.add_argument("--no-floors", action="store_true",
@@ -932,6 +940,11 @@ def bench(args, guards: list[str]) -> int:
             r2 = checked.get(g)
             print(f"| {g} | {n} | {med:.1f} ({lo:.1f}-{hi:.1f}) | {'n/a' if ratio is None else f'{ratio:.2f}'} "
                   f"| {'n/a' if r2 is None else f'{r2:.2f}'} |")
+        for r in idle_rows:
+            if r["guard"].startswith("sparkguard") and (r["wakeups_per_s"] or 0) > IDLE_WAKEUPS_MAX:
+                print(f"WARNING: {r['guard']} woke {r['wakeups_per_s']}/s, more than its 5 polls (+0.5 for "
+                      f"NVML's reads every 2 s): it was not on its idle fast path; the guards' own memory "
+                      f"took the headroom: raise --idle-headroom")
         with open(os.path.splitext(args.csv)[0] + "-idle.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(idle_rows[0]))
             w.writeheader()
