@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -257,6 +258,48 @@ def test_the_fake_vllm_loads_memory_before_its_port_listens_in_allocations_of_th
     assert any("filling" in ln and f"{rate:.0f} B/s" in ln for ln in out), out
 
 
+def proc_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (proc(5): the field after the parenthesised comm)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_fake_vllms_port_listens_only_once_tp0s_load_is_done_however_late(engine_factory):
+    """A load that takes longer than ``--load-time`` (TP0 stopped mid-load, as a loaded host
+    would slow it): the top's own clock runs out, it says it waits for the engine core, and the
+    port refuses connections until TP0 has allocated all of its load; then it serves."""
+    import socket
+    fe = engine_factory("--port", "0", "--load-time", "2", "--load-fill", "384MiB", "--alloc-step", "128MiB",
+                        "--hold", "8MiB")
+    tp0, port = fe.worker_pids[0], fe.port
+    fd = os.pidfd_open(tp0)
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while proc_state(tp0) != "T":           # no event says a process stopped: read its state, bounded
+            assert time.monotonic() < deadline, "TP0 did not stop within 10 s"
+            time.sleep(0.01)
+        if rss(tp0) >= 384 * MiB + 8 * MiB:
+            pytest.skip("TP0 had allocated its whole load before the test could stop it (a very slow start)")
+        # the load time (2 s on the top's clock) runs out while TP0 still loads: no serving yet
+        waiting = fe.wait_line("Waiting for 1 local, 0 remote core engine proc(s) to start.", timeout=30)
+        assert not any(ln.startswith(fake_vllm.SERVING_PREFIX) for ln in fe.lines), fe.output()
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))      # bound, not listening
+        signal.pidfd_send_signal(fd, signal.SIGCONT)
+        serving = fe.wait_serving(timeout=30)
+    finally:
+        signal.pidfd_send_signal(fd, signal.SIGCONT)
+        os.close(fd)
+    out = fe.output().splitlines()
+    done = [ln for ln in out if ln.startswith("fake-vllm: fill ") and ln.endswith(" done")]
+    assert done and out.index(waiting) < out.index(done[0]) < out.index(serving), out
+    assert rss(tp0) >= 384 * MiB + 8 * MiB, rss(tp0) / MiB
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+
+
 # ---- configuration ---------------------------------------------------------------------------------
 
 def test_the_rate_and_load_phase_keys_are_checked_naming_file_key_and_value():
@@ -294,7 +337,6 @@ def test_the_rate_and_load_phase_keys_are_checked_naming_file_key_and_value():
 def test_a_reload_turns_the_rate_trigger_on_and_its_gauge_appears(tmp_path):
     """SIGHUP with ``guard.rate_trigger: on``: the running daemon estimates from then on (the
     gauge is served), and a fall then ends in a predicted SIGTERM."""
-    import signal
     from test_guard_incidents import wait_incident
     from test_guard_loop import free_port, wait_scrape
     mi = tmp_path / "meminfo"

@@ -112,8 +112,10 @@ def test_memfree_coming_back_opens_the_gate():
         "memfree: MemFree 60.00 GiB, need >= 65.50 GiB (0.5 x MemTotal + margin; --gpu-memory-utilization 0.5)")
     assert h.events()[-1] == "quiesced"
     states = [(g["gate"], g["state"]) for g in records]
-    assert states[0] == ("compact", "done") and ("memfree", "waiting") in states and states[-1] == ("memfree", "open")
-    assert [g["gate"] for g in r.gates] == ["compact", "quiesce", "memfree"]
+    assert states[:2] == [("drop_caches", "done"), ("compact", "done")], states
+    assert ("memfree", "waiting") in states and states[-1] == ("memfree", "open")
+    assert [g["gate"] for g in r.gates] == ["drop_caches", "compact", "quiesce", "memfree"]
+    assert r.gates[0]["detail"] == "dropped"
     assert memgate.summary(r.gates).startswith("; compacted in 0.01 s; memfree: MemFree 70.00 GiB")
 
 
@@ -123,8 +125,9 @@ def test_memfree_short_past_the_timeout_starts_anyway_and_says_so():
     assert r.timed_out == "memfree" and 30.0 <= r.waited <= 30.5
     assert r.detail.startswith("memfree: MemFree 40.00 GiB, need >= 65.50 GiB")
     assert h.notes[-1][0] == "memfree_timeout" and not blocked
-    assert {g["gate"]: g["state"] for g in r.gates} == {"compact": "failed", "quiesce": "open", "memfree": "timed_out"}
-    assert r.gates[0]["detail"] == "not compacted: Permission denied"
+    assert {g["gate"]: g["state"] for g in r.gates} == {"drop_caches": "done", "compact": "failed", "quiesce": "open",
+                                                        "memfree": "timed_out"}
+    assert r.gates[1]["detail"] == "not compacted: Permission denied"
 
 
 def test_fragmentation_blocks_the_start_without_a_crash_loop():
@@ -149,6 +152,23 @@ def test_fragmentation_blocks_the_start_without_a_crash_loop():
     assert ("memfree", "fragmented") in [(g["gate"], g["state"]) for g in records]
     assert h.events()[-2:] == ["memfree", "quiesced"]
     assert not any(ev.endswith("_timeout") for ev in h.events())
+
+
+def test_the_drop_is_a_gate_of_its_own_with_compaction_and_memfree_off():
+    """``engine.drop_caches`` alone: the pass's records start with ``drop_caches`` (done, or
+    failed naming why), so the metric, status and incident show the drop (issue 17)."""
+    e = ecfg(memfree=False, compact="off")
+    for result, state in (("dropped", "done"), ("not dropped: Permission denied", "failed")):
+        h, records = Hooks(Clock()), []
+        g = gates.StartGates(e, h, clock=h.clock, read_mem=lambda: 100 * GiB, check_peers=None,
+                             drop=lambda: result, compact=lambda: pytest.fail("compaction is off"),
+                             on_gate=records.append)
+        r = g.run()
+        assert [(x["gate"], x["state"], x["detail"]) for x in r.gates][0] == ("drop_caches", state, result)
+        assert [x["gate"] for x in r.gates] == ["drop_caches", "quiesce"] and records[0]["gate"] == "drop_caches"
+        assert h.notes[0] == ("drop_caches", result)
+        assert memgate.notable(r.gates) == list(r.gates)      # the incident keeps them
+        assert memgate.summary(r.gates) == ""                 # the restart event's words are unchanged
 
 
 def test_fragmentation_start_or_off_starts_anyway():
@@ -383,6 +403,49 @@ def test_drop_caches_and_compact_memory_are_written():
     assert res.startswith("compacted in ") and res.endswith(" s"), res
     free, total = gates.read_mem_free()
     assert 0 < free <= total == mem_total()
+
+
+@root_only
+def test_drop_caches_alone_is_scraped_shown_and_kept_in_the_incident(tmp_path):
+    """A real daemon with ``engine.drop_caches`` on and compaction and the memfree gate off: the
+    drop (a real write to /proc/sys/vm/drop_caches) is a row of
+    ``sparkguard_engine_start_gate_info`` on the scraped page (linted by promtool), a line of
+    ``sparkguard engine status``, and a gate record in the incident of the engine's own exit
+    once the restart it preceded is added."""
+    import shutil
+    import urllib.request
+    model, port, mport = unique(), free_port(), free_port()
+    before = vmstat("drop_pagecache")
+    cfg = engine_config(tmp_path, model, fake_cmd(model, port, "--crash-after", "2s"), port, drop_caches=True,
+                        start_gate={"compact": "off"})
+    cfg["metrics"]["listen"] = f"127.0.0.1:{mport}"
+    d = Daemon(tmp_path, cfg)
+    row = 'sparkguard_engine_start_gate_info{gate="drop_caches",state="done"} 1.0'
+    try:
+        d.wait_control()
+        d.wait_ready()
+        deadline = time.monotonic() + 30
+        while True:         # the page is read at scrape time: nothing to await but the page itself
+            with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            if row in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert row in text, [ln for ln in text.splitlines() if "start_gate" in ln]
+        assert 'gate="compact"' not in text and 'gate="memfree"' not in text
+        if shutil.which("promtool"):
+            p = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+            assert p.returncode == 0, p.stdout + p.stderr
+        r = run_sparkguard("engine", "--socket", d.socket, "status")
+        assert "start gate drop_caches: done: dropped" in r.stdout, r.stdout
+        # the engine dies by itself; the supervisor drops the caches again and restarts it
+        inc = d.incident("exit", timeout=60, where=restarted)
+        g = {x["gate"]: x for x in inc["engine"]["start_gates"]}
+        assert g["drop_caches"]["state"] == "done" and g["drop_caches"]["detail"] == "dropped", inc["engine"]
+        assert list(g)[0] == "drop_caches" and "compact" not in g and g["quiesce"]["state"] == "open"
+        assert vmstat("drop_pagecache") >= before + 2         # the kernel counted both drops
+    finally:
+        d.cleanup()
 
 
 @root_only

@@ -30,7 +30,8 @@ The file itself must be a regular file of at most :data:`.yamlload.MAX_FILE_BYTE
 Modules: ``errors`` (ConfigError), ``parsers`` (value parsers and their bounds), ``engine`` (the
 ``engine:`` section and its vLLM facts), ``schema`` (the section dataclasses and SCHEMA),
 ``yamlload`` (the bounded file read and the YAML loader), ``cluster`` (the ``cluster:`` section
-resolved through sparkguard.cluster.file), ``load`` (build and cross-checks).
+resolved through ``clusterfile``, the cluster file's load and validation, and ``clusternode``,
+one node's engine section derived from it), ``load`` (build and cross-checks).
 This package exposes the names callers use.
 """
 

@@ -13,9 +13,9 @@ import socket
 from typing import Any
 
 from sparkguard.cluster.model import host_port
-from sparkguard.config.clusterfile import find_node, load, node_engine
+from sparkguard.config.clusterfile import load, normal_host
+from sparkguard.config.clusternode import find_node, node_engine
 from sparkguard.config.errors import ConfigError
-from sparkguard.config.clusterfile import normal_host
 from sparkguard.config.parsers import abs_path, listen_address, optional_str
 from sparkguard.config.schema import ClusterConfig
 

@@ -1,6 +1,6 @@
 """The cluster file: read and validate ``/etc/sparkguard/cluster.yaml`` (the same file on every
-node) into a :class:`~sparkguard.cluster.model.ClusterFile`, and derive one node's ``engine:``
-section from it (its multi-node flags, lanes, env, peers and head URL).
+node) into a :class:`~sparkguard.cluster.model.ClusterFile`.  One node's ``engine:`` section
+derived from it is :mod:`.clusternode`'s (the final check here builds every node's with it).
 
 It lives in the config package because ``config.load`` builds a node's configuration from it;
 the operator's commands import it as :mod:`sparkguard.cluster.file`.
@@ -18,7 +18,8 @@ import ipaddress
 import re
 from typing import Any
 
-from sparkguard.cluster.model import HEAD_RANK, ClusterFile, ClusterNode, host_port
+from sparkguard.cluster.model import ClusterFile, ClusterNode
+from sparkguard.config.clusternode import node_engine
 from sparkguard.config.engine import parse_lanes
 from sparkguard.config.errors import ConfigError, NestedValueError
 from sparkguard.config.parsers import abs_path, env_map, extra_args, int_range
@@ -133,7 +134,7 @@ def from_dict(data: Any, path: str) -> ClusterFile:
 
 
 def _check_final(cf: ClusterFile) -> None:
-    """Every (node, lane)'s final argv (what that node runs in that lane: :func:`node_engine`'s
+    """Every (node, lane)'s final argv (what that node runs in that lane: :func:`.clusternode.node_engine`'s
     command and lane args) spans the nodes, serves the API on :attr:`ClusterFile.api_port` and
     binds the API to no other host than the head's address or a wildcard.
 
@@ -159,7 +160,7 @@ def _check_final(cf: ClusterFile) -> None:
 
 def _check_host(cf: ClusterFile, key: str, argv: list[str], where: str) -> None:
     """ConfigError when ``argv`` binds the API (``--host``) to another address than the head's
-    or a wildcard: the head's health is read at its ``addr`` (:func:`head_health_url`)."""
+    or a wildcard: the head's health is read at its ``addr`` (:func:`.clusternode.head_health_url`)."""
     host = flag_value(_after_serve(argv), ("--host",))
     if host is not None and host not in _WILDCARD_HOSTS and normal_host(host) != normal_host(cf.head.addr):
         raise ConfigError(cf.path, key, f"--host {host}",
@@ -442,76 +443,3 @@ def _api_port(path: str, command: list[str], key: str = "engine.command") -> int
         return _port(int(v) if v.isdigit() else v)
     except ValueError:
         raise ConfigError(path, key, f"--port {v}", "expected a port 1-65535") from None
-
-
-# --------------------------------------------------------------------------------------------
-# one node's engine section
-
-def find_node(cf: ClusterFile, name: str | None, hostname: str) -> ClusterNode:
-    """The node called ``name``, or without a name the one whose name is ``hostname`` or its
-    first label (``spark-1`` for ``spark-1.lab``).
-
-    Raises:
-        ConfigError: no such node (naming the name or hostname and the nodes' names).
-    """
-    names = ", ".join(n.name for n in cf.nodes)
-    if name is not None:
-        for n in cf.nodes:
-            if n.name == name:
-                return n
-        raise ConfigError(cf.path, "nodes", name, f"no node called {name}; the nodes are {names}")
-    short = hostname.split(".", 1)[0]
-    for want in (hostname, short):
-        for n in cf.nodes:
-            if n.name == want:
-                return n
-    raise ConfigError(cf.path, "nodes", hostname,
-                      f"this host ({hostname}) is none of the nodes ({names}); name it with cluster.node "
-                      "in sparkguard.yaml or rename the node")
-
-
-def derived_args(cf: ClusterFile, node: ClusterNode) -> list[str]:
-    """The multi-node flags of ``node``: ``--nnodes N --node-rank k --master-addr <head addr>
-    --master-port P``, and ``--headless`` for k > 0 (vLLM multi-node without Ray, FIELD-NOTES "vLLM")."""
-    out = ["--nnodes", str(len(cf.nodes)), "--node-rank", str(node.rank), "--master-addr", cf.head.addr,
-           "--master-port", str(cf.master_port)]
-    return out + (["--headless"] if node.rank != HEAD_RANK else [])
-
-
-def node_command(cf: ClusterFile, node: ClusterNode) -> list[str]:
-    """``node``'s engine argv: the shared command with :func:`derived_args` right after
-    ``serve MODEL`` (after ``serve`` when the model is given by an option), then ``node.args``."""
-    cmd = list(cf.engine["command"])
-    at = cmd.index("serve") + 1
-    if at < len(cmd) and not cmd[at].startswith("-"):
-        at += 1
-    return cmd[:at] + derived_args(cf, node) + cmd[at:] + list(node.args)
-
-
-def head_health_url(cf: ClusterFile) -> str:
-    """``http://<head addr>:<api_port>/health``: the head's health_url and every rank's head_url."""
-    return f"http://{host_port(cf.head.addr, cf.api_port)}/health"
-
-
-def node_engine(cf: ClusterFile, node: ClusterNode) -> dict:
-    """``node``'s raw ``engine:`` section (as sparkguard.yaml would spell it): the shared keys,
-    :func:`node_command`, env = shared env + node env, lanes = shared lanes with the node's
-    additions (args appended, env merged over), peers = every other node's metrics URL, and
-    ``health_url`` (the head) or ``head_url`` (a headless rank) = :func:`head_health_url`."""
-    e = dict(cf.engine)
-    e["command"] = node_command(cf, node)
-    if node.env or "env" in e:
-        e["env"] = {**(e.get("env") or {}), **node.env}
-    if "lanes" in e:
-        lanes = {}
-        for name, body in (e["lanes"] or {}).items():
-            body = dict(body or {})
-            add = node.lanes.get(name)
-            if add is not None:
-                body["args"] = list(body.get("args") or []) + list(add.args)
-                body["env"] = {**(body.get("env") or {}), **add.env}
-            lanes[name] = body
-        e["lanes"] = lanes
-    e["peers"] = [n.metrics_url for n in cf.nodes if n.name != node.name]
-    e["health_url" if node.rank == HEAD_RANK else "head_url"] = head_health_url(cf)
-    return e

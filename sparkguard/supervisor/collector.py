@@ -76,9 +76,9 @@ class EngineCollector:
                                     "or a running engine (docs/gpu-memory.md).", value=float(s["gpu_bytes"]))
         gates = s.get("start_gates") or []
         if gates:
-            i = InfoMetricFamily(P + "start_gate", "Each start gate of the current or last start (hold, quiesce, "
-                                 "compact, memfree, ...) and its state: waiting, open, timed_out, fragmented, "
-                                 "done, failed (docs/start-gate.md).", labels=None)
+            i = InfoMetricFamily(P + "start_gate", "Each start gate of the current or last start (hold, "
+                                 "drop_caches, compact, quiesce, memfree, peers, cluster) and its state: waiting, "
+                                 "open, timed_out, fragmented, done, failed (docs/start-gate.md).", labels=None)
             for g in gates:
                 i.add_metric([], {"gate": str(g.get("gate")), "state": str(g.get("state"))})
             yield i

@@ -22,10 +22,12 @@
 Past ``engine.quiesce_timeout`` (steps 2-4, counted from the end of the hold: a guard incident
 that stays open must not use up the time memory gets to come back) the engine starts anyway, and
 the result says which gate timed out and why.  :class:`StartGates` takes its clock, MemAvailable reader, peers reader
-and waits from the caller, so the whole sequence runs on a fake clock in tests.  Each gate's
-state (``waiting``, ``open``, ``timed_out``, ``fragmented``, ``done``, ``failed``) goes to the
-``on_gate`` callback as it changes (status, ``sparkguard_engine_start_gate_info``) and into the
-result (the incident's restart event).
+and waits from the caller, so the whole sequence runs on a fake clock in tests.  Each step that
+runs has a gate record, ``hold``, ``drop_caches``, ``compact``, ``quiesce``, ``memfree``,
+``peers``, ``cluster``, whose state (``waiting``, ``open``, ``timed_out``, ``fragmented``; the
+one-shot steps ``drop_caches`` and ``compact``: ``done``, ``failed``) goes to the ``on_gate``
+callback as it changes (status, ``sparkguard_engine_start_gate_info``) and into the result (the
+incident's engine part).
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ class GateResult:
         views: the other nodes as the cluster order gate last read them (``cluster.NodeView``;
             empty without that gate): a head's group is the ranks it saw waiting.
         gates: each gate of this pass as ``{"gate", "state", "detail", "waited"}`` (seconds
-            from the end of the hold to the gate's last change), in the order they ran.
+            from the end of the hold to the gate's last change), in the order they ran
+            (``hold``, ``drop_caches``, ``compact``, ``quiesce``, ``memfree``, ``peers``, ``cluster``).
     """
 
     waited: float
@@ -267,6 +270,7 @@ class StartGates:
         if e.drop_caches:
             h.show("sync and drop caches")
             dropped = self.drop()
+            self._gate("drop_caches", "done" if dropped.startswith("dropped") else "failed", dropped)
         if compacts(e.start_gate, e.drop_caches):      # after the drop: the freed page cache is what it merges
             h.show("compact memory")
             res = self.compact()

@@ -65,8 +65,8 @@ def vllm_argv(argv) -> tuple[str, ...] | None:
 
 def notable(records) -> list[dict]:
     """The gate records worth an incident's engine part: all of them when a gate beyond the
-    quiesce gate ran (compaction, memfree), else none (the restart event already says the
-    quiesce wait)."""
+    quiesce gate ran (hold, drop_caches, compact, memfree, peers, cluster), else none (the
+    restart event already says the quiesce wait)."""
     records = list(records or ())
     return records if any(r.get("gate") != "quiesce" for r in records) else []
 

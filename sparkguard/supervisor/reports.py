@@ -80,8 +80,9 @@ class EngineIncidents:
 
         Args:
             now: ``{"state": str, "pid": int|None, "lane": str|None, "restarts": {reason: int},
-                "start_gates": [gate record]}`` (the records only when compaction or the memfree
-                gate ran: then the restarted incident's engine part gains ``start_gates``).
+                "start_gates": [gate record]}`` (the records only when a gate beyond the quiesce
+                gate ran, :func:`.memgate.notable`: then the restarted incident's engine part
+                gains ``start_gates``).
             views: the other nodes as read just before the restart (``cluster.NodeView``): an
                 incident caused by one of them gains ``cause.node_at_restart``, that node as it
                 was then (its ``last_incident`` is the incident it recorded for the same event).
@@ -97,7 +98,7 @@ class EngineIncidents:
             if restart_detail is not None:
                 self.event(inc, "restart", restart_detail, pids)
                 eng["restarted"] = True
-                if now.get("start_gates"):      # compaction and the memfree gate (docs/start-gate.md)
+                if now.get("start_gates"):      # every gate of the pass (docs/start-gate.md)
                     eng["start_gates"] = list(now["start_gates"])
                 inc.summary += "; engine restarted"
             else:

@@ -48,11 +48,23 @@ Modes (``--mode``, comma-separated, combinable):
                  /health keeps answering 200 (``--wedge-after`` implies it).
 
 HTTP (only with ``--port``; 0 picks a free port): the port is bound at start but listens only once
-"loading" (``--load-time``) is done, as vLLM does.  ``GET /health`` (200, empty body; 503 once the
-engine is known dead), ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/chat/completions``
-(one token), ``GET /metrics`` (Prometheus text: ``vllm:num_requests_running``,
-``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``),
-``GET /ping``, ``GET /version``.  With ``VLLM_SERVER_DEV_MODE=1`` also ``POST /pause``
+"loading" is done, as vLLM does: ``--load-time`` has passed on the top's clock *and* every worker of
+the node has reported its load done (TP0's ``--load-fill`` all allocated; the other ranks at once).
+Meanwhile the top logs ``Waiting for 1 local, 0 remote core engine proc(s) to start.`` every 10 s,
+the first time when ``--load-time`` is over.  Source: vllm/v1/engine/core.py ``EngineCore.__init__``
+builds the executor (every worker loads its weights) and runs ``_initialize_kv_caches`` (profiling,
+``initialize_from_config``: each worker allocates its KV cache) before EngineCoreProc sends its
+ready response; vllm/v1/engine/utils.py ``wait_for_engine_startup`` has the API server wait for that
+READY (logging the line above every ``STARTUP_POLL_PERIOD_MS`` = 10 s), and
+vllm/entrypoints/openai/api_server.py ``run_server_worker`` starts uvicorn (``serve_http``, in
+newer versions through ``build_and_serve``) only inside ``async with build_async_engine_client()``,
+which returns once that handshake is done.  With ``--nnodes``, the head's top waits for its own
+node's ranks only (the rendezvous stands for the others).
+
+Endpoints: ``GET /health`` (200, empty body; 503 once the engine is known dead), ``GET /v1/models``,
+``POST /v1/completions`` and ``/v1/chat/completions`` (one token), ``GET /metrics`` (Prometheus
+text: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:request_success_total``), ``GET /ping``, ``GET /version``.  With ``VLLM_SERVER_DEV_MODE=1`` also ``POST /pause``
 (``mode=abort|wait|keep``), ``POST /resume`` and ``GET /is_paused``, as vLLM's dev-mode router has
 them (``fake_pause.py`` beside this file says what each does, with vLLM's file:function);
 ``--request-time S`` makes each completion take S seconds in the engine, so a pause has
@@ -62,7 +74,9 @@ Memory fill: worker TP0 (the lowest rank of the node) allocates and touches ``--
 bytes at ``--fill-rate`` bytes/s (``max`` = as fast as it can), then holds them.  The fill starts
 ``--fill-delay`` seconds after the tree is ready, or, with ``--fill-on-signal``, when TP0 receives
 SIGUSR1 (``FakeEngine.start_fill``).  ``--load-fill N``: the load phase's steep fall, N bytes within
-``--load-time``, before the port listens (:func:`_load_fill`).  ``--alloc-step N``: the fill in
+``--load-time``, all of them before the port listens however long the allocations take
+(:func:`_load_fill`); an allocation that fails while loading ends the worker with status 1
+(a CUDA OOM while loading: the engine fails to start).  ``--alloc-step N``: the fill in
 allocations of N bytes at once (:class:`_StepFill`).
 
 Output: log lines like vLLM's (``INFO 05-14 10:22:33 [api_server.py:1] ...``; children prefixed
@@ -114,8 +128,11 @@ DEFAULT_MASTER_PORT = 29501
 DEFAULT_TIMEOUT_S = 600.0
 HEAD_LOSS = ("exit", "hang")
 SERVING_PREFIX = "fake-vllm: serving "
-#: ``--load-fill`` spreads its bytes over this share of ``--load-time``: done before the port listens
+#: ``--load-fill`` spreads its bytes over this share of ``--load-time`` (the port listens only once it is done)
 LOAD_FILL_SHARE = 0.8
+#: seconds between the top's "Waiting for ... core engine proc(s) to start." lines while a rank
+#: still loads (vllm/v1/engine/utils.py ``STARTUP_POLL_PERIOD_MS`` 10000, wait_for_engine_startup)
+STARTUP_POLL_PERIOD = 10.0
 _SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
@@ -299,7 +316,8 @@ def _load_fill(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     before the API server listens (FIELD-NOTES "vLLM": the port only listens once the engine is
     ready; "How GB10 reports memory": free memory fell 17-19 GiB in 10 s right after weights load).
     Expressed as the serving fill's options (``--fill-size``, ``--fill-rate``, no delay), which it
-    therefore replaces."""
+    therefore replaces.  The rate is a plan on TP0's clock: on a loaded host the fill ends later,
+    and the top then waits for it (TP0's ``D`` report) before it listens."""
     if args.fill_size is not None or args.fill_on_signal:
         parser.error("--load-fill replaces --fill-size/--fill-on-signal: TP0 has one fill")
     args.fill_size = args.load_fill
@@ -345,11 +363,9 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
     mem = Memory()
     mem.add(a.hold)
     log("INFO", "gpu_model_runner.py:1", f"Model loading took {mem.nbytes / 2**30:.4f} GiB")
-    try:
-        os.write(ready_w, f"W {rank} {os.getpid()}\n".encode())
-    except OSError:
-        pass
-    if a.nnodes == 1:
+    loading = fills and a.load_fill is not None     # its load fill comes before the top may serve
+    _report(ready_w, f"W {rank} {os.getpid()}\n" + ("" if loading else f"D {rank}\n"))
+    if a.nnodes == 1 and not loading:
         os.close(ready_w)  # with --nnodes the link reports the group on it
 
     fill_at = None
@@ -391,6 +407,23 @@ def _worker_main(cfg: _Cfg, rank: int, fills: bool, ready_w: int, cmd_r: int | N
                 fill_at = None
             if fill.active:
                 fill.step(now)
+            if loading and not fill.active:
+                if fill.done < fill.size:      # the allocation failed: a load that fails ends the worker
+                    log("ERROR", "multiproc_executor.py:1", "WorkerProc failed to start: out of memory while loading")
+                    return 1
+                loading = False
+                _report(ready_w, f"D {rank}\n")
+                if a.nnodes == 1:
+                    os.close(ready_w)
+
+
+def _report(fd: int, text: str) -> None:
+    """Write a report line (``W rank pid``, ``D rank``) to the top's ready pipe; a top that is
+    gone is no error (the worker keeps running, as vLLM's do)."""
+    try:
+        os.write(fd, text.encode())
+    except OSError:
+        pass
 
 
 def _read_cmd(cmd_r: int, cfg: _Cfg, now: float, crash_at: float | None) -> tuple[float | None, bool]:
@@ -749,6 +782,7 @@ class _Top:
         self.where = "api_server.py:1"
         self.cluster = cfg.args.nnodes > 1
         self.formed = False
+        self.loaded: set[int] = set()   # the local ranks whose load is done (their "D rank" reports)
 
     def _term_requested(self) -> bool:
         return any(s in (signal.SIGTERM, signal.SIGINT) for s in self.sigs.read()) and not self.cfg.ignore_term
@@ -783,6 +817,8 @@ class _Top:
                             self.worker_fds[pid] = os.pidfd_open(pid)
                         except OSError:
                             pass
+                    elif parts[0] == "D":
+                        self.loaded.add(int(parts[1]))
                     else:
                         early.append(parts)
                 if not data:
@@ -794,7 +830,7 @@ class _Top:
             if time.monotonic() >= deadline:
                 self.log("ERROR", self.where, f"engine did not come up within {a.ready_timeout} s")
                 return self._abort(1)
-        if not self.cluster:
+        if not self.cluster and self.loaded >= want_workers:
             os.close(ready_r)
             ready_r = None
         if t_term is not None:
@@ -807,17 +843,25 @@ class _Top:
             _write_ready_file(a.ready_file, line)
         self.log.raw(line)
 
-        # 2. (--nnodes: the group forms,) loading, then serving
+        # 2. (--nnodes: the group forms,) loading, then serving once every local rank has loaded
         load_done = None if self.cluster else time.monotonic() + a.load_time
         for parts in early:
             load_done = self._group_report(parts, load_done)
         serving = False
         linger_until = None
+        waiting_log = None      # when to say again that the engine core has not started yet
         while True:
             now = time.monotonic()
             timeout = None
             if not serving and load_done is not None:
-                timeout = load_done - now
+                if now < load_done or self.loaded >= want_workers:
+                    timeout = load_done - now
+                else:
+                    if waiting_log is None or now >= waiting_log:
+                        waiting_log = now + STARTUP_POLL_PERIOD
+                        if not a.headless:
+                            self.log("DEBUG", "utils.py:1", "Waiting for 1 local, 0 remote core engine proc(s) to start.")
+                    timeout = waiting_log - now
             if linger_until is not None:
                 timeout = linger_until - now
             fds = [self.sigs.rfd] + ([self.child_fd] if linger_until is None else []) + ([ready_r] if ready_r else [])
@@ -829,7 +873,7 @@ class _Top:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     load_done = self._group_report(line.decode().split(), load_done)
-                if not data:
+                if not data or (not self.cluster and self.loaded >= want_workers):
                     os.close(ready_r)
                     ready_r = None
             if self.sigs.rfd in ready and self._term_requested():
@@ -846,14 +890,17 @@ class _Top:
                 continue
             if linger_until is not None and now >= linger_until:
                 return self._finish(now, 1)
-            if not serving and load_done is not None and now >= load_done:
+            if not serving and load_done is not None and now >= load_done and self.loaded >= want_workers:
                 serving = True
                 self._start_serving()
 
     def _group_report(self, parts: list[str], load_done: float | None) -> float | None:
-        """Handle a worker's report: ``G`` (group formed: loading starts), ``L|U|R rank node`` (a rank
-        lost, unreachable, reachable again: see _State.group_report); returns the new load
-        deadline (monotonic s, None until formed)."""
+        """Handle a worker's report: ``D rank`` (its load is done), ``G`` (group formed: loading
+        starts), ``L|U|R rank node`` (a rank lost, unreachable, reachable again: see
+        _State.group_report); returns the new load deadline (monotonic s, None until formed)."""
+        if len(parts) == 2 and parts[0] == "D":
+            self.loaded.add(int(parts[1]))
+            return load_done
         if parts and parts[0] == "G" and not self.formed:
             self.formed = True
             c = _cluster()
