@@ -5,7 +5,7 @@
     python3 bench/headtohead.py --idle-only --only sparkguard --idle-copies 8 --idle-seconds 120 \\
         --baseline DIR/before --baseline DIR/fastfloor --baseline DIR/lean --baseline DIR/noring ...
 
-Each variant is DIR/<name>/sparkguard, a copy of ./sparkguard with ``Guard._idle``'s loop (or one
+Each variant is DIR/<name>/sparkguard, a copy of ./sparkguard with ``guard.idle.run``'s loop (or one
 constant) replaced; headtohead runs each beside this checkout and the floor loops and reports CPU
 microseconds per wake-up.  The first ``--baseline`` is reported as ``sparkguard@base``.  Not a
 product: the variants drop the watchdog ping and the black box's records from the fast path.
@@ -32,38 +32,38 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-HEAD = "        try:\n            while True:"
-END = "    def _idle_batch"
+HEAD = "    try:\n        while True:"
+END = "def batch("
 
 BODIES = {
-    "oneline": "        end, vat = at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
-               "        left += k\n        while left:\n"
-               "            if preadv(fd, view, 0) < end or buf[vat:end] < pattern or flags:\n"
-               "                return\n"
-               "            left -= 1\n            sleep(ms)\n\n",
-    "fastfloor": "        left += k\n        while left:\n            preadv(fd, view, 0)\n            left -= 1\n            sleep(ms)\n\n",
+    "oneline": "    end, vat = at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
+               "    left += k\n    while left:\n"
+               "        if preadv(fd, view, 0) < end or buf[vat:end] < pattern or flags:\n"
+               "            return\n"
+               "        left -= 1\n        sleep(ms)\n\n",
+    "fastfloor": "    left += k\n    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
 }
 #: the ``inline`` variant: the call of meminfo.fast_above and its test, and what replaces them
-INLINE_CALL = """                raw = above(buf, n, at, width, pattern)
-                if raw is None or flags:
-                    return
+INLINE_CALL = """            raw = above(buf, n, at, width, pattern)
+            if raw is None or flags:
+                return
 """
-INLINE_BODY = """                if n < end or not buf.startswith(label, at) or flags:
+INLINE_BODY = """            if n < end or not buf.startswith(label, at) or flags:
+                return
+            raw = buf[vat:end]
+            c = raw[width]
+            if c == 32:
+                if raw < pattern:
                     return
-                raw = buf[vat:end]
-                c = raw[width]
-                if c == 32:
-                    if raw < pattern:
-                        return
-                elif not 48 <= c <= 57:
-                    return
+            elif not 48 <= c <= 57:
+                return
 """
-INLINE_SETUP = ("        label, end, vat = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
-                "        try:\n            while True:")
+INLINE_SETUP = ("    label, end, vat = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
+                "    try:\n        while True:")
 #: gpumem.available()'s test for nvidia-ml-py (``--no-nvml`` makes it False)
 NVML_CHECK = 'return importlib.util.find_spec("pynvml") is not None'
 #: per-poll lines the ``lean`` variant drops
-LEAN_DROP = ("                self.fast_polls += 1\n", "                self.fast_raw = raw\n")
+LEAN_DROP = ("            g.fast_polls += 1\n", "            g.fast_raw = raw\n")
 
 
 def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
@@ -82,7 +82,7 @@ def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
             shutil.copytree(os.path.join(ROOT, "sparkguard"), os.path.join(dst, "sparkguard"),
                             ignore=shutil.ignore_patterns("__pycache__"))
         if name in BODIES or name in ("lean", "inline"):
-            p = os.path.join(dst, "sparkguard", "guard", "loop.py")
+            p = os.path.join(dst, "sparkguard", "guard", "idle.py")
             s = open(p).read()
             if name == "inline":
                 assert INLINE_CALL in s and HEAD in s

@@ -121,16 +121,15 @@ def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
 
 def test_an_idle_batch_ends_at_the_poll_where_a_ping_or_a_record_falls_due():
     from types import SimpleNamespace as NS
-    from sparkguard.guard import settings, view
-    from sparkguard.guard.loop import Guard
+    from sparkguard.guard import idle, settings, view
     no_dog, no_ring = NS(watchdog_interval=None), None
     g = NS(notifier=no_dog, ring=no_ring)
-    assert Guard._idle_batch(g, 100.0, 0.2) == int(settings.FULL_PASS_EVERY / 0.2) + 1
+    assert idle.batch(g, 100.0, 0.2) == int(settings.FULL_PASS_EVERY / 0.2) + 1
     g.notifier = NS(watchdog_interval=2.5, next_ping=102.5)       # sent one interval early: at 102.3
-    assert Guard._idle_batch(g, 100.0, 0.2) == 12                 # the 12th poll wakes at >= 102.4
+    assert idle.batch(g, 100.0, 0.2) == 12                 # the 12th poll wakes at >= 102.4
     g.ring = NS(next_at=101.0)
-    assert Guard._idle_batch(g, 100.0, 0.2) == 5
-    assert Guard._idle_batch(g, 101.5, 0.2) == 1                  # overdue: the next poll
+    assert idle.batch(g, 100.0, 0.2) == 5
+    assert idle.batch(g, 101.5, 0.2) == 1                  # overdue: the next poll
     # the snapshot's last poll: the batch's start plus one interval per poll counted since,
     # never later than now; a loop that stops counting goes stale
     g = NS(poll_mark=(50.0, 7), fast_polls=10, cfg=NS(guard=NS(poll_interval=0.2)))

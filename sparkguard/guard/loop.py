@@ -24,7 +24,7 @@ import signal
 import time
 
 from sparkguard import meminfo, notify, pcp, policy, rate, recorder, reporter, sysinfo
-from sparkguard.guard import harden, reconfig, settings, startup, view
+from sparkguard.guard import harden, idle, reconfig, settings, startup, view
 from sparkguard.guard import ring as ring_mod
 from sparkguard.guard.act import Actions
 from sparkguard.guard.engine import Engine
@@ -194,8 +194,8 @@ class Guard:
         refreshes STATUS=, then sleeps in poll() on the signal pipe, the PSI trigger and the
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
-        ten seconds of polls (:meth:`_fast_budget`) take the idle fast path instead
-        (:meth:`_idle`): one ``preadv`` of /proc/meminfo, one compare of MemAvailable's bytes with the
+        ten seconds of polls (:func:`sparkguard.guard.idle.budget`) take the idle fast path instead
+        (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo, one compare of MemAvailable's bytes with the
         floor's, the watchdog ping and the black box's record (guard/ring.py) when due, and a sleep
         on an empty poll set.  After 200 ms of sleep every line runs cold, and each registered fd
         costs the kernel a poll-table set-up and tear-down per wake.  Signals are seen on the fast
@@ -215,10 +215,10 @@ class Guard:
         self._tick(time.monotonic(), first=True)
         while not self.stopping:
             if fast:
-                self._idle(fast, s)                 # read, compare, sleep: nothing to decide
+                idle.run(self, fast, s)                 # read, compare, sleep: nothing to decide
             try:
                 timeout = self._pass(s)             # read, decide, act, record, ping
-                fast = self._fast_budget(timeout, s)
+                fast = idle.budget(self, timeout, s)
             except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
                 log.exception("poll loop error; the guard keeps running")
                 timeout, fast = s.interval, 0
@@ -232,91 +232,6 @@ class Guard:
                 fast = 0
                 self._idle_poll(s.interval * 1000.0)            # a fault that repeats must not spin the CPU
         return self._shutdown()
-
-    def _idle(self, left: int, s: settings.LoopSettings) -> None:
-        """The idle fast path: up to ``left`` polls of MemAvailable alone, each followed by a sleep
-        of ``s.interval``; returns at the first read that is not far above the line
-        (``s.idle_floor``), fails, or finds a flag set (a signal, a stop request).  Kept to these
-        few lines: five times a second, forever.
-
-        MemAvailable is checked by :func:`sparkguard.meminfo.fast_above`, as bytes at the offset the
-        last full pass found (``_fast_at``); its answer only ever ends the fast path: a line that
-        moved, a short read or a value below the floor does, and the full pass then reads with
-        :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.  The value itself is
-        kept as the kernel printed it (``fast_raw``); :meth:`snapshot` parses it when asked.
-
-        A poll only reads, compares, counts and sleeps.  The clock is read once per batch of
-        polls (:meth:`_idle_batch`), at the poll where the next watchdog ping or black-box record
-        falls due, since after 200 ms of sleep every line of Python runs cold and each costs
-        (bench/results/idle-parse.txt)."""
-        fd, view, buf = self.reader.inline_parts()
-        preadv, above, sleep = os.preadv, meminfo.fast_above, self._idle_poll
-        at, (width, pattern), ms, flags = self._fast_at, s.idle_pattern, s.interval * 1000.0, self._flags
-        k = min(left, self._idle_batch(time.monotonic(), s.interval))
-        left -= k
-        try:
-            while True:
-                n = preadv(fd, view, 0)
-                raw = above(buf, n, at, width, pattern)
-                if raw is None or flags:
-                    return
-                self.fast_polls += 1
-                self.fast_raw = raw
-                k -= 1
-                if not k:
-                    now = self._idle_due(buf, n, s)
-                    if not left:
-                        sleep(ms)
-                        return
-                    k = min(left, self._idle_batch(now, s.interval))
-                    left -= k
-                sleep(ms)
-        except OSError:                         # the full pass reports it
-            return
-        except Exception:  # noqa: BLE001 - the guard must outlive its own bugs
-            log.exception("poll loop error on the idle path; the guard keeps running")
-
-    def _idle_batch(self, now: float, interval: float) -> int:
-        """Polls of the idle fast path from ``now`` (monotonic s) to the first one at or after the
-        next watchdog ping's send time (one ``interval`` before ``notifier.next_ping``) or the black
-        box's next record (``ring.next_at``); at least 1, and ``FULL_PASS_EVERY / interval`` without
-        either.  Each poll sleeps ``interval`` s, so the batch never ends early; its wake-ups' lateness
-        adds up over it (at most 25 polls with the black box on): with ~1 ms each, the ping is
-        ~25 ms late on a schedule of half of WatchdogSec."""
-        due = math.inf
-        notifier, ring = self.notifier, self.ring
-        if notifier.watchdog_interval is not None:
-            due = notifier.next_ping - interval
-        if ring is not None:
-            due = min(due, ring.next_at)
-        if due == math.inf:
-            return int(settings.FULL_PASS_EVERY / interval) + 1
-        return max(1, math.ceil((due - now) / interval))
-
-    def _idle_due(self, buf: bytearray, n: int, s: settings.LoopSettings) -> float:
-        """At the end of a batch of idle polls (``buf[:n]``, the last read): note the poll's time
-        (``poll_mark``), send the watchdog ping and take the black box's record when due.  Returns
-        the monotonic time (s)."""
-        now = time.monotonic()
-        self.last_poll = now
-        self.poll_mark = (now, self.fast_polls)
-        notifier, ring = self.notifier, self.ring
-        if notifier.watchdog_interval is not None and now >= notifier.next_ping - s.interval:
-            notifier.watchdog(max(now, notifier.next_ping))     # WATCHDOG=1 from the loop itself
-        if ring is not None and now >= ring.next_at:          # the black box's record (blackbox.IDLE_INTERVAL)
-            ring.sample(now, buf, n, None, s.use_swap, policy.OK, True, ring_mod.target_mem(self.actions))
-        return now
-
-    def _fast_budget(self, timeout: float, s: settings.LoopSettings) -> int:
-        """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
-        the guard is idle far above the line (state OK, MemAvailable at least ``s.idle_floor``, no
-        signal flagged, reads succeeding); else ``s.budget`` (the fast path sends the watchdog
-        pings that fall due meanwhile)."""
-        if timeout < s.interval or self.policy.state is not policy.OK or self.avail < s.idle_floor or self._flags \
-                or self._fail_since is not None or self._fast_at < 0 or s.idle_pattern is None \
-                or self.soft.engaged():
-            return 0
-        return s.budget
 
     def _pcp_free(self, value: int, now: float) -> int:
         """Bytes on the kernel's per-CPU free lists, while a victim's memory is not back by

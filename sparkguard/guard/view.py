@@ -37,7 +37,7 @@ def status_line(guard) -> str:
 
 def last_poll(guard, mono_now: float) -> float:
     """Monotonic s of ``guard``'s last poll.  The idle fast path reads the clock once per batch of
-    polls (``Guard._idle_batch``) and counts each poll: its polls since the batch began are taken
+    polls (:func:`sparkguard.guard.idle.batch`) and counts each poll: its polls since the batch began are taken
     as one ``guard.poll_interval`` apart, which is never later than they ran (each sleeps that
     long), and never later than ``mono_now``.  A loop that stops polling stops the count, so the
     timestamp goes stale as it should."""
