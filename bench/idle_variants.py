@@ -32,16 +32,16 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-HEAD = "    try:\n        while True:"
+HEAD = "    try:\n        # the first poll comes at once"
 END = "def batch("
 
 BODIES = {
     "oneline": "    end, vat = at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
-               "    left += k\n    while left:\n"
+               "    while left:\n"
                "        if preadv(fd, view, 0) < end or buf[vat:end] < pattern or flags:\n"
                "            return\n"
                "        left -= 1\n        sleep(ms)\n\n",
-    "fastfloor": "    left += k\n    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
+    "fastfloor": "    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
 }
 #: the ``inline`` variant: the call of meminfo.fast_above and its test, and what replaces them
 INLINE_CALL = """            raw = above(buf, n, at, width, pattern)
@@ -58,8 +58,7 @@ INLINE_BODY = """            if n < end or not buf.startswith(label, at) or flag
             elif not 48 <= c <= 57:
                 return
 """
-INLINE_SETUP = ("    label, end, vat = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
-                "    try:\n        while True:")
+INLINE_SETUP = "    label, end, vat = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n" + HEAD
 #: gpumem.available()'s test for nvidia-ml-py (``--no-nvml`` makes it False)
 NVML_CHECK = 'return importlib.util.find_spec("pynvml") is not None'
 #: per-poll lines the ``lean`` variant drops

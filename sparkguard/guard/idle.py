@@ -1,7 +1,7 @@
 """The poll loop's idle fast path: far above the line, MemAvailable alone, five times a second.
 
 ``g`` is the :class:`sparkguard.guard.loop.Guard` whose loop runs it; its fields written here
-(``fast_polls``, ``fast_raw``, ``last_poll``, ``poll_mark``) are read by guard/view.py.  What it
+(``fast_polls``, ``fast_raw``, ``poll_mark``) are read by guard/view.py.  What it
 costs, measured: bench/results/idle-parse.txt.
 """
 
@@ -18,6 +18,9 @@ from sparkguard.guard import settings
 
 log = logging.getLogger("sparkguard")
 
+#: seconds of polls at most between two reads of the clock on the idle fast path: bounds how far
+#: the wake-ups' lateness can add up before a due watchdog ping (:func:`batch`)
+BATCH_MAX = 1.0
 
 
 def run(g, left: int, s: settings.LoopSettings) -> None:
@@ -33,15 +36,16 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     kept as the kernel printed it (``fast_raw``); :func:`sparkguard.guard.view.snapshot` parses it when asked.
 
     A poll only reads, compares, counts and sleeps.  The clock is read once per batch of
-    polls (:func:`batch`), at the poll where the next watchdog ping or black-box record
-    falls due, since after 200 ms of sleep every line of Python runs cold and each costs
-    (bench/results/idle-parse.txt)."""
+    polls (:func:`batch`: at most :data:`BATCH_MAX` s of them, ending at the poll where the next
+    watchdog ping or black-box record falls due), since after 200 ms of sleep every line of
+    Python runs cold and each costs (bench/results/idle-parse.txt)."""
     fd, view, buf = g.reader.inline_parts()
     preadv, above, sleep = os.preadv, meminfo.fast_above, g._idle_poll
     at, (width, pattern), ms, flags = g._fast_at, s.idle_pattern, s.interval * 1000.0, g._flags
-    k = min(left, batch(g, time.monotonic(), s.interval))
-    left -= k
     try:
+        # the first poll comes at once, without a sleep before it: counted from one interval back
+        k = min(left, batch(g, time.monotonic() - s.interval, s.interval))
+        left -= k
         while True:
             n = preadv(fd, view, 0)
             raw = above(buf, n, at, width, pattern)
@@ -65,29 +69,29 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
 
 
 def batch(g, now: float, interval: float) -> int:
-    """Polls of the idle fast path from ``now`` (monotonic s) to the first one at or after the
-    next watchdog ping's send time (one ``interval`` before ``notifier.next_ping``) or the black
-    box's next record (``ring.next_at``); at least 1, and ``FULL_PASS_EVERY / interval`` without
-    either.  Each poll sleeps ``interval`` s, so the batch never ends early; its wake-ups' lateness
-    adds up over it (at most 25 polls with the black box on): with ~1 ms each, the ping is
-    ~25 ms late on a schedule of half of WatchdogSec."""
+    """Polls of the idle fast path after the one at ``now`` (monotonic s) up to the first one at
+    or after the next watchdog ping's send time (one ``interval`` before ``notifier.next_ping``)
+    or the black box's next record (``ring.next_at``); at least 1, at most :data:`BATCH_MAX` s
+    of polls.  Each poll sleeps ``interval`` s, so the batch never ends before that time; the
+    wake-ups' lateness adds up over at most one batch: a ping is late by at most the lateness of
+    ``BATCH_MAX / interval`` wake-ups (5 at 200 ms), against half of WatchdogSec of margin."""
+    cap = max(1, math.ceil(BATCH_MAX / interval))
     due = math.inf
     notifier, ring = g.notifier, g.ring
     if notifier.watchdog_interval is not None:
         due = notifier.next_ping - interval
     if ring is not None:
         due = min(due, ring.next_at)
-    if due == math.inf:
-        return int(settings.FULL_PASS_EVERY / interval) + 1
+    if due - now >= cap * interval:
+        return cap
     return max(1, math.ceil((due - now) / interval))
 
 
 def due(g, buf: bytearray, n: int, s: settings.LoopSettings) -> float:
     """At the end of a batch of idle polls (``buf[:n]``, the last read): note the poll's time
-    (``poll_mark``), send the watchdog ping and take the black box's record when due.  Returns
-    the monotonic time (s)."""
+    and count (``poll_mark``, one tuple: other threads read it whole), send the watchdog ping and
+    take the black box's record when due.  Returns the monotonic time (s)."""
     now = time.monotonic()
-    g.last_poll = now
     g.poll_mark = (now, g.fast_polls)
     notifier, ring = g.notifier, g.ring
     if notifier.watchdog_interval is not None and now >= notifier.next_ping - s.interval:

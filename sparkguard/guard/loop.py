@@ -80,8 +80,8 @@ class Guard:
         self.fast_raw = None        # MemAvailable as the fast path last read it (meminfo.fast_above), or None
         self._fast_at = -1          # offset of the MemAvailable line for the fast path (meminfo.fast_layout)
         self.poll_sum = 0.0
-        self.last_poll = 0.0        # monotonic s of the last full pass or idle batch's end; 0 before the first
-        self.poll_mark = (0.0, 0)   # (last_poll, fast_polls then): guard.view estimates the last poll from it
+        self.poll_mark = (0.0, 0)   # (monotonic s of the last full pass or idle batch's end, fast_polls then);
+                                    # 0.0 before the first: guard.view estimates the last poll from it
         self.started = time.time()
         self.reloads = {"ok": 0, "failed": 0}
         self.read_errors = 0
@@ -180,8 +180,9 @@ class Guard:
             pass
 
     def request_stop(self) -> None:
-        """From another thread (the drill's controller): end the loop within one poll interval, as
-        SIGTERM would, but leaving STATUS= and the engine to the caller."""
+        """From another thread (the drill's controller): end the loop within one poll interval
+        and shut down as after SIGTERM (a supervised engine is stopped), without STATUS= saying
+        so; safe before :meth:`start` (the flag alone is set then)."""
         self.stopping = True
         self._wake(STOP_REQUESTED)
 
@@ -300,7 +301,6 @@ class Guard:
             t1 = time.monotonic()
             self.poll_count += 1
             self.poll_sum += t1 - t0
-            self.last_poll = t1
             self.poll_mark = (t1, self.fast_polls)
             ring = self.ring
             if ring is not None:            # the black box's record: once a second near the line

@@ -36,13 +36,14 @@ def status_line(guard) -> str:
 
 
 def last_poll(guard, mono_now: float) -> float:
-    """Monotonic s of ``guard``'s last poll.  The idle fast path reads the clock once per batch of
-    polls (:func:`sparkguard.guard.idle.batch`) and counts each poll: its polls since the batch began are taken
-    as one ``guard.poll_interval`` apart, which is never later than they ran (each sleeps that
-    long), and never later than ``mono_now``.  A loop that stops polling stops the count, so the
+    """Monotonic s of ``guard``'s last poll, or 0.0 before the first.  The idle fast path reads
+    the clock once per batch of polls (:func:`sparkguard.guard.idle.batch`) and counts each
+    poll: its polls since the batch began are taken as one ``guard.poll_interval`` apart (each
+    sleeps that long; the first after a full pass whose sleep a wake-up cut short may come
+    sooner), capped at ``mono_now``.  A loop that stops polling stops the count, so the
     timestamp goes stale as it should."""
     t, polls = guard.poll_mark
-    return min(mono_now, t + (guard.fast_polls - polls) * guard.cfg.guard.poll_interval)
+    return t and min(mono_now, t + (guard.fast_polls - polls) * guard.cfg.guard.poll_interval)
 
 
 def snapshot(guard) -> dict:
@@ -68,7 +69,7 @@ def snapshot(guard) -> dict:
         "last_incident_timestamp": rec.last_incident if rec is not None else None,
         "last_incident": rec.last_incident_ref if rec is not None else None, "poll_count": guard.poll_count,
         "poll_seconds_sum": guard.poll_sum, "polls_total": guard.poll_count + guard.fast_polls,
-        "last_poll_timestamp": time.time() - (mono_now - last_poll(guard, mono_now)) if guard.last_poll else None,
+        "last_poll_timestamp": time.time() - (mono_now - last) if (last := last_poll(guard, mono_now)) else None,
         "started_timestamp": guard.started, "config_path": guard.cfg.path,
         "config_reloads": dict(guard.reloads),
         "notify_dropped": guard.notifier.dropped if guard.notifier else 0,
