@@ -55,6 +55,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import sys
@@ -376,7 +377,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     qemu.reap_stale()
     img = image.cached_image(log=log)
-    wheel = nspawn.build_wheel(Path(tempfile.mkdtemp(prefix="vm_oom-")))
+    wheel_dir = tempfile.mkdtemp(prefix="vm_oom-")
+    wheel = nspawn.build_wheel(Path(wheel_dir))
     vm = qemu.VM(img)
     results = []
     try:
@@ -397,6 +399,7 @@ def main() -> int:
                 break
     finally:
         vm.close()
+        shutil.rmtree(wheel_dir, ignore_errors=True)
     text = "\n".join([
         "command: python3 bench/vm_oom.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
