@@ -110,7 +110,8 @@ class VM:
     """One QEMU guest booted from a cached image directory (see :mod:`vm.image`).
 
     Lifecycle: ``VM(image_dir)``, :meth:`start` (QEMU up, agent connected, first boot complete),
-    :meth:`run` / :meth:`sh` / :meth:`put` inside, :meth:`reboot`, :meth:`close` (idempotent;
+    :meth:`run` / :meth:`sh` / :meth:`put` inside, :meth:`reboot`, :meth:`reset` (QMP
+    ``system_reset``), :meth:`close` (idempotent;
     powers the guest off, kills QEMU by its PID if it does not exit, removes the directory).
 
     Attributes:
@@ -300,6 +301,20 @@ class VM:
         t0 = time.monotonic()
         old = self.boot_id
         self._send({"argv": ["systemctl", "reboot", "--no-block"], "input": None, "timeout": 60})
+        self._wait_boot(old, t0, timeout)
+
+    def reset(self, timeout: float = 600) -> None:
+        """A hard reset of the guest (QMP ``system_reset``: no shutdown, what the guest had not
+        written to its disk is lost); returns once the next boot is up.
+
+        Raises:
+            AssertionError: QEMU refused the reset, or the guest did not come back within ``timeout`` s.
+        """
+        t0 = time.monotonic()
+        old = self.boot_id
+        ans = self.qmp("system_reset")
+        if "return" not in ans:
+            raise AssertionError(f"QMP system_reset refused: {ans}")
         self._wait_boot(old, t0, timeout)
 
     def qmp(self, command: str, **arguments) -> dict:
