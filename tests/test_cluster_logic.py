@@ -3,6 +3,8 @@ view read back from a real exposition of the engine collector (sparkguard/superv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sparkguard.supervisor import cluster, nodes
@@ -158,3 +160,24 @@ def test_untrusted_numbers_from_a_node_never_raise():
 def test_a_node_that_is_no_sparkguard_is_a_view_with_an_error():
     v = nodes.read("http://127.0.0.1:9/metrics", timeout=0.5)       # discard port: refused
     assert not v.reachable and v.error.startswith("no answer")
+
+
+def test_a_node_whose_daemon_just_restarted_breaks_no_group_until_it_says_what_it_runs():
+    # a rolling restart of sparkguard itself: the new daemon's endpoint answers before its
+    # supervisor has adopted the running engine; state "stopped" with the engine wanted, no run
+    fresh = dict(state="stopped", wanted=True, run=None, ready=False)
+    r1 = rank(1, run=100.0)
+    assert cluster.broken_group({1: 100.0}, [r1]) is None
+    assert cluster.broken_group({1: 100.0}, [replace(r1, **fresh)]) is None
+    gone = cluster.broken_group({1: 100.0}, [replace(r1, state="backoff", run=None)])
+    assert gone is not None and "its rank is gone" in gone[1]
+    off = cluster.broken_group({1: 100.0}, [replace(r1, **dict(fresh, wanted=False))])
+    assert off is not None                        # a rank stopped on purpose does break the group
+    # the headless side: its head's daemon restarting, then back with the same run
+    w = HeadWatch(1, 100.0)
+    h = replace(head(ready=True), run=200.0, group={1: 100.0})
+    assert w.see(h) == (None, "")
+    assert w.see(replace(h, **fresh, group={})) == (None, "")
+    assert w.see(h) == (None, "")
+    act, why = w.see(replace(h, state="starting", run=None, group={}))   # the head's run really ended
+    assert act == "restart" and "ended" in why

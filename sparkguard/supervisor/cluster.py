@@ -235,11 +235,22 @@ def joined(my_rank: int, my_run: float | None, head: NodeView | None) -> bool:
             and head.group.get(my_rank) == my_run)
 
 
+def undecided(v: NodeView) -> bool:
+    """True for a node whose daemon has not yet decided about its engine: state ``stopped`` while
+    the engine is wanted, which only a supervisor that has just started shows (a restart of
+    sparkguard itself, before it has adopted the running engine or started another; a stop on
+    purpose reads as not wanted).  Its next reading shows which; until then it breaks nothing."""
+    return v.state == "stopped" and v.wanted and not v.given_up and v.run is None
+
+
 def broken_group(group: dict[int, float], views: list[NodeView]) -> tuple[NodeView, str] | None:
     """The first rank of the head's ``group`` whose node now reports another run (or none): the
-    group is broken.  Unreachable nodes decide nothing.  Returns ``(view, why)`` or None."""
+    group is broken.  Unreachable nodes decide nothing, nor do :func:`undecided` ones (a daemon
+    restarting next to its running rank).  Returns ``(view, why)`` or None."""
     for v in views:
         if not v.reachable or v.role != "headless" or v.node_rank not in group:
+            continue
+        if undecided(v):
             continue
         if v.run != group[v.node_rank]:
             why = ("its rank is gone" if v.run is None else "its rank restarted") + f" ({v.state or '?'})"
@@ -269,7 +280,7 @@ class HeadWatch:
         wants to run again).  Both end the run with reason ``head``; the incident's cause says
         which (``wait``).
         """
-        if head is None or not head.reachable:
+        if head is None or not head.reachable or undecided(head):
             return None, ""
         if joined(self.rank, self.run, head):
             self.joined = head.run
