@@ -21,6 +21,8 @@ and in the same boot (the state before each run, MemAvailable and swap in use, i
 * ``sparkguard``, ``earlyoom``, ``nohang``: that guard's own Debian/installed unit started with
   ``systemctl start`` (sparkguard's with its Nice=-20, mlock and OOMScoreAdjust=-1000), the hog
   run, the unit stopped;
+* ``short``: no guard, the same hog's workers stopping once MemAvailable is 256 MiB above the line
+  (what the fill itself costs the heartbeat, without a guard's CPU);
 * ``none``: the hog with no guard (last: the kernel OOM killer may take daemons with it).
 
 The guards' lines, the same for all three: SIGTERM below :data:`TERM_BELOW` of MemAvailable (the
@@ -76,7 +78,7 @@ TERM_BELOW = 768 * MiB
 #: earlyoom's and nohang's SIGKILL line: half the TERM line (earlyoom's own default ratio, -m 10,5)
 KILL_BELOW = 384 * MiB
 TAG = "sg-hog"
-GUARDS = ("idle", "busy", "sparkguard", "earlyoom", "nohang", "none")
+GUARDS = ("idle", "busy", "short", "sparkguard", "earlyoom", "nohang", "none")
 #: Debian 12's packages, from the host's apt cache (tests/install-deps installs them on the host)
 DEBS = ("earlyoom_*_amd64.deb", "nohang_*_all.deb")
 #: the guard's journal line that says it sent SIGTERM (sparkguard: guard/act.py's ``sigterm`` event;
@@ -109,7 +111,8 @@ while True:
 
 HOG = r"""
 import os, signal, sys, time
-n, idle, spin = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "spin"
+SHORT_STOP = (768 + 256) << 20     # bytes of MemAvailable where the short fill stops
+n, idle, spin, short = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "spin", sys.argv[3] == "short"
 t0 = time.monotonic()
 print(f"start {t0:.6f}", flush=True)
 with open("/var/tmp/hogstart", "w") as f:    # read back even when the run's own answer is lost
@@ -128,6 +131,12 @@ for _ in range(n):
         held = []
         while True:
             held.append(bytearray(block * 16))
+            if short:         # the same fill, stopped 256 MiB above the line: what the fill alone costs
+                with open("/proc/meminfo") as f:
+                    avail = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")) << 10
+                if avail < SHORT_STOP:
+                    time.sleep(1)
+                    os._exit(0)
     kids.append(pid)
 def forward(sig, frame):
     print(f"term {time.monotonic() - t0:.2f}", flush=True)
@@ -260,7 +269,7 @@ def one_run(vm, guard: str, args) -> dict:
     t0 = time.monotonic()
     try:
         r = vm.run("/bin/sh", "/var/tmp/run.sh", str(procs), str(args.idle_seconds),
-                   "spin" if guard == "busy" else "fill", check=False,
+                   {"busy": "spin", "short": "short"}.get(guard, "fill"), check=False,
                    timeout=args.seconds + 10)
     except TimeoutError:
         r = None  # the agent could not even kill the hog and answer: the guest stopped answering
