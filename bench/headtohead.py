@@ -143,6 +143,21 @@ def oom_kills() -> int:
 # ---------------------------------------------------------------- the guards
 
 
+def nohang_config(text: str, term: str, kill: str, tag: str, extra: dict | None = None) -> str:
+    """nohang.conf ``text`` with its memory lines set to ``term``/``kill`` (nohang's units, e.g.
+    ``"768 M"``), its swap lines at 100 % (act on memory alone: a zram larger than RAM, or no
+    swap, never looks low), the ``extra`` keys set, and processes whose command line matches
+    ``tag`` preferred (``@BADNESS_ADJ_RE_CMDLINE``).  Also used by bench/vm_oom.py."""
+    sets = {"soft_threshold_min_mem": term, "hard_threshold_min_mem": kill,
+            "soft_threshold_min_swap": "100 %", "hard_threshold_min_swap": "100 %", **(extra or {})}
+    out = []
+    for ln in text.splitlines():
+        key = ln.split("=", 1)[0].strip()
+        out.append(f"{key} = {sets[key]}" if "=" in ln and not ln.lstrip().startswith("#") and key in sets else ln)
+    out.append(f"@BADNESS_ADJ_RE_CMDLINE 900 /// {tag}")
+    return "\n".join(out) + "\n"
+
+
 def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str = "default",
               engine: tuple[list[str], int] | None = None) -> tuple[list[str], str]:
     """argv for one guard configured to SIGTERM below ``term`` and SIGKILL below ``kill`` (bytes),
@@ -159,17 +174,10 @@ def guard_cmd(name: str, term: int, kill: int, tag: str, work: str, sched: str =
     if name == "nohang":
         conf = os.path.join(work, "nohang.conf")
         with open("/etc/nohang/nohang.conf") as f:
-            lines = f.read().splitlines()
-        sets = {"soft_threshold_min_mem": f"{term / MiB:.1f} M", "hard_threshold_min_mem": f"{kill / MiB:.1f} M",
-                "soft_threshold_min_swap": "100 %", "hard_threshold_min_swap": "100 %",
-                "print_victim_status": "True", "separate_log": "False"}
-        out = []
-        for ln in lines:
-            key = ln.split("=", 1)[0].strip()
-            out.append(f"{key} = {sets[key]}" if "=" in ln and not ln.lstrip().startswith("#") and key in sets else ln)
-        out.append(f"@BADNESS_ADJ_RE_CMDLINE 900 /// {tag}")
+            text = nohang_config(f.read(), f"{term / MiB:.1f} M", f"{kill / MiB:.1f} M", tag,
+                                 {"print_victim_status": "True", "separate_log": "False"})
         with open(conf, "w") as f:
-            f.write("\n".join(out) + "\n")
+            f.write(text)
         # nohang refuses thresholds above 50 % of MemTotal (a config sanity check, nothing
         # else); the line here sits a little under the MemAvailable of a mostly idle host,
         # so run a copy with that one check widened.  Its logic is otherwise untouched.

@@ -72,6 +72,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from system import nspawn  # noqa: E402
 from vm import image, qemu  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+import headtohead  # noqa: E402
+
 MiB = 1 << 20
 #: sparkguard's default guard.term_below (README, "Configuration"), used by all three guards
 TERM_BELOW = 768 * MiB
@@ -194,15 +197,9 @@ def setup(vm) -> dict:
     vm.run("systemctl", "disable", "--now", "earlyoom", "nohang", check=False, timeout=120)
     vm.put("/etc/default/earlyoom", (f'EARLYOOM_ARGS="-M {TERM_BELOW // 1024},{KILL_BELOW // 1024} '
                                      f'-s 100,100 --prefer {TAG} -r 0"\n').encode())
-    conf = vm.run("cat", "/etc/nohang/nohang.conf").stdout.splitlines()
-    sets = {"soft_threshold_min_mem": f"{TERM_BELOW // MiB} M", "hard_threshold_min_mem": f"{KILL_BELOW // MiB} M",
-            "soft_threshold_min_swap": "100 %", "hard_threshold_min_swap": "100 %"}
-    out = []
-    for ln in conf:
-        key = ln.split("=", 1)[0].strip()
-        out.append(f"{key} = {sets[key]}" if "=" in ln and not ln.lstrip().startswith("#") and key in sets else ln)
-    out.append(f"@BADNESS_ADJ_RE_CMDLINE 900 /// {TAG}")
-    vm.put("/etc/nohang/nohang.conf", ("\n".join(out) + "\n").encode())
+    conf = vm.run("cat", "/etc/nohang/nohang.conf").stdout
+    vm.put("/etc/nohang/nohang.conf", headtohead.nohang_config(conf, f"{TERM_BELOW // MiB} M",
+                                                               f"{KILL_BELOW // MiB} M", TAG).encode())
     vm.put("/var/tmp/heartbeat.py", HEARTBEAT.encode())
     vm.put(f"/var/tmp/{TAG}.py", HOG.encode())
     vm.put("/var/tmp/run.sh", RUN.encode())
