@@ -92,20 +92,40 @@ SIGTERM_LINE = {"sparkguard": re.compile(r"^sigterm: SIGTERM"), "earlyoom": re.c
 HEARTBEAT = r"""
 import os, sys, time
 path, series = sys.argv[1], sys.argv[2]
+guard = sys.argv[3] if len(sys.argv) > 3 else ""
 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 sf = open(series, "w", buffering=1)
+me = os.open("/proc/self/schedstat", os.O_RDONLY)
+try:
+    gd = os.open(f"/proc/{int(guard)}/schedstat", os.O_RDONLY)
+except (ValueError, OSError):
+    gd = None
+def stat(f):
+    # proc(5) /proc/PID/schedstat: ns on the CPU, ns waiting on a runqueue, timeslices
+    if f is None:
+        return (0, 0)
+    try:
+        v = os.pread(f, 128, 0).split()
+        return (int(v[0]), int(v[1]))
+    except (OSError, ValueError, IndexError):
+        return (0, 0)
 def mem():
     with open("/proc/meminfo") as f:
         m = {l.split(":")[0]: int(l.split()[1]) for l in f}
     return m["MemAvailable"] * 1024, (m["SwapTotal"] - m["SwapFree"]) * 1024, m["MemTotal"] * 1024
 last = time.monotonic(); worst = 0.0; worst_at = last; n = 0; next_s = last
+s_last, g_last = stat(me), stat(gd)
+why = "0 0 0"      # the worst gap's own CPU ms, own runqueue wait ms, the guard's CPU ms
 while True:
     time.sleep(0.01)
     now = time.monotonic()
+    s_now, g_now = stat(me), stat(gd)
     if now - last > worst:
         worst, worst_at = now - last, now
-    last = now; n += 1
-    os.pwrite(fd, f"{now:.6f} {worst:.6f} {n} {worst_at:.3f}\n".ljust(80).encode(), 0)
+        why = (f"{(s_now[0] - s_last[0]) / 1e6:.1f} {(s_now[1] - s_last[1]) / 1e6:.1f} "
+               f"{(g_now[0] - g_last[0]) / 1e6:.1f}")
+    last = now; n += 1; s_last, g_last = s_now, g_now
+    os.pwrite(fd, f"{now:.6f} {worst:.6f} {n} {worst_at:.3f} {why}\n".ljust(120).encode(), 0)
     if now >= next_s:
         a, s, t = mem()
         sf.write(f"{now:.3f} {a} {s} {t}\n")
@@ -163,7 +183,7 @@ while left:
 """
 
 #: one run inside: the heartbeat, the hog, the heartbeat ended 1 s after the hog
-RUN = """python3 /var/tmp/heartbeat.py /var/tmp/hb /var/tmp/series & hb=$!
+RUN = """python3 /var/tmp/heartbeat.py /var/tmp/hb /var/tmp/series "$4" & hb=$!
 sleep 1
 python3 /var/tmp/{tag}.py "$1" "$2" "$3"
 echo hogrc $?
@@ -244,6 +264,7 @@ def one_run(vm, guard: str, args) -> dict:
         vm.run("systemctl", "start", unit, timeout=120)
         time.sleep(3)    # its own start-up (Python imports under TCG) is not part of the run's CPU figure
         cpu0 = guard_cpu(vm, unit)
+    main_pid = vm.run("systemctl", "show", "-P", "MainPID", unit).stdout.strip() if unit else ""
     oom_before = int(vm.sh("awk '$1==\"oom_kill\"{print $2}' /proc/vmstat").stdout)
     dmesg_before = len(vm.run("dmesg").stdout.splitlines())
     procs = 0 if guard == "idle" else args.procs
@@ -266,7 +287,7 @@ def one_run(vm, guard: str, args) -> dict:
     t0 = time.monotonic()
     try:
         r = vm.run("/bin/sh", "/var/tmp/run.sh", str(procs), str(args.idle_seconds),
-                   {"busy": "spin", "short": "short"}.get(guard, "fill"), check=False,
+                   {"busy": "spin", "short": "short"}.get(guard, "fill"), main_pid, check=False,
                    timeout=args.seconds + 10)
     except TimeoutError:
         r = None  # the agent could not even kill the hog and answer: the guest stopped answering
@@ -300,6 +321,9 @@ def one_run(vm, guard: str, args) -> dict:
     res["heartbeat_beats"] = int(hb[2]) if len(hb) >= 3 else None
     if len(hb) >= 4 and start is not None:   # when the worst gap ended, from the hog's start
         res["heartbeat_worst_at_s"] = round(float(hb[3]) - start, 2)
+    if len(hb) >= 7:     # within the worst gap: the heartbeat's CPU, its runqueue wait, the guard's CPU (ms)
+        res["heartbeat_worst_gap_ms"] = {"own_cpu": float(hb[4]), "runqueue_wait": float(hb[5]),
+                                         "guard_cpu": float(hb[6])}
     series = [tuple(float(x) for x in ln.split()) for ln in
               vm.run("cat", "/var/tmp/series", check=False).stdout.splitlines() if len(ln.split()) == 4]
     if series and start is not None:
@@ -345,11 +369,20 @@ def victims(res: dict) -> str:
     return ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names)) or "-"
 
 
+def gap(res: dict) -> str:
+    """The heartbeat's worst gap, taken apart: its own CPU, its wait on a runqueue (runnable, not
+    running), the guard's CPU in the same gap (ms; /proc/PID/schedstat, proc(5))."""
+    g = res.get("heartbeat_worst_gap_ms")
+    if not g:
+        return "-"
+    return f"{g['own_cpu']:g}, {g['runqueue_wait']:g}, {g['guard_cpu']:g}"
+
+
 def table(results: list[dict]) -> str:
     rows = ["| guard | hog procs | fill MiB/s | heartbeat worst stall s | agent worst s (unanswered) | "
             "first SIGTERM s | kernel OOM kills (who, first s) | lowest MemAvailable MiB | swap used MiB | "
-            "guard CPU s | run s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "guard CPU s | run s | worst gap: own CPU, runqueue wait, guard CPU ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         def f(k, d="-"):
             v = r.get(k)
@@ -357,7 +390,7 @@ def table(results: list[dict]) -> str:
         rows.append(f"| {r['guard']} | {r['procs']} | {f('fill_mib_per_s')} | {f('heartbeat_worst_stall_s', 'no answer')} | "
                     f"{f('agent_rtt_worst_s')} ({r.get('agent_calls_unanswered', 0)}) | {f('first_sigterm_s')} | "
                     f"{f('oom_kills', '?')} ({victims(r)}; {f('first_oom_kill_s')}) | {f('mem_available_lowest_mib')} | "
-                    f"{f('swap_used_highest_mib')} | {f('guard_cpu_s')} | {f('wall_s')} |")
+                    f"{f('swap_used_highest_mib')} | {f('guard_cpu_s')} | {f('wall_s')} | {gap(r)} |")
     return "\n".join(rows)
 
 
