@@ -101,7 +101,8 @@ try:
 except (ValueError, OSError):
     gd = None
 def stat(f):
-    # proc(5) /proc/PID/schedstat: ns on the CPU, ns waiting on a runqueue, timeslices
+    # proc(5) /proc/PID/schedstat: ns on the CPU, ns waiting on a runqueue, timeslices; a running
+    # task's CPU is brought up to date at scheduler ticks, so a gap's figures are within one tick
     if f is None:
         return (0, 0)
     try:

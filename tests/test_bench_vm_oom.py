@@ -35,9 +35,12 @@ def test_the_heartbeat_takes_its_worst_gap_apart(tmp_path):
         now, worst, n, worst_at = float(fields[0]), float(fields[1]), int(fields[2]), float(fields[3])
         own_cpu, wait, guard_cpu = (float(x) for x in fields[4:7])
         assert 0.005 <= worst < 30 and worst_at <= now
-        # the parts of one gap cannot add up to more than the gap (ms), nor the guard's CPU either
-        assert 0 <= own_cpu + wait <= worst * 1000 + 1
-        assert 0 <= guard_cpu <= worst * 1000 + 1
+        # the parts of one gap cannot add up to more than the gap (ms), nor the guard's CPU either,
+        # give or take one scheduler tick: a running task's sum_exec_runtime is brought up to date
+        # at ticks and switches, not when schedstat is read (kernel/sched/fair.c update_curr)
+        tick = 11
+        assert 0 <= own_cpu + wait <= worst * 1000 + tick
+        assert 0 <= guard_cpu <= worst * 1000 + tick
         lines = series.read_text().split("\n")
         assert len(lines[0].split()) == 4      # time, MemAvailable, swap in use, MemTotal
     finally:

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,18 @@ def _history(st: dict, event: str) -> list[str]:
     return [h["detail"] for h in st["history"] if h["event"] == event]
 
 
+def _container_found(sg, timeout: float = 60.0) -> tuple[list[str], dict]:
+    """The status history's ``container`` entries, once there are any (bounded): the container is
+    discovered by its own thread (``docker inspect``), which may finish after the engine is ready."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = sg.status()
+        found = _history(st, "container")
+        if found or time.monotonic() > deadline:
+            return found, st
+        time.sleep(0.1)
+
+
 def _inspect(d, ref: str) -> dict | None:
     r = d.docker("container", "inspect", ref, check=False)
     return json.loads(r.stdout)[0] if r.returncode == 0 else None
@@ -83,7 +96,7 @@ def test_supervised_docker_run_becomes_ready_and_engine_stop_stops_the_container
     with supervised(d, tmp_path, tag) as (sg, st, cid, init):
         info = _inspect(d, cid)
         assert info["State"]["Running"] and info["Name"].startswith("/sparkguard-engine-")
-        found = _history(st, "container")
+        found, st = _container_found(sg)
         assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
         # status says what is tracked: the container's cgroup, found from docker's State.Pid
         tr = sg.status()["tracking"]
@@ -117,7 +130,7 @@ def test_a_command_line_with_global_options_container_run_and_clusters_is_tracke
                 "--", *argv[i:]]
     with supervised(d, tmp_path, tag, shape=shape) as (sg, st, cid, init):
         assert "SG_ARGV=1" in _inspect(d, cid)["Config"]["Env"]
-        found = _history(st, "container")
+        found, st = _container_found(sg)
         assert found and cid[:12] in found[0] and f"init pid {init}" in found[0], st["history"]
         r = run_sparkguard("engine", "--socket", sg.socket, "stop", "--timeout", "60")
         assert r.returncode == 0 and "engine: stopped" in r.stdout, (r.stdout, r.stderr)
