@@ -82,13 +82,17 @@ def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
         bystanders(BYSTANDERS)
         p, q = proctree.read_proc(member.pid), proctree.read_proc(kept.pid)
         tree = signals.Tree([member.pid, kept.pid], {member.pid: p.starttime, kept.pid: q.starttime})
+        t = time.monotonic()
+        proctree.scan()
+        scan_s = time.monotonic() - t
         waiter.start()
         t0 = time.monotonic()
         killed = tree.kill_all(proctree.Protector(("sleep",)))
         t1 = time.monotonic()
         waiter.join(60)
         assert killed == [member.pid]
-        assert t1 - t0 > 0.1, "the sweep should have scanned 5,000 processes"
+        assert t1 - t0 > scan_s / 2, \
+            f"kill_all took {(t1 - t0) * 1000:.0f} ms, a /proc pass {scan_s * 1000:.0f} ms: the sweep did not scan"
         # killed first, swept after: the death comes early in kill_all (a few ms is usual; the
         # waiter thread needs the GIL to stamp it), not after the sweep
         assert died and died[0] - t0 < (t1 - t0) / 2, \

@@ -253,10 +253,13 @@ while not os.path.exists(ready):
 pids = [int(p) for p in open(ready).read().split("pids=")[1].split()[0].split(",")]
 mi = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/meminfo")}
 avail = mi["MemAvailable"]
-# crossed at once; the config refuses a line at or above MemTotal
+# crossed at once; the config refuses a line at or above MemTotal.  The victim's exit frees far
+# less than the gap, so memory is never back: recovery_wait 0 closes the incident as soon as the
+# tree is gone (a longer wait could be stretched by the per-CPU lists' drain wait, up to 120 s,
+# whenever other work on the host frees memory near the line)
 line = min(avail + 512 * 2**20, mi["MemTotal"] - 64 * 2**20)
 inc_dir = os.path.join(base, "inc")
-cfg = {"guard": {"term_below": line, "grace": "5s", "recovery_wait": "1s"},
+cfg = {"guard": {"term_below": line, "grace": "5s", "recovery_wait": "0s"},
        "targets": {"match": ["vllm serve " + model]}, "metrics": {"listen": "off"},
        "incidents": {"dir": inc_dir, "journal": "auto"}}
 cfg_path = os.path.join(base, "sparkguard.yaml")
