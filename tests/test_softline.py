@@ -635,13 +635,15 @@ def test_the_pause_incident_writes_only_documented_fields_in_order():
 # ---- sparkguard drill --pause ----------------------------------------------------------------
 
 def test_drill_pause_pauses_recovers_resumes_and_says_so(tmp_path, root_only):
-    if _settled_available() < 8 * GiB:
+    # the work fills --margin + --past/4 (2 GiB here), 1 GiB past the soft line: other work on this
+    # shared machine may hand memory back while it fills (0.6 GiB in 2 s seen in CI)
+    if _settled_available() < 10 * GiB:
         pytest.skip("not enough MemAvailable for a safe drill on this host right now")
     cfg = tmp_path / "sparkguard.yaml"
     cfg.write_text(f"guard:\n  resume_after: 1s\n  pause_hysteresis: 128MiB\nincidents:\n  dir: {tmp_path / 'inc'}\n"
                    "  journal: \"off\"\nmetrics:\n  listen: \"off\"\n")
     r = run_sparkguard("drill", "--pause", "-c", str(cfg), "--json", "--rate", "1GiB/s", "--margin", "1GiB",
-                       "--past", "2GiB", timeout=120)
+                       "--past", "4GiB", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
     assert rep["result"] == "PASS", rep["reason"]
