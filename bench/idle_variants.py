@@ -32,8 +32,8 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-HEAD = "    try:\n        # the first poll comes at once"
-END = "def batch("
+HEAD = "    try:\n        due_at = next_due("
+END = "def next_due("
 
 BODIES = {
     "oneline": "    end, vat = at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"

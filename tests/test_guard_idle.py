@@ -4,6 +4,7 @@ poll five times a second.  Real daemon, real /proc/meminfo, real fake-vLLM trees
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 import urllib.request
@@ -119,19 +120,20 @@ def test_idle_polls_five_times_a_second_and_the_metrics_count_them():
         g.stop()
 
 
-def test_an_idle_batch_ends_at_the_poll_where_a_ping_or_a_record_falls_due_and_lasts_a_second_at_most():
+def test_an_idle_poll_calls_due_from_the_pings_send_time_or_the_records_time_whichever_is_first():
     from types import SimpleNamespace as NS
     from sparkguard.guard import idle, view
     g = NS(notifier=NS(watchdog_interval=None), ring=None)
-    assert idle.batch(g, 100.0, 0.2) == 5                          # idle.BATCH_MAX: 1 s of polls
-    g.notifier = NS(watchdog_interval=2.5, next_ping=100.6)        # sent one interval early: at 100.4
-    assert idle.batch(g, 100.0, 0.2) == 2                          # the 2nd poll wakes at >= 100.4
+    assert idle.next_due(g, 0.2) == math.inf                      # nothing ever due: no call
+    g.notifier = NS(watchdog_interval=2.5, next_ping=100.6)        # sent one interval early
+    assert abs(idle.next_due(g, 0.2) - 100.4) < 1e-9
     g.ring = NS(next_at=100.5)
-    assert idle.batch(g, 100.0, 0.2) == 2
-    assert idle.batch(g, 101.5, 0.2) == 1                          # overdue: the next poll
-    g = NS(notifier=NS(watchdog_interval=None), ring=None)
-    assert idle.batch(g, 100.0, 0.002) == 500                      # the cap is in seconds, not polls
-    # the snapshot's last poll: the batch's start plus one interval per poll counted since,
+    assert abs(idle.next_due(g, 0.2) - 100.4) < 1e-9
+    g.ring = NS(next_at=100.3)
+    assert idle.next_due(g, 0.2) == 100.3
+    g.notifier = NS(watchdog_interval=None)
+    assert idle.next_due(g, 0.2) == 100.3
+    # the snapshot's last poll: the last mark plus one interval per poll counted since,
     # never later than now; a loop that stops counting goes stale; 0.0 before any poll
     g = NS(poll_mark=(50.0, 7), fast_polls=10, cfg=NS(guard=NS(poll_interval=0.2)))
     assert abs(view.last_poll(g, 51.0) - 50.6) < 1e-9
@@ -149,7 +151,8 @@ class _FakeIdle:
         from types import SimpleNamespace as NS
         from sparkguard.guard import idle
         self.t, self.reads, self.sleeps, self.pings = 1000.0, 0, 0, []
-        self.fast_polls, self.fast_raw, self.poll_mark, self.ring, self.actions = 0, None, (0.0, 0), None, None
+        self.fast_polls, self.fast_raw, self.ring, self.actions, self.marks = 0, None, None, None, []
+        self._mark = (0.0, 0)
         self._flags, self._fast_at, buf = set(), 0, bytearray(64)
         self.reader = NS(inline_parts=lambda: (-1, [buf], buf))
         self.notifier = NS(watchdog_interval=2.5, next_ping=1000.0 + 2.5, watchdog=self._ping)
@@ -168,6 +171,15 @@ class _FakeIdle:
         monkeypatch.setattr(idle.os, "preadv", preadv)
         monkeypatch.setattr(idle.meminfo, "fast_above", lambda *a: b"x" if answers(self.reads) else None)
         monkeypatch.setattr(idle.time, "monotonic", lambda: self.t)
+
+    @property
+    def poll_mark(self):
+        return self._mark
+
+    @poll_mark.setter
+    def poll_mark(self, mark):      # guard.idle.due notes each call here
+        self.marks.append(mark)
+        self._mark = mark
 
     def _ping(self, now):
         self.pings.append((self.t, self.notifier.next_ping))
@@ -188,8 +200,10 @@ def test_the_idle_fast_path_sleeps_after_every_poll_counts_only_good_reads_and_p
     g = _FakeIdle(monkeypatch, lambda i: True, flag_at=3)               # a signal flagged
     idle.run(g, 49, s)
     assert (g.reads, g.fast_polls, g.sleeps) == (3, 2, 2)
-    # 20 ms late at every wake-up, 5000 polls: each ping within 5 wake-ups' lateness of its time
+    # 20 ms late at every wake-up, 5000 polls: the lateness never adds up (each ping within one
+    # interval before and one wake-up's lateness after its time), and due() runs only at pings
     g = _FakeIdle(monkeypatch, lambda i: True, late=0.02)
     idle.run(g, 5000, s)
-    assert len(g.pings) > 300 and all(sent <= due + 5 * 0.02 + 1e-9 for sent, due in g.pings), g.pings[:5]
+    assert len(g.pings) > 300 and all(due - 0.2 <= sent <= due + 0.02 + 1e-9 for sent, due in g.pings), g.pings[:5]
+    assert len(g.marks) == len(g.pings)
     assert g.poll_mark[1] <= g.fast_polls == 5000

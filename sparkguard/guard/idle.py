@@ -18,10 +18,6 @@ from sparkguard.guard import settings
 
 log = logging.getLogger("sparkguard")
 
-#: seconds of polls at most between two reads of the clock on the idle fast path: bounds how far
-#: the wake-ups' lateness can add up before a due watchdog ping (:func:`batch`)
-BATCH_MAX = 1.0
-
 
 def run(g, left: int, s: settings.LoopSettings) -> None:
     """The idle fast path: up to ``left`` polls of MemAvailable alone, each followed by a sleep
@@ -35,32 +31,27 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.  The value itself is
     kept as the kernel printed it (``fast_raw``); :func:`sparkguard.guard.view.snapshot` parses it when asked.
 
-    A poll only reads, compares, counts and sleeps.  The clock is read once per batch of
-    polls (:func:`batch`: at most :data:`BATCH_MAX` s of them, ending at the poll where the next
-    watchdog ping or black-box record falls due), since after 200 ms of sleep every line of
-    Python runs cold and each costs (bench/results/idle-parse.txt)."""
+    A poll reads, compares, counts, reads the clock and sleeps.  Only a poll at or after the
+    time :func:`next_due` gives (the next watchdog ping's send time, the black box's next
+    record) calls :func:`due`: after 200 ms of sleep every line of Python runs cold, and a call
+    that looks at the notifier and the ring costs ~20 us there (bench/idle_budget.py), while
+    one clock read and a compare cost about nothing (bench/results/idle-parse.txt)."""
     fd, view, buf = g.reader.inline_parts()
-    preadv, above, sleep = os.preadv, meminfo.fast_above, g._idle_poll
+    preadv, above, sleep, clock = os.preadv, meminfo.fast_above, g._idle_poll, time.monotonic
     at, (width, pattern), ms, flags = g._fast_at, s.idle_pattern, s.interval * 1000.0, g._flags
     try:
-        # the first poll comes at once, without a sleep before it: counted from one interval back
-        k = min(left, batch(g, time.monotonic() - s.interval, s.interval))
-        left -= k
-        while True:
+        due_at = next_due(g, s.interval)
+        while left:
             n = preadv(fd, view, 0)
             raw = above(buf, n, at, width, pattern)
             if raw is None or flags:
                 return
             g.fast_polls += 1
             g.fast_raw = raw
-            k -= 1
-            if not k:
-                now = due(g, buf, n, s)
-                if not left:
-                    sleep(ms)
-                    return
-                k = min(left, batch(g, now, s.interval))
-                left -= k
+            left -= 1
+            if clock() >= due_at:
+                due(g, buf, n, s)
+                due_at = next_due(g, s.interval)
             sleep(ms)
     except OSError:                         # the full pass reports it
         return
@@ -68,27 +59,22 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
         log.exception("poll loop error on the idle path; the guard keeps running")
 
 
-def batch(g, now: float, interval: float) -> int:
-    """Polls of the idle fast path after the one at ``now`` (monotonic s) up to the first one at
-    or after the next watchdog ping's send time (one ``interval`` before ``notifier.next_ping``)
-    or the black box's next record (``ring.next_at``); at least 1, at most :data:`BATCH_MAX` s
-    of polls.  Each poll sleeps ``interval`` s, so the batch never ends before that time; the
-    wake-ups' lateness adds up over at most one batch: a ping is late by at most the lateness of
-    ``BATCH_MAX / interval`` wake-ups (5 at 200 ms), against half of WatchdogSec of margin."""
-    cap = max(1, math.ceil(BATCH_MAX / interval))
-    due = math.inf
+def next_due(g, interval: float) -> float:
+    """Monotonic s from which an idle poll calls :func:`due`: the next watchdog ping's send time
+    (one ``interval`` before ``notifier.next_ping``: the poll after it would come too late) or
+    the black box's next record (``ring.next_at``), whichever is first; ``math.inf`` with
+    neither (no watchdog, no black box).  Read again after each :func:`due`."""
+    at = math.inf
     notifier, ring = g.notifier, g.ring
     if notifier.watchdog_interval is not None:
-        due = notifier.next_ping - interval
-    if ring is not None:
-        due = min(due, ring.next_at)
-    if due - now >= cap * interval:
-        return cap
-    return max(1, math.ceil((due - now) / interval))
+        at = notifier.next_ping - interval
+    if ring is not None and ring.next_at < at:
+        at = ring.next_at
+    return at
 
 
 def due(g, buf: bytearray, n: int, s: settings.LoopSettings) -> float:
-    """At the end of a batch of idle polls (``buf[:n]``, the last read): note the poll's time
+    """At an idle poll (``buf[:n]``, its read) at or after :func:`next_due`: note the poll's time
     and count (``poll_mark``, one tuple: other threads read it whole), send the watchdog ping and
     take the black box's record when due.  Returns the monotonic time (s)."""
     now = time.monotonic()

@@ -80,7 +80,7 @@ class Guard:
         self.fast_raw = None        # MemAvailable as the fast path last read it (meminfo.fast_above), or None
         self._fast_at = -1          # offset of the MemAvailable line for the fast path (meminfo.fast_layout)
         self.poll_sum = 0.0
-        self.poll_mark = (0.0, 0)   # (monotonic s of the last full pass or idle batch's end, fast_polls then);
+        self.poll_mark = (0.0, 0)   # (monotonic s of the last full pass or guard.idle.due, fast_polls then);
                                     # 0.0 before the first: guard.view estimates the last poll from it
         self.started = time.time()
         self.reloads = {"ok": 0, "failed": 0}

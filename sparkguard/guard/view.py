@@ -36,12 +36,12 @@ def status_line(guard) -> str:
 
 
 def last_poll(guard, mono_now: float) -> float:
-    """Monotonic s of ``guard``'s last poll, or 0.0 before the first.  The idle fast path reads
-    the clock once per batch of polls (:func:`sparkguard.guard.idle.batch`) and counts each
-    poll: its polls since the batch began are taken as one ``guard.poll_interval`` apart (each
-    sleeps that long; the first after a full pass whose sleep a wake-up cut short may come
-    sooner), capped at ``mono_now``.  A loop that stops polling stops the count, so the
-    timestamp goes stale as it should."""
+    """Monotonic s of ``guard``'s last poll, or 0.0 before the first.  The idle fast path notes
+    the time (``poll_mark``) only where a ping or a black-box record falls due
+    (:func:`sparkguard.guard.idle.due`), and counts each poll: its polls since the mark are
+    taken as one ``guard.poll_interval`` apart (each sleeps that long; the first after a full
+    pass whose sleep a wake-up cut short may come sooner), capped at ``mono_now``.  A loop that
+    stops polling stops the count, so the timestamp goes stale as it should."""
     t, polls = guard.poll_mark
     return t and min(mono_now, t + (guard.fast_polls - polls) * guard.cfg.guard.poll_interval)
 
