@@ -184,6 +184,52 @@ def stat_fields(path: str) -> tuple[bytes, list[bytes]] | None:
     return stat[lp + 1:rp], stat[rp + 2:].split()
 
 
+STATUS_HEAD = 512          # bytes of /proc/PID/status read for its Tgid (the 4th line, after a Name of <= 64 bytes)
+
+
+def a_process_among(first: int, last: int, root: str = "/proc") -> bool:
+    """Whether an id from ``first`` to ``last`` (inclusive) names a process under ``root`` now:
+    one whose ``Tgid`` in ``ROOT/ID/status`` is the id itself (a thread group's leader, a
+    zombie too), proc(5), and that is no kernel thread (PF_KTHREAD in its stat's flags: the
+    kernel starts and ends kworkers as it needs them).  A thread of an older process (its Tgid
+    is another id) and an id with no entry (exited and reaped, or never a process of this pid
+    namespace) do not count.  An
+    entry that cannot be read or parsed for another reason counts: the caller then does what it
+    would do for a process.  One open and read per id: the caller bounds the range."""
+    for pid in range(first, last + 1):
+        try:
+            fd = os.open(f"{root}/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True
+        try:
+            head = os.read(fd, STATUS_HEAD)
+        except ProcessLookupError:      # ESRCH: it exited between the open and the read
+            continue
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        i = head.find(b"\nTgid:")
+        j = head.find(b"\n", i + 6)
+        if i < 0 or j < 0:
+            return True
+        try:
+            tgid = int(head[i + 6:j])
+        except ValueError:
+            return True
+        if tgid == pid:
+            st = stat_fields(f"{root}/{pid}/stat")
+            try:
+                kthread = st is not None and int(st[1][6]) & PF_KTHREAD
+            except (IndexError, ValueError):
+                return True
+            if not kthread:         # a kernel thread (a new kworker) is never a target
+                return True
+    return False
+
+
 def pids(root: str = "/proc") -> list[int]:
     """The pid of every process listed in ``root`` (a /proc, or a copy of one): the one walk of
     /proc that every reader of processes shares.

@@ -4,6 +4,7 @@ the bystanders are sleeping children of this test, all reaped at the end."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -161,9 +162,84 @@ def test_the_estimate_counts_entities_from_the_same_loadavg_read():
         cursor, entities = a._loadavg()
         assert a.target is None and a.scans == 1
         assert a.entry_cost > 0 and a.entry_cost * n <= a.scan_cost * 2
-        assert cursor.isdigit() and entities >= n * 0.9
+        assert cursor > 0 and entities >= n * 0.9
     finally:
         a.close()
+
+
+def test_a_process_among_tells_new_processes_from_threads_and_exited_ones(tmp_path):
+    """Real ids: a sleeping child is a process; a thread of this test is not; a child that
+    exited and was reaped has no entry.  Then a /proc copy: Tgid equal to the id, another id,
+    a status that cannot be parsed (counts: the caller rescans), no entry."""
+    child = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()
+    try:
+        assert proctree.a_process_among(child.pid, child.pid)
+        assert not proctree.a_process_among(t.native_id, t.native_id)
+        assert not proctree.a_process_among(gone.pid, gone.pid)
+    finally:
+        stop.set()
+        t.join(5)
+        child.kill()
+        child.wait()
+    for pid, status in ((10, "Name:\tvllm\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t10\nPid:\t10\n"),
+                        (11, "Name:\tworker\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t10\nPid:\t11\n"),
+                        (13, "Name:\tx\nTgid:\tnot-a-number\n")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(status)
+    root = str(tmp_path)
+    assert proctree.a_process_among(10, 10, root)
+    assert not proctree.a_process_among(11, 12, root)         # a thread of 10, and no entry for 12
+    assert proctree.a_process_among(11, 13, root)             # 13 cannot be read as a status
+    (tmp_path / "10" / "stat").write_text("10 (kworker/3:1H) I 2 0 0 0 -1 %d 0 0 0 0 0 0 0 0 0 -20 1 0 7 0 0\n"
+                                          % proctree.PF_KTHREAD)
+    assert not proctree.a_process_among(10, 12, root)         # a kernel thread is never a target
+    (tmp_path / "10" / "stat").write_text("10 (vllm) S 1 10 10 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 7 0 0\n")
+    assert proctree.a_process_among(10, 10, root)
+
+
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+CHURN_SCRIPT = r"""
+import json, os, subprocess, sys, threading
+from sparkguard import armed, proctree
+GiB = 1 << 30
+clock = [0.0]
+a = armed.Armed(lambda: (None, proctree.scan(), False), 32 * GiB, clock=lambda: clock[0])
+out = []
+def tick(now):
+    clock[0] = now
+    a.tick(now, 64 * GiB, 6 * GiB)
+    out.append(a.scans)
+tick(0.0)                                   # the first scan
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+tick(11.0)                                  # a new thread: no scan
+subprocess.run(["true"], check=True)
+tick(22.0)                                  # a process that has already exited: no scan
+child = subprocess.Popen(["sleep", "60"])
+tick(33.0)                                  # a process that lives: a scan
+for _ in range(40):
+    threading.Thread(target=lambda: None).start()
+tick(44.0)                                  # more pids than armed.NEW_PIDS: a scan, as before the look
+stop.set(); t.join(); child.kill(); child.wait()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private pid namespace needs root")
+def test_churn_that_leaves_no_new_process_does_not_rescan():
+    """In a pid namespace of its own (so no other process of the host moves its pid cursor):
+    threads and a process that has exited move the cursor without a scan; a process that
+    lives, or more churn than armed.NEW_PIDS, rescans (each tick after armed.IDLE_CHECK)."""
+    r = subprocess.run(UNSHARE + [sys.executable, "-c", CHURN_SCRIPT], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(armed.__file__))))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [1, 1, 1, 2, 3], r.stdout
 
 
 def test_two_trees_of_one_pattern_the_crossing_signals_the_one_that_grew_past_the_other(engine_factory):
