@@ -23,6 +23,7 @@ import pytest
 
 from conftest import fake_vllm
 from fakes import fake_cluster as fc
+from sparkguard.drill.hog import FILL_PREFIX
 
 SMALL = ("--hold", "4MiB", "--hold-core", "4MiB", "--hold-api", "4MiB")
 
@@ -299,6 +300,29 @@ def test_sigterm_headless_node_shuts_down_and_fill_works_on_a_headless_node(node
     os.kill(worker.top_pid, signal.SIGTERM)
     assert worker.proc.wait(10) == 0
     head.wait_line(fc.LOST_PREFIX + "rank=", 10)
+
+
+def test_a_headless_node_serves_only_once_its_ranks_have_loaded(nodes):
+    """``--load-fill`` on a headless node: its lowest rank allocates the fill over 0.8 x
+    ``--load-time`` from its start.  Held up mid-load (SIGSTOP) that rank keeps the node's
+    serving line back past ``--load-time`` after forming; let go (SIGCONT) it finishes its fill,
+    and only then does the line come."""
+    load = 8.0
+    head, worker = nodes.cluster(2, 2, per_node={1: ("--load-fill", "64MiB", "--load-time", str(load))})
+    rank = worker.worker_pids[0]
+    worker.wait_line(fc.FORMED_PREFIX, 10)
+    os.kill(rank, signal.SIGSTOP)
+    try:
+        if FILL_PREFIX in worker.output():
+            pytest.skip("the fill was done before the rank could be stopped (a slow host)")
+        formed_at = nodes.stamps.first(fc.FORMED_PREFIX, "node-rank=1")
+        with pytest.raises(TimeoutError):
+            worker.wait_line(fake_vllm.SERVING_PREFIX, formed_at + load + 1.0 - time.monotonic())
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    worker.wait_line(fake_vllm.SERVING_PREFIX, 10)
+    filled = nodes.stamps.first(FILL_PREFIX, f"pid={rank} ")
+    assert filled <= nodes.stamps.first(fake_vllm.SERVING_PREFIX, "url=none"), worker.output()
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,11 @@ one JSON line ``{"rank", "node_rank", "args"}``.  The group forms when every ran
 joined; the head waits for them for at most the timeout (PyTorch's "Timed out ... waiting for
 clients"), a joiner for the group likewise; either then exits 1.  A worker reports the formed
 group to its node's top, which prints ``fake-vllm: group formed``; only then does the head
-"load" for ``--load-time`` and its port listen.  Before that a start-up failure on a headless
+"load" for ``--load-time`` and its port listen.  A headless node's top prints its serving line
+(``fake-vllm: serving url=none``) once ``--load-time`` has passed since forming and each of its
+ranks has reported its load done (its lowest rank's ``--load-fill`` all allocated): every rank
+loads its own shard before the group serves (``EngineCore.__init__`` runs the executor's load and
+``_initialize_kv_caches`` on every worker, local or remote, before it reports ready).  Before that a start-up failure on a headless
 node (refused, timed out: the worker exits 1) ends its top with exit 1, as
 ``WorkerProc.wait_for_ready`` raising does; after it, or when a worker exits 0 because its head
 went away (a stale rendezvous, below), a worker that ends makes the top exit 0 (the inline monitor).
@@ -532,6 +536,7 @@ class _HeadlessTop:
         self.ranks = local_ranks(self.a)
         self.workers: dict[int, tuple[int, int]] = {}  # pid -> (rank, pidfd)
         self.reported: dict[int, int] = {}             # rank -> pid, from the W lines
+        self.loaded: set[int] = set()                  # ranks whose load is done, from the D lines
         self.formed = False
         self.announced = False  # the ready line is out: the formed line follows it
         self.buf = b""
@@ -589,9 +594,19 @@ class _HeadlessTop:
         serving = False
         watch_ready = True
         while True:
+            now = time.monotonic()
             if self.formed and load_done is None:
-                load_done = time.monotonic() + a.load_time
-            timeout = load_done - time.monotonic() if (load_done is not None and not serving) else None
+                load_done = now + a.load_time
+            if load_done is not None and not serving and now >= load_done and self.loaded >= set(self.ranks):
+                serving = True
+                for fd in self.cmd_ws:
+                    try:
+                        os.write(fd, b"S\n")
+                    except OSError:
+                        pass
+                self.log.raw(f"{fv.SERVING_PREFIX}url=none")
+            # until then: wake at the end of the load time; past it, at the last rank's D line
+            timeout = load_done - now if load_done is not None and not serving and now < load_done else None
             ready = wait_fds([self.sigs.rfd, *([ready_r] if watch_ready else []), *self._fds()], timeout)
             now = time.monotonic()
             if self.sigs.rfd in ready and self._term_requested():
@@ -602,14 +617,6 @@ class _HeadlessTop:
             died = self._dead_worker(ready)
             if died is not None:
                 return self._worker_ended(*died)
-            if load_done is not None and not serving and now >= load_done:
-                serving = True
-                for fd in self.cmd_ws:
-                    try:
-                        os.write(fd, b"S\n")
-                    except OSError:
-                        pass
-                self.log.raw(f"{fv.SERVING_PREFIX}url=none")
 
     def _worker_ended(self, rank: int, code: int | None) -> int:
         """A worker ended: kill the others; the top's exit status.
@@ -635,7 +642,8 @@ class _HeadlessTop:
         return any(s in (signal.SIGTERM, signal.SIGINT) for s in self.sigs.read()) and not self.cfg.ignore_term
 
     def _feed(self, ready_r: int) -> bool:
-        """Read the workers' report lines (``W rank pid``, ``G``); False at EOF."""
+        """Read the workers' report lines (``W rank pid``, ``D rank``: its load is done, ``G``);
+        False at EOF."""
         data = os.read(ready_r, 4096)
         self.buf += data
         while b"\n" in self.buf:
@@ -643,6 +651,8 @@ class _HeadlessTop:
             parts = line.decode().split()
             if parts and parts[0] == "W":
                 self.reported[int(parts[1])] = int(parts[2])
+            elif parts and parts[0] == "D":
+                self.loaded.add(int(parts[1]))
             elif parts and parts[0] == "G" and not self.formed:
                 self.formed = True
                 if self.announced:

@@ -59,7 +59,8 @@ READY (logging the line above every ``STARTUP_POLL_PERIOD_MS`` = 10 s), and
 vllm/entrypoints/openai/api_server.py ``run_server_worker`` starts uvicorn (``serve_http``, in
 newer versions through ``build_and_serve``) only inside ``async with build_async_engine_client()``,
 which returns once that handshake is done.  With ``--nnodes``, the head's top waits for its own
-node's ranks only (the rendezvous stands for the others).
+node's ranks only (the rendezvous stands for the others); a headless node's top waits for its
+own (fake_cluster.py).
 
 Endpoints: ``GET /health`` (200, empty body; 503 once the engine is known dead), ``GET /v1/models``,
 ``POST /v1/completions`` and ``/v1/chat/completions`` (one token), ``GET /metrics`` (Prometheus
