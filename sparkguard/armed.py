@@ -17,9 +17,10 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
   :data:`IDLE_CHECK` seconds only: ~0.001 % of a core beside the loop's ~0.07 %.
 - Churn that creates no process is not a change: a rescan the churn alone would start first
   looks up the pids handed out since the last one (at most :data:`NEW_PIDS`, one read of
-  /proc/PID/status each, :func:`sparkguard.proctree.a_process_among`), and when all are
-  threads of older processes or have already exited, the cursor moves past them and nothing is
-  scanned.  A host's services create threads and short-lived processes all the time: on the GPU
+  /proc/PID/status each, :func:`sparkguard.proctree.new_processes`), and when all are
+  threads of older processes or have already exited, and no process an earlier look found
+  new has exec'd since (its argv, :func:`sparkguard.proctree.argv_head`), the cursor moves
+  past them and nothing is scanned.  A host's services create threads and short-lived processes all the time: on the GPU
   machine a scan followed nearly every idle check, 2.8-10 ms each, 55-205 us per wake-up of
   the loop (the loop itself: ~65 us); with the look, 0.45 ms per check
   (bench/results/idle-parse.txt section 5).
@@ -139,6 +140,8 @@ class Armed:
         self.proc_root = proc_root
         self._fd = os.open(os.path.join(proc_root, "loadavg"), os.O_RDONLY | os.O_CLOEXEC)
         self._last_pid: int | None = None    # the pid cursor at the last scan (or past churn of no process)
+        self._recent: dict[int, bytes | None] = {}  # the last NEW_PIDS processes looks found new -> argv head
+        self._next_look = 0.0                # monotonic s: no look at the churn before (MIN_GAP after one)
 
     def _loadavg(self) -> tuple[int, int]:
         """From one read of /proc/loadavg (proc(5)): the last field, the last pid handed out,
@@ -163,7 +166,7 @@ class Armed:
             gates = (self.stale, headroom, small, self.fill_rate, self.entry_cost * entities)
             if refresh_due(now, self.last_scan, self.scan_cost, False, *gates) \
                     or cursor != self._last_pid and refresh_due(now, self.last_scan, self.scan_cost, True, *gates) \
-                    and self._new_process(cursor):
+                    and self._new_process(cursor, now):
                 self.refresh()
         except Exception:  # noqa: BLE001 - the poll loop must outlive this
             self._errors += 1
@@ -171,19 +174,33 @@ class Armed:
                 log.exception("refreshing the armed target failed (%d times); the crossing will scan /proc",
                               self._errors)
 
-    def _new_process(self, cursor: int) -> bool:
+    def _new_process(self, cursor: int, now: float) -> bool:
         """Whether the churn since the last scan (pids after ``_last_pid`` up to ``cursor``)
-        includes a process that exists now (:func:`sparkguard.proctree.a_process_among`); True
-        without a look when the cursor wrapped around pid_max or moved by more than
-        :data:`NEW_PIDS` (a scan then costs about as much as the look).  Threads and processes
-        already gone cannot change the choice: the cursor moves past them, and no scan is due
-        for them."""
+        may have changed the choice: it includes a process that exists now
+        (:func:`sparkguard.proctree.new_processes`), or a process that an earlier look found new
+        shows another argv now (it exec'd an engine, ``sh -c 'exec vllm serve ...'`` or a
+        container's init, or set its title: the threads such an engine starts are all the churn
+        it leaves).  True without a look when the cursor wrapped around pid_max or moved by more
+        than :data:`NEW_PIDS` (a scan then costs about as much as the look).  Threads of other
+        processes and processes already gone cannot change the choice: the cursor moves past
+        them, no scan is due for them, and no look comes sooner than :data:`MIN_GAP` after."""
         last = self._last_pid
         if last is None or not 0 < cursor - last <= NEW_PIDS:
             return True
-        if proctree.a_process_among(last + 1, cursor, self.proc_root):
+        if now < self._next_look:
+            return False
+        root = self.proc_root
+        found = proctree.new_processes(last + 1, cursor, root)
+        now_heads = {pid: proctree.argv_head(pid, root) for pid in self._recent}
+        alive = {pid: head for pid, head in now_heads.items() if head is not None}
+        changed = any(head != self._recent[pid] for pid, head in alive.items())
+        if found is None or found or changed:
+            alive.update((pid, proctree.argv_head(pid, root)) for pid in found or ())
+            self._recent = dict(list(alive.items())[-NEW_PIDS:])
             return True
+        self._recent = alive
         self._last_pid = cursor
+        self._next_look = now + MIN_GAP
         return False
 
     def refresh(self) -> None:

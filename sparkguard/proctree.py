@@ -185,49 +185,58 @@ def stat_fields(path: str) -> tuple[bytes, list[bytes]] | None:
 
 
 STATUS_HEAD = 512          # bytes of /proc/PID/status read for its Tgid (the 4th line, after a Name of <= 64 bytes)
+ARGV_HEAD = 512            # bytes of /proc/PID/cmdline that tell an exec or a new title (argv_head)
 
 
-def a_process_among(first: int, last: int, root: str = "/proc") -> bool:
-    """Whether an id from ``first`` to ``last`` (inclusive) names a process under ``root`` now:
-    one whose ``Tgid`` in ``ROOT/ID/status`` is the id itself (a thread group's leader, a
-    zombie too), proc(5), and that is no kernel thread (PF_KTHREAD in its stat's flags: the
-    kernel starts and ends kworkers as it needs them).  A thread of an older process (its Tgid
-    is another id) and an id with no entry (exited and reaped, or never a process of this pid
-    namespace) do not count.  An
-    entry that cannot be read or parsed for another reason counts: the caller then does what it
-    would do for a process.  One open and read per id: the caller bounds the range."""
+def new_processes(first: int, last: int, root: str = "/proc") -> list[int] | None:
+    """The ids from ``first`` to ``last`` (inclusive) that name a process under ``root`` now:
+    one whose ``Tgid`` in ``ROOT/ID/status`` is the id itself (a thread group's leader, a zombie
+    too), proc(5), and that is no kernel thread (PF_KTHREAD in its stat's flags: the kernel
+    starts and ends kworkers as it needs them).  A thread of an older process (its Tgid is
+    another id) and an id with no entry (exited and reaped, or never a process of this pid
+    namespace) are left out.  None when an entry cannot be read or parsed for another reason:
+    the caller then does what it would do for a process.  One open and read per id: the caller
+    bounds the range."""
+    found = []
     for pid in range(first, last + 1):
         try:
             fd = os.open(f"{root}/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             continue
         except OSError:
-            return True
+            return None
         try:
             head = os.read(fd, STATUS_HEAD)
         except ProcessLookupError:      # ESRCH: it exited between the open and the read
             continue
         except OSError:
-            return True
+            return None
         finally:
             os.close(fd)
         i = head.find(b"\nTgid:")
         j = head.find(b"\n", i + 6)
         if i < 0 or j < 0:
-            return True
+            return None
         try:
             tgid = int(head[i + 6:j])
         except ValueError:
-            return True
+            return None
         if tgid == pid:
             st = stat_fields(f"{root}/{pid}/stat")
             try:
                 kthread = st is not None and int(st[1][6]) & PF_KTHREAD
             except (IndexError, ValueError):
-                return True
+                return None
             if not kthread:         # a kernel thread (a new kworker) is never a target
-                return True
-    return False
+                found.append(pid)
+    return found
+
+
+def argv_head(pid: int, root: str = "/proc") -> bytes | None:
+    """The first :data:`ARGV_HEAD` bytes of ``ROOT/PID/cmdline``, or None when it cannot be
+    read: what tells a process that has since exec'd another program or set its title
+    (setproctitle rewrites argv) from the one seen before."""
+    return read_limited(f"{root}/{pid}/cmdline", ARGV_HEAD)
 
 
 def pids(root: str = "/proc") -> list[int]:

@@ -167,7 +167,7 @@ def test_the_estimate_counts_entities_from_the_same_loadavg_read():
         a.close()
 
 
-def test_a_process_among_tells_new_processes_from_threads_and_exited_ones(tmp_path):
+def test_new_processes_tells_processes_from_threads_and_exited_ones(tmp_path):
     """Real ids: a sleeping child is a process; a thread of this test is not; a child that
     exited and was reaped has no entry.  Then a /proc copy: Tgid equal to the id, another id,
     a status that cannot be parsed (counts: the caller rescans), no entry."""
@@ -178,9 +178,10 @@ def test_a_process_among_tells_new_processes_from_threads_and_exited_ones(tmp_pa
     t = threading.Thread(target=stop.wait, daemon=True)
     t.start()
     try:
-        assert proctree.a_process_among(child.pid, child.pid)
-        assert not proctree.a_process_among(t.native_id, t.native_id)
-        assert not proctree.a_process_among(gone.pid, gone.pid)
+        assert proctree.new_processes(child.pid, child.pid) == [child.pid]
+        assert proctree.new_processes(t.native_id, t.native_id) == []
+        assert proctree.new_processes(gone.pid, gone.pid) == []
+        assert proctree.argv_head(child.pid) == b"sleep\x0060\x00"
     finally:
         stop.set()
         t.join(5)
@@ -192,19 +193,19 @@ def test_a_process_among_tells_new_processes_from_threads_and_exited_ones(tmp_pa
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "status").write_text(status)
     root = str(tmp_path)
-    assert proctree.a_process_among(10, 10, root)
-    assert not proctree.a_process_among(11, 12, root)         # a thread of 10, and no entry for 12
-    assert proctree.a_process_among(11, 13, root)             # 13 cannot be read as a status
+    assert proctree.new_processes(10, 10, root) == [10]
+    assert proctree.new_processes(11, 12, root) == []         # a thread of 10, and no entry for 12
+    assert proctree.new_processes(11, 13, root) is None       # 13 cannot be read as a status
     (tmp_path / "10" / "stat").write_text("10 (kworker/3:1H) I 2 0 0 0 -1 %d 0 0 0 0 0 0 0 0 0 -20 1 0 7 0 0\n"
                                           % proctree.PF_KTHREAD)
-    assert not proctree.a_process_among(10, 12, root)         # a kernel thread is never a target
+    assert proctree.new_processes(10, 12, root) == []         # a kernel thread is never a target
     (tmp_path / "10" / "stat").write_text("10 (vllm) S 1 10 10 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 7 0 0\n")
-    assert proctree.a_process_among(10, 10, root)
+    assert proctree.new_processes(10, 10, root) == [10]
 
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 CHURN_SCRIPT = r"""
-import json, os, subprocess, sys, threading
+import json, os, subprocess, sys, threading, time
 from sparkguard import armed, proctree
 GiB = 1 << 30
 clock = [0.0]
@@ -226,7 +227,24 @@ tick(33.0)                                  # a process that lives: a scan
 for _ in range(40):
     threading.Thread(target=lambda: None).start()
 tick(44.0)                                  # more pids than armed.NEW_PIDS: a scan, as before the look
-stop.set(); t.join(); child.kill(); child.wait()
+sh = subprocess.Popen(["sh", "-c", "read x; exec sleep 60"], stdin=subprocess.PIPE)
+tick(55.0)                                  # a new process (a shell): a scan
+sh.stdin.write(b"\n"); sh.stdin.flush()     # the shell execs sleep: same pid, new argv
+deadline = time.monotonic() + 10
+while proctree.argv_head(sh.pid) != b"sleep\x0060\x00" and time.monotonic() < deadline:
+    time.sleep(0.01)                        # the exec is not an event this script can wait on
+threading.Thread(target=lambda: None).start()
+tick(66.0)                                  # only a thread, but the new process exec'd: a scan
+threading.Thread(target=lambda: None).start()
+tick(77.0)                                  # a thread, nothing exec'd since: no scan
+looks, real = [], proctree.new_processes
+proctree.new_processes = lambda *a: looks.append(a) or real(*a)
+for i in range(20):                         # near the line a pass every 0.1 s, a thread each time:
+    threading.Thread(target=lambda: None).start()
+    clock[0] = 80.0 + i * 0.1               # one look, then none for armed.MIN_GAP
+    a.tick(clock[0], 1 * GiB, 6 * GiB)
+out.append(len(looks))
+stop.set(); t.join(); child.kill(); child.wait(); sh.kill(); sh.wait()
 print(json.dumps(out))
 """
 
@@ -235,11 +253,14 @@ print(json.dumps(out))
 def test_churn_that_leaves_no_new_process_does_not_rescan():
     """In a pid namespace of its own (so no other process of the host moves its pid cursor):
     threads and a process that has exited move the cursor without a scan; a process that
-    lives, or more churn than armed.NEW_PIDS, rescans (each tick after armed.IDLE_CHECK)."""
+    lives, or more churn than armed.NEW_PIDS, rescans; so do threads after a process found new
+    has exec'd another program (an engine started as ``sh -c 'exec ...'``), once (each tick
+    after armed.IDLE_CHECK).  Near the line, where every pass ticks, the churn is looked at
+    once per armed.MIN_GAP."""
     r = subprocess.run(UNSHARE + [sys.executable, "-c", CHURN_SCRIPT], capture_output=True, text=True,
                        timeout=60, env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(armed.__file__))))
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == [1, 1, 1, 2, 3], r.stdout
+    assert json.loads(r.stdout) == [1, 1, 1, 2, 3, 4, 5, 5, 1], r.stdout
 
 
 def test_two_trees_of_one_pattern_the_crossing_signals_the_one_that_grew_past_the_other(engine_factory):
