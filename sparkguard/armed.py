@@ -20,10 +20,10 @@ Refreshing, from the poll loop's full pass while the state is OK (:meth:`Armed.t
   /proc/PID/status each, :func:`sparkguard.proctree.new_processes`), and when all are
   threads of older processes or have already exited, and no process an earlier look found
   new has exec'd since (its argv, :func:`sparkguard.proctree.argv_head`), the cursor moves
-  past them and nothing is scanned.  A host's services create threads and short-lived processes all the time: on the GPU
-  machine a scan followed nearly every idle check, 2.8-10 ms each, 55-205 us per wake-up of
-  the loop (the loop itself: ~65 us); with the look, 0.45 ms per check
-  (bench/results/idle-parse.txt section 5).
+  past them and nothing is scanned.  A host's services create threads and short-lived
+  processes all the time: on the GPU machine a scan followed nearly every idle check, 2.8-10
+  ms each, 55-205 us per wake-up of the loop (the loop itself: ~65 us); with the look,
+  0.45-0.56 ms per check (bench/results/idle-parse.txt section 5).
 - A pass rescans when something changed (churn that left a new process, a member exited, the
   target was used or dropped) or the choice is :data:`MAX_AGE` old (tree memory orders trees
   of one pattern),
