@@ -215,8 +215,10 @@ def test_guard_sigterm_of_the_engine_restarts_only_after_the_quiesce_gate(tmp_pa
         pytest.skip(f"needs 10 GiB MemAvailable, have {mem_available() / GiB:.1f}")
     model, port = unique(), free_port()
     cmd = fake_cmd(model, port, "--fill-size", "3GiB", "--fill-rate", "max", "--fill-on-signal")
+    # log_lines: the fake logs each /health probe (10 a second here); the crossing may come up to
+    # 60 s after the fill starts when other work frees memory, so keep the fill's line in reach
     cfg = engine_config(tmp_path, model, cmd, port, stable_for="1s", stable_band="1GiB", quiesce_timeout="120s",
-                        drop_caches=True)
+                        drop_caches=True, log_lines=5000)
     cfg["guard"].update(grace="3s", recovery_wait="5s")
     d = Daemon(tmp_path, cfg)
     hog = None
