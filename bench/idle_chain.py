@@ -10,8 +10,8 @@ nanoseconds, proc(5)) and prints each variant's median CPU microseconds per wake
 second) beside the read-only loop's.  The line is 8 GiB under MemAvailable at start, never
 crossed.  Every process it starts is its own child and is SIGKILLed at the end.
 
-    read           preadv /proc/meminfo, poll(200): bench/headtohead.py's floor_python
-    check          + find MemAvailable, int() it, compare: floor_python_check
+    read           bench/headtohead.py's floor_python (FLOOR_PY): preadv /proc/meminfo, poll(200)
+    check          its floor_python_check (FLOOR_PY_CHECK): + find MemAvailable, int() it, compare
     pyfast         sparkguard's fast path as a Python loop (meminfo.fast_above's compare, the
                    counter, the value, monotonic(), the ping check)
     chain_min2     read, copy the line, compare it with two bounds, sleep: all C-level
@@ -51,18 +51,6 @@ kb = -(-line // 1024)
 pattern = (b"%8d kB\n" % kb)[:12]
 lo, hi = LABEL + pattern, LABEL + b"99999999 kB\n"
 print("ready", flush=True)
-
-if variant == "read":
-    while True:
-        os.preadv(fd, view, 0)
-        poll(200)
-elif variant == "check":
-    while True:
-        n = os.preadv(fd, view, 0)
-        i = buf.find(b"MemAvailable:", 0, n)
-        if int(buf[i + 13:buf.find(b" kB", i, n)]) << 10 < line:
-            print("below the line", flush=True)
-        poll(200)
 
 class G:
     fast_polls = 0
@@ -204,8 +192,13 @@ def bench(seconds: float, copies: int, variants: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--loop"]:
-        sys.argv = [__file__, *sys.argv[2:4]]
-        exec(compile(LOOPS, "idle_chain:" + sys.argv[1], "exec"), {"__name__": "__loop__"})
+        variant, line = sys.argv[2:4]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import headtohead
+        floors = {"read": (headtohead.FLOOR_PY, []), "check": (headtohead.FLOOR_PY_CHECK, [line])}
+        code, sys.argv = floors[variant] if variant in floors else (LOOPS, [variant, line])
+        sys.argv = [__file__, *sys.argv]
+        exec(compile(code, "idle_chain:" + variant, "exec"), {"__name__": "__loop__"})
     elif len(sys.argv) < 3:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
