@@ -36,7 +36,7 @@ PARTS = [
     ("sparkguard.guard.act", "Actions", "arm", "pass/arm"),
     ("sparkguard.guard.ring", "Ring", "sample", "pass|due/ring.sample"),
     ("sparkguard.meminfo", "MeminfoReader", "sample", "pass/reader.sample"),
-    ("sparkguard.meminfo", "MeminfoReader", "fast_layout", "pass/fast_layout"),
+    ("sparkguard.meminfo", "MeminfoReader", "fast_check", "budget/fast_check"),
     ("sparkguard.meminfo", "MeminfoReader", "raw", "pass/reader.raw"),
     ("sparkguard.guard.loop", "Guard", "_tick", "pass/tick (STATUS=)"),
     ("sparkguard.guard.loop", "Guard", "_fall_rate", "pass/fall_rate"),

@@ -12,8 +12,9 @@ crossed.  Every process it starts is its own child and is SIGKILLed at the end.
 
     read           bench/headtohead.py's floor_python (FLOOR_PY): preadv /proc/meminfo, poll(200)
     check          its floor_python_check (FLOOR_PY_CHECK): + find MemAvailable, int() it, compare
-    pyfast         sparkguard's fast path as a Python loop (meminfo.fast_above's compare, the
-                   counter, the value, monotonic(), the ping check)
+    pyfast         sparkguard's fast path as a Python loop as it was then (a slice of the line
+                   compared with the floor's bytes, the counter, the value, monotonic(), the
+                   ping check; meminfo.fast_check replaced it)
     chain_min2     read, copy the line, compare it with two bounds, sleep: all C-level
                    iterators driven by collections.deque.extend, no line of Python per poll
     chain          chain_min2 + the bookkeeping as C calls (setattr through functools.partial,

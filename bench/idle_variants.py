@@ -12,16 +12,14 @@ product: the variants drop the watchdog ping and the black box's records from th
 ``--no-nvml``: every variant also runs without the NVML thread (sparkguard/gpumem.py), as on a
 host without nvidia-ml-py, so that a GPU machine that has it measures the loop alone.
 
-    now        an unchanged copy (the run's own noise between identical guards)
-    before     ./sparkguard as of git revision REV (default HEAD), to compare a change side by side
-    fastfloor  the fast path is the read-only floor: preadv, sleep (no check at all)
-    lean       the fast path without its two per-poll writes (the poll counter, the raw value)
-    inline     the fast path with meminfo.fast_above's compare written out in the loop (no call)
-    oneline    the least a check can be: the read's length, one slice compared with the floor's
-               bytes (right only where value and floor have the same width), the flags; nothing
-               counted or kept
-    noring     the whole daemon without the black box
-    full30     a full pass every 30 s instead of every 10 s (settings.FULL_PASS_EVERY)
+    now          an unchanged copy (the run's own noise between identical guards)
+    before       ./sparkguard as of git revision REV (default HEAD), to compare a change side by side
+    fastfloor    the fast path is the read-only floor: preadv, sleep (no check at all)
+    lean         the fast path without its per-poll count (guard.fast_polls)
+    bare         lean, and the clock read at every 5th poll instead of every poll
+    noring       the whole daemon without the black box
+    full30       a full pass every 30 s instead of every 10 s (settings.FULL_PASS_EVERY)
+    fastfloor30  fastfloor with a full pass every 30 s
 """
 
 from __future__ import annotations
@@ -36,39 +34,45 @@ HEAD = "    try:\n        due_at = next_due("
 END = "def next_due("
 
 BODIES = {
-    "oneline": "    end, vat = at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n"
-               "    while left:\n"
-               "        if preadv(fd, view, 0) < end or buf[vat:end] < pattern or flags:\n"
-               "            return\n"
-               "        left -= 1\n        sleep(ms)\n\n",
     "fastfloor": "    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
+    "bare": """    first = left
+    try:
+        due_at = next_due(g, s.interval)
+        tick = left - 5
+        while left:
+            n = preadv(fd, view, 0)
+            if not check(first_arg, at, n) or flags:
+                return
+            left -= 1
+            if left == tick:
+                tick = left - 5
+                if clock() >= due_at:
+                    due(g, buf, n, s)
+                    due_at = next_due(g, s.interval)
+            sleep(ms)
+    except OSError:
+        return
+    except Exception:  # noqa: BLE001
+        log.exception("poll loop error on the idle path; the guard keeps running")
+    finally:
+        g.fast_polls += first - left
+
+""",
 }
-#: the ``inline`` variant: the call of meminfo.fast_above and its test, and what replaces them
-INLINE_CALL = """            raw = above(buf, n, at, width, pattern)
-            if raw is None or flags:
-                return
-"""
-INLINE_BODY = """            if n < end or not buf.startswith(label, at) or flags:
-                return
-            raw = buf[vat:end]
-            c = raw[width]
-            if c == 32:
-                if raw < pattern:
-                    return
-            elif not 48 <= c <= 57:
-                return
-"""
-INLINE_SETUP = "    label, end, vat = meminfo.FAST_LABEL, at + meminfo.FAST_SPAN, at + meminfo._FAST_VALUE\n" + HEAD
+#: the line of guard.idle.run that names the check's first argument (``bare`` renames it)
+FIRST = "    (check, first, at), ms, flags = g._fast, s.interval * 1000.0, g._flags\n"
+#: variants that are another one with a full pass every 30 s (settings.FULL_PASS_EVERY)
+EVERY30 = {"fastfloor30": "fastfloor"}
+#: the per-poll line the ``lean`` variant drops
+LEAN_DROP = "            g.fast_polls += 1\n"
 #: gpumem.available()'s test for nvidia-ml-py (``--no-nvml`` makes it False)
 NVML_CHECK = 'return importlib.util.find_spec("pynvml") is not None'
-#: per-poll lines the ``lean`` variant drops
-LEAN_DROP = ("            g.fast_polls += 1\n", "            g.fast_raw = raw\n")
 
 
 def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
     """Write every variant under ``out`` (``before`` from git revision ``rev``; without the NVML
     thread unless ``nvml``); returns their folder names."""
-    names = ["now", "before", *BODIES, "lean", "inline", "noring", "full30"]
+    names = ["now", "before", *BODIES, "lean", "noring", "full30", *EVERY30]
     for name in names:
         dst = os.path.join(out, name)
         shutil.rmtree(dst, ignore_errors=True)
@@ -80,19 +84,19 @@ def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
         else:
             shutil.copytree(os.path.join(ROOT, "sparkguard"), os.path.join(dst, "sparkguard"),
                             ignore=shutil.ignore_patterns("__pycache__"))
-        if name in BODIES or name in ("lean", "inline"):
+        body = BODIES.get(EVERY30.get(name, name))
+        if body is not None or name == "lean":
             p = os.path.join(dst, "sparkguard", "guard", "idle.py")
             s = open(p).read()
-            if name == "inline":
-                assert INLINE_CALL in s and HEAD in s
-                s = s.replace(INLINE_CALL, INLINE_BODY, 1).replace(HEAD, INLINE_SETUP, 1)
-            elif name == "lean":
-                for line in LEAN_DROP:
-                    assert line in s, line
-                    s = s.replace(line, "", 1)
+            if name == "lean":
+                assert LEAN_DROP in s
+                s = s.replace(LEAN_DROP, "", 1)
             else:
                 a, b = s.index(HEAD), s.index(END)
-                s = s[:a] + BODIES[name] + s[b:]
+                s = s[:a] + body + s[b:]
+                if name == "bare":
+                    assert FIRST in s
+                    s = s.replace(FIRST, FIRST.replace("first,", "first_arg,"), 1)
             open(p, "w").write(s)
         elif name == "noring":
             p = os.path.join(dst, "sparkguard", "guard", "startup.py")
@@ -100,7 +104,7 @@ def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
             i = s.index("def open_blackbox(")
             j = s.index('"""', s.index('"""', i) + 3) + 3
             open(p, "w").write(s[:j] + "\n    return None\n" + s[j:])
-        elif name == "full30":
+        if name == "full30" or name in EVERY30:
             p = os.path.join(dst, "sparkguard", "guard", "settings.py")
             s = open(p).read()
             assert "FULL_PASS_EVERY = 10.0" in s

@@ -11,7 +11,9 @@ Source: Documentation/filesystems/proc.rst ("meminfo"); MemAvailable exists sinc
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 
 # Labels carry the newline that ends the line before: a field is found only where its line starts
 # (a line "XMemAvailable:" is not MemAvailable).  MemTotal is the kernel's first line; a field at
@@ -114,7 +116,9 @@ def read(path: str = "/proc/meminfo") -> dict[str, int]:
 FAST_LABEL = _AVAIL_FIRST + b"   "
 _FAST_VALUE = len(FAST_LABEL)           # offset of the value's 8 columns from the label's start
 FAST_SPAN = _FAST_VALUE + 12            # the label, 8 columns, " kB\n"
-_FAST_MAX_KB = 10**8                    # the first value wider than 8 columns
+#: bytes of the reader's buffer :meth:`MeminfoReader.latest_available` copies: MemAvailable is the
+#: kernel's third line, within its first 100 bytes even with values of 20 digits
+LATEST_HEAD = 256
 
 
 def fast_layout(buf: bytes | bytearray, n: int) -> int:
@@ -122,8 +126,8 @@ def fast_layout(buf: bytes | bytearray, n: int) -> int:
     /proc/meminfo): the offset of its line when that line starts with :data:`FAST_LABEL`, spans
     :data:`FAST_SPAN` bytes at least and :func:`field` reads it, else -1 (the fast path then stays
     off).  The
-    offset holds while MemTotal's and MemFree's values keep their widths; :func:`fast_above`
-    notices when they do not."""
+    offset holds while MemTotal's and MemFree's values keep their widths; :func:`fast_check`'s
+    pattern notices when they do not."""
     i = buf.find(_AVAIL, 0, n) + 1
     # a text whose first line is MemAvailable: field() reads that one (the kernel's first is MemTotal)
     if i <= 0 or buf.startswith(_AVAIL_FIRST) or not buf.startswith(FAST_LABEL, i, n) or i + FAST_SPAN > n:
@@ -136,57 +140,106 @@ def fast_layout(buf: bytes | bytearray, n: int) -> int:
     return i
 
 
-def fast_floor(floor: int) -> tuple[int, bytes] | None:
-    """What :func:`fast_above` compares a read with, for a floor of ``floor`` bytes (rounded up to
-    whole kB): ``(width, pattern)``, the columns the floor's value takes (8, the kernel's minimum,
-    or 9 from 10^8 kB on) and the 12 bytes the MemAvailable line would hold after its label
-    (:data:`FAST_LABEL`) at exactly the floor (``b"%8d kB\n"``, or ``b"%9d kB"``).  None from 10^9
-    kB (954 GiB) on: the fast path stays off."""
-    kb = max(0, -(-floor // 1024))
-    if kb >= _FAST_MAX_KB * 10:
-        return None
-    width = 8 if kb < _FAST_MAX_KB else 9
-    return width, (b"%*d kB\n" % (width, kb))[:12]
+#: significant digits of the floor (in kB) that :func:`fast_prefixes` tells apart: the fast path's
+#: floor is rounded up by less than 1 %, to keep the prefixes few (72 at most, 36 for 7 digits)
+FAST_DIGITS = 3
+#: the end of the MemAvailable line after its value
+FAST_END = b" kB\n"
 
 
-def fast_above(buf: bytes | bytearray, n: int, off: int, width: int, pattern: bytes) -> bytearray | None:
-    """The idle fast path's check: is MemAvailable in the text just read (``buf[:n]``) at or above
-    the floor that :func:`fast_floor` gave ``(width, pattern)`` for?  ``off``: :func:`fast_layout`
-    of an earlier read.
+def _rounded_kb(floor: int) -> int:
+    """``floor`` bytes in whole kB (at least 1), rounded up to :data:`FAST_DIGITS` significant digits."""
+    kb = max(1, -(-floor // 1024))
+    q = 10 ** max(0, len(str(kb)) - FAST_DIGITS)
+    return -(-kb // q) * q
 
-    Compared as bytes, with no ``int()``: after the loop's 200 ms sleep an ``int()`` of the value
-    cost about 15-20 us per wake-up, a quarter of the whole read (bench/results/idle-parse.txt).
-    The kernel right-aligns the value in 8 columns, padded with spaces, and widens the field only
-    for a value that needs more.  The byte after the floor's ``width`` columns tells the widths
-    apart: a space there means the value is exactly as wide as the floor (or, at width 8,
-    narrower: padded with spaces, which sort below digits), and then the bytes compare as the
-    numbers do; a digit means the value is wider, so above; anything else (the ``k`` of ``kB``
-    at width 9) means it is narrower, so below.
+
+def _leading(kb: int) -> list[bytes]:
+    """The leading digits of every number of ``kb``'s width at or above ``kb`` (a number with
+    nothing but zeros after its first :data:`FAST_DIGITS` digits): at each of those places a
+    larger digit after the same ones, and those digits themselves."""
+    digits = str(kb)[:FAST_DIGITS].encode()
+    out = [digits[:i] + b"%d" % c for i in range(len(digits)) for c in range(digits[i] - 47, 10)]
+    return out + [digits]
+
+
+def fast_prefixes(floor: int) -> tuple[bytes, ...] | None:
+    """The MemAvailable lines at or above ``floor`` bytes as byte prefixes, for the idle fast
+    path's check (:func:`fast_check`): each is :data:`FAST_LABEL` and the start of the kernel's
+    8 columns (spaces, then digits) of a value at or above the floor, rounded up to whole kB and
+    to :data:`FAST_DIGITS` significant digits.
+
+    The kernel right-aligns the value in 8 columns, padded with spaces (fs/proc/meminfo.c:
+    ``seq_put_decimal_ull_width(m, s, kb, 8)``).  A prefix with ``p`` spaces therefore pins the
+    value at ``8 - p`` digits, and its digits give the value's leading ones; a prefix with no
+    space matches every value of 8 digits or more that starts with its digits, all of them at
+    least those digits followed by zeros to 8 digits, which the prefixes keep at or above the
+    floor.  So a line starts with one of them only where its value is at or above the floor.
 
     Returns:
-        the 12 bytes after the label (the value, as the kernel printed it: :func:`fast_value`
-        reads it) when the value is at or above the floor; None when it is below, or the line is
-        not where ``off`` says, or the read is short: the caller then takes a full sample, whose
-        parser (:func:`field`) reports what is wrong.  The columns are trusted to hold digits and
-        spaces, as the kernel writes them; a file written otherwise is refused by that full
-        sample, which the loop takes at least every ``settings.FULL_PASS_EVERY`` seconds.
+        the prefixes, the wider values' first (digits only), then the floor's width; None from
+        10^8 kB (95.4 GiB) on: the 8 columns are full, and no prefix tells a value of 9 digits
+        from one of 8.  A prefix without padding also matches the values of 9 digits or more
+        that start with its digits, all above the floor; :func:`fast_check` covers the others.
     """
-    if n < off + FAST_SPAN or not buf.startswith(FAST_LABEL, off):
+    kb = _rounded_kb(floor)
+    width = len(str(kb))
+    if width > 8:
         return None
-    raw = buf[off + _FAST_VALUE:off + FAST_SPAN]
-    c = raw[width]
-    if c == 32:
-        return raw if raw >= pattern else None
-    return raw if 48 <= c <= 57 else None
+    out = [FAST_LABEL + b" " * (8 - w) + b"%d" % c for w in range(8, width, -1) for c in range(1, 10)]
+    return tuple(out + [FAST_LABEL + b" " * (8 - width) + lead for lead in _leading(kb)])
 
 
-def fast_value(raw: bytes | bytearray) -> int | None:
-    """MemAvailable in bytes from what :func:`fast_above` returned, or None when the 12 bytes do
-    not hold a whole value (one over 10 digits, 9.3 TiB: the caller keeps its last full sample)."""
-    parts = raw.split()
-    if len(parts) != 2 or not parts[0].isdigit() or not b"kB".startswith(parts[1]):
+@functools.lru_cache(maxsize=8)
+def _wide(width: int, kb: int):
+    """``match`` of a compiled pattern for the MemAvailable line with a value of exactly ``width``
+    digits (9 or more: no padding) at or above ``kb`` (a :func:`_rounded_kb`), or None where no
+    value of that width is (``kb`` is wider)."""
+    fw = len(str(kb))
+    if width < fw:
         return None
-    return int(parts[0]) << 10
+    if width > fw:
+        body = b"[1-9][0-9]{%d}" % (width - 1)
+    else:
+        body = b"(?:" + b"|".join(lead + b"[0-9]{%d}" % (width - len(lead)) for lead in _leading(kb)) + b")"
+    return re.compile(re.escape(FAST_LABEL) + body + re.escape(FAST_END)).match
+
+
+def fast_check(buf: bytearray, n: int, prefixes: tuple[bytes, ...] | None, floor: int) -> tuple | None:
+    """What the idle fast path checks its reads with until the next full pass, made from that
+    pass's read (``buf[:n]``; the reader's own buffer, which later reads overwrite), the floor
+    (``floor`` bytes) and its :func:`fast_prefixes`: ``(check, first, offset)``, such
+    that ``check(first, offset, m)`` after a later read of ``m`` bytes into ``buf`` is true only
+    while MemAvailable is at or above the floor.  One call of a C method, no slice, no ``int()``:
+    after the loop's 200 ms sleep each operation runs cold (bench/results/idle-parse.txt).
+
+    - Where one of the prefixes matches this read (a value in the 8 columns, or a wider one
+      whose digits a prefix without padding covers): ``buf.startswith(prefixes, offset, m)`` at
+      the MemAvailable line's offset, the prefix this read matches first (``startswith`` stops
+      at the first that matches).
+    - Else, for a value of 9 to 20 digits (from 95.4 GiB; 20 digits hold any unsigned long): a
+      compiled pattern's ``match(buf, offset, m)`` of the label, exactly that many digits at or
+      above the floor, and " kB\n" (a value one digit narrower or wider moves the end).
+
+    Both include the label at the line's offset: a line that moves (MemFree's width changed) or a
+    short read (``m``) ends the fast path.
+
+    Returns:
+        the check, or None where there is none: the line is not laid out as the kernel's
+        (:func:`fast_layout`), or the value is below the floor (rounded up as the prefixes are)
+        or wider than 20 digits.
+    """
+    at = fast_layout(buf, n)
+    if at < 0:
+        return None
+    for i, p in enumerate(prefixes or ()):
+        if buf.startswith(p, at, n):
+            return buf.startswith, prefixes if i == 0 else (p, *prefixes[:i], *prefixes[i + 1:]), at
+    width = buf.find(FAST_END, at + _FAST_VALUE, n) - at - _FAST_VALUE
+    match = _wide(width, _rounded_kb(floor)) if 9 <= width <= 20 else None
+    if match is not None and match(buf, at, n):
+        return match, buf, at
+    return None
 
 
 class MeminfoError(RuntimeError):
@@ -264,9 +317,27 @@ class MeminfoReader:
         """
         return self._fd, self._view, self._buf
 
-    def fast_layout(self) -> int:
-        """:func:`fast_layout` of the last :meth:`sample`."""
-        return fast_layout(self._buf, self._n)
+    def fast_check(self, prefixes: tuple[bytes, ...] | None, floor: int) -> tuple | None:
+        """:func:`fast_check` of the last :meth:`sample`."""
+        return fast_check(self._buf, self._n, prefixes, floor)
+
+    def latest_available(self) -> int | None:
+        """MemAvailable (bytes) of the latest read into this reader's buffer, by :meth:`sample` or
+        by the idle fast path through :meth:`inline_parts`: for other threads (the snapshot).
+
+        The loop's thread may be reading into the buffer meanwhile (the kernel copies the text in
+        while the interpreter lock is released), so the buffer's first :data:`LATEST_HEAD` bytes
+        are copied and compared with the buffer again, and parsed by :func:`field` only where the
+        two agree.  Returns None where they do not, or where the copy holds no whole
+        MemAvailable line."""
+        head = bytes(self._buf[:LATEST_HEAD])
+        if self._buf[:LATEST_HEAD] != head:
+            return None
+        e = head.find(_NL, head.find(_AVAIL) + 1)
+        try:
+            return field(head, _AVAIL, e) if e > 0 else None
+        except ValueError:
+            return None
 
     def raw(self) -> bytes:
         """The text of the last read (bytes), for snapshots and metrics."""

@@ -145,15 +145,17 @@ def test_an_idle_poll_calls_due_from_the_pings_send_time_or_the_records_time_whi
 
 class _FakeIdle:
     """A Guard as guard.idle.run sees it, on a fake clock: each sleep advances it by the interval
-    plus ``late`` s; ``answers`` scripts meminfo.fast_above per read (True: above the floor)."""
+    plus ``late`` s; ``answers`` scripts each read (True: a line the fast path's check, a
+    ``startswith`` of the buffer, accepts)."""
 
     def __init__(self, monkeypatch, answers, late=0.0, flag_at=None):
         from types import SimpleNamespace as NS
         from sparkguard.guard import idle
         self.t, self.reads, self.sleeps, self.pings = 1000.0, 0, 0, []
-        self.fast_polls, self.fast_raw, self.ring, self.actions, self.marks = 0, None, None, None, []
+        self.fast_polls, self.ring, self.actions, self.marks = 0, None, None, []
         self._mark = (0.0, 0)
-        self._flags, self._fast_at, buf = set(), 0, bytearray(64)
+        buf = bytearray(64)
+        self._flags, self._fast = set(), (buf.startswith, b"above", 0)
         self.reader = NS(inline_parts=lambda: (-1, [buf], buf))
         self.notifier = NS(watchdog_interval=2.5, next_ping=1000.0 + 2.5, watchdog=self._ping)
 
@@ -161,6 +163,7 @@ class _FakeIdle:
             self.reads += 1
             if self.reads == flag_at:
                 self._flags.add(1)
+            view[0][:5] = b"above" if answers(self.reads) else b"below"
             return 64
 
         def sleep(ms):
@@ -169,7 +172,6 @@ class _FakeIdle:
 
         self._idle_poll = sleep
         monkeypatch.setattr(idle.os, "preadv", preadv)
-        monkeypatch.setattr(idle.meminfo, "fast_above", lambda *a: b"x" if answers(self.reads) else None)
         monkeypatch.setattr(idle.time, "monotonic", lambda: self.t)
 
     @property
@@ -189,7 +191,7 @@ class _FakeIdle:
 def test_the_idle_fast_path_sleeps_after_every_poll_counts_only_good_reads_and_pings_on_time(monkeypatch):
     from types import SimpleNamespace as NS
     from sparkguard.guard import idle
-    s = NS(interval=0.2, idle_pattern=(8, b"x"), use_swap=False)
+    s = NS(interval=0.2, use_swap=False)
     for left in (1, 2, 3, 13, 49):
         g = _FakeIdle(monkeypatch, lambda i: True)
         idle.run(g, left, s)

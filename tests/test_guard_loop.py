@@ -231,6 +231,30 @@ def test_an_xmemavailable_line_first_does_not_sigterm_the_engine(engine_factory,
         g.stop()
 
 
+def test_the_metrics_show_the_last_polls_memavailable_on_the_idle_fast_path(tmp_path):
+    """docs/snapshot.md: ``available_bytes`` is MemAvailable at the last poll.  On the idle fast
+    path (no parse, one full pass every 10 s) a new value shows in the next scrapes, read from the
+    reader's buffer, before any full pass has parsed it."""
+    mi = tmp_path / "meminfo"
+    mi.write_bytes(meminfo_text(50 * 1024 * 1024))
+    port = free_port()
+    g = GuardProc({"guard": {"term_below": "1GiB"}, "metrics": {"listen": f"127.0.0.1:{port}"}},
+                  extra_args=("--meminfo", str(mi)))
+    try:
+        g.wait_ready()
+        wait_scrape(port, g, lambda m: m.get("sparkguard_polls_total", 0)
+                    > m.get("sparkguard_poll_duration_seconds_count", 0) + 3)       # on the fast path
+        seen_between_full_passes = 0
+        for gib in (40, 45, 41, 44, 42):        # 8 digits of kB, far above the fast path's floor
+            full = scrape(port)["sparkguard_poll_duration_seconds_count"]
+            rewrite(mi, meminfo_text(gib * 1024 * 1024))
+            m = wait_scrape(port, g, lambda m: m["sparkguard_memory_available_bytes"] == gib * GiB, timeout=5)
+            seen_between_full_passes += m["sparkguard_poll_duration_seconds_count"] == full
+        assert seen_between_full_passes >= 3, "MemAvailable showed only after full passes"
+    finally:
+        g.stop()
+
+
 # ---- 4: nothing a reload yields ends the loop --------------------------------------------------
 
 def test_a_reload_to_values_the_loop_cannot_run_on_is_refused_and_the_loop_goes_on():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -96,15 +97,29 @@ if __name__ == "__main__":
         print("wrote", FIXTURES / name / "expected.json", file=sys.stderr)
 
 
+def _rounded_kb(floor: int) -> int:
+    """``floor`` bytes in kB, rounded up as meminfo.fast_prefixes rounds it (3 significant digits)."""
+    kb = max(1, -(-floor // 1024))
+    q = 10 ** max(0, len(str(kb)) - 3)
+    return -(-kb // q) * q
+
+
+def _fast_possible(kb: int, floor: int) -> bool:
+    """Where the fast path must have a check for a read of ``kb`` against ``floor`` bytes: at or
+    above the rounded floor, and no wider than 20 digits (an unsigned long)."""
+    return kb >= _rounded_kb(floor) and len(str(kb)) <= 20
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if (FIXTURES / c / "proc" / "meminfo").exists()])
 def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
-    """meminfo.fast_above (the idle fast path's check, bytes against the floor's pattern) on each
-    fixture meminfo, for floors just below, at and just above the value the full parser
-    (meminfo.field) reads: it says "above" only where that value is at or above the floor, and its
-    value (fast_value) is that value; a file the full parser refuses, or one whose line is not laid
-    out as the kernel's, gives no fast path at all (fast_layout -1), so the guard takes full passes."""
+    """meminfo.fast_check (the idle fast path's check: one startswith of a read) on each fixture
+    meminfo, for floors just below, at and just above the value the full parser (meminfo.field)
+    reads: there is a check only where that value is at or above the floor and it holds on the
+    read it was made from; the value other threads read (MeminfoReader.latest_available) is that
+    value; a file the full parser refuses, or one whose line is not laid out as the kernel's,
+    gives no fast path at all (fast_layout -1), so the guard takes full passes."""
     from sparkguard import meminfo
-    text = (FIXTURES / case / "proc" / "meminfo").read_bytes()
+    text = bytearray((FIXTURES / case / "proc" / "meminfo").read_bytes())
     try:
         want = meminfo.field(text, meminfo.AVAIL_LABEL)
     except ValueError:
@@ -112,45 +127,74 @@ def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
     at = meminfo.fast_layout(text, len(text))
     if want is None:
         assert at == -1
+        assert meminfo.fast_check(text, len(text), meminfo.fast_prefixes(2**30), 2**30) is None
         return
-    for floor in (want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30):
-        pattern = meminfo.fast_floor(max(0, floor))
-        if at < 0 or pattern is None:
+    reader = meminfo.MeminfoReader(str(FIXTURES / case / "proc" / "meminfo"))
+    try:
+        end = text.find(b"\n", text.find(b"MemAvailable:"))
+        assert reader.latest_available() == (want if 0 < end < meminfo.LATEST_HEAD else None)
+    finally:
+        reader.close()
+    for floor in (want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30, want // 2):
+        floor = max(0, floor)
+        check = meminfo.fast_check(text, len(text), meminfo.fast_prefixes(floor), floor)
+        if check is None:
+            assert at < 0 or not _fast_possible(want >> 10, floor), (floor, want)
             continue
-        raw = meminfo.fast_above(text, len(text), at, *pattern)
-        if raw is None:
-            assert want < floor, (floor, want)
-        else:
-            assert want >= floor, (floor, want)
-            assert meminfo.fast_value(raw) in (want, None)
+        fn, first, off = check
+        assert want >= floor, (floor, want)
+        assert fn(first, off, len(text))
 
 
-@pytest.mark.parametrize("kb", [0, 7, 999, 1234567, 9999999, 12345678, 99999999, 100000000, 120586240,
-                                9999999999])
-@pytest.mark.parametrize("floor_kb", [1, 786432, 7495270, 12345678, 99999999, 100000000, 120586240, 123456789,
-                                      999999999])
-def test_the_fast_path_check_compares_as_numbers_across_widths(kb, floor_kb):
-    """The MemAvailable line as the kernel prints it (fs/proc/meminfo.c: value right-aligned in 8
-    columns, wider from 10^8 kB), after a MemFree line of another width: the byte compare gives the
-    numeric answer for values of every width, and the fast path follows the line when MemFree's
-    width changes (the old offset no longer holds the label: the check gives up)."""
+def _meminfo(kb: int, free: int = 5) -> bytes:
+    """The kernel's first lines of /proc/meminfo with MemAvailable ``kb`` (fs/proc/meminfo.c:
+    ``%8lu`` after a 16-column label, wider from 10^8 kB) after a MemFree of ``free`` kB."""
+    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers:  0 kB\n" % (
+        130000000, free, kb)
+
+
+VALUES_KB = [0, 7, 999, 1000, 1234567, 7495270, 7500000, 9999999, 10000000, 12345678, 99999999, 100000000,
+             120586240, 999999999, 1000000000, 9999999999]
+
+
+@pytest.mark.parametrize("kb", VALUES_KB)
+@pytest.mark.parametrize("floor_kb", [1, 786432, 7495270, 7500001, 12345678, 99999999, 100000000, 120586240,
+                                      123456789, 999999999])
+def test_the_fast_path_check_holds_only_at_or_above_the_floor_for_every_later_read(kb, floor_kb):
+    """The check made from a read of ``kb`` holds on a later read only where that read's value is
+    at or above the floor, whatever its width (the kernel widens the field from 10^8 kB on); it
+    holds on the read it was made from; and it gives up when MemFree's width moves the line or
+    the read is short.  Where a check must exist (at or above the floor rounded up to 3
+    significant digits, and a floor under 10^8 kB or a value wider than it), it does."""
     from sparkguard import meminfo
-    text = b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers:  0 kB\n" % (
-        130000000, 5, kb)
-    at = meminfo.fast_layout(text, len(text))
-    assert at == text.index(b"MemAvailable:")
-    raw = meminfo.fast_above(text, len(text), at, *meminfo.fast_floor(floor_kb * 1024))
-    assert (raw is not None) == (kb >= floor_kb)
-    if raw is not None:
-        assert meminfo.fast_value(raw) == kb * 1024
-    wider = text.replace(b"MemFree:               5", b"MemFree:        123456789")
-    assert meminfo.fast_above(wider, len(wider), at, *meminfo.fast_floor(floor_kb * 1024)) is None
-    assert meminfo.fast_above(text, at + 20, at, *meminfo.fast_floor(floor_kb * 1024)) is None   # short read
+    floor = floor_kb * 1024
+    text = _meminfo(kb)
+    buf = bytearray(4096)           # the reader's buffer: each read overwrites its start
+    buf[:len(text)] = text
+    check = meminfo.fast_check(buf, len(text), meminfo.fast_prefixes(floor), floor)
+    assert (check is not None) == _fast_possible(kb, floor)
+    if check is None:
+        return
+    fn, first, off = check
+    assert fn(first, off, len(text))
+    rng = random.Random(kb * 7919 + floor_kb)
+    later = VALUES_KB + [floor_kb - 1, floor_kb, floor_kb + 1] + [rng.randrange(10 ** rng.randrange(1, 11))
+                                                                    for _ in range(300)]
+    for v in later:
+        for free in (5, 123456789, 1234567890):
+            t = _meminfo(max(0, v), free)
+            buf[:len(t)] = t
+            if fn(first, off, len(t)):
+                assert v >= floor_kb and free == 5, (v, free)
+    buf[:len(text)] = text
+    assert not fn(first, off, off + 3)           # a short read
 
 
-def test_the_fast_path_patterns_and_where_it_stays_off():
+def test_the_fast_path_prefixes_are_few_and_where_they_stop():
     from sparkguard import meminfo
-    assert meminfo.fast_floor(1) == (8, b"       1 kB\n")        # rounded up to whole kB
-    assert meminfo.fast_floor(10**8 * 1024 - 1024) == (8, b"99999999 kB\n")
-    assert meminfo.fast_floor(10**8 * 1024) == (9, b"100000000 kB")
-    assert meminfo.fast_floor(10**9 * 1024) is None                 # 954 GiB: full passes only
+    for floor in (0, 1, 1023, 1024, 786432 * 1024, 7495270 * 1024, 99899999 * 1024):
+        p = meminfo.fast_prefixes(floor)
+        assert p is not None and 1 <= len(p) <= 72 and all(x.startswith(meminfo.FAST_LABEL) for x in p)
+    assert meminfo.fast_prefixes(1)[-1] == meminfo.FAST_LABEL + b"       1"      # rounded up to whole kB
+    assert meminfo.fast_prefixes(99999999 * 1024) is None       # rounds up to 10^8 kB: 9 digits
+    assert meminfo.fast_prefixes(10**8 * 1024) is None

@@ -1,8 +1,10 @@
 """The poll loop's idle fast path: far above the line, MemAvailable alone, five times a second.
 
 ``g`` is the :class:`sparkguard.guard.loop.Guard` whose loop runs it; its fields written here
-(``fast_polls``, ``fast_raw``, ``poll_mark``) are read by guard/view.py.  What it
-costs, measured: bench/results/idle-parse.txt.
+(``fast_polls``, ``poll_mark``) are read by guard/view.py, ``_fast`` by :func:`run` alone; the
+snapshot reads MemAvailable from the reader's buffer, which each poll reads into
+(:meth:`sparkguard.meminfo.MeminfoReader.latest_available`).  What it costs, measured:
+bench/results/idle-parse.txt.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import os
 import time
 
-from sparkguard import meminfo, policy
+from sparkguard import policy
 from sparkguard.guard import ring as ring_mod
 from sparkguard.guard import settings
 
@@ -25,11 +27,12 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     (``s.idle_floor``), fails, or finds a flag set (a signal, a stop request).  Kept to these
     few lines: five times a second, forever.
 
-    MemAvailable is checked by :func:`sparkguard.meminfo.fast_above`, as bytes at the offset the
-    last full pass found (``_fast_at``); its answer only ever ends the fast path: a line that
-    moved, a short read or a value below the floor does, and the full pass then reads with
-    :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.  The value itself is
-    kept as the kernel printed it (``fast_raw``); :func:`sparkguard.guard.view.snapshot` parses it when asked.
+    MemAvailable is checked by the one call that :func:`sparkguard.meminfo.fast_check` gave at
+    the last full pass (``g._fast``, set by :func:`budget`): ``startswith`` of the prefixes of
+    the lines at or above the floor, as the kernel prints them, or the match of a line of a
+    width above the floor's.  Its answer only ever ends the fast path: a line that moved, a
+    short read or a value below the floor does, and the full pass then reads with
+    :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.
 
     A poll reads, compares, counts, reads the clock and sleeps.  Only a poll at or after the
     time :func:`next_due` gives (the next watchdog ping's send time, the black box's next
@@ -37,17 +40,15 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     that looks at the notifier and the ring costs ~20 us there (bench/idle_budget.py), while
     one clock read and a compare cost about nothing (bench/results/idle-parse.txt)."""
     fd, view, buf = g.reader.inline_parts()
-    preadv, above, sleep, clock = os.preadv, meminfo.fast_above, g._idle_poll, time.monotonic
-    at, (width, pattern), ms, flags = g._fast_at, s.idle_pattern, s.interval * 1000.0, g._flags
+    preadv, sleep, clock = os.preadv, g._idle_poll, time.monotonic
+    (check, first, at), ms, flags = g._fast, s.interval * 1000.0, g._flags
     try:
         due_at = next_due(g, s.interval)
         while left:
             n = preadv(fd, view, 0)
-            raw = above(buf, n, at, width, pattern)
-            if raw is None or flags:
+            if not check(first, at, n) or flags:
                 return
             g.fast_polls += 1
-            g.fast_raw = raw
             left -= 1
             if clock() >= due_at:
                 due(g, buf, n, s)
@@ -90,10 +91,11 @@ def due(g, buf: bytearray, n: int, s: settings.LoopSettings) -> float:
 def budget(g, timeout: float, s: settings.LoopSettings) -> int:
     """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
     the guard is idle far above the line (state OK, MemAvailable at least ``s.idle_floor``, no
-    signal flagged, reads succeeding); else ``s.budget`` (the fast path sends the watchdog
-    pings that fall due meanwhile)."""
+    signal flagged, reads succeeding) and the pass's read gives the fast path a check
+    (:meth:`sparkguard.meminfo.MeminfoReader.fast_check`, kept in ``g._fast`` for :func:`run`);
+    else ``s.budget`` (the fast path sends the watchdog pings that fall due meanwhile)."""
     if timeout < s.interval or g.policy.state is not policy.OK or g.avail < s.idle_floor or g._flags \
-            or g._fail_since is not None or g._fast_at < 0 or s.idle_pattern is None \
-            or g.soft.engaged():
+            or g._fail_since is not None or g.soft.engaged():
         return 0
-    return s.budget
+    g._fast = g.reader.fast_check(s.idle_prefixes, s.idle_floor)
+    return 0 if g._fast is None else s.budget

@@ -77,8 +77,7 @@ class Guard:
         self.fall: rate.FallRate | None = None     # the signal's fall-rate estimate (guard.rate_trigger on)
         self.poll_count = 0         # timed (full) passes; poll_sum is their total seconds
         self.fast_polls = 0         # polls on the idle fast path (untimed)
-        self.fast_raw = None        # MemAvailable as the fast path last read it (meminfo.fast_above), or None
-        self._fast_at = -1          # offset of the MemAvailable line for the fast path (meminfo.fast_layout)
+        self._fast = None           # the idle fast path's check (meminfo.fast_check), set by guard.idle.budget
         self.poll_sum = 0.0
         self.poll_mark = (0.0, 0)   # (monotonic s of the last full pass or guard.idle.due, fast_polls then);
                                     # 0.0 before the first: guard.view estimates the last poll from it
@@ -196,10 +195,11 @@ class Guard:
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
         ten seconds of polls (:func:`sparkguard.guard.idle.budget`) take the idle fast path instead
-        (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo, one compare of MemAvailable's bytes with the
-        floor's, the watchdog ping and the black box's record (guard/ring.py) when due, and a sleep
-        on an empty poll set.  After 200 ms of sleep every line runs cold, and each registered fd
-        costs the kernel a poll-table set-up and tear-down per wake.  Signals are seen on the fast
+        (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo, one ``startswith`` of
+        its MemAvailable line with the floor's prefixes, the watchdog ping and the black box's
+        record (guard/ring.py) when due, and a sleep on an empty poll set.  After 200 ms of sleep
+        every line runs cold, and each registered fd costs the kernel a poll-table set-up and
+        tear-down per wake.  Signals are seen on the fast
         path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for
         memory falling faster than FILL_RATE, and its own stall threshold (100-150 ms within a
         1-2 s window, harden.PSI_TRIGGERS) spends most of the 200 ms interval first; it is
@@ -266,8 +266,6 @@ class Guard:
         else:
             value = avail + swap_free if s.use_swap else avail
             self.avail, self.swap_free, self.value = avail, swap_free, value
-            self.fast_raw = None
-            self._fast_at = self.reader.fast_layout()
             if self._fail_since is not None:
                 self._read_back(t0)             # its STATUS= shows this sample
             loading = self.engine.loading()

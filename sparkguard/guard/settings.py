@@ -19,7 +19,7 @@ class LoopSettings(NamedTuple):
     far: int            # bytes of headroom beyond which the full interval is safe at policy.FILL_RATE
     idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above the top line + far
     budget: int         # fast polls allowed between two full passes
-    idle_pattern: tuple[int, bytes] | None  # idle_floor as meminfo.fast_above compares it (None: no fast path)
+    idle_prefixes: tuple[bytes, ...] | None  # idle_floor as meminfo.fast_check compares it (meminfo.fast_prefixes)
     rate_on: bool = False       # guard.rate_trigger is on: the loop keeps a rate.FallRate
     rate_window: float = 1.0    # guard.rate_window, seconds
 
@@ -29,16 +29,16 @@ def loop_settings(cfg) -> LoopSettings:
     and a reload run beside ``config.load``.
 
     Returns:
-        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_pattern, rate_on,
+        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_prefixes, rate_on,
         rate_window)``: the signal includes SwapFree (bool);
         ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
         at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``far`` above the highest line
         (``term_below``, ``pause_below``, ``engine.load_phase.term_below``) (int bytes of
         MemAvailable); the fast polls allowed between two full passes, so that a full pass (policy,
         STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int);
-        the floor as the fast path compares it (:func:`sparkguard.meminfo.fast_floor`: ``(width,
-        pattern)``, or None from 954 GiB on, where the fast path stays off); whether the rate
-        trigger is on (bool) and its window (float seconds).
+        the floor's prefixes for the fast path's check (:func:`sparkguard.meminfo.fast_prefixes`,
+        None from 95.4 GiB on); whether the rate trigger is on (bool) and its window (float
+        seconds).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.
@@ -71,7 +71,7 @@ def loop_settings(cfg) -> LoopSettings:
         line = lp
     floor = line + far
     return LoopSettings(g.signal == "available+swap", float(iv), far, floor,
-                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_floor(floor),
+                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_prefixes(floor),
                         g.rate_trigger == "on", float(g.rate_window))
 
 

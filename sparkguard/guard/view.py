@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-from sparkguard import meminfo
 from sparkguard.guard import logq
 from sparkguard.units import format_line
 
@@ -55,8 +54,8 @@ def snapshot(guard) -> dict:
     swap_total = guard.reader.swap_total if guard.reader else 0
     victim = guard.actions.target      # read once: the loop may clear it between two reads
     rec = guard.recorder
-    raw = guard.fast_raw               # the idle fast path's last read, newer than guard.avail
-    avail = (raw is not None and meminfo.fast_value(raw)) or guard.avail
+    latest = guard.reader.latest_available() if guard.reader else None     # the last poll's, fast path too
+    avail = guard.avail if latest is None else latest
     return {
         "available_bytes": avail, "total_bytes": total, "swap_free_bytes": guard.swap_free,
         "swap_total_bytes": swap_total, "signal": g.signal,
