@@ -577,6 +577,53 @@ while True:
         print("below the line", flush=True)
     poll(200)
 """
+#: the plainest loop that checks MemAvailable as sparkguard's fast path does, in one C call:
+#: buf.startswith(the byte prefixes of every MemAvailable line at or above the line, at the line's
+#: offset), the prefixes from sparkguard.meminfo.fast_prefixes in argv[1] (hex, comma-separated);
+#: run only where they tell the answer (a value under 10^8 kB, or a wider one a prefix covers)
+FLOOR_PY_PREFIX = """import os, select, sys
+fd = os.open("/proc/meminfo", os.O_RDONLY)
+buf = bytearray(8192)
+view = [buf]
+poll = select.poll().poll
+n = os.preadv(fd, view, 0)
+at = buf.find(b"\\nMemAvailable:", 0, n) + 1
+pre = tuple(sorted((bytes.fromhex(x) for x in sys.argv[1].split(",")), key=lambda p: not buf.startswith(p, at, n)))
+if not buf.startswith(pre, at, n):
+    sys.exit("floor_python_prefix: MemAvailable is not above the line as the prefixes say")
+starts = buf.startswith
+print("ready", flush=True)
+while True:
+    if not starts(pre, at, os.preadv(fd, view, 0)):
+        print("below the line", flush=True)
+    poll(200)
+"""
+#: floor_python's loop in a process set up the way the daemon's is, one part at a time (argv[1], a
+#: comma-separated list; SG_FLOOR_ENV=1 adds these rows to the idle run): ``nice`` setpriority -20
+#: (guard/harden.py NICE), ``mlock`` mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT), ``threads`` three
+#: threads blocked on a lock (the daemon's idle threads), ``switch`` sys.setswitchinterval(0.0005),
+#: ``heap`` the daemon's modules imported (its RSS), ``all`` every one of them
+FLOOR_PY_ENV = """import os, select, sys
+parts = set(sys.argv[1].split(","))
+if "all" in parts:
+    parts = {"nice", "mlock", "threads", "switch", "heap"}
+if "heap" in parts:
+    import sparkguard.cli, sparkguard.guard.loop, sparkguard.metrics, sparkguard.supervisor  # noqa: F401
+if "switch" in parts:
+    sys.setswitchinterval(0.0005)
+if "threads" in parts:
+    import threading
+    held = threading.Lock()
+    held.acquire()
+    for _ in range(3):
+        threading.Thread(target=held.acquire, daemon=True).start()
+if "mlock" in parts:
+    import ctypes
+    assert ctypes.CDLL(None, use_errno=True).mlockall(7) == 0
+if "nice" in parts:
+    os.setpriority(os.PRIO_PROCESS, 0, -20)
+""" + FLOOR_PY.split("\n", 1)[1]       # then floor_python's own lines
+FLOOR_ENV_PARTS = ("nice", "mlock", "threads", "switch", "heap", "all")
 FLOOR_C = """#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
@@ -592,7 +639,9 @@ int main(void) {
 
 def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
     """The floor loops (guard name -> argv): Python always (read only, and read + check against
-    ``line`` bytes), C where ``cc`` builds it."""
+    ``line`` bytes), the check as sparkguard's fast path makes it where its prefixes tell the
+    answer, the read-only loop in a process set up as the daemon's (``SG_FLOOR_ENV=1``), C where
+    ``cc`` builds it."""
     py = os.path.join(work, "floor_python.py")
     with open(py, "w") as f:
         f.write(FLOOR_PY)
@@ -600,6 +649,23 @@ def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
     with open(check, "w") as f:
         f.write(FLOOR_PY_CHECK)
     out = {"floor_python": [sys.executable, py], "floor_python_check": [sys.executable, check, str(line)]}
+    sys.path.insert(0, ROOT)
+    from sparkguard import meminfo
+    prefixes = meminfo.fast_prefixes(line)
+    with open("/proc/meminfo", "rb") as f:
+        text = bytearray(f.read())
+    check = meminfo.fast_check(text, len(text), prefixes, line)
+    if check is not None and check[1] is not text:     # the prefixes tell it (not the wide line's match)
+        prefix = os.path.join(work, "floor_python_prefix.py")
+        with open(prefix, "w") as f:
+            f.write(FLOOR_PY_PREFIX)
+        out["floor_python_prefix"] = [sys.executable, prefix, ",".join(p.hex() for p in prefixes)]
+    if os.environ.get("SG_FLOOR_ENV"):
+        for part in FLOOR_ENV_PARTS:      # a file per row: guard_pid finds each by its name
+            env = os.path.join(work, f"floor_py_{part}.py")
+            with open(env, "w") as f:
+                f.write(FLOOR_PY_ENV)
+            out[f"floor_py_{part}"] = [sys.executable, env, part]
     src, exe = os.path.join(work, "floor_c.c"), os.path.join(work, "floor_c")
     with open(src, "w") as f:
         f.write(FLOOR_C)
@@ -645,9 +711,22 @@ def sparkguard_poll_cost(n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def idle(seconds: float, guards, floors: bool = True, copies: int = 1, headroom: float = 8.0) -> list[dict]:
+#: a process that holds anonymous memory (MAP_POPULATE) until killed: argv[1] bytes
+HOLD_PY = """import mmap, sys, time
+m = mmap.mmap(-1, int(sys.argv[1]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x8000)
+print("held", flush=True)
+time.sleep(86400)
+"""
+
+
+def idle(seconds: float, guards, floors: bool = True, copies: int = 1, headroom: float = 8.0,
+         hold_to: float | None = None) -> list[dict]:
     """The guards (and the floor loops) side by side for ``seconds``, the line ``headroom`` GiB away;
-    ``copies`` processes of each (named ``guard#i`` when more than one).
+    ``copies`` processes of each (named ``guard#i`` when more than one).  ``hold_to``: first hold
+    anonymous memory in a process of the bench's own (SIGKILLed at the end) so that MemAvailable
+    is near ``hold_to`` GiB, for a run whose MemAvailable and lines are under 10^8 kB (95.4 GiB,
+    the kernel's 8 columns) on a machine with more; refused unless ``hold_to`` is at least
+    ``headroom`` + 8 GiB.
 
     Returns one row per process: CPU seconds (all threads), % of one core, scheduler runs
     (wake-ups) per second and CPU microseconds per wake-up, VmRSS at the end.
@@ -655,11 +734,21 @@ def idle(seconds: float, guards, floors: bool = True, copies: int = 1, headroom:
     Copies matter: on the GPU machine two processes running the very same floor loop in one run
     have differed by up to 1.4x in CPU per wake-up (where each lands, what shares its core), as
     much as a guard differs from the floor; :func:`idle_medians` compares medians of copies."""
+    if hold_to is not None and hold_to < headroom + 8:
+        raise SystemExit(f"--idle-hold {hold_to:g} GiB leaves less than --idle-headroom + 8 GiB")
+    holder = None
     work = tempfile.mkdtemp(prefix="sg-h2h-idle-")
-    term = max(GiB, int(mem_available() - headroom * GiB))
     nss = {}
     rows = []
     try:
+        n = 0 if hold_to is None else int(mem_available() - hold_to * GiB)
+        if n > 0:       # its parent-death signal: a SIGKILLed bench leaves no holder behind
+            holder = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", sys.executable, "-c", HOLD_PY, str(n)],
+                                      stdout=subprocess.PIPE, text=True)
+            if holder.stdout.readline().strip() != "held":
+                raise SystemExit("--idle-hold: the holding process did not start")
+            print(f"holding {n / GiB:.1f} GiB: MemAvailable {mem_available() / GiB:.1f} GiB", flush=True)
+        term = max(GiB, int(mem_available() - headroom * GiB))
         def named(g: str, i: int) -> str:
             return g if copies == 1 else f"{g}#{i}"
 
@@ -699,6 +788,9 @@ def idle(seconds: float, guards, floors: bool = True, copies: int = 1, headroom:
         for ns, _ in nss.values():
             ns.close()
         subprocess.run(["rm", "-rf", work])
+        if holder is not None:
+            holder.kill()
+            holder.wait()
     return rows
 
 
@@ -836,6 +928,10 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--idle-copies", type=int, default=1, metavar="N",
                     help="N processes of each guard and floor in the idle run, compared by their medians")
+    ap.add_argument("--idle-hold", type=float, default=None, metavar="GIB",
+                    help="hold memory in a process of the bench's own so that MemAvailable is near GIB during "
+                         "the idle run (at least --idle-headroom + 8): a run under 10^8 kB on a machine with more, "
+                         "where sparkguard's fast path checks the 8 columns' prefixes (meminfo.fast_check)")
     ap.add_argument("--idle-headroom", type=float, default=8.0, metavar="GIB",
                     help="GiB between MemAvailable at the idle run's start and the line (sparkguard's idle fast "
                          "path runs 6.4 GiB above it; each guard process of the run takes 30-65 MiB of it: "
@@ -916,7 +1012,8 @@ def bench(args, guards: list[str]) -> int:
         stopped = e
         print(f"headtohead: stopped by {e}; every namespace was SIGKILLed; summarising what ran", file=sys.stderr)
     idle_rows = [] if args.no_idle or stopped else idle(args.idle_seconds, guards, not args.no_floors,
-                                                                  max(1, args.idle_copies), args.idle_headroom)
+                                                                  max(1, args.idle_copies), args.idle_headroom,
+                                                                  args.idle_hold)
     fields = ["guard", "scenario", "tier", "bystanders", "spinners", "sched", "trial", "fill_gib_s", "crossed", "term_latency_ms", "overshoot_mib",
               "term_to_exit_ms", "end_after_cross_ms", "back_after_cross_ms", "oom_kills", "stopped", "escalated",
               "terms", "line_bytes", "false_term", "load_s", "step_s", "term_before_cross", "error"]
