@@ -116,9 +116,6 @@ def read(path: str = "/proc/meminfo") -> dict[str, int]:
 FAST_LABEL = _AVAIL_FIRST + b"   "
 _FAST_VALUE = len(FAST_LABEL)           # offset of the value's 8 columns from the label's start
 FAST_SPAN = _FAST_VALUE + 12            # the label, 8 columns, " kB\n"
-#: bytes of the reader's buffer :meth:`MeminfoReader.latest_available` copies: MemAvailable is the
-#: kernel's third line, within its first 100 bytes even with values of 20 digits
-LATEST_HEAD = 256
 
 
 def fast_layout(buf: bytes | bytearray, n: int) -> int:
@@ -165,9 +162,10 @@ def _leading(kb: int) -> list[bytes]:
 
 def fast_prefixes(floor: int) -> tuple[bytes, ...] | None:
     """The MemAvailable lines at or above ``floor`` bytes as byte prefixes, for the idle fast
-    path's check (:func:`fast_check`): each is :data:`FAST_LABEL` and the start of the kernel's
-    8 columns (spaces, then digits) of a value at or above the floor, rounded up to whole kB and
-    to :data:`FAST_DIGITS` significant digits.
+    path's check (:func:`fast_check`): each is the newline that ends the line before (a field is
+    found only where its line starts, as :func:`field` finds it), :data:`FAST_LABEL` and the
+    start of the kernel's 8 columns (spaces, then digits) of a value at or above the floor,
+    rounded up to whole kB and to :data:`FAST_DIGITS` significant digits.
 
     The kernel right-aligns the value in 8 columns, padded with spaces (fs/proc/meminfo.c:
     ``seq_put_decimal_ull_width(m, s, kb, 8)``).  A prefix with ``p`` spaces therefore pins the
@@ -177,17 +175,19 @@ def fast_prefixes(floor: int) -> tuple[bytes, ...] | None:
     floor.  So a line starts with one of them only where its value is at or above the floor.
 
     Returns:
-        the prefixes, the wider values' first (digits only), then the floor's width; None from
-        10^8 kB (95.4 GiB) on: the 8 columns are full, and no prefix tells a value of 9 digits
-        from one of 8.  A prefix without padding also matches the values of 9 digits or more
-        that start with its digits, all above the floor; :func:`fast_check` covers the others.
+        the prefixes, the wider values' first (digits only), then the floor's width; None for a
+        floor that rounds up to 10^8 kB or more (above 99,900,000 kB, 95.3 GiB): the 8 columns
+        are full, and no prefix tells a value of 9 digits from one of 8.  A prefix without
+        padding also matches the values of 9 digits or more that start with its digits, all
+        above the floor; :func:`fast_check` covers the others.
     """
     kb = _rounded_kb(floor)
     width = len(str(kb))
     if width > 8:
         return None
-    out = [FAST_LABEL + b" " * (8 - w) + b"%d" % c for w in range(8, width, -1) for c in range(1, 10)]
-    return tuple(out + [FAST_LABEL + b" " * (8 - width) + lead for lead in _leading(kb)])
+    label = _NL + FAST_LABEL
+    out = [label + b" " * (8 - w) + b"%d" % c for w in range(8, width, -1) for c in range(1, 10)]
+    return tuple(out + [label + b" " * (8 - width) + lead for lead in _leading(kb)])
 
 
 @functools.lru_cache(maxsize=8)
@@ -202,7 +202,7 @@ def _wide(width: int, kb: int):
         body = b"[1-9][0-9]{%d}" % (width - 1)
     else:
         body = b"(?:" + b"|".join(lead + b"[0-9]{%d}" % (width - len(lead)) for lead in _leading(kb)) + b")"
-    return re.compile(re.escape(FAST_LABEL) + body + re.escape(FAST_END)).match
+    return re.compile(re.escape(_NL + FAST_LABEL) + body + re.escape(FAST_END)).match
 
 
 def fast_check(buf: bytearray, n: int, prefixes: tuple[bytes, ...] | None, floor: int) -> tuple | None:
@@ -218,25 +218,30 @@ def fast_check(buf: bytearray, n: int, prefixes: tuple[bytes, ...] | None, floor
       the MemAvailable line's offset, the prefix this read matches first (``startswith`` stops
       at the first that matches).
     - Else, for a value of 9 to 20 digits (from 95.4 GiB; 20 digits hold any unsigned long): a
-      compiled pattern's ``match(buf, offset, m)`` of the label, exactly that many digits at or
+      compiled pattern's ``match(buf, offset, m)`` of the line, exactly that many digits at or
       above the floor, and " kB\n" (a value one digit narrower or wider moves the end).
 
-    Both include the label at the line's offset: a line that moves (MemFree's width changed) or a
-    short read (``m``) ends the fast path.
+    Both begin with the newline before the label, at the line's offset (``offset`` is that
+    newline's): a line that moves (MemFree's width changed), a name inside another line or a
+    short read (``m``) ends the fast path.  Both rely on the kernel's layout (padding, no
+    leading zeros), so a check is made only from a read whose MemAvailable line is exactly as
+    the kernel prints its value, which :func:`field` reads at or above the floor.
 
     Returns:
-        the check, or None where there is none: the line is not laid out as the kernel's
-        (:func:`fast_layout`), or the value is below the floor (rounded up as the prefixes are)
-        or wider than 20 digits.
+        the check, or None where there is none: the line is not laid out as the kernel's, the
+        value is below the floor (rounded up as the prefixes are) or wider than 20 digits.
     """
     at = fast_layout(buf, n)
     if at < 0:
         return None
+    kb = field(buf[at - 1:n], _AVAIL) >> 10         # fast_layout: it parses
+    if kb << 10 < floor or not buf.startswith(FAST_LABEL + b"%8d kB\n" % kb, at, n):
+        return None
+    at -= 1
     for i, p in enumerate(prefixes or ()):
         if buf.startswith(p, at, n):
             return buf.startswith, prefixes if i == 0 else (p, *prefixes[:i], *prefixes[i + 1:]), at
-    width = buf.find(FAST_END, at + _FAST_VALUE, n) - at - _FAST_VALUE
-    match = _wide(width, _rounded_kb(floor)) if 9 <= width <= 20 else None
+    match = _wide(len(str(kb)), _rounded_kb(floor)) if 9 <= len(str(kb)) <= 20 else None
     if match is not None and match(buf, at, n):
         return match, buf, at
     return None
@@ -259,11 +264,12 @@ class MeminfoReader:
         MeminfoError: the first read finds no ``MemAvailable:`` line.
     """
 
-    __slots__ = ("path", "_fd", "_buf", "_view", "_n", "mem_total", "swap_total")
+    __slots__ = ("path", "_fd", "_fd_now", "_buf", "_view", "_n", "mem_total", "swap_total")
 
     def __init__(self, path: str = "/proc/meminfo"):
         self.path = path
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd_now = os.open(path, os.O_RDONLY | os.O_CLOEXEC)     # available_now's
         self._buf = bytearray(16384)
         self._view = [self._buf]
         self._n = 0
@@ -321,22 +327,14 @@ class MeminfoReader:
         """:func:`fast_check` of the last :meth:`sample`."""
         return fast_check(self._buf, self._n, prefixes, floor)
 
-    def latest_available(self) -> int | None:
-        """MemAvailable (bytes) of the latest read into this reader's buffer, by :meth:`sample` or
-        by the idle fast path through :meth:`inline_parts`: for other threads (the snapshot).
-
-        The loop's thread may be reading into the buffer meanwhile (the kernel copies the text in
-        while the interpreter lock is released), so the buffer's first :data:`LATEST_HEAD` bytes
-        are copied and compared with the buffer again, and parsed by :func:`field` only where the
-        two agree.  Returns None where they do not, or where the copy holds no whole
-        MemAvailable line."""
-        head = bytes(self._buf[:LATEST_HEAD])
-        if self._buf[:LATEST_HEAD] != head:
-            return None
-        e = head.find(_NL, head.find(_AVAIL) + 1)
+    def available_now(self) -> int | None:
+        """MemAvailable (bytes) read now through a descriptor of its own, for other threads (the
+        snapshot): the buffer the loop's thread reads into is not theirs to parse (a copy of it
+        can meet the kernel's copy into it half done).  None where the read fails or its
+        MemAvailable line does not parse."""
         try:
-            return field(head, _AVAIL, e) if e > 0 else None
-        except ValueError:
+            return field(os.pread(self._fd_now, 16384, 0), _AVAIL)
+        except (OSError, ValueError):
             return None
 
     def raw(self) -> bytes:
@@ -344,7 +342,8 @@ class MeminfoReader:
         return bytes(self._buf[: self._n])
 
     def close(self) -> None:
-        """Close the file descriptor."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the file descriptors."""
+        for fd in (self._fd, self._fd_now):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._fd_now = -1

@@ -115,7 +115,7 @@ def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
     """meminfo.fast_check (the idle fast path's check: one startswith of a read) on each fixture
     meminfo, for floors just below, at and just above the value the full parser (meminfo.field)
     reads: there is a check only where that value is at or above the floor and it holds on the
-    read it was made from; the value other threads read (MeminfoReader.latest_available) is that
+    read it was made from; the value other threads read (MeminfoReader.available_now) is that
     value; a file the full parser refuses, or one whose line is not laid out as the kernel's,
     gives no fast path at all (fast_layout -1), so the guard takes full passes."""
     from sparkguard import meminfo
@@ -131,8 +131,7 @@ def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
         return
     reader = meminfo.MeminfoReader(str(FIXTURES / case / "proc" / "meminfo"))
     try:
-        end = text.find(b"\n", text.find(b"MemAvailable:"))
-        assert reader.latest_available() == (want if 0 < end < meminfo.LATEST_HEAD else None)
+        assert reader.available_now() == want
     finally:
         reader.close()
     for floor in (want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30, want // 2):
@@ -146,11 +145,12 @@ def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
         assert fn(first, off, len(text))
 
 
-def _meminfo(kb: int, free: int = 5) -> bytes:
+def _meminfo(kb: int, free: int = 5, before: bytes = b"") -> bytes:
     """The kernel's first lines of /proc/meminfo with MemAvailable ``kb`` (fs/proc/meminfo.c:
-    ``%8lu`` after a 16-column label, wider from 10^8 kB) after a MemFree of ``free`` kB."""
-    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers:  0 kB\n" % (
-        130000000, free, kb)
+    ``%8lu`` after a 16-column label, wider from 10^8 kB) after a MemFree of ``free`` kB and
+    the lines ``before``."""
+    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\n%sMemAvailable:   %8d kB\nBuffers:  0 kB\n" % (
+        130000000, free, before, kb)
 
 
 VALUES_KB = [0, 7, 999, 1000, 1234567, 7495270, 7500000, 9999999, 10000000, 12345678, 99999999, 100000000,
@@ -163,8 +163,8 @@ VALUES_KB = [0, 7, 999, 1000, 1234567, 7495270, 7500000, 9999999, 10000000, 1234
 def test_the_fast_path_check_holds_only_at_or_above_the_floor_for_every_later_read(kb, floor_kb):
     """The check made from a read of ``kb`` holds on a later read only where that read's value is
     at or above the floor, whatever its width (the kernel widens the field from 10^8 kB on); it
-    holds on the read it was made from; and it gives up when MemFree's width moves the line or
-    the read is short.  Where a check must exist (at or above the floor rounded up to 3
+    holds on the read it was made from; and it gives up when MemFree's width moves the line, the
+    name stands inside another line where the line was, or the read is short.  Where a check must exist (at or above the floor rounded up to 3
     significant digits, and a floor under 10^8 kB or a value wider than it), it does."""
     from sparkguard import meminfo
     floor = floor_kb * 1024
@@ -188,13 +188,33 @@ def test_the_fast_path_check_holds_only_at_or_above_the_floor_for_every_later_re
                 assert v >= floor_kb and free == 5, (v, free)
     buf[:len(text)] = text
     assert not fn(first, off, off + 3)           # a short read
+    # the name inside another line where the line was, also after MemFree narrowed by a digit
+    wide = _meminfo(kb, 123456789)
+    buf[:len(wide)] = wide
+    moved = meminfo.fast_check(buf, len(wide), meminfo.fast_prefixes(floor), floor)
+    for fn, first, off in (check, moved):
+        for free in (5, 123456789, 1234567890, 1):
+            for x in (b"XMemAvailable:   99999999999 kB\n", b"X" * (len(str(kb)) + 3) + b"\n"):
+                t = _meminfo(0, free, x)
+                buf[:len(t)] = t
+                assert not fn(first, off, len(t)), (free, x)
+
+
+def test_the_fast_path_is_made_only_from_a_line_as_the_kernel_prints_it():
+    """A value not padded to 8 columns, or with a leading zero, is no kernel's: no fast path."""
+    from sparkguard import meminfo
+    for line in (b"MemAvailable:   5242880 kB\n", b"MemAvailable:   052428800 kB\n", b"MemAvailable: 52428800 kB\n"):
+        text = bytearray(b"MemTotal:       130000000 kB\nMemFree:        %8d kB\n" % 5 + line + b"Buffers: 0 kB\n")
+        assert meminfo.fast_check(text, len(text), meminfo.fast_prefixes(2**30), 2**30) is None, line
+    text = bytearray(_meminfo(5242880))
+    assert meminfo.fast_check(text, len(text), meminfo.fast_prefixes(2**30), 2**30) is not None
 
 
 def test_the_fast_path_prefixes_are_few_and_where_they_stop():
     from sparkguard import meminfo
     for floor in (0, 1, 1023, 1024, 786432 * 1024, 7495270 * 1024, 99899999 * 1024):
         p = meminfo.fast_prefixes(floor)
-        assert p is not None and 1 <= len(p) <= 72 and all(x.startswith(meminfo.FAST_LABEL) for x in p)
-    assert meminfo.fast_prefixes(1)[-1] == meminfo.FAST_LABEL + b"       1"      # rounded up to whole kB
+        assert p is not None and 1 <= len(p) <= 72 and all(x.startswith(b"\n" + meminfo.FAST_LABEL) for x in p)
+    assert meminfo.fast_prefixes(1)[-1] == b"\n" + meminfo.FAST_LABEL + b"       1"   # rounded up to whole kB
     assert meminfo.fast_prefixes(99999999 * 1024) is None       # rounds up to 10^8 kB: 9 digits
     assert meminfo.fast_prefixes(10**8 * 1024) is None

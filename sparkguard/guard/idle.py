@@ -2,9 +2,8 @@
 
 ``g`` is the :class:`sparkguard.guard.loop.Guard` whose loop runs it; its fields written here
 (``fast_polls``, ``poll_mark``) are read by guard/view.py, ``_fast`` by :func:`run` alone; the
-snapshot reads MemAvailable from the reader's buffer, which each poll reads into
-(:meth:`sparkguard.meminfo.MeminfoReader.latest_available`).  What it costs, measured:
-bench/results/idle-parse.txt.
+snapshot reads MemAvailable itself (:meth:`sparkguard.meminfo.MeminfoReader.available_now`).
+What it costs, measured: bench/results/idle-parse.txt.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
 
     MemAvailable is checked by the one call that :func:`sparkguard.meminfo.fast_check` gave at
     the last full pass (``g._fast``, set by :func:`budget`): ``startswith`` of the prefixes of
-    the lines at or above the floor, as the kernel prints them, or the match of a line of a
-    width above the floor's.  Its answer only ever ends the fast path: a line that moved, a
+    the lines at or above the floor, as the kernel prints them, or, for a value of 9 digits or
+    more, the match of a line of its exact width at or above the floor.  Its answer only ever ends the fast path: a line that moved, a
     short read or a value below the floor does, and the full pass then reads with
     :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.
 

@@ -37,8 +37,8 @@ def loop_settings(cfg) -> LoopSettings:
         MemAvailable); the fast polls allowed between two full passes, so that a full pass (policy,
         STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int);
         the floor's prefixes for the fast path's check (:func:`sparkguard.meminfo.fast_prefixes`,
-        None from 95.4 GiB on); whether the rate trigger is on (bool) and its window (float
-        seconds).
+        None from 95.3 GiB on, where the fast path runs on the pattern of meminfo.fast_check
+        alone); whether the rate trigger is on (bool) and its window (float seconds).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.

@@ -1,8 +1,10 @@
 """What the guard shows of itself: the STATUS= line and the snapshot that metrics and status read.
 
 Both are plain reads of the :class:`sparkguard.guard.loop.Guard`'s attributes, done by the loop
-(STATUS=) or another thread (the metrics scrape, the control socket): no I/O, no locks; a value
-the loop changes between two reads is read once into a local.
+(STATUS=) or another thread (the metrics scrape): no locks; a value the loop changes between two
+reads is read once into a local.  The snapshot's one read is MemAvailable's, through the reader's
+own second descriptor (:meth:`sparkguard.meminfo.MeminfoReader.available_now`): the idle fast
+path does not parse what it reads.
 """
 
 from __future__ import annotations
@@ -47,15 +49,15 @@ def last_poll(guard, mono_now: float) -> float:
 
 def snapshot(guard) -> dict:
     """The state of ``guard`` for metrics and status (its keys: docs/snapshot.md): plain reads of
-    what the loop keeps, safe from any thread, no I/O."""
+    what the loop keeps, and MemAvailable read now, safe from any thread but the loop's."""
     g = guard.cfg.guard
     mono_now = time.monotonic()
     total = guard.reader.mem_total if guard.reader else 0
     swap_total = guard.reader.swap_total if guard.reader else 0
     victim = guard.actions.target      # read once: the loop may clear it between two reads
     rec = guard.recorder
-    latest = guard.reader.latest_available() if guard.reader else None     # the last poll's, fast path too
-    avail = guard.avail if latest is None else latest
+    now = guard.reader.available_now() if guard.reader else None     # fresher than any poll's
+    avail = guard.avail if now is None else now
     return {
         "available_bytes": avail, "total_bytes": total, "swap_free_bytes": guard.swap_free,
         "swap_total_bytes": swap_total, "signal": g.signal,

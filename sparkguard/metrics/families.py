@@ -106,7 +106,8 @@ class GuardCollector:
 
     def _guard(self, s: dict) -> Iterable[Metric | None]:
         mi = "from /proc/meminfo at the daemon's last poll"
-        yield _gauge("memory_available_bytes", f"MemAvailable in bytes, {mi}.", s.get("available_bytes"))
+        yield _gauge("memory_available_bytes", "MemAvailable in bytes, from /proc/meminfo when scraped (the "
+                     "daemon's last full pass if that read fails).", s.get("available_bytes"))
         yield _gauge("memory_total_bytes", f"MemTotal in bytes, {mi}.", s.get("total_bytes"))
         yield _gauge("swap_free_bytes", f"SwapFree in bytes (zram included), {mi}.", s.get("swap_free_bytes"))
         yield _gauge("swap_total_bytes", f"SwapTotal in bytes (zram included), {mi}.", s.get("swap_total_bytes"))
