@@ -587,7 +587,7 @@ buf = bytearray(8192)
 view = [buf]
 poll = select.poll().poll
 n = os.preadv(fd, view, 0)
-at = buf.find(b"\\nMemAvailable:", 0, n) + 1
+at = buf.find(b"\\nMemAvailable:", 0, n)     # the prefixes begin with the newline before the name
 pre = tuple(sorted((bytes.fromhex(x) for x in sys.argv[1].split(",")), key=lambda p: not buf.startswith(p, at, n)))
 if not buf.startswith(pre, at, n):
     sys.exit("floor_python_prefix: MemAvailable is not above the line as the prefixes say")
