@@ -11,9 +11,8 @@ Source: Documentation/filesystems/proc.rst ("meminfo"); MemAvailable exists sinc
 
 from __future__ import annotations
 
-import functools
 import os
-import re
+from typing import NamedTuple
 
 # Labels carry the newline that ends the line before: a field is found only where its line starts
 # (a line "XMemAvailable:" is not MemAvailable).  MemTotal is the kernel's first line; a field at
@@ -116,15 +115,17 @@ def read(path: str = "/proc/meminfo") -> dict[str, int]:
 FAST_LABEL = _AVAIL_FIRST + b"   "
 _FAST_VALUE = len(FAST_LABEL)           # offset of the value's 8 columns from the label's start
 FAST_SPAN = _FAST_VALUE + 12            # the label, 8 columns, " kB\n"
+#: floors (kB) from which the idle fast path has no check (10^11 kB, 93 TiB): the widest window it
+#: compares then reaches 12 columns, and a narrower value's " kB\n" must cover the column after it
+FAST_MAX_FLOOR_KB = 10**11
 
 
 def fast_layout(buf: bytes | bytearray, n: int) -> int:
     """Where the idle fast path finds MemAvailable in the text ``buf[:n]`` (a read of
     /proc/meminfo): the offset of its line when that line starts with :data:`FAST_LABEL`, spans
     :data:`FAST_SPAN` bytes at least and :func:`field` reads it, else -1 (the fast path then stays
-    off).  The
-    offset holds while MemTotal's and MemFree's values keep their widths; :func:`fast_check`'s
-    pattern notices when they do not."""
+    off).  The offset holds while MemTotal's and MemFree's values keep their widths;
+    :class:`FastCheck` notices when they do not."""
     i = buf.find(_AVAIL, 0, n) + 1
     # a text whose first line is MemAvailable: field() reads that one (the kernel's first is MemTotal)
     if i <= 0 or buf.startswith(_AVAIL_FIRST) or not buf.startswith(FAST_LABEL, i, n) or i + FAST_SPAN > n:
@@ -137,113 +138,101 @@ def fast_layout(buf: bytes | bytearray, n: int) -> int:
     return i
 
 
-#: significant digits of the floor (in kB) that :func:`fast_prefixes` tells apart: the fast path's
-#: floor is rounded up by less than 1 %, to keep the prefixes few (72 at most, 36 for 7 digits)
-FAST_DIGITS = 3
-#: the end of the MemAvailable line after its value
-FAST_END = b" kB\n"
+class FastCheck(NamedTuple):
+    """The idle fast path's check of MemAvailable against a floor, made by :func:`fast_check`.
 
+    A read ``n = os.preadv(fd, view, 0)`` of /proc/meminfo lands the text before the
+    MemAvailable line in ``view[0]``, the newline that ends that text, the line's label and the
+    value's first ``m - 1`` columns in :attr:`window`, the value's ``m``-th column in
+    :attr:`last`, and nothing more (the kernel still writes the whole text; it copies these
+    bytes).  MemAvailable is at or above the floor where ::
 
-def _rounded_kb(floor: int) -> int:
-    """``floor`` bytes in whole kB (at least 1), rounded up to :data:`FAST_DIGITS` significant digits."""
-    kb = max(1, -(-floor // 1024))
-    q = 10 ** max(0, len(str(kb)) - FAST_DIGITS)
-    return -(-kb // q) * q
+        n == size and low <= window <= high and b"0" <= last <= b"9"
 
+    Four byte-string compares and an int compare, no call, no slice, no parse: after the loop's
+    200 ms sleep every operation runs cold (bench/results/idle-parse.txt).  :meth:`holds` is that
+    expression, for tests; the loop writes it out.
 
-def _leading(kb: int) -> list[bytes]:
-    """The leading digits of every number of ``kb``'s width at or above ``kb`` (a number with
-    nothing but zeros after its first :data:`FAST_DIGITS` digits): at each of those places a
-    larger digit after the same ones, and those digits themselves."""
-    digits = str(kb)[:FAST_DIGITS].encode()
-    out = [digits[:i] + b"%d" % c for i in range(len(digits)) for c in range(digits[i] - 47, 10)]
-    return out + [digits]
+    Why it holds, for any later read of the kernel's text (fs/proc/meminfo.c: the value
+    right-aligned in 8 columns, wider from 10^8 kB on, no leading zeros, then " kB\\n"):
 
+    - ``n == size``: the read filled every buffer (a short read would leave the window stale).
+    - ``low`` and ``high`` begin with the newline and the label, so a window between them (in
+      byte order) begins with them too: a line that moved (MemTotal or MemFree changed width), a
+      name inside another line or another field where the line was, is outside.
+    - Narrow (``m == 8``, a floor under 10^8 kB): ``low`` ends with the floor's kB divided by 10,
+      rounded up, right-aligned in 7 columns.  Right-aligned numerals of one width sort in byte
+      order as numbers do, so the value's first 7 columns at or above it mean a value at or above
+      the floor; a value of 9 digits or more is above any such floor.  ``last`` is always a digit.
+    - Wide (``m`` from 9 to 12, a value of 9 digits or more): ``low`` is either ``1`` and zeros
+      (the floor has fewer than ``m`` digits) or the floor's first ``m - 1`` digits, rounded up
+      (it has ``m``).  A window at or above it starts with a non-zero digit, so the value has 8
+      digits at least; a digit in ``last`` means ``m`` digits at least, since a narrower value's
+      " kB\\n" covers that column (``m`` - 8 <= 4).  With ``m`` digits its first ``m - 1`` compare
+      as numbers; with more it is above the floor.
 
-def fast_prefixes(floor: int) -> tuple[bytes, ...] | None:
-    """The MemAvailable lines at or above ``floor`` bytes as byte prefixes, for the idle fast
-    path's check (:func:`fast_check`): each is the newline that ends the line before (a field is
-    found only where its line starts, as :func:`field` finds it), :data:`FAST_LABEL` and the
-    start of the kernel's 8 columns (spaces, then digits) of a value at or above the floor,
-    rounded up to whole kB and to :data:`FAST_DIGITS` significant digits.
-
-    The kernel right-aligns the value in 8 columns, padded with spaces (fs/proc/meminfo.c:
-    ``seq_put_decimal_ull_width(m, s, kb, 8)``).  A prefix with ``p`` spaces therefore pins the
-    value at ``8 - p`` digits, and its digits give the value's leading ones; a prefix with no
-    space matches every value of 8 digits or more that starts with its digits, all of them at
-    least those digits followed by zeros to 8 digits, which the prefixes keep at or above the
-    floor.  So a line starts with one of them only where its value is at or above the floor.
-
-    Returns:
-        the prefixes, the wider values' first (digits only), then the floor's width; None for a
-        floor that rounds up to 10^8 kB or more (above 99,900,000 kB, 95.3 GiB): the 8 columns
-        are full, and no prefix tells a value of 9 digits from one of 8.  A prefix without
-        padding also matches the values of 9 digits or more that start with its digits, all
-        above the floor; :func:`fast_check` covers the others.
+    Attributes:
+        view: ``[head, window, last]``, the buffers of the read (bytearrays).
+        size: the bytes a read into them returns (their lengths' sum).
+        window: bytearray, the newline before the line, its label (:data:`FAST_LABEL`) and the
+            value's first ``m - 1`` columns.
+        low, high: bytes, the lowest and highest window that passes.
+        last: bytearray of 1, the value's ``m``-th column.
     """
-    kb = _rounded_kb(floor)
-    width = len(str(kb))
-    if width > 8:
-        return None
-    label = _NL + FAST_LABEL
-    out = [label + b" " * (8 - w) + b"%d" % c for w in range(8, width, -1) for c in range(1, 10)]
-    return tuple(out + [label + b" " * (8 - width) + lead for lead in _leading(kb)])
+
+    view: list
+    size: int
+    window: bytearray
+    low: bytes
+    high: bytes
+    last: bytearray
+
+    def holds(self, n: int) -> bool:
+        """True where a read of ``n`` bytes into :attr:`view` shows MemAvailable at or above the floor."""
+        return n == self.size and self.low <= self.window <= self.high and b"0" <= self.last <= b"9"
 
 
-@functools.lru_cache(maxsize=8)
-def _wide(width: int, kb: int):
-    """``match`` of a compiled pattern for the MemAvailable line with a value of exactly ``width``
-    digits (9 or more: no padding) at or above ``kb`` (a :func:`_rounded_kb`), or None where no
-    value of that width is (``kb`` is wider)."""
-    fw = len(str(kb))
-    if width < fw:
-        return None
-    if width > fw:
-        body = b"[1-9][0-9]{%d}" % (width - 1)
-    else:
-        body = b"(?:" + b"|".join(lead + b"[0-9]{%d}" % (width - len(lead)) for lead in _leading(kb)) + b")"
-    return re.compile(re.escape(_NL + FAST_LABEL) + body + re.escape(FAST_END)).match
+def _fast_windows(kb: int, floor_kb: int) -> list[tuple[int, bytes]]:
+    """The ``(m, low's digits)`` a check for a read of ``kb`` against ``floor_kb`` (whole kB,
+    under :data:`FAST_MAX_FLOOR_KB`) may take (:class:`FastCheck`), narrow first."""
+    lead = -(-floor_kb // 10)           # the value's first columns but its last, rounded up
+    out = [(8, b"%7d" % lead if lead else b" " * 7)] if lead < 10**7 else []     # 7 blanks: any value
+    d, f = len(str(kb)), len(str(floor_kb))
+    if d > f and d >= 9:
+        m = max(9, f + 1)
+        out.append((m, b"1" + b"0" * (m - 2)))
+    elif d == f >= 9 and len(str(lead)) == d - 1:
+        out.append((d, b"%d" % lead))
+    return out
 
 
-def fast_check(buf: bytearray, n: int, prefixes: tuple[bytes, ...] | None, floor: int) -> tuple | None:
-    """What the idle fast path checks its reads with until the next full pass, made from that
-    pass's read (``buf[:n]``; the reader's own buffer, which later reads overwrite), the floor
-    (``floor`` bytes) and its :func:`fast_prefixes`: ``(check, first, offset)``, such
-    that ``check(first, offset, m)`` after a later read of ``m`` bytes into ``buf`` is true only
-    while MemAvailable is at or above the floor.  One call of a C method, no slice, no ``int()``:
-    after the loop's 200 ms sleep each operation runs cold (bench/results/idle-parse.txt).
-
-    - Where one of the prefixes matches this read (a value in the 8 columns, or a wider one
-      whose digits a prefix without padding covers): ``buf.startswith(prefixes, offset, m)`` at
-      the MemAvailable line's offset, the prefix this read matches first (``startswith`` stops
-      at the first that matches).
-    - Else, for a value of 9 to 20 digits (from 95.4 GiB; 20 digits hold any unsigned long): a
-      compiled pattern's ``match(buf, offset, m)`` of the line, exactly that many digits at or
-      above the floor, and " kB\n" (a value one digit narrower or wider moves the end).
-
-    Both begin with the newline before the label, at the line's offset (``offset`` is that
-    newline's): a line that moves (MemFree's width changed), a name inside another line or a
-    short read (``m``) ends the fast path.  Both rely on the kernel's layout (padding, no
-    leading zeros), so a check is made only from a read whose MemAvailable line is exactly as
-    the kernel prints its value, which :func:`field` reads at or above the floor.
+def fast_check(buf: bytearray, n: int, floor: int) -> FastCheck | None:
+    """The check the idle fast path makes its reads with until the next full pass
+    (:class:`FastCheck`), made from that pass's read (``buf[:n]``) and the floor (``floor``
+    bytes of MemAvailable).  It is made only from a read whose MemAvailable line is exactly as
+    the kernel prints its value (padding, no leading zero), at or above the floor, and it holds
+    on that read.
 
     Returns:
         the check, or None where there is none: the line is not laid out as the kernel's, the
-        value is below the floor (rounded up as the prefixes are) or wider than 20 digits.
+        value is below the floor (in kB rounded up to tens: :class:`FastCheck` compares all but
+        the last column), or the floor is :data:`FAST_MAX_FLOOR_KB` or more.
     """
     at = fast_layout(buf, n)
     if at < 0:
         return None
     kb = field(buf[at - 1:n], _AVAIL) >> 10         # fast_layout: it parses
-    if kb << 10 < floor or not buf.startswith(FAST_LABEL + b"%8d kB\n" % kb, at, n):
+    floor_kb = -(-floor // 1024)
+    if kb < floor_kb or floor_kb >= FAST_MAX_FLOOR_KB or not buf.startswith(FAST_LABEL + b"%8d kB\n" % kb, at, n):
         return None
-    at -= 1
-    for i, p in enumerate(prefixes or ()):
-        if buf.startswith(p, at, n):
-            return buf.startswith, prefixes if i == 0 else (p, *prefixes[:i], *prefixes[i + 1:]), at
-    match = _wide(len(str(kb)), _rounded_kb(floor)) if 9 <= len(str(kb)) <= 20 else None
-    if match is not None and match(buf, at, n):
-        return match, buf, at
+    label = _NL + FAST_LABEL
+    for m, low in _fast_windows(kb, floor_kb):
+        end = at + _FAST_VALUE + m - 1             # the window's end, where the m-th column is
+        window, last = bytearray(buf[at - 1:end]), bytearray(buf[end:end + 1])     # this read's, to test it
+        check = FastCheck([bytearray(at - 1), window, last], end + 1, window, label + low, label + b"9" * (m - 1),
+                          last)
+        if check.holds(end + 1):
+            return check
     return None
 
 
@@ -323,9 +312,10 @@ class MeminfoReader:
         """
         return self._fd, self._view, self._buf
 
-    def fast_check(self, prefixes: tuple[bytes, ...] | None, floor: int) -> tuple | None:
-        """:func:`fast_check` of the last :meth:`sample`."""
-        return fast_check(self._buf, self._n, prefixes, floor)
+    def fast_check(self, floor: int) -> FastCheck | None:
+        """:func:`fast_check` of the last :meth:`sample` against ``floor`` bytes: its reads go
+        through this reader's descriptor (:meth:`inline_parts`)."""
+        return fast_check(self._buf, self._n, floor)
 
     def available_now(self) -> int | None:
         """MemAvailable (bytes) read now through a descriptor of its own, for other threads (the

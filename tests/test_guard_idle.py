@@ -145,26 +145,37 @@ def test_an_idle_poll_calls_due_from_the_pings_send_time_or_the_records_time_whi
 
 class _FakeIdle:
     """A Guard as guard.idle.run sees it, on a fake clock: each sleep advances it by the interval
-    plus ``late`` s; ``answers`` scripts each read (True: a line the fast path's check, a
-    ``startswith`` of the buffer, accepts)."""
+    plus ``late`` s; ``answers`` scripts each read (True: a MemAvailable of 8 GiB, above the
+    fast path's floor of 7 GiB; False: 6 GiB, below it), which the fake ``preadv`` lays into
+    the buffers of a real meminfo.FastCheck as the kernel would."""
+
+    @staticmethod
+    def _text(kb: int) -> bytes:
+        return b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers: 0 kB\n" % (
+            130000000, 5, kb)
 
     def __init__(self, monkeypatch, answers, late=0.0, flag_at=None):
         from types import SimpleNamespace as NS
+        from sparkguard import meminfo
         from sparkguard.guard import idle
         self.t, self.reads, self.sleeps, self.pings = 1000.0, 0, 0, []
         self.fast_polls, self.ring, self.actions, self.marks = 0, None, None, []
         self._mark = (0.0, 0)
-        buf = bytearray(64)
-        self._flags, self._fast = set(), (buf.startswith, b"above", 0)
-        self.reader = NS(inline_parts=lambda: (-1, [buf], buf))
+        above, below = self._text(8 << 20), self._text(6 << 20)
+        self._flags = set()
+        self._fast = meminfo.fast_check(bytearray(above), len(above), 7 << 30)
+        self.reader = NS(inline_parts=lambda: (-1, [bytearray(64)], None))
         self.notifier = NS(watchdog_interval=2.5, next_ping=1000.0 + 2.5, watchdog=self._ping)
 
         def preadv(fd, view, off):
             self.reads += 1
             if self.reads == flag_at:
                 self._flags.add(1)
-            view[0][:5] = b"above" if answers(self.reads) else b"below"
-            return 64
+            text, done = above if answers(self.reads) else below, 0
+            for b in view:
+                b[:] = text[done:done + len(b)]
+                done += len(b)
+            return done
 
         def sleep(ms):
             self.sleeps += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -97,29 +98,40 @@ if __name__ == "__main__":
         print("wrote", FIXTURES / name / "expected.json", file=sys.stderr)
 
 
-def _rounded_kb(floor: int) -> int:
-    """``floor`` bytes in kB, rounded up as meminfo.fast_prefixes rounds it (3 significant digits)."""
-    kb = max(1, -(-floor // 1024))
-    q = 10 ** max(0, len(str(kb)) - 3)
-    return -(-kb // q) * q
+def _floor_kb(floor: int) -> int:
+    """``floor`` bytes in whole kB, rounded up."""
+    return -(-floor // 1024)
 
 
 def _fast_possible(kb: int, floor: int) -> bool:
     """Where the fast path must have a check for a read of ``kb`` against ``floor`` bytes: at or
-    above the rounded floor, and no wider than 20 digits (an unsigned long)."""
-    return kb >= _rounded_kb(floor) and len(str(kb)) <= 20
+    above the floor in kB rounded up to tens (meminfo.FastCheck compares all columns but the
+    last), and a floor under meminfo.FAST_MAX_FLOOR_KB."""
+    f = _floor_kb(floor)
+    return kb >= 10 * -(-f // 10) and f < meminfo.FAST_MAX_FLOOR_KB
+
+
+def _read_into(view: list, text: bytes) -> int:
+    """What ``os.preadv(fd, view, 0)`` does with a file holding ``text``: fill the buffers in
+    order, stop at the text's end; the bytes read."""
+    done = 0
+    for b in view:
+        chunk = text[done:done + len(b)]
+        b[:len(chunk)] = chunk
+        done += len(chunk)
+    return done
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if (FIXTURES / c / "proc" / "meminfo").exists()])
 def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
-    """meminfo.fast_check (the idle fast path's check: one startswith of a read) on each fixture
-    meminfo, for floors just below, at and just above the value the full parser (meminfo.field)
-    reads: there is a check only where that value is at or above the floor and it holds on the
-    read it was made from; the value other threads read (MeminfoReader.available_now) is that
-    value; a file the full parser refuses, or one whose line is not laid out as the kernel's,
-    gives no fast path at all (fast_layout -1), so the guard takes full passes."""
-    from sparkguard import meminfo
-    text = bytearray((FIXTURES / case / "proc" / "meminfo").read_bytes())
+    """meminfo.fast_check (the idle fast path's check) on each fixture meminfo, for floors just
+    below, at and just above the value the full parser (meminfo.field) reads: there is a check
+    only where that value is at or above the floor, and a real preadv of the file into its
+    buffers passes it; the value other threads read (MeminfoReader.available_now) is that value;
+    a file the full parser refuses, or one whose line is not laid out as the kernel's, gives no
+    fast path at all (fast_layout -1), so the guard takes full passes."""
+    path = FIXTURES / case / "proc" / "meminfo"
+    text = bytearray(path.read_bytes())
     try:
         want = meminfo.field(text, meminfo.AVAIL_LABEL)
     except ValueError:
@@ -127,94 +139,100 @@ def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
     at = meminfo.fast_layout(text, len(text))
     if want is None:
         assert at == -1
-        assert meminfo.fast_check(text, len(text), meminfo.fast_prefixes(2**30), 2**30) is None
+        assert meminfo.fast_check(text, len(text), 2**30) is None
         return
-    reader = meminfo.MeminfoReader(str(FIXTURES / case / "proc" / "meminfo"))
+    reader = meminfo.MeminfoReader(str(path))
     try:
         assert reader.available_now() == want
+        fd = reader.inline_parts()[0]
+        for floor in (want - 20480, want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30, want // 2):
+            floor = max(0, floor)
+            check = meminfo.fast_check(text, len(text), floor)
+            if check is None:
+                assert at < 0 or not _fast_possible(want >> 10, floor), (floor, want)
+                continue
+            assert want >= floor, (floor, want)
+            assert check.holds(os.preadv(fd, check.view, 0))
     finally:
         reader.close()
-    for floor in (want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30, want // 2):
-        floor = max(0, floor)
-        check = meminfo.fast_check(text, len(text), meminfo.fast_prefixes(floor), floor)
-        if check is None:
-            assert at < 0 or not _fast_possible(want >> 10, floor), (floor, want)
-            continue
-        fn, first, off = check
-        assert want >= floor, (floor, want)
-        assert fn(first, off, len(text))
 
 
 def _meminfo(kb: int, free: int = 5, before: bytes = b"") -> bytes:
     """The kernel's first lines of /proc/meminfo with MemAvailable ``kb`` (fs/proc/meminfo.c:
     ``%8lu`` after a 16-column label, wider from 10^8 kB) after a MemFree of ``free`` kB and
     the lines ``before``."""
-    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\n%sMemAvailable:   %8d kB\nBuffers:  0 kB\n" % (
-        130000000, free, before, kb)
+    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\n%sMemAvailable:   %8d kB\nBuffers:        %8d kB\n" % (
+        130000000, free, before, kb, 123456)
 
 
-VALUES_KB = [0, 7, 999, 1000, 1234567, 7495270, 7500000, 9999999, 10000000, 12345678, 99999999, 100000000,
-             120586240, 999999999, 1000000000, 9999999999]
+VALUES_KB = [0, 7, 9, 10, 999, 1000, 1234567, 7495270, 7500000, 9999999, 10000000, 12345678, 99999999, 100000000,
+             120586240, 999999999, 1000000000, 9999999999, 10**11, 10**12 - 1, 10**20 - 1]
 
 
 @pytest.mark.parametrize("kb", VALUES_KB)
-@pytest.mark.parametrize("floor_kb", [1, 786432, 7495270, 7500001, 12345678, 99999999, 100000000, 120586240,
-                                      123456789, 999999999])
+@pytest.mark.parametrize("floor_kb", [0, 1, 786432, 7495270, 7500001, 12345678, 99999990, 99999999, 100000000,
+                                      120586240, 123456789, 999999999, 10**10, 10**11 - 1, 10**11])
 def test_the_fast_path_check_holds_only_at_or_above_the_floor_for_every_later_read(kb, floor_kb):
     """The check made from a read of ``kb`` holds on a later read only where that read's value is
     at or above the floor, whatever its width (the kernel widens the field from 10^8 kB on); it
     holds on the read it was made from; and it gives up when MemFree's width moves the line, the
-    name stands inside another line where the line was, or the read is short.  Where a check must exist (at or above the floor rounded up to 3
-    significant digits, and a floor under 10^8 kB or a value wider than it), it does."""
-    from sparkguard import meminfo
+    name stands inside another line where the line was, or the read is short.  Where a check
+    must exist (at or above the floor rounded up to tens of kB, under FAST_MAX_FLOOR_KB), it does."""
     floor = floor_kb * 1024
-    text = _meminfo(kb)
-    buf = bytearray(4096)           # the reader's buffer: each read overwrites its start
-    buf[:len(text)] = text
-    check = meminfo.fast_check(buf, len(text), meminfo.fast_prefixes(floor), floor)
+    text = bytearray(_meminfo(kb))
+    check = meminfo.fast_check(text, len(text), floor)
     assert (check is not None) == _fast_possible(kb, floor)
     if check is None:
         return
-    fn, first, off = check
-    assert fn(first, off, len(text))
+    assert check.holds(_read_into(check.view, text))
     rng = random.Random(kb * 7919 + floor_kb)
-    later = VALUES_KB + [floor_kb - 1, floor_kb, floor_kb + 1] + [rng.randrange(10 ** rng.randrange(1, 11))
+    later = VALUES_KB + [floor_kb - 1, floor_kb, floor_kb + 1] + [rng.randrange(10 ** rng.randrange(1, 14))
                                                                     for _ in range(300)]
-    for v in later:
-        for free in (5, 123456789, 1234567890):
-            t = _meminfo(max(0, v), free)
-            buf[:len(t)] = t
-            if fn(first, off, len(t)):
-                assert v >= floor_kb and free == 5, (v, free)
-    buf[:len(text)] = text
-    assert not fn(first, off, off + 3)           # a short read
-    # the name inside another line where the line was, also after MemFree narrowed by a digit
-    wide = _meminfo(kb, 123456789)
-    buf[:len(wide)] = wide
-    moved = meminfo.fast_check(buf, len(wide), meminfo.fast_prefixes(floor), floor)
-    for fn, first, off in (check, moved):
+    for v in (max(0, v) for v in later):
         for free in (5, 123456789, 1234567890, 1):
-            for x in (b"XMemAvailable:   99999999999 kB\n", b"X" * (len(str(kb)) + 3) + b"\n"):
-                t = _meminfo(0, free, x)
-                buf[:len(t)] = t
-                assert not fn(first, off, len(t)), (free, x)
+            if check.holds(_read_into(check.view, _meminfo(v, free))):
+                assert v >= floor_kb and free < 10**8, (v, free)
+    assert not check.holds(_read_into(check.view, text[:check.size - 1]))        # a short read
+    # the name inside another line where the line was, also after MemFree widened or narrowed;
+    # after an empty line the line moved by one is the line (MemAvailable 0: it holds on a floor of 0)
+    wide = bytearray(_meminfo(kb, 123456789))
+    moved = meminfo.fast_check(wide, len(wide), floor)
+    for c in (check, moved):
+        for free in (5, 123456789, 1234567890, 1):
+            for x in (b"XMemAvailable:   99999999999 kB\n", b"X" * (len(str(kb)) + 3) + b"\n", b"\n"):
+                assert not c.holds(_read_into(c.view, _meminfo(0, free, x))) or floor_kb == 0, (free, x)
+
+
+def test_the_fast_path_check_holds_on_the_real_proc_meminfo():
+    """A check made from a real read of /proc/meminfo holds on the next real read through the
+    reader's descriptor (MemAvailable moves by far less than the floor's distance between them)."""
+    reader = meminfo.MeminfoReader()
+    try:
+        avail, _ = reader.sample()
+        check = reader.fast_check(avail // 2)
+        assert check is not None
+        assert check.holds(os.preadv(reader.inline_parts()[0], check.view, 0))
+        assert reader.fast_check(avail * 2) is None
+    finally:
+        reader.close()
 
 
 def test_the_fast_path_is_made_only_from_a_line_as_the_kernel_prints_it():
     """A value not padded to 8 columns, or with a leading zero, is no kernel's: no fast path."""
-    from sparkguard import meminfo
     for line in (b"MemAvailable:   5242880 kB\n", b"MemAvailable:   052428800 kB\n", b"MemAvailable: 52428800 kB\n"):
         text = bytearray(b"MemTotal:       130000000 kB\nMemFree:        %8d kB\n" % 5 + line + b"Buffers: 0 kB\n")
-        assert meminfo.fast_check(text, len(text), meminfo.fast_prefixes(2**30), 2**30) is None, line
+        assert meminfo.fast_check(text, len(text), 2**30) is None, line
     text = bytearray(_meminfo(5242880))
-    assert meminfo.fast_check(text, len(text), meminfo.fast_prefixes(2**30), 2**30) is not None
+    assert meminfo.fast_check(text, len(text), 2**30) is not None
 
 
-def test_the_fast_path_prefixes_are_few_and_where_they_stop():
-    from sparkguard import meminfo
-    for floor in (0, 1, 1023, 1024, 786432 * 1024, 7495270 * 1024, 99899999 * 1024):
-        p = meminfo.fast_prefixes(floor)
-        assert p is not None and 1 <= len(p) <= 72 and all(x.startswith(b"\n" + meminfo.FAST_LABEL) for x in p)
-    assert meminfo.fast_prefixes(1)[-1] == b"\n" + meminfo.FAST_LABEL + b"       1"   # rounded up to whole kB
-    assert meminfo.fast_prefixes(99999999 * 1024) is None       # rounds up to 10^8 kB: 9 digits
-    assert meminfo.fast_prefixes(10**8 * 1024) is None
+def test_the_fast_path_window_is_narrow_under_the_default_floor_and_reads_only_the_line():
+    """Under a floor of 8 digits or fewer the window covers 7 of the value's columns whatever the
+    value's width (a 9-digit MemAvailable of a 128 GB machine included); a read copies the text
+    up to the value's 8th column and no more."""
+    floor = 7497000 * 1024          # the default line (0.75 GiB) + poll_interval * FILL_RATE (6.4 GiB)
+    for kb in (7500000, 99999999, 125829120):
+        text = bytearray(_meminfo(kb))
+        check = meminfo.fast_check(text, len(text), floor)
+        assert check.low == b"\n" + meminfo.FAST_LABEL + b" 749700" and len(check.last) == 1
+        assert check.size == text.index(b"MemAvailable:") + len(meminfo.FAST_LABEL) + 8

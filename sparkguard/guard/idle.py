@@ -26,31 +26,33 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     (``s.idle_floor``), fails, or finds a flag set (a signal, a stop request).  Kept to these
     few lines: five times a second, forever.
 
-    MemAvailable is checked by the one call that :func:`sparkguard.meminfo.fast_check` gave at
-    the last full pass (``g._fast``, set by :func:`budget`): ``startswith`` of the prefixes of
-    the lines at or above the floor, as the kernel prints them, or, for a value of 9 digits or
-    more, the match of a line of its exact width at or above the floor.  Its answer only ever ends the fast path: a line that moved, a
-    short read or a value below the floor does, and the full pass then reads with
-    :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.
+    MemAvailable is checked as the :class:`sparkguard.meminfo.FastCheck` made at the last full
+    pass (``g._fast``, set by :func:`budget`) says: the read lands the MemAvailable line's label
+    and first columns in a window of their own, and four byte-string compares of the window and
+    the next column with the check's bounds tell a value at or above the floor.  Its answer only
+    ever ends the fast path: a line that moved, a short read or a value below the floor does,
+    and the full pass then reads with :meth:`meminfo.MeminfoReader.sample`, which reports what
+    is wrong.
 
     A poll reads, compares, counts, reads the clock and sleeps.  Only a poll at or after the
     time :func:`next_due` gives (the next watchdog ping's send time, the black box's next
     record) calls :func:`due`: after 200 ms of sleep every line of Python runs cold, and a call
     that looks at the notifier and the ring costs ~20 us there (bench/idle_budget.py), while
     one clock read and a compare cost about nothing (bench/results/idle-parse.txt)."""
-    fd, view, buf = g.reader.inline_parts()
+    fd = g.reader.inline_parts()[0]
+    view, size, window, low, high, last = g._fast
     preadv, sleep, clock = os.preadv, g._idle_poll, time.monotonic
-    (check, first, at), ms, flags = g._fast, s.interval * 1000.0, g._flags
+    ms, flags = s.interval * 1000.0, g._flags
     try:
         due_at = next_due(g, s.interval)
         while left:
-            n = preadv(fd, view, 0)
-            if not check(first, at, n) or flags:
+            if preadv(fd, view, 0) != size or window < low or window > high or last < b"0" or last > b"9" \
+                    or flags:
                 return
             g.fast_polls += 1
             left -= 1
             if clock() >= due_at:
-                due(g, buf, n, s)
+                due(g, s)
                 due_at = next_due(g, s.interval)
             sleep(ms)
     except OSError:                         # the full pass reports it
@@ -73,16 +75,19 @@ def next_due(g, interval: float) -> float:
     return at
 
 
-def due(g, buf: bytearray, n: int, s: settings.LoopSettings) -> float:
-    """At an idle poll (``buf[:n]``, its read) at or after :func:`next_due`: note the poll's time
-    and count (``poll_mark``, one tuple: other threads read it whole), send the watchdog ping and
-    take the black box's record when due.  Returns the monotonic time (s)."""
+def due(g, s: settings.LoopSettings) -> float:
+    """At an idle poll at or after :func:`next_due`: note the poll's time and count
+    (``poll_mark``, one tuple: other threads read it whole), send the watchdog ping and take the
+    black box's record when due (from a whole read of /proc/meminfo: the fast path's reads stop
+    after MemAvailable's first columns).  Returns the monotonic time (s)."""
     now = time.monotonic()
     g.poll_mark = (now, g.fast_polls)
     notifier, ring = g.notifier, g.ring
     if notifier.watchdog_interval is not None and now >= notifier.next_ping - s.interval:
         notifier.watchdog(max(now, notifier.next_ping))     # WATCHDOG=1 from the loop itself
     if ring is not None and now >= ring.next_at:          # the black box's record (blackbox.IDLE_INTERVAL)
+        fd, full, buf = g.reader.inline_parts()
+        n = os.preadv(fd, full, 0)
         ring.sample(now, buf, n, None, s.use_swap, policy.OK, True, ring_mod.target_mem(g.actions))
     return now
 
@@ -96,5 +101,5 @@ def budget(g, timeout: float, s: settings.LoopSettings) -> int:
     if timeout < s.interval or g.policy.state is not policy.OK or g.avail < s.idle_floor or g._flags \
             or g._fail_since is not None or g.soft.engaged():
         return 0
-    g._fast = g.reader.fast_check(s.idle_prefixes, s.idle_floor)
+    g._fast = g.reader.fast_check(s.idle_floor)
     return 0 if g._fast is None else s.budget

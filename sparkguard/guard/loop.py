@@ -195,9 +195,10 @@ class Guard:
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
         ten seconds of polls (:func:`sparkguard.guard.idle.budget`) take the idle fast path instead
-        (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo, one ``startswith`` of
-        its MemAvailable line with the floor's prefixes, the watchdog ping and the black box's
-        record (guard/ring.py) when due, and a sleep on an empty poll set.  After 200 ms of sleep
+        (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo up to its MemAvailable
+        line's first columns, four byte-string compares of them with the floor's bounds
+        (:class:`sparkguard.meminfo.FastCheck`), the watchdog ping and the black box's record
+        (guard/ring.py) when due, and a sleep on an empty poll set.  After 200 ms of sleep
         every line runs cold, and each registered fd costs the kernel a poll-table set-up and
         tear-down per wake.  Signals are seen on the fast
         path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for

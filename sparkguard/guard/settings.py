@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from sparkguard import config, meminfo, policy, proctree
+from sparkguard import config, policy, proctree
 
 FULL_PASS_EVERY = 10.0      # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
@@ -19,7 +19,6 @@ class LoopSettings(NamedTuple):
     far: int            # bytes of headroom beyond which the full interval is safe at policy.FILL_RATE
     idle_floor: int     # bytes of MemAvailable: the idle fast path runs at or above the top line + far
     budget: int         # fast polls allowed between two full passes
-    idle_prefixes: tuple[bytes, ...] | None  # idle_floor as meminfo.fast_check compares it (meminfo.fast_prefixes)
     rate_on: bool = False       # guard.rate_trigger is on: the loop keeps a rate.FallRate
     rate_window: float = 1.0    # guard.rate_window, seconds
 
@@ -29,16 +28,14 @@ def loop_settings(cfg) -> LoopSettings:
     and a reload run beside ``config.load``.
 
     Returns:
-        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, idle_prefixes, rate_on,
-        rate_window)``: the signal includes SwapFree (bool);
-        ``guard.poll_interval`` (float seconds); the headroom beyond which the full interval is safe
-        at ``policy.FILL_RATE`` (int bytes); the idle fast path's floor, ``far`` above the highest line
-        (``term_below``, ``pause_below``, ``engine.load_phase.term_below``) (int bytes of
-        MemAvailable); the fast polls allowed between two full passes, so that a full pass (policy,
-        STATUS=, the armed target's check, poll metrics) runs at least every FULL_PASS_EVERY (int);
-        the floor's prefixes for the fast path's check (:func:`sparkguard.meminfo.fast_prefixes`,
-        None from 95.3 GiB on, where the fast path runs on the pattern of meminfo.fast_check
-        alone); whether the rate trigger is on (bool) and its window (float seconds).
+        :class:`LoopSettings` ``(use_swap, interval, far, idle_floor, budget, rate_on, rate_window)``:
+        the signal includes SwapFree (bool); ``guard.poll_interval`` (float seconds); the headroom
+        beyond which the full interval is safe at ``policy.FILL_RATE`` (int bytes); the idle fast
+        path's floor, ``far`` above the highest line (``term_below``, ``pause_below``,
+        ``engine.load_phase.term_below``) (int bytes of MemAvailable); the fast polls allowed
+        between two full passes, so that a full pass (policy, STATUS=, the armed target's check,
+        poll metrics) runs at least every FULL_PASS_EVERY (int); whether the rate trigger is on
+        (bool) and its window (float seconds).
     Raises:
         config.ConfigError: a value the loop cannot run on (not a finite positive interval, a line
             that is not a whole number of bytes), naming the file, key and value.
@@ -71,8 +68,8 @@ def loop_settings(cfg) -> LoopSettings:
         line = lp
     floor = line + far
     return LoopSettings(g.signal == "available+swap", float(iv), far, floor,
-                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), meminfo.fast_prefixes(floor),
-                        g.rate_trigger == "on", float(g.rate_window))
+                        max(0, int(FULL_PASS_EVERY / iv + 1e-9) - 1), g.rate_trigger == "on",
+                        float(g.rate_window))
 
 
 def prepare(cfg):
