@@ -577,10 +577,27 @@ while True:
         print("below the line", flush=True)
     poll(200)
 """
-#: the plainest loop that checks MemAvailable as sparkguard's fast path does, in one C call:
-#: buf.startswith(the byte prefixes of every MemAvailable line at or above the line, at the line's
-#: offset), the prefixes from sparkguard.meminfo.fast_prefixes in argv[1] (hex, comma-separated);
-#: run only where they tell the answer (a value under 10^8 kB, or a wider one a prefix covers)
+#: the plainest loop that checks MemAvailable as sparkguard's fast path does: the read lands the
+#: MemAvailable line's label and first columns in a window of their own, four byte-string compares
+#: with the bounds of sparkguard.meminfo.FastCheck (argv: the text's length before the window, the
+#: bounds in hex)
+FLOOR_PY_WINDOW = """import os, select, sys
+fd = os.open("/proc/meminfo", os.O_RDONLY)
+low, high = bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+window, last = bytearray(len(low)), bytearray(1)
+view = [bytearray(int(sys.argv[1])), window, last]
+size = sum(map(len, view))
+poll = select.poll().poll
+print("ready", flush=True)
+while True:
+    if os.preadv(fd, view, 0) != size or window < low or window > high or last < b"0" or last > b"9":
+        print("below the line", flush=True)
+    poll(200)
+"""
+#: the plainest loop that checks MemAvailable as sparkguard's fast path did until 2026-12-04, in one
+#: C call: buf.startswith(the byte prefixes of every MemAvailable line at or above the line, at the
+#: line's offset), the prefixes (:func:`old_prefixes`) in argv[1] (hex, comma-separated); run only
+#: where they tell the answer (a value under 10^8 kB, or a wider one a prefix covers)
 FLOOR_PY_PREFIX = """import os, select, sys
 fd = os.open("/proc/meminfo", os.O_RDONLY)
 buf = bytearray(8192)
@@ -598,6 +615,26 @@ while True:
         print("below the line", flush=True)
     poll(200)
 """
+
+
+def old_prefixes(line: int) -> tuple[bytes, ...] | None:
+    """The MemAvailable lines at or above ``line`` bytes as the byte prefixes sparkguard's fast
+    path compared before its window check (meminfo.fast_prefixes then): the newline, the label,
+    the kernel's padding and the leading digits of every value of 8 columns or fewer at or above
+    the line in kB rounded up to 3 significant digits; None from 10^8 kB."""
+    kb = max(1, -(-line // 1024))
+    q = 10 ** max(0, len(str(kb)) - 3)
+    kb = -(-kb // q) * q
+    width = len(str(kb))
+    if width > 8:
+        return None
+    label = b"\nMemAvailable:   "
+    digits = str(kb)[:3].encode()
+    leading = [digits[:i] + b"%d" % c for i in range(len(digits)) for c in range(digits[i] - 47, 10)] + [digits]
+    out = [label + b" " * (8 - w) + b"%d" % c for w in range(8, width, -1) for c in range(1, 10)]
+    return tuple(out + [label + b" " * (8 - width) + lead for lead in leading])
+
+
 #: floor_python's loop in a process set up the way the daemon's is, one part at a time (argv[1], a
 #: comma-separated list; SG_FLOOR_ENV=1 adds these rows to the idle run): ``nice`` setpriority -20
 #: (guard/harden.py NICE), ``mlock`` mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT), ``threads`` three
@@ -639,9 +676,9 @@ int main(void) {
 
 def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
     """The floor loops (guard name -> argv): Python always (read only, and read + check against
-    ``line`` bytes), the check as sparkguard's fast path makes it where its prefixes tell the
-    answer, the read-only loop in a process set up as the daemon's (``SG_FLOOR_ENV=1``), C where
-    ``cc`` builds it."""
+    ``line`` bytes), the check as sparkguard's fast path makes it (``floor_python_window``) and as
+    it made it before (``floor_python_prefix``) where each has one, the read-only loop in a process
+    set up as the daemon's (``SG_FLOOR_ENV=1``), C where ``cc`` builds it."""
     py = os.path.join(work, "floor_python.py")
     with open(py, "w") as f:
         f.write(FLOOR_PY)
@@ -651,11 +688,18 @@ def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
     out = {"floor_python": [sys.executable, py], "floor_python_check": [sys.executable, check, str(line)]}
     sys.path.insert(0, ROOT)
     from sparkguard import meminfo
-    prefixes = meminfo.fast_prefixes(line)
     with open("/proc/meminfo", "rb") as f:
         text = bytearray(f.read())
-    check = meminfo.fast_check(text, len(text), prefixes, line)
-    if check is not None and check[1] is not text:     # the prefixes tell it (not the wide line's match)
+    check = meminfo.fast_check(text, len(text), line)
+    if check is not None:
+        window = os.path.join(work, "floor_python_window.py")
+        with open(window, "w") as f:
+            f.write(FLOOR_PY_WINDOW)
+        out["floor_python_window"] = [sys.executable, window, str(len(check.view[0])), check.low.hex(),
+                                      check.high.hex()]
+    prefixes = old_prefixes(line)
+    at = text.find(b"\nMemAvailable:")
+    if prefixes is not None and text.startswith(prefixes, at):       # the prefixes tell the answer
         prefix = os.path.join(work, "floor_python_prefix.py")
         with open(prefix, "w") as f:
             f.write(FLOOR_PY_PREFIX)
@@ -931,7 +975,7 @@ def main() -> int:
     ap.add_argument("--idle-hold", type=float, default=None, metavar="GIB",
                     help="hold memory in a process of the bench's own so that MemAvailable is near GIB during "
                          "the idle run (at least --idle-headroom + 8): a run under 10^8 kB on a machine with more, "
-                         "where sparkguard's fast path checks the 8 columns' prefixes (meminfo.fast_check)")
+                         "where the value fits the kernel's 8 columns")
     ap.add_argument("--idle-headroom", type=float, default=8.0, metavar="GIB",
                     help="GiB between MemAvailable at the idle run's start and the line (sparkguard's idle fast "
                          "path runs 6.4 GiB above it; each guard process of the run takes 30-65 MiB of it: "

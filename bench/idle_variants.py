@@ -40,14 +40,14 @@ BODIES = {
         due_at = next_due(g, s.interval)
         tick = left - 5
         while left:
-            n = preadv(fd, view, 0)
-            if not check(first_arg, at, n) or flags:
+            if preadv(fd, view, 0) != size or window < low or window > high or last < b"0" or last > b"9" \\
+                    or flags:
                 return
             left -= 1
             if left == tick:
                 tick = left - 5
                 if clock() >= due_at:
-                    due(g, buf, n, s)
+                    due(g, s)
                     due_at = next_due(g, s.interval)
             sleep(ms)
     except OSError:
@@ -59,8 +59,6 @@ BODIES = {
 
 """,
 }
-#: the line of guard.idle.run that names the check's first argument (``bare`` renames it)
-FIRST = "    (check, first, at), ms, flags = g._fast, s.interval * 1000.0, g._flags\n"
 #: variants that are another one with a full pass every 30 s (settings.FULL_PASS_EVERY)
 EVERY30 = {"fastfloor30": "fastfloor"}
 #: the per-poll line the ``lean`` variant drops
@@ -94,9 +92,6 @@ def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
             else:
                 a, b = s.index(HEAD), s.index(END)
                 s = s[:a] + body + s[b:]
-                if name == "bare":
-                    assert FIRST in s
-                    s = s.replace(FIRST, FIRST.replace("first,", "first_arg,"), 1)
             open(p, "w").write(s)
         elif name == "noring":
             p = os.path.join(dst, "sparkguard", "guard", "startup.py")
