@@ -202,6 +202,7 @@ def test_plan_places_lines_and_keeps_kill_distance():
     assert p["term_below"] == 19 * GiB
     assert p["kill_below"] == 19 * GiB - GiB // 2
     assert p["fill_size"] == GiB + GiB // 2
+    assert p["floor"] == 19 * GiB - GiB // 2 and p["fill_cap"] == drill.FILL_CAP * p["fill_size"]
     with pytest.raises(drill.DrillError, match="guard.term_below in x.yaml"):
         drill.plan(cfg, 4 * GiB, GiB, GiB // 2)      # floor 2.5 GiB < 1 GiB + 2 GiB
     assert drill.parse_rate("max") is None and drill.parse_rate("1GiB/s") == GiB

@@ -60,3 +60,84 @@ def test_fill_on_sigusr1_and_ignore_term():
     finally:
         tree.stop()
     assert tree.proc.returncode == -signal.SIGKILL
+
+
+MiB = 1 << 20
+#: a process of the test's own that holds touched memory until its stdin closes
+_HOLD = ("import sys\nfrom sparkguard.drill.hog import Memory\nm = Memory()\nm.add(int(sys.argv[1]))\n"
+         "print('held', flush=True)\nsys.stdin.read()\n")
+
+
+def _holder(nbytes: int):
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def _release(p) -> None:
+    p.stdin.close()
+    p.wait(10)
+
+
+def _filled(line: str) -> int:
+    return int(line.split(" bytes=")[1].split()[0])
+
+
+def _level_fill(level: int, rate: str, cap: str = "3GiB"):
+    return hog.start(f"sg-hog-{uuid.uuid4().hex[:10]}", "--tp", "1", "--hold", "8MiB", "--fill-size", cap,
+                     "--fill-to", str(level), "--fill-rate", rate)
+
+
+def test_a_fill_to_a_level_goes_as_low_as_planned_whatever_other_work_frees_or_takes():
+    """The drill's fill stops at a MemAvailable level, not after a byte count: memory another
+    process frees meanwhile is filled too (the drill still reaches its line), memory another
+    process takes is not (the drill goes no lower than planned), and the byte cap still holds."""
+    from conftest import mem_available
+    import pytest
+    if mem_available() < 8 << 30:
+        pytest.skip("not enough MemAvailable for 2 GiB of fills on this host right now")
+    slack = 256 * MiB                       # what the rest of the host may move meanwhile
+    # another process frees 768 MiB while the fill runs: it fills those as well, down to the level
+    other = _holder(768 * MiB)
+    level = mem_available() - 512 * MiB
+    tree = _level_fill(level, "256MiB/s")
+    try:
+        tree.pids(timeout=60)
+        tree.start_fill()
+        _release(other)
+        done = tree.wait_line(" done", timeout=60)
+        assert done.endswith(" done level"), done
+        assert _filled(done) > (512 + 768) * MiB - slack, done
+        assert abs(mem_available() - level) < slack
+    finally:
+        tree.stop()
+        if other.poll() is None:
+            _release(other)
+    # another process takes 384 MiB while it runs: the fill stops at the level, 384 MiB early
+    level = mem_available() - 512 * MiB
+    tree = _level_fill(level, "128MiB/s")
+    other = None
+    try:
+        tree.pids(timeout=60)
+        tree.start_fill()
+        other = _holder(384 * MiB)
+        done = tree.wait_line(" done", timeout=60)
+        assert done.endswith(" done level"), done
+        assert _filled(done) < (512 - 384) * MiB + slack, done
+        assert mem_available() > level - slack
+    finally:
+        tree.stop()
+        if other is not None:
+            _release(other)
+    # the cap: a level far below stops nothing before the byte count does
+    tree = _level_fill(mem_available() - (4 << 30), "512MiB/s", cap="64MiB")
+    try:
+        tree.pids(timeout=60)
+        tree.start_fill()
+        done = tree.wait_line(" done", timeout=30)
+        assert done.endswith(" done") and _filled(done) == 64 * MiB, done
+    finally:
+        tree.stop()

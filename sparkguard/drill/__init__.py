@@ -2,7 +2,9 @@
 
 It starts a synthetic engine tree (:mod:`sparkguard.drill.hog`, shaped and titled like vLLM's:
 ``vllm serve sparkguard-drill-<hex>`` -> ``VLLM::EngineCore`` -> ``VLLM::Worker_TP0/1``)
-whose worker TP0 fills memory at a chosen rate, and runs the guard's own poll loop
+whose worker TP0 fills memory at a chosen rate down to a planned level of the memory signal
+(``--past`` under the temporary line; memory that other work frees or takes meanwhile moves
+how much it fills, not how low it goes), and runs the guard's own poll loop
 (:class:`sparkguard.guard.loop.Guard`, in this process) with the running configuration,
 changed in three places only:
 
@@ -50,8 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", default="1GiB/s", help="fill rate of the fake engine: 512MiB/s, 1GiB/s, max "
                    "(default 1GiB/s)")
     p.add_argument("--margin", default="1GiB", help="temporary line this far under the memory now (default 1GiB)")
-    p.add_argument("--past", default=None, help="how far past the line the fake may fill before it stops "
-                   "(default 0.5GiB; 1GiB with --ignore-term)")
+    p.add_argument("--past", default=None, help="the fake fills until the memory signal is this far under the line, "
+                   "whatever other work frees or takes meanwhile (default 0.5GiB; 1GiB with --ignore-term)")
     p.add_argument("--ignore-term", action="store_true", help="the fake ignores SIGTERM: drills the escalation "
                    "(SIGKILL of the whole tree after guard.grace)")
     p.add_argument("--recover", default="3s", help="measure memory this long after the tree is gone (default 3s)")
@@ -92,7 +94,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         past = parse_size(args.past) if args.past is not None else (GiB if args.ignore_term else GiB // 2)
         recover = parse_duration(args.recover)
         p = plan(cfg, read_signal(cfg.guard.signal), margin, past)
-        fill_time = p["fill_size"] / rate if rate else 10.0
+        fill_time = p["fill_cap"] / rate if rate else 10.0
         timeout = parse_duration(args.timeout) if args.timeout else fill_time + cfg.guard.grace + recover + 30
     except (ValueError, DrillError) as e:
         return refused(e)

@@ -45,6 +45,7 @@ import signal
 import sys
 import time
 
+from sparkguard import meminfo
 from sparkguard.drill.planning import parse_rate
 from sparkguard.drill.plumbing import (BLOCKED, Log, Signals, exited, fork, is_term, reap, send, settitle, sleep_until,
                                        wait_fds)
@@ -116,17 +117,27 @@ class Memory:
 
 
 class Fill:
-    """Allocate ``size`` bytes at ``rate`` bytes/s (None = as fast as possible), then hold them.
+    """Allocate up to ``size`` bytes at ``rate`` bytes/s (None = as fast as possible), then hold them.
+
+    With ``level`` (bytes of the memory signal ``signal``: ``available`` for MemAvailable,
+    ``available+swap`` for MemAvailable+SwapFree, as ``guard.signal`` names them) the fill also
+    stops once the signal is at or below ``level``, read from /proc/meminfo before each step: it
+    goes as far down as planned whatever else on the host allocates or frees meanwhile, and
+    never further.  ``size`` then only caps what it may take.
 
     The owner calls :meth:`begin` once, then :meth:`step` whenever :meth:`next_due` says, while
-    ``active``.  Progress goes to ``log`` as ``fake-vllm: fill`` lines, about once a second;
-    ``where`` is the ``[file:line]`` tag of its other log lines.
+    ``active``.  Progress goes to ``log`` as ``fake-vllm: fill`` lines, about once a second (the
+    last ends ``done``, or ``done level`` where the level stopped it); ``where`` is the
+    ``[file:line]`` tag of its other log lines.
     """
 
     MAX_STEP = 64 << 20
 
-    def __init__(self, mem: Memory, rate: float | None, size: int, log: Log, where: str = "fill"):
+    def __init__(self, mem: Memory, rate: float | None, size: int, log: Log, where: str = "fill",
+                 level: int | None = None, signal: str = "available"):
         self.mem, self.rate, self.size, self.log, self.where = mem, rate, int(size), log, where
+        self.level, self.signal = level, signal
+        self.reader: meminfo.MeminfoReader | None = None
         self.done = 0
         self.started = False
         self.active = False
@@ -135,10 +146,15 @@ class Fill:
         self.min_step = BLOCK if rate is None else max(PAGE, min(self.MAX_STEP, int(rate * 0.005) // PAGE * PAGE))
 
     def begin(self, now: float) -> None:
+        """Start filling at ``now`` (monotonic s).  Raises OSError where a level is set and
+        /proc/meminfo cannot be opened."""
+        if self.level is not None:
+            self.reader = meminfo.MeminfoReader()
         self.started = self.active = True
         self.t0 = self.last_report = now
         self.log("INFO", self.where, f"filling {self.size} bytes at "
-                 f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}")
+                 f"{'max' if self.rate is None else f'{self.rate:.0f} B/s'}"
+                 + ("" if self.level is None else f", until {self.signal} is {self.level} bytes or less"))
 
     def next_due(self, now: float) -> float:
         """Seconds until the next step is due (0 when behind or unlimited)."""
@@ -146,13 +162,21 @@ class Fill:
             return 0.0
         return self.t0 + min(self.size, self.done + self.min_step) / self.rate - now
 
+    def _room(self) -> int:
+        """Bytes of the signal above the level now (0 or less: the level is reached)."""
+        a, s = self.reader.sample()
+        return (a + s if self.signal == "available+swap" else a) - self.level
+
     def step(self, now: float) -> None:
         if self.rate is None:
             target = self.size
         else:
             target = min(self.size, int(self.rate * (now - self.t0)))
         n = min(self.MAX_STEP, target - self.done)
-        if n > 0 and (n >= self.min_step or target == self.size):
+        room = None if self.level is None else self._room()
+        if room is not None and n > room:
+            n = target = room               # the last step: down to the level
+        if n > 0 and (n >= self.min_step or target in (self.size, room)):
             try:
                 self.mem.add(n)
             except OSError as e:
@@ -160,13 +184,16 @@ class Fill:
                 self.active = False
                 return
             self.done += n
-        finished = self.done >= self.size
+        level = room is not None and room - max(n, 0) <= 0
+        finished = self.done >= self.size or level
         if finished or now - self.last_report >= 1.0:
             self.last_report = now
             self.log.raw(f"{FILL_PREFIX}pid={os.getpid()} bytes={self.done} target={self.size}"
-                         + (" done" if finished else ""))
+                         + (" done level" if level else " done" if finished else ""))
         if finished:
             self.active = False
+            if self.reader is not None:
+                self.reader.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold-api", type=size_arg, default=parse_size("16MiB"), help="memory the top holds (default 16MiB)")
     p.add_argument("--fill-size", type=size_arg, default=0, help="bytes worker TP0 fills on SIGUSR1 (then holds)")
     p.add_argument("--fill-rate", type=rate_arg, default=None, help="bytes/s of the fill (1GiB/s, 512MiB, max: default)")
+    p.add_argument("--fill-to", type=size_arg, default=None,
+                   help="the fill also stops once the memory signal is at or below this (bytes; --fill-size caps it)")
+    p.add_argument("--fill-signal", choices=("available", "available+swap"), default="available",
+                   help="the signal --fill-to reads: MemAvailable, or MemAvailable+SwapFree (guard.signal)")
     p.add_argument("--ignore-term", action="store_true", help="every process ignores SIGTERM and SIGINT")
     return p
 
@@ -214,7 +245,7 @@ def _worker(a: argparse.Namespace, rank: int, ready_w: int) -> int:
     log("INFO", "gpu_model_runner.py:1", f"Model loading took {mem.nbytes / 2**30:.4f} GiB")
     os.write(ready_w, f"W {rank} {os.getpid()}\n".encode())
     os.close(ready_w)
-    fill = Fill(mem, a.fill_rate, a.fill_size, log) if fills else None
+    fill = Fill(mem, a.fill_rate, a.fill_size, log, level=a.fill_to, signal=a.fill_signal) if fills else None
     while True:
         wait_fds([sigs.rfd], fill.next_due(time.monotonic()) if fill is not None and fill.active else None)
         now = time.monotonic()

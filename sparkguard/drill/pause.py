@@ -36,25 +36,30 @@ from urllib.parse import parse_qs, urlsplit
 
 from sparkguard import config, meminfo
 from sparkguard.drill import hog
-from sparkguard.drill.planning import GiB, SAFETY, DrillError, parse_rate, read_signal, refused, signal_name
+from sparkguard.drill.planning import FILL_CAP, GiB, SAFETY, DrillError, parse_rate, read_signal, refused, signal_name
 from sparkguard.drill.run import _DrillReporter, _make_guard, _raise_interrupt, _survivors
 from sparkguard.incidents.store import IncidentStore, valid_id
 from sparkguard.units import format_size, parse_duration, parse_size
 
-#: the work process: fill argv[1] bytes at argv[2] bytes/s (0: at once) with touched, incompressible
-#: memory (hog.Memory), say "full" when done, hold until stdin closes, then exit (its memory back)
+#: the work process: fill at argv[2] bytes/s (0: at once) with touched, incompressible memory
+#: (hog.Memory) until the memory signal (argv[4], guard.signal) is at or below argv[3] bytes, and
+#: argv[1] bytes at most; say "full" when done, hold until stdin closes, then exit (its memory back)
 _WORK = """\
-import os, select, sys, time
+import select, sys, time
+from sparkguard import meminfo
 from sparkguard.drill.hog import Memory
-size, rate = int(sys.argv[1]), float(sys.argv[2])
-m, t0, done, step = Memory(), time.monotonic(), 0, 16 << 20
+size, rate, level, both = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "available+swap"
+m, r, t0, done, step = Memory(), meminfo.MeminfoReader(), time.monotonic(), 0, 16 << 20
 print("started", flush=True)
 while done < size:
     if select.select([sys.stdin], [], [], 0)[0]:
         sys.exit(0)
-    want = size if rate <= 0 else min(size, int(rate * (time.monotonic() - t0)))
-    if want - done >= min(step, size - done):
-        n = min(step, size - done)
+    a, s = r.sample()
+    room = (a + s if both else a) - level
+    if room <= 0:
+        break
+    n = min(step, size - done, room)
+    if rate <= 0 or int(rate * (time.monotonic() - t0)) - done >= n:
         m.add(n)
         done += n
     else:
@@ -131,8 +136,10 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
         cfg: ``config.Config`` being drilled; value_now: the signal now, bytes; margin: bytes from
             it down to the temporary soft line; past: bytes from the soft line down to the hard line.
     Returns:
-        dict: ``pause_below``, ``term_below``, ``fill_size`` (the work: a quarter of the way between the
-        lines), ``floor`` (the lowest the work takes the signal), bytes.
+        dict: ``pause_below``, ``term_below``, ``fill_size`` (the work: from the signal now a
+        quarter of the way between the lines), ``floor`` (the level the work stops at: the lowest
+        it takes the signal), ``fill_cap`` (the most it may take, as in
+        :func:`sparkguard.drill.planning.plan`), bytes.
     Raises:
         DrillError: the hysteresis does not fit under the signal now, or the hard line would come
             within 2 GiB of the configured one.
@@ -151,7 +158,7 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
                          f"closer than {format_size(SAFETY)} to the configured one {format_size(g.term_below)}. "
                          "Free some memory or lower --margin/--past.")
     return {"pause_below": pause_below, "term_below": term_below, "fill_size": margin + past // 4,
-            "floor": pause_below - past // 4}
+            "floor": pause_below - past // 4, "fill_cap": FILL_CAP * (margin + past // 4)}
 
 
 class _Sink:
@@ -187,7 +194,7 @@ def command(args, cfg) -> int:
         margin = parse_size(args.margin)
         past = parse_size(args.past) if args.past is not None else GiB
         p = plan(cfg, read_signal(cfg.guard.signal), margin, past)
-        fill_time = p["fill_size"] / rate if rate else 10.0
+        fill_time = p["fill_cap"] / rate if rate else 10.0
         timeout = (parse_duration(args.timeout) if args.timeout else
                    fill_time + cfg.guard.pause_timeout + cfg.guard.resume_after + 30)
     except (ValueError, DrillError) as e:
@@ -225,6 +232,7 @@ def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) 
     rep = {"result": "FAIL", "reason": "", "drill": True, "mode": "pause", "model": model, "config": cfg.path,
            "signal": g.signal, "pause_below_bytes": p["pause_below"], "term_below_bytes": p["term_below"],
            "configured_term_below_bytes": g.term_below, "fill_size_bytes": p["fill_size"],
+           "floor_bytes": p["floor"],
            "fill_rate_bytes_per_second": rate, "hysteresis_bytes": g.pause_hysteresis,
            "resume_after_seconds": g.resume_after, "pause_mode": g.pause_mode, "interrupted": False,
            "start_bytes": None, "min_bytes": None}
@@ -238,7 +246,8 @@ def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) 
         reader = meminfo.MeminfoReader()
         next_line = 0.0
         try:
-            work["proc"] = subprocess.Popen([sys.executable, "-c", _WORK, str(p["fill_size"]), str(rate or 0)],
+            work["proc"] = subprocess.Popen([sys.executable, "-c", _WORK, str(p["fill_cap"]), str(rate or 0),
+                                             str(p["floor"]), g.signal],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             work["proc"].stdout.readline()
             while not stop.is_set() and not finished:
@@ -359,7 +368,9 @@ def format_report(r: dict) -> str:
              "(untouched)",
              f"  work              {format_size(r['fill_size_bytes'])} at "
              + ("full speed" if not r["fill_rate_bytes_per_second"] else
-                format_size(r["fill_rate_bytes_per_second"]) + "/s") + ", ended by the pause",
+                format_size(r["fill_rate_bytes_per_second"]) + "/s")
+             + (f", down to {format_size(r['floor_bytes'])} at most" if r.get("floor_bytes") is not None else "")
+             + ", ended by the pause",
              f"  memory            start {format_size(r.get('start_bytes'))}, lowest {format_size(r['min_bytes'])}",
              "  soft line->paused " + ("-" if r["crossing_to_paused_seconds"] is None
                                        else f"{r['crossing_to_paused_seconds'] * 1000:.1f} ms"),

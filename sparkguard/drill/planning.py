@@ -10,6 +10,9 @@ from sparkguard.units import format_size, parse_size
 GiB = 1 << 30
 SAFETY = 2 * GiB          # the drill's lowest point stays this far above the configured line
 TERM_LATENCY_LIMIT = 0.5  # seconds from the guard's crossing to SIGTERM for a PASS
+#: the most the drill's fill may take, in planned fills: it fills down to its floor, and memory that
+#: other work frees meanwhile (a cache dropped, a process that exits) is filled too, up to this
+FILL_CAP = 2
 
 
 class DrillError(Exception):
@@ -44,8 +47,10 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
         margin: bytes between ``value_now`` and the temporary SIGTERM line.
         past: bytes the fake may fill past the line.
     Returns:
-        dict with ``term_below``, ``kill_below`` (or None), ``fill_size``, ``floor`` (lowest
-        expected signal), all bytes.
+        dict with ``term_below``, ``kill_below`` (or None), ``fill_size`` (from the signal now
+        down to ``floor``), ``floor`` (the level the fill stops at: the lowest the drill takes the
+        signal), ``fill_cap`` (the most the fill may take, :data:`FILL_CAP` x ``fill_size``: memory
+        that other work frees meanwhile is filled as well, up to that), all bytes.
     Raises:
         DrillError: the floor would come closer than 2 GiB to the configured ``guard.term_below``.
     """
@@ -61,7 +66,8 @@ def plan(cfg, value_now: int, margin: int, past: int) -> dict:
             f"SIGTERM line {format_size(g.term_below)} (guard.term_below in {cfg.path}). "
             f"Free some memory or lower --margin/--past.")
     kill = None if g.kill_below is None else line - (g.term_below - g.kill_below)
-    return {"term_below": line, "kill_below": kill, "fill_size": margin + past, "floor": floor}
+    return {"term_below": line, "kill_below": kill, "fill_size": margin + past, "floor": floor,
+            "fill_cap": FILL_CAP * (margin + past)}
 
 
 def signal_name(sig: str) -> str:

@@ -47,6 +47,7 @@ def format_report(r: dict) -> str:
              f"  fake engine       {r['model']}, fill {format_size(r['fill_size_bytes'])} at "
              + ("full speed" if r["fill_rate_bytes_per_second"] is None
                 else format_size(r["fill_rate_bytes_per_second"]) + "/s")
+             + (f", down to {format_size(r['floor_bytes'])} at most" if r.get("floor_bytes") is not None else "")
              + (", ignores SIGTERM" if r["ignore_term"] else ""),
              f"  memory            start {format_size(r['start_bytes'])}, lowest {format_size(r['min_bytes'])}, "
              f"overshoot past the line {format_size(r['overshoot_bytes'])}",

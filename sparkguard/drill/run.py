@@ -114,8 +114,8 @@ class Drill:
         ctl = None
         try:
             opts = ["--tp", "2", "--hold", "16MiB", "--hold-core", "8MiB", "--hold-api", "8MiB",
-                    "--fill-size", str(p["fill_size"]),
-                    "--fill-rate", "max" if self.rate is None else str(int(self.rate))]
+                    "--fill-size", str(p["fill_cap"]), "--fill-to", str(p["floor"]),
+                    "--fill-signal", g.signal, "--fill-rate", "max" if self.rate is None else str(int(self.rate))]
             if self.args.ignore_term:
                 opts.append("--ignore-term")
             self.engine = hog.start(self.model, *opts)
@@ -224,7 +224,7 @@ class Drill:
         rep = {
             "result": "FAIL", "reason": "", "drill": True, "model": self.model, "config": self.cfg.path,
             "signal": g.signal, "ignore_term": bool(self.args.ignore_term),
-            "fill_rate_bytes_per_second": self.rate, "fill_size_bytes": p["fill_size"],
+            "fill_rate_bytes_per_second": self.rate, "fill_size_bytes": p["fill_size"], "floor_bytes": p["floor"],
             "start_bytes": self.value_start or None, "term_below_bytes": p["term_below"],
             "kill_below_bytes": p["kill_below"], "configured_term_below_bytes": g.term_below,
             "grace_seconds": g.grace, "min_bytes": low,
