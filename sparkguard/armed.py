@@ -141,6 +141,7 @@ class Armed:
         self._fd = os.open(os.path.join(proc_root, "loadavg"), os.O_RDONLY | os.O_CLOEXEC)
         self._last_pid: int | None = None    # the pid cursor at the last scan (or past churn of no process)
         self._recent: dict[int, bytes | None] = {}  # the last NEW_PIDS processes looks found new -> argv head
+        self._unseen: tuple[int, ...] = ()   # ids of the last look's churn with no /proc entry (_new_process)
         self._next_look = 0.0                # monotonic s: no look at the churn before (MIN_GAP after one)
 
     def _loadavg(self) -> tuple[int, int]:
@@ -183,14 +184,18 @@ class Armed:
         it leaves).  True without a look when the cursor wrapped around pid_max or moved by more
         than :data:`NEW_PIDS` (a scan then costs about as much as the look).  Threads of other
         processes and processes already gone cannot change the choice: the cursor moves past
-        them, no scan is due for them, and no look comes sooner than :data:`MIN_GAP` after."""
+        them, no scan is due for them, and no look comes sooner than :data:`MIN_GAP` after.  The
+        ids a look found no entry for are looked up once more at the next look: an id is handed
+        out before its process shows in /proc, so one may have been a process still being
+        created (its threads would then be all the churn it leaves)."""
         last = self._last_pid
         if last is None or not 0 < cursor - last <= NEW_PIDS:
             return True
         if now < self._next_look:
             return False
         root = self.proc_root
-        found = proctree.new_processes(last + 1, cursor, root)
+        missing: list[int] = []
+        found = proctree.new_processes((*self._unseen, *range(last + 1, cursor + 1)), root, missing)
         now_heads = {pid: proctree.argv_head(pid, root) for pid in self._recent}
         alive = {pid: head for pid, head in now_heads.items() if head is not None}
         changed = any(head != self._recent[pid] for pid, head in alive.items())
@@ -199,6 +204,7 @@ class Armed:
             self._recent = dict(list(alive.items())[-NEW_PIDS:])
             return True
         self._recent = alive
+        self._unseen = tuple(pid for pid in missing if pid > last)     # once more at the next look, then gone
         self._last_pid = cursor
         self._next_look = now + MIN_GAP
         return False
@@ -206,6 +212,7 @@ class Armed:
     def refresh(self) -> None:
         """Choose again now (one /proc pass) and reopen the tree's pidfds."""
         self._last_pid = self._loadavg()[0]     # before the scan: a process born during it is churn
+        self._unseen = ()
         t0 = self.clock()
         target, procs, ambiguous = self.choose()
         self.scan_cost = self.clock() - t0

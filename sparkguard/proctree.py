@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sparkguard import gpumem, meminfo
@@ -188,20 +189,24 @@ STATUS_HEAD = 512          # bytes of /proc/PID/status read for its Tgid (the 4t
 ARGV_HEAD = 512            # bytes of /proc/PID/cmdline that tell an exec or a new title (argv_head)
 
 
-def new_processes(first: int, last: int, root: str = "/proc") -> list[int] | None:
-    """The ids from ``first`` to ``last`` (inclusive) that name a process under ``root`` now:
-    one whose ``Tgid`` in ``ROOT/ID/status`` is the id itself (a thread group's leader, a zombie
-    too), proc(5), and that is no kernel thread (PF_KTHREAD in its stat's flags: the kernel
-    starts and ends kworkers as it needs them).  A thread of an older process (its Tgid is
-    another id) and an id with no entry (exited and reaped, or never a process of this pid
-    namespace) are left out.  None when an entry cannot be read or parsed for another reason:
-    the caller then does what it would do for a process.  One open and read per id: the caller
-    bounds the range."""
+def new_processes(ids: Iterable[int], root: str = "/proc", missing: list[int] | None = None) -> list[int] | None:
+    """Of ``ids``, those that name a process under ``root`` now: one whose ``Tgid`` in
+    ``ROOT/ID/status`` is the id itself (a thread group's leader, a zombie too), proc(5), and
+    that is no kernel thread (PF_KTHREAD in its stat's flags: the kernel starts and ends
+    kworkers as it needs them).  A thread of an older process (its Tgid is another id) and an
+    id with no entry are left out; the ids with no entry are added to ``missing`` when it is
+    given: exited and reaped, never a process of this pid namespace, or handed out an instant
+    ago to a process the kernel has not finished creating (fork allocates the id, and the /proc
+    entry appears when the task is attached: kernel/fork.c copy_process, alloc_pid before
+    attach_pid).  None when an entry cannot be read or parsed for another reason: the caller
+    then does what it would do for a process.  One open and read per id: the caller bounds them."""
     found = []
-    for pid in range(first, last + 1):
+    for pid in ids:
         try:
             fd = os.open(f"{root}/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
+            if missing is not None:
+                missing.append(pid)
             continue
         except OSError:
             return None

@@ -177,10 +177,11 @@ def test_new_processes_tells_processes_from_threads_and_exited_ones(tmp_path):
     stop = threading.Event()
     t = threading.Thread(target=stop.wait, daemon=True)
     t.start()
+    missing: list[int] = []
     try:
-        assert proctree.new_processes(child.pid, child.pid) == [child.pid]
-        assert proctree.new_processes(t.native_id, t.native_id) == []
-        assert proctree.new_processes(gone.pid, gone.pid) == []
+        assert proctree.new_processes([child.pid]) == [child.pid]
+        assert proctree.new_processes([t.native_id]) == []
+        assert proctree.new_processes([gone.pid], missing=missing) == [] and missing == [gone.pid]
         assert proctree.argv_head(child.pid) == b"sleep\x0060\x00"
     finally:
         stop.set()
@@ -193,14 +194,54 @@ def test_new_processes_tells_processes_from_threads_and_exited_ones(tmp_path):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "status").write_text(status)
     root = str(tmp_path)
-    assert proctree.new_processes(10, 10, root) == [10]
-    assert proctree.new_processes(11, 12, root) == []         # a thread of 10, and no entry for 12
-    assert proctree.new_processes(11, 13, root) is None       # 13 cannot be read as a status
+    assert proctree.new_processes([10], root) == [10]
+    assert proctree.new_processes([11, 12], root) == []         # a thread of 10, and no entry for 12
+    assert proctree.new_processes(range(11, 14), root) is None       # 13 cannot be read as a status
     (tmp_path / "10" / "stat").write_text("10 (kworker/3:1H) I 2 0 0 0 -1 %d 0 0 0 0 0 0 0 0 0 -20 1 0 7 0 0\n"
                                           % proctree.PF_KTHREAD)
-    assert proctree.new_processes(10, 12, root) == []         # a kernel thread is never a target
+    assert proctree.new_processes(range(10, 13), root) == []         # a kernel thread is never a target
     (tmp_path / "10" / "stat").write_text("10 (vllm) S 1 10 10 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 7 0 0\n")
-    assert proctree.new_processes(10, 10, root) == [10]
+    assert proctree.new_processes([10], root) == [10]
+
+
+def test_an_id_with_no_entry_yet_is_looked_up_again_at_the_next_look(tmp_path):
+    """fork hands out a pid before the process shows in /proc (alloc_pid before attach_pid): a
+    look that finds no entry for an id looks it up once more next time, and a process there
+    then rescans; an id with no entry at two looks is dropped.  On a /proc copy whose loadavg
+    and entries the test writes between ticks."""
+    root = tmp_path
+
+    def cursor(pid: int) -> None:
+        (root / "loadavg").write_text(f"0.00 0.00 0.00 1/100 {pid}\n")
+
+    def entry(pid: int, tgid: int) -> None:
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "status").write_text(f"Name:\tx\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t{tgid}\n")
+        (root / str(pid) / "stat").write_text(f"{pid} (x) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 7 0 0\n")
+
+    cursor(100)
+    clock = [0.0]
+    a = armed.Armed(lambda: (None, {}, False), 32 * GiB, clock=lambda: clock[0], proc_root=str(root))
+    try:
+        def tick(now: float) -> int:
+            clock[0] = now
+            a.tick(now, 64 * GiB, 6 * GiB)
+            return a.scans
+        assert tick(0.0) == 1
+        entry(101, 1)                   # a thread of an older process
+        cursor(103)                     # 102 exited, 103 is being created: neither has an entry
+        assert tick(11.0) == 1
+        entry(103, 103)                 # 103 shows now; only a thread (104) moved the cursor since
+        entry(104, 1)
+        cursor(104)
+        assert tick(22.0) == 2
+        cursor(106)                     # 105 and 106: no entry at this look nor at the next
+        assert tick(33.0) == 2
+        cursor(107)
+        entry(107, 1)
+        assert tick(44.0) == 2 and a._unseen == ()
+    finally:
+        a.close()
 
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
