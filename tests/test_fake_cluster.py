@@ -351,6 +351,7 @@ def test_unreachable_rank_hangs_completions_until_it_is_back(nodes):
     try:
         line = head.wait_line(f"{fc.UNREACHABLE_PREFIX}rank=1 node-rank=1 ", 10)
         assert float(line.rsplit("silent=", 1)[1]) >= fc.UNREACHABLE_S
+        head.wait_line(f"{fc.API_GROUP_PREFIX}U rank=1", 10)      # the API server has the report
         assert status(head) == 200
         req = Completion(head, 15)
         req.join(0.5)

@@ -92,6 +92,8 @@ Lines printed, unprefixed (``A:P`` is master-addr:master-port; K a node rank, R 
     fake-vllm: rank lost rank=R node-rank=K timeout=S                  head's Worker_TP0
     fake-vllm: rank unreachable rank=R node-rank=K silent=S            head's Worker_TP0
     fake-vllm: rank reachable rank=R node-rank=K                       head's Worker_TP0, again
+    fake-vllm: api group L|U|R rank=R                                  the top, once its API holds
+                                                                       (L, U) or frees (R) requests for it
     fake-vllm: distributed timeout rank=0 after=S                      head's Worker_TP0, then exit 1
     fake-vllm: head lost master=A:P action=exit|hang                   a headless worker
     fake-vllm: rendezvous timeout rank=R after=S                       a worker, then exit 1
@@ -139,6 +141,7 @@ FORMED_PREFIX = P + "group formed "
 LOST_PREFIX = P + "rank lost "
 UNREACHABLE_PREFIX = P + "rank unreachable "
 REACHABLE_PREFIX = P + "rank reachable "
+API_GROUP_PREFIX = P + "api group "
 TIMEOUT_PREFIX = P + "distributed timeout "
 HEAD_LOST_PREFIX = P + "head lost "
 RDZV_TIMEOUT_PREFIX = P + "rendezvous timeout "

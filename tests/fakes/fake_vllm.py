@@ -910,6 +910,7 @@ class _Top:
             return time.monotonic() + self.a.load_time
         if len(parts) == 3 and parts[0] in ("L", "U", "R"):
             self.state.group_report(parts[0], int(parts[1]))
+            self.log.raw(f"{_cluster().API_GROUP_PREFIX}{parts[0]} rank={int(parts[1])}")
         return load_done
 
     def _start_serving(self) -> None:
