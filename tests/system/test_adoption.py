@@ -34,7 +34,9 @@ import uuid
 import pytest
 
 from .conftest import CONFIG_PATH
-from .test_systemd import PY, UNIT, alive, config, guard_journal, wait_for
+from waiting import wait_for
+
+from .test_systemd import PY, UNIT, alive, config, guard_journal
 
 pytestmark = pytest.mark.system
 

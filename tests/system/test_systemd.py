@@ -18,6 +18,8 @@ import uuid
 
 import pytest
 
+from waiting import wait_for
+
 from .conftest import CONFIG_PATH
 from .nspawn import CAP_SYS_RESOURCE, VENV, has_capability
 
@@ -30,22 +32,6 @@ PY = f"{VENV}/bin/python"
 #: memory each fake worker holds (two workers), and the headroom the line is placed with
 WORKER_HOLD = 768 * MiB
 LINE_MARGIN = 800 * MiB
-
-
-def wait_for(what: str, probe, timeout: float, interval: float = 0.1):
-    """Call ``probe()`` until it returns something truthy; return that.  Bounded by ``timeout`` s.
-
-    Raises AssertionError naming ``what`` and the last value seen.
-    """
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        last = probe()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
 
 
 def fmt(n: int) -> str:

@@ -38,6 +38,7 @@ import pytest
 from sparkguard import journal
 from sparkguard.units import parse_size
 from system import nspawn
+from waiting import wait_for as _wait_for
 from .conftest import VENV
 
 pytestmark = [pytest.mark.system, pytest.mark.vm]
@@ -89,16 +90,10 @@ except Exception as e:
 """
 
 
-def wait_for(what: str, fn, timeout: float, interval: float = 0.5):
-    """``fn()`` until it returns something truthy (returned), at most ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+def wait_for(what: str, probe, timeout: float, interval: float = 0.5):
+    """:func:`waiting.wait_for` at a VM's pace: each probe is a command the guest's agent runs
+    on an emulated CPU (every 0.5 s unless told)."""
+    return _wait_for(what, probe, timeout, interval)
 
 
 def mem_available(vm) -> int:
