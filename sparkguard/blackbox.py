@@ -45,11 +45,12 @@ SLOTS = 64
 #: seconds between two records of full passes (memory near the line, an incident): the loop
 #: writes one at its first full pass after this
 INTERVAL = 1.0
-#: seconds between two records on the idle fast path (memory far above the line): a record costs a
-#: cold wake-up about one extra read of /proc/meminfo, and the issue's bound is the idle CPU figure
+#: seconds between two records while memory is far above the line: a record costs a cold wake-up
+#: about one extra read of /proc/meminfo, and the issue's bound is the idle CPU figure
 #: (bench/results/ring.txt: one a second moved it by 7-8 %; one every 5 s by 4-5 us per wake-up on
 #: the GPU machine, bench/results/idle-parse.txt section 4, against 2.7 us between identical copies);
-#: 10 s, the idle full pass's period (settings.FULL_PASS_EVERY), halves that
+#: 10 s is the idle full pass's period (settings.FULL_PASS_EVERY): the full pass writes it, and the
+#: fast path's wake-ups between two full passes write none
 IDLE_INTERVAL = 10.0
 FLAG_CLEAN = 1
 #: how many of the last records an incident carries in full

@@ -422,7 +422,7 @@ def test_cadence_idle_every_10s_near_the_line_every_second_and_psi_read_every_10
         assert r.sample(100.0, buf, len(buf), 9216, False, "ok", True, -1) == 100.0 + blackbox.IDLE_INTERVAL
         psi.write_text("some avg10=42.00 avg60=0 avg300=0 total=9\nfull avg10=21.00 avg60=0 avg300=0 total=9\n")
         r.sample(105.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 5 s later: PSI kept
-        r.sample(110.0, buf, len(buf), None, False, "ok", True, -1)             # idle, 10 s later: read
+        r.sample(110.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 10 s later: read
         assert r.sample(110.5, buf, len(buf), 9216, False, "term_sent", False, 5 << 30) == 111.5
         assert r.next_full_at == 110.5 + blackbox.INTERVAL
         recs = blackbox.decode(open(tmp_path / "b.ring", "rb").read()).records
@@ -484,18 +484,18 @@ def test_a_zram_device_set_up_after_the_start_is_counted_from_the_next_listing(t
     try:
         text = b"MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable: 20 kB\nSwapFree: 0 kB\n"
         t0 = _time.monotonic()
-        r.sample(t0, text, len(text), None, False, "ok", False, -1)
+        r.sample(t0, text, len(text), 20480, False, "ok", False, -1)
         assert r._zram_used == -1                         # no zram yet
         d = block / "zram0"
         d.mkdir()
         (d / "disksize").write_text(f"{1 << 30}\n")
         (d / "comp_algorithm").write_text("[lz4] zstd\n")
         (d / "mm_stat").write_text("  100   50  12288  0  12288  0  0  0  0\n")
-        r.sample(t0 + 1, text, len(text), None, False, "ok", False, -1)
+        r.sample(t0 + 1, text, len(text), 20480, False, "ok", False, -1)
         assert r._zram_used == -1                         # listed again only after ZRAM_RELIST
-        r.sample(t0 + ring.ZRAM_RELIST + 1, text, len(text), None, False, "ok", False, -1)
+        r.sample(t0 + ring.ZRAM_RELIST + 1, text, len(text), 20480, False, "ok", False, -1)
         assert r._zram_used == 12288 and len(r._zram_fds) == 1
-        r.sample(t0 + 2 * ring.ZRAM_RELIST + 2, text, len(text), None, False, "ok", False, -1)
+        r.sample(t0 + 2 * ring.ZRAM_RELIST + 2, text, len(text), 20480, False, "ok", False, -1)
         assert len(r._zram_fds) == 1 and r.errors == 0   # the last listing's descriptors closed, not kept
     finally:
         r.close()

@@ -14,7 +14,6 @@ import os
 import time
 
 from sparkguard import policy
-from sparkguard.guard import ring as ring_mod
 from sparkguard.guard import settings
 
 log = logging.getLogger("sparkguard")
@@ -35,15 +34,15 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     is wrong.
 
     A poll reads, compares, counts, reads the clock and sleeps.  Only a poll at or after the
-    time :func:`next_due` gives (the next watchdog ping's send time, the black box's next
-    record) calls :func:`due`: after 200 ms of sleep every line of Python runs cold, and a call
-    that looks at the notifier and the ring costs ~20 us there (bench/idle_budget.py), while
-    one clock read and a compare cost about nothing (bench/results/idle-parse.txt)."""
-    fd = g.reader.inline_parts()[0]
-    view, size, window, low, high, last = g._fast
+    time :func:`next_due` gives (the next watchdog ping's send time) calls :func:`due`: after
+    200 ms of sleep every line of Python runs cold, and a call that looks at the notifier costs
+    microseconds there (bench/idle_budget.py), while one clock read and a compare cost about
+    nothing (bench/results/idle-parse.txt)."""
     preadv, sleep, clock = os.preadv, g._idle_poll, time.monotonic
     ms, flags = s.interval * 1000.0, g._flags
     try:
+        fd = g.reader.inline_parts()[0]
+        view, size, window, low, high, last = g._fast
         due_at = next_due(g, s.interval)
         while left:
             if preadv(fd, view, 0) != size or window < low or window > high or last < b"0" or last > b"9" \
@@ -63,32 +62,23 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
 
 def next_due(g, interval: float) -> float:
     """Monotonic s from which an idle poll calls :func:`due`: the next watchdog ping's send time
-    (one ``interval`` before ``notifier.next_ping``: the poll after it would come too late) or
-    the black box's next record (``ring.next_at``), whichever is first; ``math.inf`` with
-    neither (no watchdog, no black box).  Read again after each :func:`due`."""
-    at = math.inf
-    notifier, ring = g.notifier, g.ring
-    if notifier.watchdog_interval is not None:
-        at = notifier.next_ping - interval
-    if ring is not None and ring.next_at < at:
-        at = ring.next_at
-    return at
+    (one ``interval`` before ``notifier.next_ping``: the poll after it would come too late);
+    ``math.inf`` without a watchdog.  Read again after each :func:`due`.  The black box's idle
+    records come from the full passes (:meth:`sparkguard.guard.loop.Guard._pass`), one every
+    :data:`~sparkguard.blackbox.IDLE_INTERVAL` (the idle full pass's period)."""
+    notifier = g.notifier
+    return math.inf if notifier.watchdog_interval is None else notifier.next_ping - interval
 
 
 def due(g, s: settings.LoopSettings) -> float:
     """At an idle poll at or after :func:`next_due`: note the poll's time and count
-    (``poll_mark``, one tuple: other threads read it whole), send the watchdog ping and take the
-    black box's record when due (from a whole read of /proc/meminfo: the fast path's reads stop
-    after MemAvailable's first columns).  Returns the monotonic time (s)."""
+    (``poll_mark``, one tuple: other threads read it whole) and send the watchdog ping.  Returns
+    the monotonic time (s)."""
     now = time.monotonic()
     g.poll_mark = (now, g.fast_polls)
-    notifier, ring = g.notifier, g.ring
+    notifier = g.notifier
     if notifier.watchdog_interval is not None and now >= notifier.next_ping - s.interval:
         notifier.watchdog(max(now, notifier.next_ping))     # WATCHDOG=1 from the loop itself
-    if ring is not None and now >= ring.next_at:          # the black box's record (blackbox.IDLE_INTERVAL)
-        fd, full, buf = g.reader.inline_parts()
-        n = os.preadv(fd, full, 0)
-        ring.sample(now, buf, n, None, s.use_swap, policy.OK, True, ring_mod.target_mem(g.actions))
     return now
 
 

@@ -197,8 +197,8 @@ class Guard:
         ten seconds of polls (:func:`sparkguard.guard.idle.budget`) take the idle fast path instead
         (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo up to its MemAvailable
         line's first columns, four byte-string compares of them with the floor's bounds
-        (:class:`sparkguard.meminfo.FastCheck`), the watchdog ping and the black box's record
-        (guard/ring.py) when due, and a sleep on an empty poll set.  After 200 ms of sleep
+        (:class:`sparkguard.meminfo.FastCheck`), the watchdog ping when due, and a sleep on an
+        empty poll set (the black box's idle record comes from the full pass, every 10 s).  After 200 ms of sleep
         every line runs cold, and each registered fd costs the kernel a poll-table set-up and
         tear-down per wake.  Signals are seen on the fast
         path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for

@@ -24,8 +24,9 @@ The format and every decision are in :mod:`sparkguard.blackbox` (pure); this mod
 
 What a hard reset loses: the records written since the last flush that the kernel had not
 written back itself: near the line at most ``blackbox_sync`` seconds plus the device's write
-latency; far above it (idle fast path) up to ~35 s, unless the box stays up long enough for the
-kernel's writeback (a lock-up usually does: it lasts until someone holds the power button).
+latency; far above it (the idle fast path, records from the full pass every 10 s) up to ~35 s,
+unless the box stays up long enough for the kernel's writeback (a lock-up usually does: it lasts
+until someone holds the power button).
 ``sync_file_range`` does not flush the drive's volatile cache (``fdatasync`` would, at about 1.5x
 the CPU and a cache flush that stalls every other writer of the device): assumption: a drive
 commits its cache within seconds, and a lock-up lasts longer than that before a person
@@ -63,7 +64,6 @@ SLOW_EVERY = 10.0
 #: start must not go unnoticed) is counted from the next listing on; a listing is a readdir of
 #: /sys/block and three small sysfs reads per device
 ZRAM_RELIST = 60.0
-_AVAIL = b"\nMemAvailable:"
 _MEMFREE = b"\nMemFree:"
 _KB = b"kB"
 _SWAPFREE = b"\nSwapFree:"
@@ -112,7 +112,7 @@ class Ring:
 
     # ---- the poll loop's side ------------------------------------------------------------
 
-    def sample(self, now: float, buf: bytes | bytearray, n: int, avail: int | None, use_swap: bool, state: str,
+    def sample(self, now: float, buf: bytes | bytearray, n: int, avail: int, use_swap: bool, state: str,
                idle: bool, target_mem: int) -> float:
         """Write one record; returns when the next one is due while memory stays far above the line
         (:attr:`next_at`, monotonic s: :data:`~sparkguard.blackbox.IDLE_INTERVAL` after an idle
@@ -122,18 +122,16 @@ class Ring:
 
         Args:
             now: monotonic s of the read; buf, n: the /proc/meminfo text the loop just read and its
-                length; avail: MemAvailable parsed from it (bytes), or None to parse it here (a
-                fast path that compares the text without parsing it); use_swap: the guard's signal
-                includes SwapFree; state: the policy state; idle: memory is far above the line
-                (state OK, MemAvailable at least the idle fast path's floor), as on the fast path;
+                length; avail: MemAvailable parsed from it (bytes);
+                use_swap: the guard's signal includes SwapFree; state: the policy state; idle:
+                memory is far above the line (state OK, MemAvailable at least the idle fast
+                path's floor);
                 target_mem: the target tree's memory in bytes, -1 unknown.
         Never raises: a failure is counted in :attr:`errors` and logged once per streak.
         """
         self.next_full_at = now + blackbox.INTERVAL
         self.next_at = now + blackbox.IDLE_INTERVAL if idle else self.next_full_at
         try:
-            if avail is None:
-                avail = _quick(buf, _AVAIL, n)
             free = _quick(buf, _MEMFREE, n)
             swap = _quick(buf, _SWAPFREE, n)
             self._seq += 1
