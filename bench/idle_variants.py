@@ -30,13 +30,16 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-HEAD = "    try:\n        due_at = next_due("
+HEAD = "    try:\n        fd = g.reader.inline_parts()[0]\n"
 END = "def next_due("
 
 BODIES = {
-    "fastfloor": "    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
+    "fastfloor": "    fd, view = g.reader.inline_parts()[0], g._fast[0]\n"
+                 "    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
     "bare": """    first = left
     try:
+        fd = g.reader.inline_parts()[0]
+        view, size, window, low, high, last = g._fast
         due_at = next_due(g, s.interval)
         tick = left - 5
         while left:
