@@ -8,7 +8,7 @@
 Each variant is DIR/<name>/sparkguard, a copy of ./sparkguard with ``guard.idle.run``'s loop (or one
 constant) replaced; headtohead runs each beside this checkout and the floor loops and reports CPU
 microseconds per wake-up.  The first ``--baseline`` is reported as ``sparkguard@base``.  Not a
-product: the variants drop the watchdog ping and the black box's records from the fast path.
+product: fastfloor drops the watchdog ping from the fast path.
 ``--no-nvml``: every variant also runs without the NVML thread (sparkguard/gpumem.py), as on a
 host without nvidia-ml-py, so that a GPU machine that has it measures the loop alone.
 
@@ -30,15 +30,15 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-HEAD = "    try:\n        fd = g.reader.inline_parts()[0]\n"
+HEAD = "    try:\n        fd = g.reader.fd\n"
 END = "def next_due("
 
 BODIES = {
-    "fastfloor": "    fd, view = g.reader.inline_parts()[0], g._fast[0]\n"
+    "fastfloor": "    fd, view = g.reader.fd, g._fast[0]\n"
                  "    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
     "bare": """    first = left
     try:
-        fd = g.reader.inline_parts()[0]
+        fd = g.reader.fd
         view, size, window, low, high, last = g._fast
         due_at = next_due(g, s.interval)
         tick = left - 5

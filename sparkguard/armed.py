@@ -166,7 +166,8 @@ class Armed:
             cursor, entities = self._loadavg()
             gates = (self.stale, headroom, small, self.fill_rate, self.entry_cost * entities)
             if refresh_due(now, self.last_scan, self.scan_cost, False, *gates) \
-                    or cursor != self._last_pid and refresh_due(now, self.last_scan, self.scan_cost, True, *gates) \
+                    or (cursor != self._last_pid or self._unseen) \
+                    and refresh_due(now, self.last_scan, self.scan_cost, True, *gates) \
                     and self._new_process(cursor, now):
                 self.refresh()
         except Exception:  # noqa: BLE001 - the poll loop must outlive this
@@ -185,11 +186,11 @@ class Armed:
         than :data:`NEW_PIDS` (a scan then costs about as much as the look).  Threads of other
         processes and processes already gone cannot change the choice: the cursor moves past
         them, no scan is due for them, and no look comes sooner than :data:`MIN_GAP` after.  The
-        ids a look found no entry for are looked up once more at the next look: an id is handed
-        out before its process shows in /proc, so one may have been a process still being
-        created (its threads would then be all the churn it leaves)."""
+        ids a look found no entry for are looked up once more at the next look, which comes
+        whether the cursor moved again or not: an id is handed out before its process shows in
+        /proc, so one may have been a process still being created."""
         last = self._last_pid
-        if last is None or not 0 < cursor - last <= NEW_PIDS:
+        if last is None or not 0 <= cursor - last <= NEW_PIDS:
             return True
         if now < self._next_look:
             return False

@@ -240,6 +240,10 @@ def test_an_id_with_no_entry_yet_is_looked_up_again_at_the_next_look(tmp_path):
         cursor(107)
         entry(107, 1)
         assert tick(44.0) == 2 and a._unseen == ()
+        cursor(108)                     # 108 is being created, and nothing moves the cursor after it
+        assert tick(55.0) == 2 and a._unseen == (108,)
+        entry(108, 108)
+        assert tick(66.0) == 3
     finally:
         a.close()
 

@@ -288,6 +288,22 @@ def test_a_sigkilled_guard_is_reported_at_the_next_start_with_its_last_samples(t
     assert len(_incidents(tmp_path)) == 1
 
 
+def test_idle_records_come_every_idle_interval_whatever_the_poll_interval(tmp_path):
+    """Far above the line the full pass writes the idle record (the fast path writes none): one
+    every blackbox.IDLE_INTERVAL, also where poll_interval does not divide the full pass's 10 s
+    (0.3 s: a full pass every 9.9 s)."""
+    path = str(tmp_path / "inc" / "blackbox.ring")
+    g = _start(_cfg(tmp_path, poll_interval="300ms"))
+    try:
+        recs = _wait_records(path, 4, timeout=45).records
+    finally:
+        assert g.stop() == 0
+    idle = [r for r in recs if r.idle]
+    assert len(idle) >= 3, recs
+    gaps = [b.mono - a.mono for a, b in zip(idle, idle[1:])]
+    assert all(blackbox.IDLE_INTERVAL - 1.0 < gap < blackbox.IDLE_INTERVAL + 1.0 for gap in gaps), gaps
+
+
 def test_a_clean_stop_records_nothing_and_a_ring_from_another_boot_is_a_hard_reset(tmp_path):
     cfg = _cfg(tmp_path)
     path = tmp_path / "inc" / "blackbox.ring"

@@ -23,6 +23,7 @@ import pytest
 
 from netcluster import Cluster, start_nodes, tp_configs
 from supervisor_helpers import restarted
+from waiting import wait_for
 
 FAST = {"health_interval": "500ms", "stable_for": "0s", "quiesce_timeout": "60s"}
 PORT = 8000
@@ -39,13 +40,8 @@ def completion_ok(hub, head_addr: str, model: str, timeout: float = 1.0) -> bool
 
 
 def wait_until(pred, timeout: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
+    """:func:`waiting.wait_for` with this file's argument order."""
+    return wait_for(what, pred, timeout, every)
 
 
 def serving(c, timeout: float = 60.0) -> None:

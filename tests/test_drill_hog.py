@@ -63,18 +63,24 @@ def test_fill_on_sigusr1_and_ignore_term():
 
 
 MiB = 1 << 20
-#: a process of the test's own that holds touched memory until its stdin closes
-_HOLD = ("import sys\nfrom sparkguard.drill.hog import Memory\nm = Memory()\nm.add(int(sys.argv[1]))\n"
-         "print('held', flush=True)\nsys.stdin.read()\n")
+#: a process of the test's own that takes touched memory when told (a line on stdin) and holds it
+#: until its stdin closes
+_HOLD = ("import sys\nfrom sparkguard.drill.hog import Memory\nm = Memory()\nsys.stdin.readline()\n"
+         "m.add(int(sys.argv[1]))\nprint('held', flush=True)\nsys.stdin.read()\n")
 
 
 def _holder(nbytes: int):
+    """Start the holder (imports done, nothing taken yet); :func:`_take` makes it take ``nbytes``."""
     import subprocess
     import sys
-    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
+    return subprocess.Popen([sys.executable, "-c", _HOLD, str(nbytes)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _take(p) -> None:
+    p.stdin.write("\n")
+    p.stdin.flush()
     assert p.stdout.readline().strip() == "held"
-    return p
 
 
 def _release(p) -> None:
@@ -102,6 +108,7 @@ def test_a_fill_to_a_level_goes_as_low_as_planned_whatever_other_work_frees_or_t
     slack = 256 * MiB                       # what the rest of the host may move meanwhile
     # another process frees 768 MiB while the fill runs: it fills those as well, down to the level
     other = _holder(768 * MiB)
+    _take(other)
     level = mem_available() - 512 * MiB
     tree = _level_fill(level, "256MiB/s")
     try:
@@ -117,21 +124,20 @@ def test_a_fill_to_a_level_goes_as_low_as_planned_whatever_other_work_frees_or_t
         if other.poll() is None:
             _release(other)
     # another process takes 384 MiB while it runs: the fill stops at the level, 384 MiB early
+    other = _holder(384 * MiB)
     level = mem_available() - 512 * MiB
     tree = _level_fill(level, "128MiB/s")
-    other = None
     try:
         tree.pids(timeout=60)
         tree.start_fill()
-        other = _holder(384 * MiB)
+        _take(other)                    # within ~0.3 s; the fill needs 4 s to the level alone
         done = tree.wait_line(" done", timeout=60)
         assert done.endswith(" done level"), done
         assert _filled(done) < (512 - 384) * MiB + slack, done
         assert mem_available() > level - slack
     finally:
         tree.stop()
-        if other is not None:
-            _release(other)
+        _release(other)
     # the cap: a level far below stops nothing before the byte count does
     tree = _level_fill(mem_available() - (4 << 30), "512MiB/s", cap="64MiB")
     try:

@@ -158,7 +158,7 @@ class _FakeIdle:
         above, below = self._text(8 << 20), self._text(6 << 20)
         self._flags = set()
         self._fast = meminfo.fast_check(bytearray(above), len(above), 7 << 30)
-        self.reader = NS(inline_parts=lambda: (-1, [bytearray(64)], None))
+        self.reader = NS(fd=-1)
         self.notifier = NS(watchdog_interval=2.5, next_ping=1000.0 + 2.5, watchdog=self._ping)
 
         def preadv(fd, view, off):

@@ -144,7 +144,7 @@ def test_the_fast_path_check_agrees_with_the_full_parser_or_gives_up(case):
     reader = meminfo.MeminfoReader(str(path))
     try:
         assert reader.available_now() == want
-        fd = reader.inline_parts()[0]
+        fd = reader.fd
         for floor in (want - 20480, want - 4096, want - 1024, want, want + 1, want + 1024, 0, 2**30, want // 2):
             floor = max(0, floor)
             check = meminfo.fast_check(text, len(text), floor)
@@ -211,7 +211,7 @@ def test_the_fast_path_check_holds_on_the_real_proc_meminfo():
         avail, _ = reader.sample()
         check = reader.fast_check(avail // 2)
         assert check is not None
-        assert check.holds(os.preadv(reader.inline_parts()[0], check.view, 0))
+        assert check.holds(os.preadv(reader.fd, check.view, 0))
         assert reader.fast_check(avail * 2) is None
     finally:
         reader.close()

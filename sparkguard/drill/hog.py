@@ -14,7 +14,8 @@ imitated (FIELD-NOTES "vLLM, the main engine guarded", read from vLLM 0.33:
 All in the launcher's process group (nothing calls setsid or sets PDEATHSIG).  Each process
 holds real, touched, incompressible memory (``--hold-api``, ``--hold-core``, ``--hold`` per
 worker).  On SIGUSR1 worker TP0 allocates and touches ``--fill-size`` bytes at ``--fill-rate``
-bytes/s (``max``: as fast as it can), then holds them.
+bytes/s (``max``: as fast as it can), then holds them; with ``--fill-to`` it stops as soon as
+the memory signal (``--fill-signal``) is at or below that level (:class:`Fill`).
 
 Shutdown, as vLLM's API server does it with its default shutdown timeout
 (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` unset: 0 s): on SIGTERM or SIGINT the top SIGTERMs
@@ -27,7 +28,8 @@ the workers stay alive, reparented, holding memory (the open vLLM issue).
 Output: vLLM-like log lines on stdout, one ``write(2)`` per line, and these lines, unprefixed::
 
     fake-vllm: ready pids=<top>,<core>,<w0>,<w1>       the tree is titled and holds its memory
-    fake-vllm: fill pid=N bytes=N target=N [done]      fill progress (about once a second)
+    fake-vllm: fill pid=N bytes=N target=N [done [level]]   fill progress (about once a second);
+                                                          "done level": --fill-to stopped it
 
 :class:`Memory` and :class:`Fill` here, with :mod:`sparkguard.drill.plumbing` (log lines, signals,
 fork, pidfds) and :mod:`sparkguard.drill.tree` (the handle of a running tree), are also the
@@ -174,8 +176,9 @@ class Fill:
             target = min(self.size, int(self.rate * (now - self.t0)))
         n = min(self.MAX_STEP, target - self.done)
         room = None if self.level is None else self._room()
-        if room is not None and n > room:
+        if room is not None and n >= room:
             n = target = room               # the last step: down to the level
+        added = 0
         if n > 0 and (n >= self.min_step or target in (self.size, room)):
             try:
                 self.mem.add(n)
@@ -184,7 +187,8 @@ class Fill:
                 self.active = False
                 return
             self.done += n
-        level = room is not None and room - max(n, 0) <= 0
+            added = n
+        level = room is not None and room - added <= 0
         finished = self.done >= self.size or level
         if finished or now - self.last_report >= 1.0:
             self.last_report = now

@@ -12,8 +12,9 @@ requests a pause keeps out; a real vLLM's preallocated KV cache does not shrink 
 The guard's own loop (:class:`sparkguard.guard.loop.Guard`, in this process) runs with the
 configured settings changed in these places only: ``guard.pause_below`` becomes a temporary soft
 line ``--margin`` under the signal read now and ``guard.term_below`` a temporary hard line
-``--past`` under that (the work stops a quarter of the way from the soft line to the hard one, so
-the hard line is reached only when the pause fails or something else takes that much memory meanwhile); ``guard.pause_url`` is the endpoint; ``targets.match`` is the drill's
+``--past`` under that (the work fills the signal down to a quarter of the way from the soft line
+to the hard one and no further, so the hard line is reached only when something else takes that
+much memory meanwhile); ``guard.pause_url`` is the endpoint; ``targets.match`` is the drill's
 model alone; no ``engine:`` is supervised and ``metrics.listen`` is off.  Hysteresis, resume
 delay, pause mode and timeout, poll interval and signal kind are the configured ones.  The
 pause incident is reported through the configured reporter with ``drill: true``.
@@ -41,30 +42,23 @@ from sparkguard.drill.run import _DrillReporter, _make_guard, _raise_interrupt, 
 from sparkguard.incidents.store import IncidentStore, valid_id
 from sparkguard.units import format_size, parse_duration, parse_size
 
-#: the work process: fill at argv[2] bytes/s (0: at once) with touched, incompressible memory
-#: (hog.Memory) until the memory signal (argv[4], guard.signal) is at or below argv[3] bytes, and
-#: argv[1] bytes at most; say "full" when done, hold until stdin closes, then exit (its memory back)
+#: the work process: the drill tree's fill (:class:`sparkguard.drill.hog.Fill`) at argv[2] bytes/s
+#: (0: at once) until the memory signal (argv[4], guard.signal) is at or below argv[3] bytes, argv[1]
+#: bytes at most; it says "started", then holds its memory until stdin closes and exits (its memory
+#: back), its fill's log lines to /dev/null
 _WORK = """\
-import select, sys, time
-from sparkguard import meminfo
-from sparkguard.drill.hog import Memory
-size, rate, level, both = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "available+swap"
-m, r, t0, done, step = Memory(), meminfo.MeminfoReader(), time.monotonic(), 0, 16 << 20
+import os, select, sys, time
+from sparkguard.drill.hog import Fill, Memory
+from sparkguard.drill.plumbing import Log
+size, rate, level, signal = int(sys.argv[1]), float(sys.argv[2]) or None, int(sys.argv[3]), sys.argv[4]
+fill = Fill(Memory(), rate, size, Log(), "work", level, signal)
 print("started", flush=True)
-while done < size:
-    if select.select([sys.stdin], [], [], 0)[0]:
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+fill.begin(time.monotonic())
+while fill.active:
+    if select.select([sys.stdin], [], [], max(0.0, fill.next_due(time.monotonic())))[0]:
         sys.exit(0)
-    a, s = r.sample()
-    room = (a + s if both else a) - level
-    if room <= 0:
-        break
-    n = min(step, size - done, room)
-    if rate <= 0 or int(rate * (time.monotonic() - t0)) - done >= n:
-        m.add(n)
-        done += n
-    else:
-        time.sleep(0.005)
-print("full", flush=True)
+    fill.step(time.monotonic())
 sys.stdin.read()
 """
 

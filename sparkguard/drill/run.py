@@ -255,8 +255,9 @@ class Drill:
         if "crossed" not in ev:
             if self.fail and not self.fail.startswith("timed out"):
                 return "FAIL", self.fail
-            return "FAIL", ("memory never fell below the temporary line (did something else free memory? "
-                            "try a larger --past)" + (f"; {self.fail}" if self.fail else ""))
+            return "FAIL", ("memory never fell below the temporary line (the fill stops after twice the planned "
+                            "bytes: did other work free more than that meanwhile?)"
+                            + (f"; {self.fail}" if self.fail else ""))
         if "sigterm" not in ev:
             return "FAIL", ("the guard found no target" if "no_target" in ev else "the guard sent no SIGTERM")
         if r["crossing_to_sigterm_seconds"] > TERM_LATENCY_LIMIT:

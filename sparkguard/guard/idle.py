@@ -41,7 +41,7 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     preadv, sleep, clock = os.preadv, g._idle_poll, time.monotonic
     ms, flags = s.interval * 1000.0, g._flags
     try:
-        fd = g.reader.inline_parts()[0]
+        fd = g.reader.fd
         view, size, window, low, high, last = g._fast
         due_at = next_due(g, s.interval)
         while left:

@@ -304,7 +304,10 @@ class Guard:
             ring = self.ring
             if ring is not None:            # the black box's record: once a second near the line
                 idle = pol.state is policy.OK and avail >= s.idle_floor
-                if t0 >= (ring.next_at if idle else ring.next_full_at):
+                # idle, the pass within one poll interval of the record's time writes it: the idle
+                # full pass comes every budget + 1 intervals, just short of IDLE_INTERVAL where the
+                # interval does not divide FULL_PASS_EVERY (0.3 s: 9.9 s)
+                if t0 >= (ring.next_at - s.interval if idle else ring.next_full_at):
                     raw = self.reader.raw()
                     ring.sample(t0, raw, len(raw), avail, s.use_swap, pol.state, idle,
                                 ring_mod.target_mem(self.actions))

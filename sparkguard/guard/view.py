@@ -38,8 +38,8 @@ def status_line(guard) -> str:
 
 def last_poll(guard, mono_now: float) -> float:
     """Monotonic s of ``guard``'s last poll, or 0.0 before the first.  The idle fast path notes
-    the time (``poll_mark``) only where a ping or a black-box record falls due
-    (:func:`sparkguard.guard.idle.due`), and counts each poll: its polls since the mark are
+    the time (``poll_mark``) only where a watchdog ping falls due
+    (:func:`sparkguard.guard.idle.due`; the full pass at each), and counts each poll: its polls since the mark are
     taken as one ``guard.poll_interval`` apart (each sleeps that long; the first after a full
     pass whose sleep a wake-up cut short may come sooner), capped at ``mono_now``.  A loop that
     stops polling stops the count, so the timestamp goes stale as it should."""
