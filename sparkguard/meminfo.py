@@ -23,6 +23,8 @@ _AVAIL_FIRST = _AVAIL[1:]       # the label as a text's first line
 _SWAPFREE = b"\nSwapFree:"
 _SWAPTOTAL = b"\nSwapTotal:"
 _MEMTOTAL = b"\nMemTotal:"
+MEMTOTAL_LABEL = _MEMTOTAL
+MEMFREE_LABEL = b"\nMemFree:"
 _KB = b"kB"
 _NL = b"\n"
 #: fields :class:`MeminfoReader` parses, as ``(name, label)``; :func:`parse` takes these from
@@ -294,10 +296,15 @@ class MeminfoReader:
             return avail, 0
 
     def _field(self, label: bytes) -> int:
+        return self.last(label) or 0
+
+    def last(self, label: bytes) -> int | None:
+        """The ``kB`` field ``label`` (``MEMFREE_LABEL``) of the last :meth:`sample`, bytes; None
+        where it is absent or does not parse (:func:`field`)."""
         try:
-            return field(self._buf, label, self._n) or 0
+            return field(self._buf, label, self._n)
         except ValueError:
-            return 0
+            return None
 
     @property
     def fd(self) -> int:
