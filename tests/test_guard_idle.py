@@ -5,9 +5,12 @@ poll five times a second.  Real daemon, real /proc/meminfo, real fake-vLLM trees
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 import urllib.request
+
+import pytest
 
 from conftest import mem_available
 from guardrun import GuardProc, unique
@@ -38,6 +41,38 @@ def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factor
         # seen within one short poll of the line: MemAvailable at the crossing is close to it
         assert line - 512 * MiB < crossed["available_bytes"] < line, crossed
         assert sigterm["pids"] == [fe.top_pid] and sigterm["t"] < 1.0
+        assert inc["outcome"] == "terminated"
+    finally:
+        g.stop()
+
+
+def test_a_fill_that_starts_on_the_free_memory_check_is_caught_at_the_line(engine_factory):
+    # the line far enough under MemFree that the guard idles on the free-memory check (MemFree at
+    # least the floor + twice the kernel's reserve + one poll interval's fill: freepages.FreeFloor):
+    # the fill ends it when MemFree reaches floor + 2 x reserve, and the full passes take it from there
+    from sparkguard import freepages, meminfo
+    if not freepages.glibc_ok():
+        pytest.skip("sysconf(_SC_AVPHYS_PAGES) is not glibc's here: no free-memory check")
+    poll = 0.02
+    far = int(poll * 32 * GiB)
+    with open("/proc/zoneinfo", "rb") as f:
+        reserve = freepages.reserve_pages(f.read()) * os.sysconf("SC_PAGE_SIZE")
+    line = meminfo.read()["MemFree"] - 2 * reserve - 2 * far - GiB // 2
+    if mem_available() - line > 5 * GiB:
+        pytest.skip(f"the page cache and reserve put the line {(mem_available() - line) / GiB:.1f} GiB "
+                    "under MemAvailable: more than this test fills")
+    fe = filling_engine(engine_factory, fill=mem_available() - line + GiB)
+    g = GuardProc({"guard": {"term_below": line, "grace": "20s", "poll_interval": poll},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        g.wait_ready()
+        pids = fe.pids()
+        fe.start_fill()
+        inc = wait_incident(g, timeout=60)
+        assert fe.wait_gone(pids, timeout=10)
+        assert events(inc)[:2] == ["crossed", "sigterm"]
+        crossed = inc["timeline"][0]
+        assert line - 256 * MiB < crossed["available_bytes"] < line, crossed
         assert inc["outcome"] == "terminated"
     finally:
         g.stop()

@@ -1,4 +1,4 @@
-"""The poll loop's idle fast path: far above the line, MemAvailable alone, five times a second.
+"""The poll loop's idle fast path: far above the line, MemAvailable alone (or MemFree), five times a second.
 
 ``g`` is the :class:`sparkguard.guard.loop.Guard` whose loop runs it; its fields written here
 (``fast_polls``, ``poll_mark``) are read by guard/view.py, ``_fast`` by :func:`run` alone; the
@@ -13,7 +13,8 @@ import math
 import os
 import time
 
-from sparkguard import policy
+from sparkguard import meminfo, policy
+from sparkguard.freepages import FreeCheck
 from sparkguard.guard import settings
 
 log = logging.getLogger("sparkguard")
@@ -21,29 +22,46 @@ log = logging.getLogger("sparkguard")
 
 def run(g, left: int, s: settings.LoopSettings) -> None:
     """The idle fast path: up to ``left`` polls of MemAvailable alone, each followed by a sleep
-    of ``s.interval``; returns at the first read that is not far above the line
-    (``s.idle_floor``), fails, or finds a flag set (a signal, a stop request).  Kept to these
-    few lines: five times a second, forever.
+    of ``s.interval``; returns at the first poll whose check fails (MemAvailable may be under
+    ``s.idle_floor``, or a read failed) or that finds a flag set (a signal, a stop request).
+    Kept to these few lines: five times a second, forever.
 
-    MemAvailable is checked as the :class:`sparkguard.meminfo.FastCheck` made at the last full
-    pass (``g._fast``, set by :func:`budget`) says: the read lands the MemAvailable line's label
-    and first columns in a window of their own, and four byte-string compares of the window and
-    the next column with the check's bounds tell a value at or above the floor.  Its answer only
-    ever ends the fast path: a line that moved, a short read or a value below the floor does,
-    and the full pass then reads with :meth:`meminfo.MeminfoReader.sample`, which reports what
-    is wrong.
+    The check is the one :func:`budget` made at the last full pass (``g._fast``):
 
-    A poll reads, compares, counts, reads the clock and sleeps.  Only a poll at or after the
-    time :func:`next_due` gives (the next watchdog ping's send time) calls :func:`due`: after
-    200 ms of sleep every line of Python runs cold, and a call that looks at the notifier costs
+    - a :class:`sparkguard.freepages.FreeCheck`: one ``os.sysconf`` call, MemFree in pages, at
+      or above its need (MemAvailable is never below MemFree less the kernel's reserve), and no
+      read of /proc/meminfo at all;
+    - else a :class:`sparkguard.meminfo.FastCheck`: the read lands the MemAvailable line's label
+      and first columns in a window of their own, and four byte-string compares of the window and
+      the next column with the check's bounds tell a value at or above the floor.
+
+    Either answer only ever ends the fast path; the full pass then reads with
+    :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.
+
+    A poll checks, counts, reads the clock and sleeps.  Only a poll at or after the time
+    :func:`next_due` gives (the next watchdog ping's send time) calls :func:`due`: after 200 ms
+    of sleep every line of Python runs cold, and a call that looks at the notifier costs
     microseconds there (bench/idle_budget.py), while one clock read and a compare cost about
     nothing (bench/results/idle-parse.txt)."""
-    preadv, sleep, clock = os.preadv, g._idle_poll, time.monotonic
+    sleep, clock = g._idle_poll, time.monotonic
     ms, flags = s.interval * 1000.0, g._flags
     try:
-        fd = g.reader.fd
-        view, size, window, low, high, last = g._fast
+        check = g._fast
         due_at = next_due(g, s.interval)
+        if type(check) is FreeCheck:
+            sysconf, name, need = os.sysconf, check.name, check.need
+            while left:
+                if sysconf(name) < need or flags:
+                    return
+                g.fast_polls += 1
+                left -= 1
+                if clock() >= due_at:
+                    due(g, s)
+                    due_at = next_due(g, s.interval)
+                sleep(ms)
+            return
+        preadv, fd = os.preadv, g.reader.fd
+        view, size, window, low, high, last = check
         while left:
             if preadv(fd, view, 0) != size or window < low or window > high or last < b"0" or last > b"9" \
                     or flags:
@@ -85,11 +103,15 @@ def due(g, s: settings.LoopSettings) -> float:
 def budget(g, timeout: float, s: settings.LoopSettings) -> int:
     """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
     the guard is idle far above the line (state OK, MemAvailable at least ``s.idle_floor``, no
-    signal flagged, reads succeeding) and the pass's read gives the fast path a check
-    (:meth:`sparkguard.meminfo.MeminfoReader.fast_check`, kept in ``g._fast`` for :func:`run`);
-    else ``s.budget`` (the fast path sends the watchdog pings that fall due meanwhile)."""
+    signal flagged, reads succeeding) and a check can be made for them, kept in ``g._fast`` for
+    :func:`run`: the free-memory check where MemFree is well above its need
+    (:meth:`sparkguard.freepages.FreeFloor.check`), else the window check of the pass's read
+    (:meth:`sparkguard.meminfo.MeminfoReader.fast_check`); else ``s.budget`` (the fast path
+    sends the watchdog pings that fall due meanwhile)."""
     if timeout < s.interval or g.policy.state is not policy.OK or g.avail < s.idle_floor or g._flags \
             or g._fail_since is not None or g.soft.engaged():
         return 0
-    g._fast = g.reader.fast_check(s.idle_floor)
+    r = g.reader
+    g._fast = g.free.check(s.idle_floor, s.far, r.last(meminfo.MEMFREE_LABEL), r.last(meminfo.MEMTOTAL_LABEL) or 0,
+                           time.monotonic()) or r.fast_check(s.idle_floor)
     return 0 if g._fast is None else s.budget

@@ -23,7 +23,7 @@ import select
 import signal
 import time
 
-from sparkguard import meminfo, notify, pcp, policy, rate, recorder, reporter, sysinfo
+from sparkguard import freepages, meminfo, notify, pcp, policy, rate, recorder, reporter, sysinfo
 from sparkguard.guard import harden, idle, reconfig, settings, startup, view
 from sparkguard.guard import ring as ring_mod
 from sparkguard.guard.act import Actions
@@ -90,6 +90,7 @@ class Guard:
         self._next_status = 0.0
         self.proc_view: dict | None = None   # what /proc shows this process (procview.hidepid_blocks_view)
         self.pcp = pcp.PcpReader(os.path.join(os.path.dirname(meminfo_path), "zoneinfo"))
+        self.free = freepages.FreeFloor(meminfo_path, self.pcp)     # the idle fast path's MemFree check
         self._pcp_failed = False    # the last read of the per-CPU lists failed (logged once per streak)
         self._pcp_at, self._pcp_last = -math.inf, 0     # monotonic s and bytes of the last read
 
@@ -195,10 +196,12 @@ class Guard:
         victim's pidfds.  While the state is OK and MemAvailable is at least ``poll_interval *
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
         ten seconds of polls (:func:`sparkguard.guard.idle.budget`) take the idle fast path instead
-        (:func:`sparkguard.guard.idle.run`): one ``preadv`` of /proc/meminfo up to its MemAvailable
-        line's first columns, four byte-string compares of them with the floor's bounds
-        (:class:`sparkguard.meminfo.FastCheck`), the watchdog ping when due, and a sleep on an
-        empty poll set (the black box's idle record comes from the full pass, every 10 s).  After 200 ms of sleep
+        (:func:`sparkguard.guard.idle.run`): one ``sysconf`` call where MemFree alone, less twice
+        the kernel's reserve, keeps MemAvailable above the floor
+        (:class:`sparkguard.freepages.FreeCheck`), else one ``preadv`` of /proc/meminfo up to its
+        MemAvailable line's first columns and four byte-string compares of them with the floor's
+        bounds (:class:`sparkguard.meminfo.FastCheck`); the watchdog ping when due, and a sleep on
+        an empty poll set (the black box's idle record comes from the full pass, every 10 s).  After 200 ms of sleep
         every line runs cold, and each registered fd costs the kernel a poll-table set-up and
         tear-down per wake.  Signals are seen on the fast
         path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for
@@ -436,6 +439,7 @@ class Guard:
                 self.metrics.stop()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
+        self.free.close()
         if self.ring is not None:
             self.ring.close(clean=True)     # the last thing: the next start finds a clean stop
         log.info("stopped")
