@@ -594,6 +594,20 @@ while True:
         print("below the line", flush=True)
     poll(200)
 """
+#: the plainest loop that checks memory as sparkguard's free-memory check does
+#: (sparkguard/freepages.py): MemFree in pages from sysconf(_SC_AVPHYS_PAGES), glibc's sysinfo(2),
+#: compared with a need (argv[1], pages: the line's); no read of /proc/meminfo
+FLOOR_PY_FREE = """import os, select, sys
+name = os.sysconf_names["SC_AVPHYS_PAGES"]
+need = int(sys.argv[1])
+sysconf = os.sysconf
+poll = select.poll().poll
+print("ready", flush=True)
+while True:
+    if sysconf(name) < need:
+        print("below the line", flush=True)
+    poll(200)
+"""
 #: the plainest loop that checks MemAvailable as sparkguard's fast path did until 2026-12-04, in one
 #: C call: buf.startswith(the byte prefixes of every MemAvailable line at or above the line, at the
 #: line's offset), the prefixes (:func:`old_prefixes`) in argv[1] (hex, comma-separated); run only
@@ -675,8 +689,9 @@ int main(void) {
 
 
 def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
-    """The floor loops (guard name -> argv): Python always (read only, and read + check against
-    ``line`` bytes), the check as sparkguard's fast path makes it (``floor_python_window``) and as
+    """The floor loops (guard name -> argv): Python always (read only, read + check against
+    ``line`` bytes, and sysconf + check of MemFree, ``floor_python_free``), the check as
+    sparkguard's fast path makes it (``floor_python_window``) and as
     it made it before (``floor_python_prefix``) where each has one, the read-only loop in a process
     set up as the daemon's (``SG_FLOOR_ENV=1``), C where ``cc`` builds it."""
     py = os.path.join(work, "floor_python.py")
@@ -686,6 +701,10 @@ def floor_cmds(work: str, line: int) -> dict[str, list[str]]:
     with open(check, "w") as f:
         f.write(FLOOR_PY_CHECK)
     out = {"floor_python": [sys.executable, py], "floor_python_check": [sys.executable, check, str(line)]}
+    free = os.path.join(work, "floor_python_free.py")
+    with open(free, "w") as f:
+        f.write(FLOOR_PY_FREE)
+    out["floor_python_free"] = [sys.executable, free, str(line // os.sysconf("SC_PAGE_SIZE"))]
     sys.path.insert(0, ROOT)
     from sparkguard import meminfo
     with open("/proc/meminfo", "rb") as f:

@@ -14,9 +14,10 @@ host without nvidia-ml-py, so that a GPU machine that has it measures the loop a
 
     now          an unchanged copy (the run's own noise between identical guards)
     before       ./sparkguard as of git revision REV (default HEAD), to compare a change side by side
-    fastfloor    the fast path is the read-only floor: preadv, sleep (no check at all)
+    fastfloor    the fast path is the read-only floor: a preadv of the whole of /proc/meminfo, sleep
+                 (no check at all)
     lean         the fast path without its per-poll count (guard.fast_polls)
-    bare         lean, and the clock read at every 5th poll instead of every poll
+    window       the free-memory check off (sparkguard/freepages.py): the window check at every poll
     noring       the whole daemon without the black box
     full30       a full pass every 30 s instead of every 10 s (settings.FULL_PASS_EVERY)
     fastfloor30  fastfloor with a full pass every 30 s
@@ -30,42 +31,19 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-HEAD = "    try:\n        fd = g.reader.fd\n"
+HEAD = "    try:\n        check = g._fast\n"
 END = "def next_due("
 
 BODIES = {
-    "fastfloor": "    fd, view = g.reader.fd, g._fast[0]\n"
-                 "    while left:\n        preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
-    "bare": """    first = left
-    try:
-        fd = g.reader.fd
-        view, size, window, low, high, last = g._fast
-        due_at = next_due(g, s.interval)
-        tick = left - 5
-        while left:
-            if preadv(fd, view, 0) != size or window < low or window > high or last < b"0" or last > b"9" \\
-                    or flags:
-                return
-            left -= 1
-            if left == tick:
-                tick = left - 5
-                if clock() >= due_at:
-                    due(g, s)
-                    due_at = next_due(g, s.interval)
-            sleep(ms)
-    except OSError:
-        return
-    except Exception:  # noqa: BLE001
-        log.exception("poll loop error on the idle path; the guard keeps running")
-    finally:
-        g.fast_polls += first - left
-
-""",
+    "fastfloor": "    fd, view = g.reader.fd, [bytearray(16384)]\n"
+                 "    while left:\n        os.preadv(fd, view, 0)\n        left -= 1\n        sleep(ms)\n\n",
 }
 #: variants that are another one with a full pass every 30 s (settings.FULL_PASS_EVERY)
 EVERY30 = {"fastfloor30": "fastfloor"}
 #: the per-poll line the ``lean`` variant drops
 LEAN_DROP = "            g.fast_polls += 1\n"
+#: where the ``window`` variant turns the free-memory check off (guard/loop.py)
+WINDOW_AT = "self.free = freepages.FreeFloor(meminfo_path, self.pcp)"
 #: gpumem.available()'s test for nvidia-ml-py (``--no-nvml`` makes it False)
 NVML_CHECK = 'return importlib.util.find_spec("pynvml") is not None'
 
@@ -73,7 +51,7 @@ NVML_CHECK = 'return importlib.util.find_spec("pynvml") is not None'
 def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
     """Write every variant under ``out`` (``before`` from git revision ``rev``; without the NVML
     thread unless ``nvml``); returns their folder names."""
-    names = ["now", "before", *BODIES, "lean", "noring", "full30", *EVERY30]
+    names = ["now", "before", *BODIES, "lean", "window", "noring", "full30", *EVERY30]
     for name in names:
         dst = os.path.join(out, name)
         shutil.rmtree(dst, ignore_errors=True)
@@ -91,11 +69,16 @@ def build(out: str, rev: str = "HEAD", nvml: bool = True) -> list[str]:
             s = open(p).read()
             if name == "lean":
                 assert LEAN_DROP in s
-                s = s.replace(LEAN_DROP, "", 1)
+                s = s.replace(LEAN_DROP, "")
             else:
                 a, b = s.index(HEAD), s.index(END)
                 s = s[:a] + body + s[b:]
             open(p, "w").write(s)
+        elif name == "window":
+            p = os.path.join(dst, "sparkguard", "guard", "loop.py")
+            s = open(p).read()
+            assert WINDOW_AT in s
+            open(p, "w").write(s.replace(WINDOW_AT, WINDOW_AT + "\n        self.free.off = 'the window variant'", 1))
         elif name == "noring":
             p = os.path.join(dst, "sparkguard", "guard", "startup.py")
             s = open(p).read()
