@@ -64,7 +64,7 @@ import os
 import time
 from typing import Callable
 
-from sparkguard import proctree, signals
+from sparkguard import enginetree, proctree, signals
 from sparkguard.guard import cgkill
 
 log = logging.getLogger("sparkguard.armed")
@@ -110,11 +110,11 @@ class Armed:
     """The chosen target and its open :class:`sparkguard.signals.Tree`, kept ready.
 
     Args:
-        choose: callable returning ``(proctree.Target with tree rows or None, {pid: proctree.Proc},
+        choose: callable returning ``(enginetree.Target with tree rows or None, {pid: proctree.Proc},
             ambiguous)``; it does the /proc pass (engine first, then ``targets.match``) and returns
             the whole scan, whose size gives the cost per entry, even when nothing matches;
             ``ambiguous`` (bool): the choice ranked trees by memory or came from the oom_score
-            fallback (:func:`sparkguard.proctree.ambiguous`).
+            fallback (:func:`sparkguard.enginetree.ambiguous`).
         fill_rate: assumed fill rate, bytes/s.
         clock: monotonic seconds.
         proc_root: the /proc whose ``loadavg`` gives the pid cursor and whose entries tell

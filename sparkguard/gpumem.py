@@ -5,7 +5,7 @@ On unified memory the RSS of an inference process hides what it holds through th
 accounting (``nvmlDeviceGetComputeRunningProcesses``: pid and ``usedGpuMemory`` per compute
 process, per device) is exact on a GB10 while ``nvmlDeviceGetMemoryInfo`` is NOT_SUPPORTED there
 (FIELD-NOTES "How GB10 reports memory").  The figures count in the tree memory that orders
-several engines (:mod:`sparkguard.proctree`), and show in incidents, ``sparkguard status`` and
+several engines (:mod:`sparkguard.enginetree`), and show in incidents, ``sparkguard status`` and
 ``sparkguard_engine_gpu_memory_bytes`` (docs/gpu-memory.md).
 
 NVML comes from the optional dependency ``nvidia-ml-py`` (module ``pynvml``; its calls and error

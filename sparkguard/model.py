@@ -91,7 +91,7 @@ class PauseThresholds:
 
 @dataclass
 class TreeRow:
-    """One process of a target tree or of ``top_consumers`` (read by :mod:`sparkguard.proctree`).
+    """One process of a target tree or of ``top_consumers`` (read by :mod:`sparkguard.enginetree`).
 
     ``pid``/``ppid``: int; ``title``: str (short command line); ``comm``: str
     (/proc/PID/comm); ``cmdline``: str (at most 400 characters); ``rss_bytes``/``swap_bytes``:
@@ -112,7 +112,7 @@ class TreeRow:
 
     @classmethod
     def of(cls, row: dict) -> "TreeRow":
-        """From a row dict of :func:`sparkguard.proctree.add_details` / ``top_consumers``."""
+        """From a row dict of :func:`sparkguard.enginetree.add_details` / ``top_consumers``."""
         return cls(row["pid"], row["ppid"], row["title"], row["comm"], row["cmdline"], row["rss_bytes"],
                    row["swap_bytes"], row["oom_score"], row.get("gpu_bytes"))
 
@@ -139,7 +139,7 @@ class Target:
 
     @classmethod
     def of(cls, t) -> "Target":
-        """From a ``proctree.Target`` whose rows were read."""
+        """From an ``enginetree.Target`` whose rows were read."""
         return cls(t.root_pid, t.title, t.pattern, t.mem_bytes, [TreeRow.of(r) for r in t.tree])
 
     def to_json(self) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 
-from sparkguard import proctree, sysinfo
+from sparkguard import enginetree, sysinfo
 from sparkguard.model import Event, Incident, Target, Thresholds, TreeRow, new_incident
 from sparkguard.units import format_line, format_size
 
@@ -80,7 +80,7 @@ class Recorder:
         inc.psi_memory = sysinfo.read_psi_memory()
         inc.zram = sysinfo.read_zram()
         if target is None:
-            inc.top_consumers = [TreeRow.of(r) for r in proctree.top_consumers(5)]
+            inc.top_consumers = [TreeRow.of(r) for r in enginetree.top_consumers(5)]
             return
         inc.target = Target.of(target)
 

@@ -16,7 +16,7 @@ import os
 import select
 import signal
 
-from sparkguard import proctree
+from sparkguard import enginetree, proctree
 
 log = logging.getLogger("sparkguard.signals")
 
@@ -146,7 +146,7 @@ class Tree:
                and not procs[pid].kthread]
         return self.add(new, {pid: procs[pid].starttime for pid in new})
 
-    def kill_all(self, protector: proctree.Protector | None = None) -> list[int]:
+    def kill_all(self, protector: enginetree.Protector | None = None) -> list[int]:
         """SIGKILL every live member and process_mrelease each, then sweep for descendants that
         appeared since the tree was chosen, SIGKILL those and process_mrelease them.
 
@@ -166,7 +166,7 @@ class Tree:
         for pid in pids:
             process_mrelease(self.fds[pid])
 
-    def _kill(self, pids: list[int], protector: proctree.Protector | None) -> list[int]:
+    def _kill(self, pids: list[int], protector: enginetree.Protector | None) -> list[int]:
         killed = []
         for pid in pids:
             if protector is not None:

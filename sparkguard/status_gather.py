@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from sparkguard import control, gpumem, linkcompat, linkwatch, meminfo, proctree, softview, sysinfo
+from sparkguard import control, enginetree, gpumem, linkcompat, linkwatch, meminfo, softview, sysinfo
 from sparkguard.incidents.store import IncidentStore
 from sparkguard.status_daemon import read_daemon
 
@@ -42,7 +42,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
         url: the daemon's metrics URL, or None when metrics are off and none was given.
         socket: the engine control socket (see :func:`read_engine`).
     Reads /proc/meminfo, /proc/swaps, /sys/block/zram*, /proc/pressure/memory, scans /proc
-    for targets (``proctree.find_targets``), scrapes ``url`` and asks the control socket.
+    for targets (``enginetree.find_targets``), scrapes ``url`` and asks the control socket.
     """
     g = cfg.guard
     try:
@@ -75,7 +75,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     targets_error = None
     nvml = gpumem.read_now()        # with nvidia-ml-py: the order and sizes the daemon sees
     try:
-        for t in proctree.find_targets(cfg.targets):
+        for t in enginetree.find_targets(cfg.targets):
             targets.append({"root_pid": t.root_pid, "title": t.title, "pattern": t.pattern,
                             "pids": list(t.pids), "mem_bytes": t.mem_bytes})
             if nvml:

@@ -18,7 +18,7 @@ import pytest
 from conftest import mem_available
 from guardrun import GuardProc
 from test_guard_incidents import GiB, MiB, events, filling_engine, line_below_now, wait_incident
-from sparkguard import armed, proctree, signals
+from sparkguard import armed, enginetree, proctree, signals
 
 BYSTANDERS = 5000
 
@@ -88,7 +88,7 @@ def test_the_tracked_tree_is_sigkilled_before_the_sweep(bystanders):
         scan_s = time.monotonic() - t
         waiter.start()
         t0 = time.monotonic()
-        killed = tree.kill_all(proctree.Protector(("sleep",)))
+        killed = tree.kill_all(enginetree.Protector(("sleep",)))
         t1 = time.monotonic()
         waiter.join(60)
         assert killed == [member.pid]
@@ -251,7 +251,7 @@ def test_an_id_with_no_entry_yet_is_looked_up_again_at_the_next_look(tmp_path):
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 CHURN_SCRIPT = r"""
 import json, os, subprocess, sys, threading, time
-from sparkguard import armed, proctree
+from sparkguard import armed, enginetree, proctree
 GiB = 1 << 30
 clock = [0.0]
 a = armed.Armed(lambda: (None, proctree.scan(), False), 32 * GiB, clock=lambda: clock[0])
@@ -334,11 +334,11 @@ def test_two_trees_of_one_pattern_the_crossing_signals_the_one_that_grew_past_th
 
 def test_ambiguous():
     """More than one tree of the best rank (launchers apart), or the fallback: the first may change."""
-    T = proctree.Target
+    T = enginetree.Target
     one = T(1, "a", "p", [1], {}, rank=0)
-    assert not proctree.ambiguous([])
-    assert not proctree.ambiguous([one])
-    assert not proctree.ambiguous([one, T(2, "b", "q", [2], {}, rank=1)])
-    assert not proctree.ambiguous([one, T(3, "l", "p", [3], {}, rank=0, launcher=True)])
-    assert proctree.ambiguous([one, T(4, "c", "p", [4], {}, rank=0)])
-    assert proctree.ambiguous([T(5, "x", proctree.FALLBACK_PATTERN, [5], {}, rank=1)])
+    assert not enginetree.ambiguous([])
+    assert not enginetree.ambiguous([one])
+    assert not enginetree.ambiguous([one, T(2, "b", "q", [2], {}, rank=1)])
+    assert not enginetree.ambiguous([one, T(3, "l", "p", [3], {}, rank=0, launcher=True)])
+    assert enginetree.ambiguous([one, T(4, "c", "p", [4], {}, rank=0)])
+    assert enginetree.ambiguous([T(5, "x", enginetree.FALLBACK_PATTERN, [5], {}, rank=1)])

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from sparkguard import proctree, signals
+from sparkguard import enginetree, proctree, signals
 from sparkguard.guard import cgkill
 from sparkguard.supervisor import cgroup, cgroup_delegation, process, tracking
 from supervisor_helpers import Daemon, engine_config, kill_pids, unique
@@ -237,7 +237,7 @@ def test_the_tree_sigkill_reaches_the_escaped_child(cg_parent, has_kill):
         container = None       # not a docker run engine
     try:
         # the memory guard's view of the supervised engine (Supervisor.target) has it too
-        t = process.target(R, proctree.scan(), proctree.Protector([]))
+        t = process.target(R, proctree.scan(), enginetree.Protector([]))
         assert t is not None and esc in t.pids, t
         tree = process.signal_tree(R)
         assert isinstance(tree, cgroup.CgroupTree) and esc in tree.fds
@@ -496,7 +496,7 @@ def test_the_guards_sigkill_of_a_cgroup_tree_reaches_what_escaped_the_tree(cg_pa
     esc = {}
     try:
         st = {proc.pid: proctree.read_proc(proc.pid).starttime}
-        target = proctree.Target(proc.pid, "t", "t", [proc.pid], dict(st), cgroups=[cg.path])
+        target = enginetree.Target(proc.pid, "t", "t", [proc.pid], dict(st), cgroups=[cg.path])
         plain = signals.Tree([proc.pid], dict(st))
         tree = cgkill.CgroupsTree(target.pids, target.starttimes, target.cgroups, root=proc.pid, use_kill=use_kill)
         proc.stdin.write(b"go\n")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from sparkguard import policy, proctree, signals
+from sparkguard import enginetree, policy, signals
 from sparkguard.guard import escalation
 
 COUNTER = ("import signal, sys, time\n"
@@ -208,7 +208,7 @@ def test_the_poll_loop_never_waits_behind_a_kill_pass_in_another_thread(stubborn
     s = escalation.Stopper()
     inside, go = threading.Event(), threading.Event()
 
-    class Held(proctree.Protector):
+    class Held(enginetree.Protector):
         def protected(self, proc):
             inside.set()
             go.wait(10)

@@ -23,7 +23,7 @@ import yaml
 
 from conftest import ROOT, run_sparkguard, sg_env
 from supervisor_helpers import READY_RE, Daemon, engine_config, fake_cmd, free_port, unique
-from sparkguard import config, gpumem, proctree
+from sparkguard import config, enginetree, gpumem
 
 FAKES = Path(__file__).parent / "fakes" / "nvml"
 sys.path.insert(0, str(FAKES))
@@ -123,18 +123,18 @@ def test_gpu_memory_orders_engines_that_rss_would_order_the_other_way(nvml):
             procs.append(p)
         a, b = procs
         tcfg = config.TargetsConfig(match=(tag,))
-        order = [t.root_pid for t in proctree.find_targets(tcfg)]
+        order = [t.root_pid for t in enginetree.find_targets(tcfg)]
         assert order == [a.pid, b.pid]
         nvml.STATE = {"devices": [{"procs": [{"pid": b.pid, "used": 20 * GiB}]}]}
         r = gpumem.GpuMemory(interval=0.05, load=lambda: nvml).start()
         assert r.first.wait(10)
         gpumem.install(r)
-        ts = proctree.find_targets(tcfg)
+        ts = enginetree.find_targets(tcfg)
         assert [t.root_pid for t in ts] == [b.pid, a.pid]
         assert ts[0].mem_bytes >= 20 * GiB and ts[0].tree[0]["gpu_bytes"] == 20 * GiB
         assert ts[1].tree[0]["gpu_bytes"] == 0
         # the guard's fast path (details=False) orders tied trees by the same figure
-        assert [t.root_pid for t in proctree.find_targets(tcfg, details=False)] == [b.pid, a.pid]
+        assert [t.root_pid for t in enginetree.find_targets(tcfg, details=False)] == [b.pid, a.pid]
     finally:
         for p in procs:
             p.kill()

@@ -12,7 +12,7 @@ The readers compared (a file a case lacks is read as absent, as the kernel would
 :func:`sparkguard.buddyinfo.read`, ``pcp_free_bytes`` :class:`sparkguard.pcp.PcpReader` and
 ``reserve_pages`` :func:`sparkguard.freepages.reserve_pages` (only for the cases that have the file); ``procs``
 :func:`sparkguard.proctree.scan` and ``memory`` the resident and swapped bytes of each process
-found (``proctree._status_mem``, what the incident's tree rows show); ``argv``, ``creds`` and ``stat`` (ppid, nice) the
+found (``proctree.status_mem``, what the incident's tree rows show); ``argv``, ``creds`` and ``stat`` (ppid, nice) the
 :mod:`sparkguard.host.procview` readers doctor uses.
 
 Regenerate after a deliberate change of a reader: ``python3 tests/test_kernel_fixtures.py``
@@ -69,7 +69,7 @@ def observe(case: Path) -> dict:
         out["reserve_pages"] = freepages.reserve_pages((proc / "zoneinfo").read_bytes())
     procs = proctree.scan(str(proc)) if proc.is_dir() else {}
     out["procs"] = {str(pid): dataclasses.asdict(p) for pid, p in sorted(procs.items())}
-    out["memory"] = {str(pid): list(proctree._status_mem(pid, root=str(proc))) for pid in sorted(procs)}
+    out["memory"] = {str(pid): list(proctree.status_mem(pid, root=str(proc))) for pid in sorted(procs)}
     out["argv"], out["creds"], out["stat"] = {}, {}, {}
     for pid in sorted(procs):
         out["argv"][str(pid)] = procview.argv(pid, str(proc))

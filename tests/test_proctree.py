@@ -6,7 +6,7 @@ import pytest
 
 from conftest import fake_vllm
 from guardrun import unique
-from sparkguard import config, proctree
+from sparkguard import config, enginetree, proctree
 
 
 def cfg(*patterns, protect=()):
@@ -18,7 +18,7 @@ def test_same_pattern_the_larger_tree_first_and_the_root_is_the_api_server(engin
     small = engine_factory("--hold", "16MiB")
     big = engine_factory("--hold", "160MiB")
     pat = rf"vllm serve ({small.model}|{big.model})\b"
-    ts = proctree.find_targets(cfg(pat, r"^VLLM::"), details=details)
+    ts = enginetree.find_targets(cfg(pat, r"^VLLM::"), details=details)
     mine = [t for t in ts if t.root_pid in (small.top_pid, big.top_pid)]
     assert [t.root_pid for t in mine] == [big.top_pid, small.top_pid]
     t = mine[0]
@@ -33,23 +33,23 @@ def test_same_pattern_the_larger_tree_first_and_the_root_is_the_api_server(engin
         assert t.mem_bytes > 2 * 160 * 1024**2
     else:
         assert t.tree == []
-        proctree.add_details(t, proctree.scan())
+        enginetree.add_details(t, proctree.scan())
         assert t.mem_bytes > 2 * 160 * 1024**2 and len(t.tree) == len(t.pids)
 
 
 def test_configured_order_beats_memory(engine_factory):
     small = engine_factory("--hold", "16MiB")
     big = engine_factory("--hold", "160MiB")
-    ts = proctree.find_targets(cfg(rf"vllm serve {small.model}\b", rf"vllm serve {big.model}\b"), details=False)
+    ts = enginetree.find_targets(cfg(rf"vllm serve {small.model}\b", rf"vllm serve {big.model}\b"), details=False)
     assert [t.root_pid for t in ts][:2] == [small.top_pid, big.top_pid]
 
 
 def test_protected_and_self_and_kernel_threads_are_never_targets(engine_factory):
     fe = engine_factory("--hold", "16MiB")
-    ts = proctree.find_targets(cfg(rf"vllm serve {fe.model}\b", protect=[r"python3.*"]))
+    ts = enginetree.find_targets(cfg(rf"vllm serve {fe.model}\b", protect=[r"python3.*"]))
     assert fe.top_pid not in [t.root_pid for t in ts]
     # this test process itself matches ".*" but is sparkguard's "self" here; kthreads have no cmdline
-    ts = proctree.find_targets(cfg(r"."), self_pid=os.getpid())
+    ts = enginetree.find_targets(cfg(r"."), self_pid=os.getpid())
     assert os.getpid() not in [t.root_pid for t in ts]
     assert all(not proctree.read_proc(t.root_pid).kthread for t in ts if proctree.read_proc(t.root_pid))
     assert 1 not in [t.root_pid for t in ts]
@@ -86,7 +86,7 @@ def test_a_launcher_that_only_mentions_the_engine_is_not_the_root(engine_factory
                                 stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         eng_pid, ed_pid = map(int, launcher.stdout.readline().split())
-        ts = proctree.find_targets(cfg(rf"vllm serve {model}\b"))
+        ts = enginetree.find_targets(cfg(rf"vllm serve {model}\b"))
         # the launcher matches too, as a tree of its own; the engine's tree is first (more memory)
         # and holds neither the launcher nor the launcher's unrelated child
         assert ts[0].root_pid == eng_pid
@@ -136,7 +136,7 @@ def test_a_zombie_leader_is_found_signalled_and_its_memory_counted():
             select.select([p.stdout], [], [], 0.02)      # nothing signals a thread's exit to others
         assert proctree.read_limited(f"/proc/{p.pid}/cmdline") == b""
         assert b"VmRSS" not in proctree.read_limited(f"/proc/{p.pid}/status")
-        ts = proctree.find_targets(cfg(tag))
+        ts = enginetree.find_targets(cfg(tag))
         assert [t.root_pid for t in ts] == [p.pid]
         assert ts[0].tree[0]["cmdline"].endswith(tag)
         assert ts[0].mem_bytes >= 64 << 20
@@ -166,7 +166,7 @@ def test_control_characters_from_proc_are_escaped_in_titles_logs_and_journal(tmp
         proc = proctree.read_proc(p.pid)
         assert "\n" not in proc.cmdline and "\x1b" not in proc.cmdline
         assert proc.cmdline.endswith(tag + "\\nERROR sparkguard forged\\x1b[2J")
-        t = proctree.find_targets(cfg(tag))[0]
+        t = enginetree.find_targets(cfg(tag))[0]
         assert "\\n" in t.title and all(c.isprintable() for c in t.title)
         # the journal entry of an event naming it (the reporter over a real datagram socket)
         path = str(tmp_path / "journal.sock")

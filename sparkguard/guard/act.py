@@ -11,7 +11,7 @@ import logging
 import select
 import time
 
-from sparkguard import armed, policy, proctree
+from sparkguard import armed, enginetree, policy, proctree
 from sparkguard.guard import cgkill, escalation
 from sparkguard.supervisor import container
 from sparkguard.units import format_size
@@ -29,7 +29,7 @@ class Actions:
         poller: the loop's ``select.poll``: the victim's pidfds are registered in it (POLLIN on exit).
     Attributes:
         recorder: ``recorder.Recorder``, set once it exists (after the first arming).
-        target: ``proctree.Target`` of the victim, or None; esc: its ``escalation.Escalation``
+        target: ``enginetree.Target`` of the victim, or None; esc: its ``escalation.Escalation``
             (shared with the supervisor when it stops the same tree), or None; tree: ``esc.tree``.
         tree_fds: set[int], the victim's pidfds registered in ``poller``.
         signals_sent: ``{"SIGTERM": n, "SIGKILL": n}`` since the start.
@@ -44,7 +44,7 @@ class Actions:
         self.engine = engine
         self.poller = poller
         self.recorder = None
-        self.protector = proctree.Protector(cfg.targets.protect)
+        self.protector = enginetree.Protector(cfg.targets.protect)
         self.target = None
         self.esc = None
         self.tree = None
@@ -114,25 +114,25 @@ class Actions:
     def scan_choice(self):
         """One /proc pass: ``(target, procs, ambiguous)``: the target with its tree rows read, or
         None when nothing matches; the whole scan; and whether the choice could change without a
-        process being created (:func:`sparkguard.proctree.ambiguous`: ranked by memory among
+        process being created (:func:`sparkguard.enginetree.ambiguous`: ranked by memory among
         several trees of one pattern, or the oom_score fallback).  The supervised engine comes
         first, then ``targets.match``."""
         procs = proctree.scan()
         target = self.engine.target(procs, self.protector)
         ambiguous = False
         if target is None:
-            targets = proctree.find_targets(self.cfg.targets, procs=procs, details=False)
+            targets = enginetree.find_targets(self.cfg.targets, procs=procs, details=False)
             if not targets:
                 return None, procs, False
             target = targets[0]
-            ambiguous = proctree.ambiguous(targets)
+            ambiguous = enginetree.ambiguous(targets)
             try:        # an engine in a container: its cgroup's processes and its name
                 container.widen(target, procs, self.protector)
             except Exception:  # noqa: BLE001 - the container's extras never cost the SIGTERM
                 log.exception("reading the target's container failed; signalling its process tree")
         # the chosen tree's RSS/swap/oom_score rows before any signal: after SIGTERM vLLM's children
         # are gone within milliseconds; one tree's reads cost about a millisecond
-        proctree.add_details(target, procs)
+        enginetree.add_details(target, procs)
         return target, procs, ambiguous
 
     def _choose(self):
@@ -189,7 +189,7 @@ class Actions:
         if armed:
             # act first, report after: the armed rows (read when it was armed) are re-read now;
             # members already gone keep their armed figures
-            proctree.refresh_details(target)
+            enginetree.refresh_details(target)
         container.retitle(target)     # after the signal: the container's name, if docker answered meanwhile
         if retry:
             self.policy.target_found(now)

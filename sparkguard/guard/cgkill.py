@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 
-from sparkguard import proctree, signals
+from sparkguard import enginetree, proctree, signals
 from sparkguard.supervisor import cgroup as cgroups
 
 log = logging.getLogger("sparkguard")
@@ -65,11 +65,11 @@ class CgroupsTree(signals.Tree):
     def sweep(self) -> list[int]:
         return self.add_members() + super().sweep()
 
-    def _guarded(self, cg: str, protector: proctree.Protector | None) -> bool:
+    def _guarded(self, cg: str, protector: enginetree.Protector | None) -> bool:
         return protector is not None and any(
             (p := proctree.read_proc(pid)) is not None and protector.protected(p) for pid in cgroups.members(cg))
 
-    def kill_all(self, protector: proctree.Protector | None = None) -> list[int]:
+    def kill_all(self, protector: enginetree.Protector | None = None) -> list[int]:
         """SIGKILL the tree: each cgroup whole (module doc), then every member left through its pidfd.
         Returns the pids signalled (a pid once)."""
         self.add_members()
@@ -100,7 +100,7 @@ class CgroupsTree(signals.Tree):
 
 
 def tree_for(target) -> signals.Tree:
-    """The pidfd tree of a ``proctree.Target``: a :class:`CgroupsTree` when the target names
+    """The pidfd tree of a ``enginetree.Target``: a :class:`CgroupsTree` when the target names
     cgroups (``target.cgroups``: a supervised run's own, a container's), else a plain
     :class:`sparkguard.signals.Tree`."""
     cgs = [c for c in getattr(target, "cgroups", None) or [] if c]

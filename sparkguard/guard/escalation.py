@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Callable
 
-from sparkguard import proctree, signals
+from sparkguard import enginetree, signals
 
 log = logging.getLogger("sparkguard.escalation")
 
@@ -126,7 +126,7 @@ class Stopper:
             esc.sent = tree.term_root()
         return esc, False
 
-    def kill(self, esc: Escalation, protector: proctree.Protector | None = None) -> list[int]:
+    def kill(self, esc: Escalation, protector: enginetree.Protector | None = None) -> list[int]:
         """SIGKILL every live member of ``esc``'s tree, process_mrelease them, sweep descendants that
         appeared and SIGKILL those (:meth:`sparkguard.signals.Tree.kill_all`).  Never waits: when
         another thread is in a SIGKILL pass of the same tree, returns ``[]`` at once.
@@ -165,7 +165,7 @@ class Stopper:
             esc.tree.close()
 
     def stop(self, tree: signals.Tree, reason: str, grace: float, wait: Callable[[float], bool] | None = None,
-             protector: proctree.Protector | None = None, term_all: bool = False,
+             protector: enginetree.Protector | None = None, term_all: bool = False,
              note: Callable[[str, Escalation, list[int]], None] | None = None) -> tuple[Escalation, list[int]]:
         """From a thread that may wait: :meth:`request`, wait out the grace from the first SIGTERM,
         SIGKILL what is left, wait up to :data:`AFTER_KILL` more; then :meth:`release`.

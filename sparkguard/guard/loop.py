@@ -2,7 +2,7 @@
 
 :meth:`Guard.loop` samples memory (:mod:`sparkguard.meminfo`), feeds the pure decision core
 (:mod:`sparkguard.policy`), has :class:`sparkguard.guard.act.Actions` carry out its actions
-(the victim chosen by :mod:`sparkguard.proctree` or armed beforehand, signals through pidfds),
+(the victim chosen by :mod:`sparkguard.enginetree` or armed beforehand, signals through pidfds),
 whose steps :mod:`sparkguard.recorder` turns into the incident, and sleeps in ``poll(2)`` on: a
 self-pipe for signals (SIGHUP reload, SIGTERM/SIGINT stop), an optional PSI trigger on
 /proc/pressure/memory (POLLPRI wakes the loop as soon as the kernel sees memory stalls), and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from sparkguard import config, policy, proctree
+from sparkguard import config, enginetree, policy
 
 FULL_PASS_EVERY = 10.0      # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
@@ -77,7 +77,7 @@ def prepare(cfg):
     validation ``check-config`` and a reload share (beside ``config.load``).
 
     Returns:
-        ``(loop settings, policy.Thresholds, proctree.Protector)`` (see :func:`loop_settings`).
+        ``(loop settings, policy.Thresholds, enginetree.Protector)`` (see :func:`loop_settings`).
     Raises:
         config.ConfigError: naming the file, key and value.
     """
@@ -87,7 +87,7 @@ def prepare(cfg):
     except Exception as e:  # noqa: BLE001 - whatever a future Thresholds refuses
         raise config.ConfigError(cfg.path, "guard", None, f"cannot use: {type(e).__name__}: {e}") from None
     try:
-        protector = proctree.Protector(cfg.targets.protect)
+        protector = enginetree.Protector(cfg.targets.protect)
     except Exception as e:  # noqa: BLE001 - re.error from a pattern config.load let through
         raise config.ConfigError(cfg.path, "targets.protect", list(cfg.targets.protect),
                                  f"cannot compile: {e}") from None

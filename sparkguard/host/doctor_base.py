@@ -79,7 +79,7 @@ def worse(a: str, b: str) -> str:
 def engine_roots(ctx: Context) -> list[tuple[int, str]]:
     """Root processes of the engines ``targets.match`` selects: ``[(pid, cmdline)]``.
 
-    The cmdline is argv joined with spaces, as the guard matches it (sparkguard/proctree.py).
+    The cmdline is argv joined with spaces, as the guard matches it (sparkguard/enginetree.py).
     """
     pats = [re.compile(p) for p in ctx.config.targets.match]
     procs = [(pid, ppid, " ".join(argv)) for pid, ppid, argv in ctx.processes()]

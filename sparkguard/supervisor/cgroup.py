@@ -44,7 +44,7 @@ import select
 import time
 from dataclasses import dataclass
 
-from sparkguard import proctree, signals
+from sparkguard import enginetree, proctree, signals
 from sparkguard.supervisor.cgroup_delegation import delegate_xattr, delegation
 
 log = logging.getLogger("sparkguard.supervisor")
@@ -412,7 +412,7 @@ class CgroupTree(signals.Tree):
     def sweep(self) -> list[int]:
         return self.add_members() + super().sweep()
 
-    def kill_all(self, protector: proctree.Protector | None = None) -> list[int]:
+    def kill_all(self, protector: enginetree.Protector | None = None) -> list[int]:
         self.add_members()
         live = self.alive()
         guarded = protector is not None and any(
@@ -440,7 +440,7 @@ def add_pids(tree, pids: list[int]) -> list[int]:
     return tree.add(list(st), st)
 
 
-def kill_rounds(tree, killed: list[int], protector: proctree.Protector | None) -> list[int]:
+def kill_rounds(tree, killed: list[int], protector: enginetree.Protector | None) -> list[int]:
     """SIGKILL (and process_mrelease) every live member of ``tree`` not in ``killed``, repeated up
     to :data:`KILL_ROUNDS` times while ``tree.add_members()`` finds new ones (forks racing the
     kill), then once more after a sweep for descendants.  Returns ``killed`` plus the pids signalled."""

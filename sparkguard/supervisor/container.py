@@ -47,7 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from sparkguard import proctree
+from sparkguard import enginetree, proctree
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
 from sparkguard.supervisor import container_argv, container_cgroup, container_names
 
@@ -348,8 +348,8 @@ def widen(target, procs: dict, protector) -> str | None:
     :func:`name_of`).  Cheap: two small /proc and cgroup reads, no CLI call on the caller's thread.
 
     Args:
-        target: ``proctree.Target`` (changed in place).  procs: the scan it came from.
-        protector: ``proctree.Protector`` (protected processes are not added).
+        target: ``enginetree.Target`` (changed in place).  procs: the scan it came from.
+        protector: ``enginetree.Protector`` (protected processes are not added).
     Returns:
         str, the container's label, or None when the root runs in no container.
     """

@@ -187,11 +187,11 @@ class Supervisor(ControlApi, StatusViews, RunThreads, BetweenRuns, Adoption, Spa
         still in its process group (reparented ``VLLM::`` orphans included).
 
         Args:
-            procs: a ``proctree.scan()``; protector: ``proctree.Protector``.
+            procs: a ``proctree.scan()``; protector: ``enginetree.Protector``.
             details: read the tree rows and memory now; False leaves them to
-                ``proctree.add_details`` (the guard signals first).
+                ``enginetree.add_details`` (the guard signals first).
         Returns:
-            ``proctree.Target`` (pattern ``"engine:supervised"``) or None when no engine runs.
+            ``enginetree.Target`` (pattern ``"engine:supervised"``) or None when no engine runs.
         """
         run = self.run
         return None if run is None else process.target(run, procs, protector, details)

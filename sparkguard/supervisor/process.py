@@ -21,7 +21,7 @@ import subprocess
 import time
 from typing import Callable
 
-from sparkguard import proctree, signals
+from sparkguard import enginetree, proctree, signals
 from sparkguard.guard import escalation
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import container
@@ -148,10 +148,10 @@ def cgroup_pids(run) -> frozenset[int]:
 
 
 def target(run, procs: dict, protector, details: bool = True):
-    """The run's tree as the guard's target (``proctree.Target``, pattern ``"engine:supervised"``):
+    """The run's tree as the guard's target (``enginetree.Target``, pattern ``"engine:supervised"``):
     root, descendants and reparented members hung under the root; None when the root is gone
     (exited, a zombie, or its pid reused).  ``details=False``: no tree rows / memory yet
-    (``proctree.add_details`` after the signal)."""
+    (``enginetree.add_details`` after the signal)."""
     root = procs.get(run.pid)
     if root is None or (run.starttime and root.starttime != run.starttime) or proc_state(run.pid) in ("Z", None):
         return None
@@ -161,7 +161,7 @@ def target(run, procs: dict, protector, details: bool = True):
     if extra:
         kids = dict(kids)
         kids[run.pid] = list(kids.get(run.pid, [])) + extra
-    t = proctree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
+    t = enginetree.build_target(run.pid, "engine:supervised", procs, kids, protector, details=details)
     t.term_pid = _init(run, t.starttimes)
     cg, ctr = getattr(run, "cgroup", None), run.container
     t.cgroups = [c for c in (cg.path if cg is not None else None, ctr.cgroup if ctr is not None else None) if c]
@@ -273,6 +273,6 @@ def sweep(pgid: int | None, members: dict[int, int], grace: float, protect, note
         if event == "sigkill":
             note("sweep", f"SIGKILL {len(killed)} leftovers still alive after {full:g} s"
                  + (" since the run's first SIGTERM" if deadline is not None else ""))
-    escalation.OWNER.stop(tree, "sweep", grace, wait, protector=proctree.Protector(protect), term_all=True,
+    escalation.OWNER.stop(tree, "sweep", grace, wait, protector=enginetree.Protector(protect), term_all=True,
                           note=noted)
     return pids

@@ -129,7 +129,7 @@ class EngineIncidents:
                 itself), ``"peer"``/``"head"`` (a TP cluster's other node: a rank of the head's group,
                 the head run a headless rank was in, went away), ``"given_up"``.
             cfg: ``config.Config`` (thresholds recorded).
-            target: ``proctree.Target`` of the engine (its rows read), or None.
+            target: ``enginetree.Target`` of the engine (its rows read), or None.
             event, detail: the first event (``wedged``, ``exited``, ``peer``, ``head``, ``given_up``) and why.
             engine: the supervisor's engine info (state, lane, pid, last lines; ``cause`` for the
                 cluster kinds).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from sparkguard import proctree
+from sparkguard import enginetree, proctree
 from sparkguard.supervisor import adopt, cluster, health, nodes, output, process
 from sparkguard.supervisor.run import Run
 
@@ -149,7 +149,7 @@ class RunThreads:
     def _open_incident(self, run: Run, kind: str, detail: str):
         """An incident of kind ``wedged``, ``peer`` or ``head`` about ``run``, its tree read now
         (a ``model.Incident``, docs/incident.md)."""
-        t = self.target(proctree.scan(), proctree.Protector(self.cfg.targets.protect))
+        t = self.target(proctree.scan(), enginetree.Protector(self.cfg.targets.protect))
         engine = self._engine_info(run)
         if run.cause is not None:
             engine["cause"] = run.cause

@@ -8,7 +8,7 @@ memory guard already began is joined, never started twice.
 
 from __future__ import annotations
 
-from sparkguard import proctree
+from sparkguard import enginetree
 from sparkguard.guard import escalation
 from sparkguard.supervisor import process, stopbudget
 from sparkguard.supervisor.runthreads import SUMMARY
@@ -88,4 +88,4 @@ class Stopping:
                     self.reports.event(inc, "sigkill", f"SIGKILL {len(killed)} processes {esc.grace:g} s after "
                                        "SIGTERM", killed)
         escalation.OWNER.stop(process.signal_tree(run), why, grace, self._await_exit,
-                              proctree.Protector(self.cfg.targets.protect), note=note)
+                              enginetree.Protector(self.cfg.targets.protect), note=note)
