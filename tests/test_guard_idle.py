@@ -23,12 +23,11 @@ POLL = 0.05                   # guard.poll_interval of the fill test: keeps FAR 
 FAR = int(POLL * 32 * GiB)    # poll_interval * policy.FILL_RATE: above this headroom the fast path runs
 
 
-def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factory):
-    # the line sits well beyond FAR below MemAvailable: the guard idles on the fast path
-    # until the fill brings MemAvailable within FAR, then polls faster and SIGTERMs at the line
-    fe = filling_engine(engine_factory, fill=FAR + 2 * GiB)
-    line = mem_available() - FAR - GiB
-    g = GuardProc({"guard": {"term_below": line, "grace": "20s", "poll_interval": POLL},
+def _caught_at_the_line(engine_factory, line: int, poll: float, near: int) -> None:
+    """A fake vLLM fills past ``line`` under a guard polling every ``poll`` s: the guard SIGTERMs
+    the tree at once, MemAvailable at the crossing within ``near`` bytes under the line."""
+    fe = filling_engine(engine_factory, fill=mem_available() - line + GiB)
+    g = GuardProc({"guard": {"term_below": line, "grace": "20s", "poll_interval": poll},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
     try:
         g.wait_ready()
@@ -38,12 +37,18 @@ def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factor
         assert fe.wait_gone(pids, timeout=10)
         assert events(inc)[:2] == ["crossed", "sigterm"]
         crossed, sigterm = inc["timeline"][0], inc["timeline"][1]
-        # seen within one short poll of the line: MemAvailable at the crossing is close to it
-        assert line - 512 * MiB < crossed["available_bytes"] < line, crossed
+        assert line - near < crossed["available_bytes"] < line, crossed
         assert sigterm["pids"] == [fe.top_pid] and sigterm["t"] < 1.0
         assert inc["outcome"] == "terminated"
     finally:
         g.stop()
+
+
+def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factory):
+    # the line sits well beyond FAR below MemAvailable: the guard idles on the fast path
+    # until the fill brings MemAvailable within FAR, then polls faster and SIGTERMs at the line
+    # (seen within one short poll of it)
+    _caught_at_the_line(engine_factory, mem_available() - FAR - GiB, POLL, 512 * MiB)
 
 
 def test_a_fill_that_starts_on_the_free_memory_check_is_caught_at_the_line(engine_factory):
@@ -61,21 +66,7 @@ def test_a_fill_that_starts_on_the_free_memory_check_is_caught_at_the_line(engin
     if mem_available() - line > 5 * GiB:
         pytest.skip(f"the page cache and reserve put the line {(mem_available() - line) / GiB:.1f} GiB "
                     "under MemAvailable: more than this test fills")
-    fe = filling_engine(engine_factory, fill=mem_available() - line + GiB)
-    g = GuardProc({"guard": {"term_below": line, "grace": "20s", "poll_interval": poll},
-                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
-    try:
-        g.wait_ready()
-        pids = fe.pids()
-        fe.start_fill()
-        inc = wait_incident(g, timeout=60)
-        assert fe.wait_gone(pids, timeout=10)
-        assert events(inc)[:2] == ["crossed", "sigterm"]
-        crossed = inc["timeline"][0]
-        assert line - 256 * MiB < crossed["available_bytes"] < line, crossed
-        assert inc["outcome"] == "terminated"
-    finally:
-        g.stop()
+    _caught_at_the_line(engine_factory, line, poll, 256 * MiB)
 
 
 def test_signals_are_answered_while_idling_on_the_fast_path():

@@ -48,6 +48,7 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     try:
         check = g._fast
         due_at = next_due(g, s.interval)
+        # one loop per check, each written out: a call per poll costs microseconds cold
         if type(check) is FreeCheck:
             sysconf, name, need = os.sysconf, check.name, check.need
             while left:
