@@ -43,7 +43,7 @@ EVERY30 = {"fastfloor30": "fastfloor"}
 #: the per-poll line the ``lean`` variant drops
 LEAN_DROP = "            g.fast_polls += 1\n"
 #: where the ``window`` variant turns the free-memory check off (guard/loop.py)
-WINDOW_AT = "self.free = freepages.FreeFloor(meminfo_path, self.pcp)"
+WINDOW_AT = "self.free = freepages.FreeFloor(meminfo_path)"
 #: gpumem.available()'s test for nvidia-ml-py (``--no-nvml`` makes it False)
 NVML_CHECK = 'return importlib.util.find_spec("pynvml") is not None'
 

@@ -69,8 +69,7 @@ def pcp_pages(data: bytes) -> int:
 
 
 class PcpReader:
-    """Reads the bytes on the per-CPU free lists from an open /proc/zoneinfo (and the file's text,
-    :meth:`read`, for the other reader of it, :mod:`sparkguard.freepages`).
+    """Reads the bytes on the per-CPU free lists from an open /proc/zoneinfo.
 
     Args:
         path: str, normally ``/proc/zoneinfo`` (tests point at fixture files).
@@ -89,17 +88,10 @@ class PcpReader:
     def free_bytes(self) -> int | None:
         """Bytes free on the per-CPU lists now, or None when the file cannot be read (``error``
         says why: no file, no permission, larger than :data:`MAX_BYTES`).  Never raises; one
-        read (:meth:`read`), no allocation beyond the parse.
+        ``preadv`` into the buffer, no allocation beyond the parse.
 
         The kernel prints each zone with its lock held (mm/vmstat.c ``zoneinfo_show``), the lock the
         page allocator takes: callers read this at most once a second."""
-        data = self.read()
-        return None if data is None else pcp_pages(data) * self.page_size
-
-    def read(self) -> memoryview | None:
-        """The file's text now, a view of the buffer valid until the next read, or None when the
-        file cannot be read (``error`` says why).  Never raises; one ``preadv`` into the buffer
-        allocated at the first read."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -121,7 +113,7 @@ class PcpReader:
             self.error = f"{self.path}: larger than {MAX_BYTES} bytes; not read"
             return None
         self.error = None
-        return memoryview(self._buf)[:n]
+        return pcp_pages(memoryview(self._buf)[:n]) * self.page_size
 
     def close(self) -> None:
         """Close the file (the next read opens it again)."""

@@ -53,16 +53,18 @@ def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factor
 
 def test_a_fill_that_starts_on_the_free_memory_check_is_caught_at_the_line(engine_factory):
     # the line far enough under MemFree that the guard idles on the free-memory check (MemFree at
-    # least the floor + twice the kernel's reserve + one poll interval's fill: freepages.FreeFloor):
-    # the fill ends it when MemFree reaches floor + 2 x reserve, and the full passes take it from there
+    # least the floor + twice the deficit bound + one poll interval's fill: freepages.FreeFloor):
+    # the fill ends it when MemFree reaches floor + 2 x the bound, and the full passes take it from there
     from sparkguard import freepages, meminfo
+    from sparkguard.guard.idle import FREE_FIELDS
     if not freepages.glibc_ok():
         pytest.skip("sysconf(_SC_AVPHYS_PAGES) is not glibc's here: no free-memory check")
     poll = 0.02
     far = int(poll * 32 * GiB)
-    with open("/proc/zoneinfo", "rb") as f:
-        reserve = freepages.reserve_pages(f.read()) * os.sysconf("SC_PAGE_SIZE")
-    line = meminfo.read()["MemFree"] - 2 * reserve - 2 * far - GiB // 2
+    r = meminfo.MeminfoReader()
+    fields = {k: r.last(k) for k in FREE_FIELDS}
+    r.close()
+    line = fields[meminfo.MEMFREE_LABEL] - 2 * freepages.deficit(fields) - 2 * far - GiB // 2
     if mem_available() - line > 5 * GiB:
         pytest.skip(f"the page cache and reserve put the line {(mem_available() - line) / GiB:.1f} GiB "
                     "under MemAvailable: more than this test fills")

@@ -9,8 +9,8 @@ The readers compared (a file a case lacks is read as absent, as the kernel would
 (the poll loop's: its first sample, MemTotal and SwapTotal, or the error that stops the guard);
 ``start_gate`` the supervisor's MemAvailable reader (``supervisor.gates.read_mem_available``);
 ``swaps``, ``psi_memory``, ``zram`` the :mod:`sparkguard.sysinfo` readers; ``buddyinfo``
-:func:`sparkguard.buddyinfo.read`, ``pcp_free_bytes`` :class:`sparkguard.pcp.PcpReader` and
-``reserve_pages`` :func:`sparkguard.freepages.reserve_pages` (only for the cases that have the file); ``procs``
+:func:`sparkguard.buddyinfo.read` and ``pcp_free_bytes``
+:class:`sparkguard.pcp.PcpReader` (only for the cases that have the file); ``procs``
 :func:`sparkguard.proctree.scan` and ``memory`` the resident and swapped bytes of each process
 found (``proctree.status_mem``, what the incident's tree rows show); ``argv``, ``creds`` and ``stat`` (ppid, nice) the
 :mod:`sparkguard.host.procview` readers doctor uses.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkguard import buddyinfo, freepages, meminfo, pcp, proctree, sysinfo
+from sparkguard import buddyinfo, meminfo, pcp, proctree, sysinfo
 from sparkguard.host import procview
 from sparkguard.supervisor import gates
 
@@ -66,7 +66,6 @@ def observe(case: Path) -> dict:
         out["buddyinfo"] = b.as_dict() if b is not None else None
     if (proc / "zoneinfo").exists():        # the per-CPU free lists (4 KiB pages)
         out["pcp_free_bytes"] = pcp.PcpReader(str(proc / "zoneinfo"), page_size=4096).free_bytes()
-        out["reserve_pages"] = freepages.reserve_pages((proc / "zoneinfo").read_bytes())
     procs = proctree.scan(str(proc)) if proc.is_dir() else {}
     out["procs"] = {str(pid): dataclasses.asdict(p) for pid, p in sorted(procs.items())}
     out["memory"] = {str(pid): list(proctree.status_mem(pid, root=str(proc))) for pid in sorted(procs)}

@@ -14,10 +14,12 @@ import os
 import time
 
 from sparkguard import meminfo, policy
-from sparkguard.freepages import FreeCheck
+from sparkguard.freepages import LRU_LABELS, FreeCheck
 from sparkguard.guard import settings
 
 log = logging.getLogger("sparkguard")
+
+FREE_FIELDS = (meminfo.MEMFREE_LABEL, meminfo.AVAIL_LABEL, *LRU_LABELS)   # what FreeFloor.check reads of a pass
 
 
 def run(g, left: int, s: settings.LoopSettings) -> None:
@@ -29,11 +31,12 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
     The check is the one :func:`budget` made at the last full pass (``g._fast``):
 
     - a :class:`sparkguard.freepages.FreeCheck`: one ``os.sysconf`` call, MemFree in pages, at
-      or above its need (MemAvailable is never below MemFree less the kernel's reserve), and no
-      read of /proc/meminfo at all;
-    - else a :class:`sparkguard.meminfo.FastCheck`: the read lands the MemAvailable line's label
-      and first columns in a window of their own, and four byte-string compares of the window and
-      the next column with the check's bounds tell a value at or above the floor.
+      or above its need (MemAvailable is never below MemFree less the deficit bound the full
+      pass read), and no read of /proc/meminfo; every ``check.every``-th poll (once a second)
+      makes the window check below instead, which reads MemAvailable itself;
+    - else a :class:`sparkguard.meminfo.FastCheck` at every poll: the read lands the MemAvailable
+      line's label and first columns in a window of their own, and four byte-string compares of
+      the window and the next column with the check's bounds tell a value at or above the floor.
 
     Either answer only ever ends the fast path; the full pass then reads with
     :meth:`meminfo.MeminfoReader.sample`, which reports what is wrong.
@@ -50,10 +53,19 @@ def run(g, left: int, s: settings.LoopSettings) -> None:
         due_at = next_due(g, s.interval)
         # one loop per check, each written out: a call per poll costs microseconds cold
         if type(check) is FreeCheck:
-            sysconf, name, need = os.sysconf, check.name, check.need
+            sysconf, name, need, every = os.sysconf, check.name, check.need, check.every
+            view, size, window, low, high, last = check.window
+            preadv, fd, k = os.preadv, g.reader.fd, every
             while left:
-                if sysconf(name) < need or flags:
-                    return
+                k -= 1
+                if k:
+                    if sysconf(name) < need or flags:
+                        return
+                else:
+                    k = every
+                    if preadv(fd, view, 0) != size or window < low or window > high or last < b"0" \
+                            or last > b"9" or flags:
+                        return
                 g.fast_polls += 1
                 left -= 1
                 if clock() >= due_at:
@@ -105,14 +117,16 @@ def budget(g, timeout: float, s: settings.LoopSettings) -> int:
     """Fast polls allowed after a full pass that chose to sleep ``timeout`` seconds: none unless
     the guard is idle far above the line (state OK, MemAvailable at least ``s.idle_floor``, no
     signal flagged, reads succeeding) and a check can be made for them, kept in ``g._fast`` for
-    :func:`run`: the free-memory check where MemFree is well above its need
-    (:meth:`sparkguard.freepages.FreeFloor.check`), else the window check of the pass's read
-    (:meth:`sparkguard.meminfo.MeminfoReader.fast_check`); else ``s.budget`` (the fast path
+    :func:`run`: the window check of the pass's read
+    (:meth:`sparkguard.meminfo.MeminfoReader.fast_check`), and with it the free-memory check
+    where MemFree is well above its need (:meth:`sparkguard.freepages.FreeFloor.check`); else
+    ``s.budget`` (the fast path
     sends the watchdog pings that fall due meanwhile)."""
     if timeout < s.interval or g.policy.state is not policy.OK or g.avail < s.idle_floor or g._flags \
             or g._fail_since is not None or g.soft.engaged():
         return 0
     r = g.reader
-    g._fast = g.free.check(s.idle_floor, s.far, r.last(meminfo.MEMFREE_LABEL), r.last(meminfo.MEMTOTAL_LABEL) or 0,
-                           time.monotonic()) or r.fast_check(s.idle_floor)
+    window = r.fast_check(s.idle_floor)
+    g._fast = g.free.check(s.idle_floor, s.far, s.interval, {k: r.last(k) for k in FREE_FIELDS},
+                           r.last(meminfo.MEMTOTAL_LABEL) or 0, window) or window
     return 0 if g._fast is None else s.budget

@@ -90,7 +90,7 @@ class Guard:
         self._next_status = 0.0
         self.proc_view: dict | None = None   # what /proc shows this process (procview.hidepid_blocks_view)
         self.pcp = pcp.PcpReader(os.path.join(os.path.dirname(meminfo_path), "zoneinfo"))
-        self.free = freepages.FreeFloor(meminfo_path, self.pcp)     # the idle fast path's MemFree check
+        self.free = freepages.FreeFloor(meminfo_path)     # the idle fast path's MemFree check
         self._pcp_failed = False    # the last read of the per-CPU lists failed (logged once per streak)
         self._pcp_at, self._pcp_last = -math.inf, 0     # monotonic s and bytes of the last read
 
@@ -197,8 +197,9 @@ class Guard:
         FILL_RATE`` above the line (so the full interval is safe at the assumed fill rate), up to
         ten seconds of polls (:func:`sparkguard.guard.idle.budget`) take the idle fast path instead
         (:func:`sparkguard.guard.idle.run`): one ``sysconf`` call where MemFree alone, less twice
-        the kernel's reserve, keeps MemAvailable above the floor
-        (:class:`sparkguard.freepages.FreeCheck`), else one ``preadv`` of /proc/meminfo up to its
+        the deficit bound of the last full pass, keeps MemAvailable above the floor
+        (:class:`sparkguard.freepages.FreeCheck`; once a second the window check instead), else
+        one ``preadv`` of /proc/meminfo up to its
         MemAvailable line's first columns and four byte-string compares of them with the floor's
         bounds (:class:`sparkguard.meminfo.FastCheck`); the watchdog ping when due, and a sleep on
         an empty poll set (the black box's idle record comes from the full pass, every 10 s).  After 200 ms of sleep
@@ -439,7 +440,6 @@ class Guard:
                 self.metrics.stop()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
-        self.free.close()
         if self.ring is not None:
             self.ring.close(clean=True)     # the last thing: the next start finds a clean stop
         log.info("stopped")
