@@ -27,7 +27,7 @@ instead, which reads MemAvailable itself: a reserve that grew by more than U sin
 written) is seen within a second, as memory that fell below the floor.
 
 What it costs: on the GPU machine (16 cores, Linux 6.18) a 200 ms loop calling ``os.sysconf`` takes
-38-43 us of CPU per wake-up, one reading /proc/meminfo 53-58 us: the kernel formats all of its ~55
+36-43 us of CPU per wake-up, one reading /proc/meminfo 50-58 us: the kernel formats all of its ~55
 lines on every read (bench/results/idle-gpu-20261204c.txt).
 
 Where it is used: only with the real /proc/meminfo (``sysinfo`` answers for the kernel, not for
