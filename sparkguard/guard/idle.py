@@ -120,8 +120,7 @@ def budget(g, timeout: float, s: settings.LoopSettings) -> int:
     :func:`run`: the window check of the pass's read
     (:meth:`sparkguard.meminfo.MeminfoReader.fast_check`), and with it the free-memory check
     where MemFree is well above its need (:meth:`sparkguard.freepages.FreeFloor.check`); else
-    ``s.budget`` (the fast path
-    sends the watchdog pings that fall due meanwhile)."""
+    ``s.budget`` (the fast path sends the watchdog pings that fall due meanwhile)."""
     if timeout < s.interval or g.policy.state is not policy.OK or g.avail < s.idle_floor or g._flags \
             or g._fail_since is not None or g.soft.engaged():
         return 0

@@ -199,13 +199,12 @@ class Guard:
         (:func:`sparkguard.guard.idle.run`): one ``sysconf`` call where MemFree alone, less twice
         the deficit bound of the last full pass, keeps MemAvailable above the floor
         (:class:`sparkguard.freepages.FreeCheck`; once a second the window check instead), else
-        one ``preadv`` of /proc/meminfo up to its
-        MemAvailable line's first columns and four byte-string compares of them with the floor's
-        bounds (:class:`sparkguard.meminfo.FastCheck`); the watchdog ping when due, and a sleep on
-        an empty poll set (the black box's idle record comes from the full pass, every 10 s).  After 200 ms of sleep
-        every line runs cold, and each registered fd costs the kernel a poll-table set-up and
-        tear-down per wake.  Signals are seen on the fast
-        path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for
+        one ``preadv`` of /proc/meminfo up to its MemAvailable line's first columns and four
+        byte-string compares of them with the floor's bounds (:class:`sparkguard.meminfo.FastCheck`);
+        the watchdog ping when due, and a sleep on an empty poll set (the black box's idle record
+        comes from the full pass, every 10 s).  After 200 ms of sleep every line runs cold, and
+        each registered fd costs the kernel a poll-table set-up and tear-down per wake.  Signals
+        are seen on the fast path through the flag the handler sets, within one poll interval.  The PSI trigger is not watched there: it could wake the loop before the next poll only for
         memory falling faster than FILL_RATE, and its own stall threshold (100-150 ms within a
         1-2 s window, harden.PSI_TRIGGERS) spends most of the 200 ms interval first; it is
         watched again from the first full pass.  The fast path checks MemAvailable alone, which
