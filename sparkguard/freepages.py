@@ -11,17 +11,17 @@ at most KReclaimable, each less the smaller of half of it and the low watermarks
     U = MemFree + Active(file) + Inactive(file) + KReclaimable - MemAvailable
 
 so that at that instant MemAvailable = MemFree + (the file LRU + KReclaimable) - U >= MemFree - U,
-and U is at least the kernel's reserve (plus any MemFree that NR_FREE_PAGES does not count yet:
-memory a kernel with deferred page initialisation has not set up).  Page cache coming or going
-moves MemFree and the LRU, not that bound; only the reserve moves it (a write of
-vm.min_free_kbytes, vm.watermark_scale_factor or vm.lowmem_reserve_ratio, memory set up or hot-added,
-a watermark boost taken into the reserve).  No zoneinfo or sysctl is read for it: a read of
-vm.lowmem_reserve_ratio recomputes the kernel's reserve.
+and U is at least the kernel's reserve R (MemFree - MemAvailable is never more than R, whatever
+the page cache, slab, mlock or isolation do: they only shrink the terms the kernel adds).  Only
+the reserve's growth moves that limit: a write of vm.min_free_kbytes, vm.watermark_scale_factor
+or vm.lowmem_reserve_ratio, THP turned on (khugepaged raises min_free_kbytes), memory set up or
+hot-added, a watermark boost taken into the reserve.  No zoneinfo or sysctl is read for it: a read
+of vm.lowmem_reserve_ratio recomputes the kernel's reserve.
 
 The check: MemFree in pages, from ``sysconf(_SC_AVPHYS_PAGES)`` (glibc: ``sysinfo(2)``'s
 ``freeram * mem_unit`` / page size, rounded down, since 2.23; the same counter as MemFree's
-line), at or above ``floor + 2 x U``: MemAvailable at or above the floor while the reserve has not
-grown by more than U since U was read, at the last full pass (10 s at most).  Each second
+line), at or above ``floor + 2 x U``: MemAvailable at or above the floor while the reserve is at
+most 2U, i.e. has not grown by more than U since U was read at the last full pass (10 s at most).  Each second
 (:data:`VERIFY_EVERY`) a poll makes the window check of :class:`sparkguard.meminfo.FastCheck`
 instead, which reads MemAvailable itself: a reserve that grew by more than U since (a sysctl
 written) is seen within a second, as memory that fell below the floor.
@@ -50,9 +50,12 @@ log = logging.getLogger("sparkguard")
 
 VERIFY_EVERY = 1.0          # seconds: a poll this often makes the window check instead (MemAvailable itself)
 GLIBC_MIN = (2, 23)         # sysconf(_SC_AVPHYS_PAGES) calls sysinfo(2) from this version on
-#: bytes added to the deficit bound: meminfo_proc_show reads MemFree and the LRU a moment before
-#: si_mem_available reads its own counters, and memory freed between the reads shows in
-#: MemAvailable alone (microseconds: megabytes at the fastest fills measured, 23 GiB/s)
+#: bytes added to the deficit bound: meminfo_proc_show reads MemFree and the file LRU a moment
+#: before si_mem_available reads its own counters (and KReclaimable after), so memory freed, file
+#: pages put back on the LRU or slab shrunk between the reads shows in MemAvailable alone and
+#: makes the bound too small (a fill errs the safe way).  The window is microseconds; the skew
+#: beyond this is also covered by the LRU and KReclaimable terms the bound over-counts, and the
+#: window check reads MemAvailable itself each second
 SKEW = 64 << 20
 #: the meminfo lines of the deficit bound besides MemFree and MemAvailable (KReclaimable: Linux 4.20)
 LRU_LABELS = (b"\nActive(file):", b"\nInactive(file):", b"\nKReclaimable:")
@@ -78,8 +81,9 @@ class FreeCheck(NamedTuple):
 
 def deficit(fields: dict[bytes, int | None]) -> int | None:
     """The deficit bound U (bytes) of one read of /proc/meminfo: MemFree + Active(file) +
-    Inactive(file) + KReclaimable - MemAvailable (0 at least), plus :data:`SKEW`; None where a
-    line is missing.
+    Inactive(file) + KReclaimable - MemAvailable, plus :data:`SKEW`; None where a line is missing
+    or that difference is not positive (the kernel's reserve is, so the read is skewed or not the
+    kernel's: no free check for it).
 
     Args:
         fields: label (``meminfo.MEMFREE_LABEL``, ``meminfo.AVAIL_LABEL`` and
@@ -89,7 +93,8 @@ def deficit(fields: dict[bytes, int | None]) -> int | None:
     avail = fields.get(meminfo.AVAIL_LABEL)
     if avail is None or any(v is None for v in vals):
         return None
-    return max(0, sum(vals) - avail) + SKEW
+    raw = sum(vals) - avail
+    return raw + SKEW if raw > 0 else None
 
 
 def glibc_ok() -> bool:
@@ -147,7 +152,8 @@ class FreeFloor:
         except (OSError, ValueError) as e:
             why, detail = "sysconf", f"sysconf: {e}"
         if why is None and u is None:
-            why, detail = "fields", "no MemFree, Active(file), Inactive(file) or KReclaimable line"
+            why, detail = "fields", ("no MemFree, Active(file), Inactive(file) or KReclaimable line, or "
+                                     "MemAvailable at or above their sum")
         elif why is None and (abs(free - free_b // ps) > max(free_b // ps, free) // 64 + (64 << 20) // ps
                               or abs(total - mem_total // ps) > mem_total // ps // 64 + (64 << 20) // ps):
             why = "views differ"

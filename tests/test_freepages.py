@@ -24,8 +24,9 @@ def test_the_deficit_bound_is_memfree_plus_the_file_lru_and_kreclaimable_less_me
             b"Active(file):    2000000 kB\nInactive(file):  3500000 kB\nKReclaimable:     600000 kB\n")
     f = {k: meminfo.field(text, k) for k in LABELS}
     assert freepages.deficit(f) == (4000000 + 2000000 + 3500000 + 600000 - 9000000) * 1024 + freepages.SKEW
-    # a text where MemAvailable exceeds them all (no kernel prints it): the bound is the skew alone
-    assert freepages.deficit({**f, meminfo.AVAIL_LABEL: 20 * GiB}) == freepages.SKEW
+    # MemAvailable at or above them all (no kernel prints it: its reserve is positive): no bound
+    assert freepages.deficit({**f, meminfo.AVAIL_LABEL: 20 * GiB}) is None
+    assert freepages.deficit({**f, meminfo.AVAIL_LABEL: (4000000 + 2000000 + 3500000 + 600000) * 1024}) is None
     for k in LABELS:                                          # a line missing: no bound
         assert freepages.deficit({**f, k: None}) is None
 
