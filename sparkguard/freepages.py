@@ -21,10 +21,11 @@ of vm.lowmem_reserve_ratio recomputes the kernel's reserve.
 The check: MemFree in pages, from ``sysconf(_SC_AVPHYS_PAGES)`` (glibc: ``sysinfo(2)``'s
 ``freeram * mem_unit`` / page size, rounded down, since 2.23; the same counter as MemFree's
 line), at or above ``floor + 2 x U``: MemAvailable at or above the floor while the reserve is at
-most 2U, i.e. has not grown by more than U since U was read at the last full pass (10 s at most).  Each second
-(:data:`VERIFY_EVERY`) a poll makes the window check of :class:`sparkguard.meminfo.FastCheck`
-instead, which reads MemAvailable itself: a reserve that grew by more than U since (a sysctl
-written) is seen within a second, as memory that fell below the floor.
+most 2U, i.e. has not grown by more than U since U was read at the last full pass (10 s at the
+most).  Each second (:data:`VERIFY_EVERY`) a poll makes the window check of
+:class:`sparkguard.meminfo.FastCheck` instead, which reads MemAvailable itself: a reserve that
+grew by more than U since (a sysctl written) is seen within a second, as memory that fell below
+the floor.
 
 What it costs: on the GPU machine (16 cores, Linux 6.18) a 200 ms loop calling ``os.sysconf`` takes
 36-43 us of CPU per wake-up, one reading /proc/meminfo 50-58 us: the kernel formats all of its ~55
