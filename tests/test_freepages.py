@@ -12,6 +12,7 @@ import pytest
 
 from sparkguard import freepages, meminfo, policy
 from sparkguard.guard import idle
+from test_guard_idle import lay, meminfo_text
 
 PS = os.sysconf("SC_PAGE_SIZE")
 GiB = 1024**3
@@ -120,11 +121,6 @@ def test_glibc_of_this_machine_has_the_sysinfo_sysconf():
     assert abs(os.sysconf("SC_PHYS_PAGES") * PS - meminfo.read()["MemTotal"]) < 64 * MiB
 
 
-def _text(kb: int) -> bytes:
-    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers: 0 kB\n" % (
-        130000000, 5, kb)
-
-
 class _FreeIdle:
     """A Guard as guard.idle.run sees it on the free check, on a fake clock (each sleep is one
     interval): ``answers(i)`` scripts the i-th sysconf's free pages (None: the real call), and
@@ -133,7 +129,7 @@ class _FreeIdle:
     def __init__(self, monkeypatch, need, every=5, answers=None, above=lambda j: True, flag_at=None):
         self.t, self.calls, self.reads, self.sleeps, self.fast_polls, self.pings = 1000.0, 0, 0, 0, 0, []
         self._flags, self.poll_mark = set(), (0.0, 0)
-        up, down = _text(8 << 20), _text(6 << 20)
+        up, down = meminfo_text(8 << 20), meminfo_text(6 << 20)
         window = meminfo.fast_check(bytearray(up), len(up), 7 << 30)
         self._fast = freepages.FreeCheck(os.sysconf_names["SC_AVPHYS_PAGES"], need, every, window)
         self.reader = NS(fd=-1)
@@ -148,11 +144,7 @@ class _FreeIdle:
 
         def preadv(fd, view, off):
             self.reads += 1
-            text, done = up if above(self.reads) else down, 0
-            for b in view:
-                b[:] = text[done:done + len(b)]
-                done += len(b)
-            return done
+            return lay(view, up if above(self.reads) else down)
 
         def sleep(ms):
             self.sleeps += 1

@@ -165,16 +165,27 @@ def test_an_idle_poll_calls_due_from_the_pings_send_time_and_leaves_the_black_bo
     assert view.last_poll(g, 90.0) == 0.0
 
 
+def meminfo_text(kb: int) -> bytes:
+    """A /proc/meminfo text with MemAvailable ``kb`` laid out as the kernel prints it."""
+    return b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers: 0 kB\n" % (
+        130000000, 5, kb)
+
+
+def lay(view: list, text: bytes) -> int:
+    """What ``os.preadv(fd, view, 0)`` does with a file holding ``text``: fill the buffers in
+    order; the bytes read."""
+    done = 0
+    for b in view:
+        b[:] = text[done:done + len(b)]
+        done += len(b)
+    return done
+
+
 class _FakeIdle:
     """A Guard as guard.idle.run sees it, on a fake clock: each sleep advances it by the interval
     plus ``late`` s; ``answers`` scripts each read (True: a MemAvailable of 8 GiB, above the
     fast path's floor of 7 GiB; False: 6 GiB, below it), which the fake ``preadv`` lays into
     the buffers of a real meminfo.FastCheck as the kernel would."""
-
-    @staticmethod
-    def _text(kb: int) -> bytes:
-        return b"MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nBuffers: 0 kB\n" % (
-            130000000, 5, kb)
 
     def __init__(self, monkeypatch, answers, late=0.0, flag_at=None):
         from types import SimpleNamespace as NS
@@ -183,7 +194,7 @@ class _FakeIdle:
         self.t, self.reads, self.sleeps, self.pings = 1000.0, 0, 0, []
         self.fast_polls, self.ring, self.actions, self.marks = 0, None, None, []
         self._mark = (0.0, 0)
-        above, below = self._text(8 << 20), self._text(6 << 20)
+        above, below = meminfo_text(8 << 20), meminfo_text(6 << 20)
         self._flags = set()
         self._fast = meminfo.fast_check(bytearray(above), len(above), 7 << 30)
         self.reader = NS(fd=-1)
@@ -193,11 +204,7 @@ class _FakeIdle:
             self.reads += 1
             if self.reads == flag_at:
                 self._flags.add(1)
-            text, done = above if answers(self.reads) else below, 0
-            for b in view:
-                b[:] = text[done:done + len(b)]
-                done += len(b)
-            return done
+            return lay(view, above if answers(self.reads) else below)
 
         def sleep(ms):
             self.sleeps += 1
