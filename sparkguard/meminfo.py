@@ -32,6 +32,17 @@ _NL = b"\n"
 GUARD_FIELDS = (("MemTotal", _MEMTOTAL), ("MemAvailable", _AVAIL), ("SwapTotal", _SWAPTOTAL),
                 ("SwapFree", _SWAPFREE))
 
+#: the memory signals a guard can watch (config ``guard.signal``): MemAvailable alone, or
+#: MemAvailable + SwapFree (swap counted as headroom)
+SIGNALS = ("available", "available+swap")
+
+
+def signal_bytes(kind: str, available: int, swap_free: int) -> int:
+    """The memory signal ``kind`` (one of :data:`SIGNALS`), bytes, from MemAvailable and SwapFree
+    (bytes, as :meth:`MeminfoReader.sample` gives them).  The poll loop itself takes the same sum
+    from ``LoopSettings.swap``, decided once at start-up."""
+    return available + swap_free if kind == "available+swap" else available
+
 
 def field(buf: bytes | bytearray, label: bytes, n: int | None = None) -> int | None:
     """The value in bytes of the ``kB`` line whose name is ``label`` (``b"\\nMemAvailable:"``).

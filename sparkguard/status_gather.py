@@ -56,7 +56,7 @@ def gather(cfg, url: str | None, socket: str | None = None) -> dict:
     swap_free, swap_total = mi.get("SwapFree"), mi.get("SwapTotal")
     signal = None
     if avail is not None:
-        signal = avail + (swap_free or 0) if g.signal == "available+swap" else avail
+        signal = meminfo.signal_bytes(g.signal, avail, swap_free or 0)
     memory = {
         "total_bytes": total, "available_bytes": avail,
         "swap_free_bytes": swap_free, "swap_total_bytes": swap_total,

@@ -236,3 +236,9 @@ def test_the_fast_path_window_is_narrow_under_the_default_floor_and_reads_only_t
         check = meminfo.fast_check(text, len(text), floor)
         assert check.low == b"\n" + meminfo.FAST_LABEL + b" 749700" and len(check.last) == 1
         assert check.size == text.index(b"MemAvailable:") + len(meminfo.FAST_LABEL) + 8
+
+
+def test_the_memory_signals_are_memavailable_alone_or_with_swapfree():
+    """``guard.signal`` as every reader of it computes it (:func:`sparkguard.meminfo.signal_bytes`)."""
+    a, s = 40 << 30, 6 << 30
+    assert {k: meminfo.signal_bytes(k, a, s) for k in meminfo.SIGNALS} == {"available": a, "available+swap": a + s}

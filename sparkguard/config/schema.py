@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from sparkguard import meminfo
 from sparkguard.config.engine import EngineConfig, parse_lane_name, parse_lanes, parse_load_phase, parse_probe
 from sparkguard.config.startgate import parse_start_gate
 from sparkguard.config.parsers import (
@@ -163,7 +164,7 @@ SCHEMA: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "term_below": line_size,
         "kill_below": optional_line_size,
         "grace": duration(0.0, HOUR),
-        "signal": choice("available", "available+swap"),
+        "signal": choice(*meminfo.SIGNALS),
         "dry_run": boolean,
         "recovery_wait": duration(0.0, HOUR),
         "rate_trigger": choice("off", "on"),

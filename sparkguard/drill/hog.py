@@ -166,8 +166,7 @@ class Fill:
 
     def _room(self) -> int:
         """Bytes of the signal above the level now (0 or less: the level is reached)."""
-        a, s = self.reader.sample()
-        return (a + s if self.signal == "available+swap" else a) - self.level
+        return meminfo.signal_bytes(self.signal, *self.reader.sample()) - self.level
 
     def step(self, now: float) -> None:
         if self.rate is None:
@@ -231,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-rate", type=rate_arg, default=None, help="bytes/s of the fill (1GiB/s, 512MiB, max: default)")
     p.add_argument("--fill-to", type=size_arg, default=None,
                    help="the fill also stops once the memory signal is at or below this (bytes; --fill-size caps it)")
-    p.add_argument("--fill-signal", choices=("available", "available+swap"), default="available",
+    p.add_argument("--fill-signal", choices=meminfo.SIGNALS, default="available",
                    help="the signal --fill-to reads: MemAvailable, or MemAvailable+SwapFree (guard.signal)")
     p.add_argument("--ignore-term", action="store_true", help="every process ignores SIGTERM and SIGINT")
     return p

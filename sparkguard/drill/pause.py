@@ -245,8 +245,7 @@ def run(args, cfg, p: dict, rate: float | None, timeout: float, out=sys.stderr) 
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             work["proc"].stdout.readline()
             while not stop.is_set() and not finished:
-                a, s = reader.sample()
-                v = a + s if g.signal == "available+swap" else a
+                v = meminfo.signal_bytes(g.signal, *reader.sample())
                 rep["min_bytes"] = v if rep["min_bytes"] is None else min(rep["min_bytes"], v)
                 now = time.monotonic()
                 if not args.quiet and now >= next_line:

@@ -78,7 +78,6 @@ def read_signal(signal_kind: str) -> int:
     """The configured memory signal now, bytes (one read of /proc/meminfo)."""
     r = meminfo.MeminfoReader()
     try:
-        a, s = r.sample()
+        return meminfo.signal_bytes(signal_kind, *r.sample())
     finally:
         r.close()
-    return a + s if signal_kind == "available+swap" else a

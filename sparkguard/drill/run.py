@@ -157,8 +157,7 @@ class Drill:
             self.engine.start_fill()
             while not self._stop.is_set():
                 now = time.monotonic()
-                a, s = reader.sample()
-                v = a + s if sig == "available+swap" else a
+                v = meminfo.signal_bytes(sig, *reader.sample())
                 if self.min_value is None or v < self.min_value:
                     self.min_value = v
                 state = self.guard.policy.state

@@ -108,7 +108,7 @@ class Guard:
         self.actions.warm_up()
         self.reader = meminfo.MeminfoReader(self.meminfo_path)
         self.avail, self.swap_free = self.reader.sample()
-        self.value = self.avail + self.swap_free if self.cfg.guard.signal == "available+swap" else self.avail
+        self.value = meminfo.signal_bytes(self.cfg.guard.signal, self.avail, self.swap_free)
         if self.pcp.free_bytes() is None:       # opened, its buffer allocated and the parse run once, now
             log.info("the per-CPU free lists cannot be read (%s): the wait for a victim's memory counts "
                      "MemAvailable alone", self.pcp.error)

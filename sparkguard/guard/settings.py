@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from sparkguard import config, enginetree, policy
+from sparkguard import config, enginetree, meminfo, policy
 
 FULL_PASS_EVERY = 10.0      # seconds: the most the idle fast path runs between two full passes (= STATUS_EVERY)
 MIN_POLL_INTERVAL = 0.002   # seconds: policy.next_interval's shortest sleep; a shorter poll_interval spins a core
@@ -59,7 +59,7 @@ def loop_settings(cfg) -> LoopSettings:
         v = getattr(g, key)
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise bad(key, v, "the poll loop needs a finite number of seconds, 0 or more")
-    if g.signal not in ("available", "available+swap"):
+    if g.signal not in meminfo.SIGNALS:
         raise bad("signal", g.signal, "expected available or available+swap")
     far = int(iv * policy.FILL_RATE)
     line = max(g.term_below, g.pause_below or 0)     # the highest line the fast path must not skip
