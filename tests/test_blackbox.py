@@ -169,6 +169,14 @@ def _thresholds():
 # ---- the file ------------------------------------------------------------------------------------
 
 
+def _written(r: ring.Ring, n: int, timeout: float = 10.0) -> None:
+    """Wait until ``r``'s writer thread has written ``n`` records (its count; no event says so)."""
+    deadline = time.monotonic() + timeout
+    while r.written < n:
+        assert time.monotonic() < deadline, f"the writer wrote {r.written} of {n} records within {timeout}s"
+        time.sleep(0.005)
+
+
 def test_the_file_is_locked_zeroed_at_start_and_a_foreign_file_is_left_alone(tmp_path):
     path = str(tmp_path / "bb" / "blackbox.ring")
     r1, prev, err = ring.open_ring(path, BOOT, 0.0)
@@ -176,7 +184,8 @@ def test_the_file_is_locked_zeroed_at_start_and_a_foreign_file_is_left_alone(tmp
     buf = bytearray(b"MemTotal: 100 kB\nMemFree: 7 kB\nMemAvailable: 9 kB\nSwapFree: 3 kB\n")
     r1.sample(1.0, buf, len(buf), 9 * 1024, True, "ok", True, -1)
     assert r1.next_at == 1.0 + blackbox.IDLE_INTERVAL and r1.next_full_at == 1.0 + blackbox.INTERVAL
-    assert r1.written == 1 and r1.errors == 0
+    _written(r1, 1)
+    assert r1.errors == 0
     got = blackbox.decode(open(path, "rb").read()).records
     assert [(x.mem_free, x.swap_free, x.signal) for x in got] == [(7 * 1024, 3 * 1024, 12 * 1024)]
     r2, _, err = ring.open_ring(path, BOOT, 0.0)               # a second guard on the same file
@@ -441,6 +450,7 @@ def test_cadence_idle_every_10s_near_the_line_every_second_and_psi_read_every_10
         r.sample(110.0, buf, len(buf), 9216, False, "ok", True, -1)             # idle, 10 s later: read
         assert r.sample(110.5, buf, len(buf), 9216, False, "term_sent", False, 5 << 30) == 111.5
         assert r.next_full_at == 110.5 + blackbox.INTERVAL
+        _written(r, 4)
         recs = blackbox.decode(open(tmp_path / "b.ring", "rb").read()).records
         assert [(x.psi_some_avg10, x.psi_full_avg10, x.idle) for x in recs] == [
             (1.0, 0.5, True), (1.0, 0.5, True), (42.0, 21.0, True), (42.0, 21.0, False)]

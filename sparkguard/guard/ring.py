@@ -10,17 +10,30 @@ The format and every decision are in :mod:`sparkguard.blackbox` (pure); this mod
 * :meth:`Ring.sample` (poll loop, once per :data:`sparkguard.blackbox.INTERVAL`): parses MemFree
   and SwapFree from the /proc/meminfo text the loop just read, preads the PSI file and each zram
   ``mm_stat`` through descriptors opened at start (for idle records every :data:`SLOW_EVERY`
-  seconds, else every record), packs the record into a reused buffer and ``pwrite``\\ s it at its
-  slot: no allocation that grows, no sync, and no open but the zram devices' listing every
-  :data:`ZRAM_RELIST` seconds (sysfs, in memory).
-  Errors are counted and logged once per streak; they never reach the loop.
-* A flusher thread starts writeback of the file (:func:`flush`: ``sync_file_range``) every
-  ``guard.blackbox_sync`` seconds while records are not idle, i.e. while memory is near the line
-  or an incident is open; while memory is far above the line it is parked (no wake-ups) and the
-  kernel's own writeback writes dirty pages once they are ``vm.dirty_expire_centisecs`` old (30 s
-  by default, Documentation/admin-guide/sysctl/vm.rst), as it always does with
-  ``blackbox_sync: 0`` (no thread).  It may block in the flush; the loop does not.
-* :meth:`Ring.close` (clean stop): header with CLEAN set and the stop time, ``fdatasync``.
+  seconds, else every record), packs the record into a reused buffer and hands a copy of it
+  (:data:`~sparkguard.blackbox.RECORD_SIZE` bytes) to the writer thread: no file I/O, no
+  allocation that grows (at most :data:`~sparkguard.blackbox.SLOTS` records wait; a newer one
+  pushes out the oldest), and no open but the zram devices' listing every :data:`ZRAM_RELIST`
+  seconds (sysfs, in memory).
+* The writer thread (``sparkguard-blackbox``) ``pwrite``\\ s each record at its slot.  A write
+  into the page cache can wait: on a frozen filesystem (``fsfreeze``, a snapshot) until it is
+  thawed, in ``balance_dirty_pages`` while the host's dirty pages are over their limit (a limit
+  that shrinks as free memory does), on a page under writeback where the device needs stable
+  pages; the loop never waits with it.  Errors are counted and logged once per streak.
+  While records are not idle (memory near the line, an incident open) it also starts writeback
+  of the file (:func:`flush`: ``sync_file_range``) every ``guard.blackbox_sync`` seconds; while
+  memory is far above the line it wakes only for the idle records, and the kernel's own
+  writeback writes dirty pages once they are ``vm.dirty_expire_centisecs`` old (30 s by default,
+  Documentation/admin-guide/sysctl/vm.rst), as it always does with ``blackbox_sync: 0``.
+* :meth:`Ring.close` (clean stop): waits (at most :data:`CLOSE_WAIT` s) for the writer to write
+  what it holds, then the header with CLEAN set and the stop time, ``fdatasync``.
+
+Sources for the waits: fsfreeze(8) ("any process attempting to write to the frozen filesystem is
+blocked"); mm/page-writeback.c (``balance_dirty_pages``: writers pause while dirty pages exceed a
+limit taken from ``global_dirtyable_memory``, free plus file pages); measured here: a ``pwrite``
+on a frozen ext4 waits until the thaw, and ``pwritev2(RWF_NOWAIT)`` is no way out: buffered ext4
+writes refuse it (EOPNOTSUPP, kernel 6.18), on a frozen filesystem only after the thaw; so only
+a thread of its own keeps the wait off the loop.
 
 What a hard reset loses: the records written since the last flush that the kernel had not
 written back itself: near the line at most ``blackbox_sync`` seconds plus the device's write
@@ -30,7 +43,9 @@ until someone holds the power button).
 ``sync_file_range`` does not flush the drive's volatile cache (``fdatasync`` would, at about 1.5x
 the CPU and a cache flush that stalls every other writer of the device): assumption: a drive
 commits its cache within seconds, and a lock-up lasts longer than that before a person
-power-cycles the box.  A crash of the process loses nothing: the page cache holds every ``pwrite``.
+power-cycles the box.  A crash of the process loses only the records handed to the writer and
+not yet written (none while the disk answers: the writer takes each within microseconds); the
+page cache holds every ``pwrite``.
 The file's pages are also mapped (``mmap``) and touched once, so that under the daemon's
 ``mlockall(MCL_FUTURE|MCL_ONFAULT)`` (:mod:`sparkguard.guard.harden`) they stay resident: a
 ``pwrite`` under memory pressure then never waits to read an evicted page back from disk.
@@ -39,6 +54,7 @@ Source: mlockall(2) ("MCL_ONFAULT ... lock pages when they are faulted in"), mma
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import logging
@@ -64,6 +80,9 @@ SLOW_EVERY = 10.0
 #: start must not go unnoticed) is counted from the next listing on; a listing is a readdir of
 #: /sys/block and three small sysfs reads per device
 ZRAM_RELIST = 60.0
+#: seconds :meth:`Ring.close` waits for the writer to write what it was handed (a stalled disk:
+#: the stop goes on without them, and the header's clean mark waits on the same disk)
+CLOSE_WAIT = 5.0
 _MEMFREE = b"\nMemFree:"
 _KB = b"kB"
 _SWAPFREE = b"\nSwapFree:"
@@ -74,12 +93,13 @@ _SYS_BLOCK = "/sys/block"
 
 class Ring:
     """This run's ring, open and locked.  Built by :func:`open_ring`; used by the poll-loop thread
-    (``sample``, ``close``) and its own flusher thread.
+    (``sample``, ``close``) and its own writer thread (each record's ``pwrite``, the flushes).
 
     Attributes:
         path: the file; next_at, next_full_at: monotonic s when the next record is due while memory
         is far above the line (idle) and while it is not (the loop compares them); written: records
-        written by this run; errors: failed writes.
+        written by this run (the writer's count); errors: records lost to a failed write or to a
+        failure before the hand-over.
     """
 
     def __init__(self, path: str, fd: int, boot_id: str, started_at: float, sync_every: float,
@@ -103,22 +123,25 @@ class Ring:
         self._failing = False
         self._map = _pin(fd)
         self._dirty = self._stopped = self._near = False
-        self._wake = threading.Event()      # set while full passes write records: the flusher runs
-        if sync_every > 0:
-            # its own descriptor: the thread may wake once more after close() and must not sync a
-            # number the process has reused since
-            threading.Thread(target=self._flush_loop, args=(os.dup(fd), sync_every), name="sparkguard-blackbox",
-                             daemon=True).start()
+        #: (offset, record bytes) handed over by the loop, oldest first; append and popleft are
+        #: atomic, and a full deque drops the oldest rather than grow
+        self._pending: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=blackbox.SLOTS)
+        self._wake = threading.Event()      # set by the loop with each record, and by close()
+        # its own descriptor: the thread may run on after close() gave up waiting, and must not
+        # write to a number the process has reused since
+        self._thread = threading.Thread(target=self._io_loop, args=(os.dup(fd), sync_every),
+                                        name="sparkguard-blackbox", daemon=True)
+        self._thread.start()
 
     # ---- the poll loop's side ------------------------------------------------------------
 
     def sample(self, now: float, buf: bytes | bytearray, n: int, avail: int, use_swap: bool, state: str,
                idle: bool, target_mem: int) -> float:
-        """Write one record; returns when the next one is due while memory stays far above the line
+        """Make one record; returns when the next one is due while memory stays far above the line
         (:attr:`next_at`, monotonic s: :data:`~sparkguard.blackbox.IDLE_INTERVAL` after an idle
         record, :data:`~sparkguard.blackbox.INTERVAL` after another); near it the next is due at
-        :attr:`next_full_at` (always ``INTERVAL`` later).  A record that is not idle also wakes
-        the flusher.
+        :attr:`next_full_at` (always ``INTERVAL`` later).  The record is handed to the writer thread,
+        which writes it (no file I/O here); one that is not idle also starts its flushes.
 
         Args:
             now: monotonic s of the read; buf, n: the /proc/meminfo text the loop just read and its
@@ -144,21 +167,16 @@ class Ring:
             blackbox.pack_record(self._buf, self._seq, time.time(), now, self._boot,
                                  avail + max(swap, 0) if use_swap else avail, avail, free, swap, self._zram_used,
                                  target_mem, self._some, self._full, blackbox.state_code(state), idle)
-            os.pwrite(self.fd, self._buf, blackbox.offset(self._seq))
-            self.written += 1
-            self._dirty = True              # the flusher clears it (a bool store: atomic under the GIL)
-            self._near = not idle
-            if not idle and not self._wake.is_set():
+            self._pending.append((blackbox.offset(self._seq), bytes(self._buf)))
+            self._near = not idle           # a bool store: atomic under the GIL
+            if not self._wake.is_set():
                 self._wake.set()
-            if self._failing:
-                self._failing = False
-                log.info("black box %s is written again", self.path)
+            self._failing = False
         except Exception as e:  # noqa: BLE001 - the black box must never cost the guard its loop
             self.errors += 1
-            if not self._failing:
+            if not self._failing:           # logged once per streak
                 self._failing = True
-                log.error("black box %s: writing a sample failed (%s); retrying every %gs",
-                          self.path, e, blackbox.INTERVAL)
+                log.error("black box %s: making a sample failed (%s)", self.path, e)
         return self.next_at
 
     def _psi(self) -> tuple[float, float]:
@@ -194,45 +212,78 @@ class Ring:
                 continue
         return total
 
-    # ---- the flusher thread ----------------------------------------------------------------
+    # ---- the writer thread: records and flushes ------------------------------------------
 
-    def _flush_loop(self, fd: int, every: float) -> None:
-        """While full passes write records (memory near the line, an incident), start writeback
-        (:func:`flush`) of what was written every ``every`` s; parked, at no cost, while records
-        are idle (memory far above the line: left to the kernel's writeback).  A race with the loop
-        can park it while near the line: the next full pass's record wakes it again."""
-        failing = False
+    def _io_loop(self, fd: int, every: float) -> None:
+        """Write each record the loop hands over at its slot; while records are not idle (memory
+        near the line), start writeback (:func:`flush`) of what was written every ``every`` s (0:
+        never).  Sleeps until the next record, or the next flush while one is due.  Ends after
+        writing what is left once close() is called."""
+        failing = flush_failing = False
+        flush_at: float | None = None       # monotonic s of the next flush; None while records are idle
         try:
             while True:
-                self._wake.wait()
+                self._wake.wait(None if flush_at is None else max(0.0, flush_at - time.monotonic()))
+                self._wake.clear()          # before writing: a record handed over meanwhile wakes it again
+                failing = self._write_pending(fd, failing)
                 if self._stopped:
                     return
-                time.sleep(every)
-                if self._stopped:
-                    return
-                if self._dirty:
-                    self._dirty = False
-                    try:
-                        flush(fd)
-                        failing = False
-                    except OSError as e:
-                        if not failing:
-                            log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
-                        failing = True
-                if not self._near:
-                    self._wake.clear()
+                if every <= 0:
+                    continue
+                now = time.monotonic()
+                if flush_at is None:
+                    if self._near:
+                        flush_at = now + every
+                elif now >= flush_at:
+                    if self._dirty:
+                        self._dirty = False
+                        try:
+                            flush(fd)
+                            flush_failing = False
+                        except OSError as e:
+                            if not flush_failing:
+                                log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
+                            flush_failing = True
+                    flush_at = now + every if self._near else None
         finally:
             os.close(fd)
+
+    def _write_pending(self, fd: int, failing: bool) -> bool:
+        """``pwrite`` every record handed over, oldest first; a failure is counted in
+        :attr:`errors` and logged once per streak.  Returns whether the last write failed."""
+        pending = self._pending
+        while pending:
+            at, record = pending.popleft()
+            try:
+                os.pwrite(fd, record, at)
+            except OSError as e:
+                self.errors += 1
+                if not failing:
+                    failing = True
+                    log.error("black box %s: writing a sample failed (%s); trying each new one",
+                              self.path, e.strerror or e)
+                continue
+            self.written += 1
+            self._dirty = True              # the next flush takes it
+            if failing:
+                failing = False
+                log.info("black box %s is written again", self.path)
+        return failing
 
     # ---- stop ------------------------------------------------------------------------------
 
     def close(self, clean: bool = True) -> None:
-        """Stop the flusher; with ``clean`` mark the clean stop (header CLEAN flag, stop time) and
+        """Stop the writer once it has written what it was handed (waiting at most
+        :data:`CLOSE_WAIT` s); with ``clean`` mark the clean stop (header CLEAN flag, stop time) and
         flush.  Errors are logged; the file is closed either way.  Safe to call twice."""
         if self.fd < 0:
             return
         self._stopped = True
         self._wake.set()
+        self._thread.join(CLOSE_WAIT)
+        if self._thread.is_alive():
+            log.error("black box %s: the last samples are not written after %gs (the disk is not "
+                      "answering)", self.path, CLOSE_WAIT)
         try:
             if clean:
                 os.pwrite(self.fd, blackbox.encode_header(self._header(True, time.time())), 0)
@@ -303,7 +354,8 @@ def open_ring(path: str, boot_id: str, sync_every: float, now: float | None = No
     Args:
         path: ``guard.blackbox_file``; its directory is created (0750) if missing.
         boot_id: this boot's id (:func:`sparkguard.sysinfo.boot_id`); sync_every: seconds between
-            the flusher's fdatasyncs (0: none); now: unix s of this start (default time.time()).
+            the writer thread's writeback starts while near the line (0: none); now: unix s of
+            this start (default time.time()).
     Returns:
         ``(ring, previous, error)``: this run's :class:`Ring` (None when it could not be had); the
         bytes the previous run left (None: no file, or unreadable), for
