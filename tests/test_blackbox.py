@@ -460,26 +460,35 @@ def test_cadence_idle_every_10s_near_the_line_every_second_and_psi_read_every_10
         r.close()
 
 
-def test_the_flusher_runs_near_the_line_and_ends_with_close(tmp_path):
+def test_the_flusher_runs_near_the_line_and_ends_with_close(tmp_path, monkeypatch):
+    """The writer thread starts writeback (ring.flush) every blackbox_sync s once a record is near
+    the line, and not while records are idle; close() ends it."""
     import threading
+    flushes = []
+    real_flush = ring.flush
+    monkeypatch.setattr(ring, "flush", lambda fd: (flushes.append(time.monotonic()), real_flush(fd)))
     r, _, err = ring.open_ring(str(tmp_path / "b.ring"), BOOT, 0.01)
     assert err is None
     buf = bytearray(b"MemTotal: 100 kB\nMemFree: 7 kB\nMemAvailable: 9 kB\n")
 
-    def flushers():
+    def writers():
         return [t for t in threading.enumerate() if t.name == "sparkguard-blackbox"]
     try:
-        assert len(flushers()) == 1
-        r.sample(1.0, buf, len(buf), 9216, False, "ok", False, -1)   # near the line: wakes it
+        assert len(writers()) == 1
+        r.sample(1.0, buf, len(buf), 9216, False, "ok", True, -1)    # idle: written, not flushed
+        _written(r, 1)
+        assert flushes == []
+        r.sample(2.0, buf, len(buf), 9216, False, "ok", False, -1)   # near the line: flushed
         deadline = time.monotonic() + 10
-        while r._dirty:                                                 # it clears the flag as it flushes
-            assert time.monotonic() < deadline, "the flusher did not run"
+        while not flushes:
+            assert time.monotonic() < deadline, "the writer did not flush near the line"
             time.sleep(0.01)
+        assert r.written == 2
     finally:
         r.close()
-    for t in flushers():
+    for t in writers():
         t.join(5)
-    assert flushers() == []
+    assert writers() == []
 
 
 def test_zram_ram_used_is_summed_over_devices_with_a_disksize(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -35,39 +36,63 @@ pytestmark = pytest.mark.skipif(
 
 class FreezableDisk:
     """An ext4 filesystem of 64 MiB on a loop device, mounted at ``path``; :meth:`freeze` makes
-    every write into it wait until :meth:`thaw`."""
+    every write into it wait until :meth:`thaw`.  A frozen one also thaws itself after
+    :data:`SAFETY_THAW` s (a process of its own session, so that a killed test run leaves no
+    frozen filesystem behind)."""
+
+    SAFETY_THAW = 120
 
     def __init__(self, where):
         self.image = str(where / "disk.img")
         self.path = str(where / "mnt")
+        self.frozen = False
+        self._lock = threading.Lock()
+        self._safety: subprocess.Popen | None = None
         os.mkdir(self.path)
         with open(self.image, "wb") as f:
             f.truncate(64 * MiB)
         subprocess.run(["mkfs.ext4", "-q", "-F", self.image], check=True, timeout=60)
         self.dev = subprocess.run(["losetup", "--find", "--show", self.image], check=True, timeout=30,
                                   capture_output=True, text=True).stdout.strip()
-        subprocess.run(["mount", self.dev, self.path], check=True, timeout=30)
-        self.frozen = False
+        try:
+            subprocess.run(["mount", self.dev, self.path], check=True, timeout=30)
+        except BaseException:
+            subprocess.run(["losetup", "--detach", self.dev], timeout=30)
+            raise
 
     def freeze(self) -> None:
-        subprocess.run(["fsfreeze", "--freeze", self.path], check=True, timeout=30)
-        self.frozen = True
+        with self._lock:
+            self._safety = subprocess.Popen(
+                ["sh", "-c", f"sleep {self.SAFETY_THAW}; exec fsfreeze --unfreeze '{self.path}'"],
+                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(["fsfreeze", "--freeze", self.path], check=True, timeout=30)
+            self.frozen = True
 
     def thaw(self) -> None:
-        if self.frozen:
-            subprocess.run(["fsfreeze", "--unfreeze", self.path], check=True, timeout=30)
-            self.frozen = False
+        """Thaw if frozen (from any thread; idempotent)."""
+        with self._lock:
+            if self.frozen:
+                subprocess.run(["fsfreeze", "--unfreeze", self.path], timeout=30)
+                self.frozen = False
+            if self._safety is not None:
+                # our own child's session (sh and its sleep): its sleep has not run out
+                os.killpg(self._safety.pid, signal.SIGKILL)
+                self._safety.wait(10)
+                self._safety = None
 
     def remove(self) -> None:
-        """Thaw, unmount (lazily if a descriptor still holds it after 10 s) and detach."""
-        self.thaw()
-        deadline = time.monotonic() + 10
-        while subprocess.run(["umount", self.path], timeout=60, capture_output=True).returncode != 0:
-            if time.monotonic() > deadline:
-                subprocess.run(["umount", "--lazy", self.path], timeout=60)
-                break
-            time.sleep(0.1)
-        subprocess.run(["losetup", "--detach", self.dev], timeout=30)   # autoclear once unused
+        """Thaw, unmount (lazily if a descriptor still holds it after 10 s) and detach, each
+        attempted whatever the one before did."""
+        try:
+            self.thaw()
+        finally:
+            deadline = time.monotonic() + 10
+            while subprocess.run(["umount", self.path], timeout=60, capture_output=True).returncode != 0:
+                if time.monotonic() > deadline:
+                    subprocess.run(["umount", "--lazy", self.path], timeout=60)
+                    break
+                time.sleep(0.1)
+            subprocess.run(["losetup", "--detach", self.dev], timeout=30)   # autoclear once unused
 
 
 @pytest.fixture
@@ -80,7 +105,8 @@ def disk(tmp_path):
 
 
 def _blocked_tasks(pid: int) -> list[str]:
-    """The threads of ``pid`` waiting uninterruptibly (state D), as ``tid:comm``."""
+    """The threads of ``pid`` waiting uninterruptibly (state D), as ``tid:comm`` (the main
+    thread, the poll loop's, has tid == pid)."""
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -131,8 +157,10 @@ def test_sample_hands_over_and_returns_while_the_disk_is_frozen_and_the_records_
             time.sleep(0.01)
     finally:
         done.set()
-        disk.thaw()
-        r.close()
+        try:
+            disk.thaw()
+        finally:
+            r.close()
     recs = blackbox.decode(open(os.path.join(disk.path, "blackbox.ring"), "rb").read()).records
     assert [x.mono for x in recs] == [100.0, 101.0, 102.0, 103.0, 104.0]
     assert all(x.state == "term_sent" and x.target_mem == 1 << 30 for x in recs)
@@ -157,6 +185,7 @@ def test_the_guard_terms_the_engine_while_its_black_box_disk_is_frozen(disk, eng
         disk.freeze()
         frozen_at = time.time()
         stuck = _await(lambda: _blocked_tasks(g.proc.pid), 10, "no thread of the guard waiting on the frozen disk")
+        assert not any(t.startswith(f"{g.proc.pid}:") for t in stuck), f"the poll loop waits on the disk: {stuck}"
         fe.start_fill()
         g.notify.wait_for(lambda m: "term_sent" in m.get("STATUS", ""), timeout=30)
         assert fe.wait_gone(pids, timeout=20), "the engine outlived its SIGTERM"
@@ -165,8 +194,10 @@ def test_the_guard_terms_the_engine_while_its_black_box_disk_is_frozen(disk, eng
         disk.thaw()
         assert g.stop() == 0
     finally:
-        disk.thaw()
-        g.stop()
+        try:
+            disk.thaw()
+        finally:
+            g.stop()
     recs = blackbox.decode(open(path, "rb").read())
     assert recs.header.clean
     during = [x.at for x in recs.records if frozen_at <= x.at <= thawed_at]

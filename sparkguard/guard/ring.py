@@ -1,4 +1,4 @@
-"""The black box's file: lock it, read the last run's ring, write one sample a second, flush, mark the clean stop.
+"""The black box's file: lock it, read the last run's ring, hand a sample a second to its writer, mark the clean stop.
 
 The format and every decision are in :mod:`sparkguard.blackbox` (pure); this module does the I/O:
 
@@ -25,8 +25,10 @@ The format and every decision are in :mod:`sparkguard.blackbox` (pure); this mod
   memory is far above the line it wakes only for the idle records, and the kernel's own
   writeback writes dirty pages once they are ``vm.dirty_expire_centisecs`` old (30 s by default,
   Documentation/admin-guide/sysctl/vm.rst), as it always does with ``blackbox_sync: 0``.
-* :meth:`Ring.close` (clean stop): waits (at most :data:`CLOSE_WAIT` s) for the writer to write
-  what it holds, then the header with CLEAN set and the stop time, ``fdatasync``.
+* :meth:`Ring.close` (clean stop): the writer writes what it holds, then the header with CLEAN
+  set and the stop time, and ``fdatasync``\\ s, all as its last step; close() waits
+  :data:`CLOSE_WAIT` s for it.  On a disk that does not answer, the stop goes on without them
+  (logged), though the process cannot end before the kernel lets the writer's write return.
 
 Sources for the waits: fsfreeze(8) ("any process attempting to write to the frozen filesystem is
 blocked"); mm/page-writeback.c (``balance_dirty_pages``: writers pause while dirty pages exceed a
@@ -98,8 +100,9 @@ class Ring:
     Attributes:
         path: the file; next_at, next_full_at: monotonic s when the next record is due while memory
         is far above the line (idle) and while it is not (the loop compares them); written: records
-        written by this run (the writer's count); errors: records lost to a failed write or to a
-        failure before the hand-over.
+        written by this run, errors: failed writes (both counted by the writer thread alone);
+        dropped: records lost before the writer had them (a failure making one, or one pushed out of
+        a full hand-over queue while the disk did not answer; counted by the loop thread alone).
     """
 
     def __init__(self, path: str, fd: int, boot_id: str, started_at: float, sync_every: float,
@@ -108,7 +111,7 @@ class Ring:
         self.boot_id, self.started_at = boot_id, started_at
         self._boot = blackbox.boot_bytes(boot_id)
         self.next_at = self.next_full_at = 0.0
-        self.written = self.errors = 0
+        self.written = self.errors = self.dropped = 0
         self._seq = 0
         self._buf = bytearray(blackbox.RECORD_SIZE)
         self._psi_buf = bytearray(512)
@@ -122,7 +125,8 @@ class Ring:
         self._slow_at = 0.0
         self._failing = False
         self._map = _pin(fd)
-        self._dirty = self._stopped = self._near = False
+        self._dirty = self._stopped = self._near = self._clean = False
+        self._stop_at = 0.0                 # unix s of the clean stop, for the writer's last header
         #: (offset, record bytes) handed over by the loop, oldest first; append and popleft are
         #: atomic, and a full deque drops the oldest rather than grow
         self._pending: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=blackbox.SLOTS)
@@ -150,7 +154,7 @@ class Ring:
                 memory is far above the line (state OK, MemAvailable at least the idle fast
                 path's floor);
                 target_mem: the target tree's memory in bytes, -1 unknown.
-        Never raises: a failure is counted in :attr:`errors` and logged once per streak.
+        Never raises: a failure is counted in :attr:`dropped` and logged once per streak.
         """
         self.next_full_at = now + blackbox.INTERVAL
         self.next_at = now + blackbox.IDLE_INTERVAL if idle else self.next_full_at
@@ -167,13 +171,16 @@ class Ring:
             blackbox.pack_record(self._buf, self._seq, time.time(), now, self._boot,
                                  avail + max(swap, 0) if use_swap else avail, avail, free, swap, self._zram_used,
                                  target_mem, self._some, self._full, blackbox.state_code(state), idle)
-            self._pending.append((blackbox.offset(self._seq), bytes(self._buf)))
-            self._near = not idle           # a bool store: atomic under the GIL
+            self._near = not idle           # before the hand-over: the writer's flush schedule reads it
+            pending = self._pending
+            if len(pending) == blackbox.SLOTS:
+                self.dropped += 1           # the writer is stuck: the oldest record goes
+            pending.append((blackbox.offset(self._seq), bytes(self._buf)))
             if not self._wake.is_set():
                 self._wake.set()
             self._failing = False
         except Exception as e:  # noqa: BLE001 - the black box must never cost the guard its loop
-            self.errors += 1
+            self.dropped += 1
             if not self._failing:           # logged once per streak
                 self._failing = True
                 log.error("black box %s: making a sample failed (%s)", self.path, e)
@@ -217,34 +224,44 @@ class Ring:
     def _io_loop(self, fd: int, every: float) -> None:
         """Write each record the loop hands over at its slot; while records are not idle (memory
         near the line), start writeback (:func:`flush`) of what was written every ``every`` s (0:
-        never).  Sleeps until the next record, or the next flush while one is due.  Ends after
-        writing what is left once close() is called."""
-        failing = flush_failing = False
+        never).  Sleeps until the next record, or the next flush while one is due.  Once close()
+        is called: writes what is left, then (clean stop) the header with CLEAN set, ``fdatasync``,
+        and ends.  An unexpected error is logged once and the thread goes on."""
+        failing = flush_failing = broken = False
         flush_at: float | None = None       # monotonic s of the next flush; None while records are idle
         try:
             while True:
                 self._wake.wait(None if flush_at is None else max(0.0, flush_at - time.monotonic()))
                 self._wake.clear()          # before writing: a record handed over meanwhile wakes it again
-                failing = self._write_pending(fd, failing)
-                if self._stopped:
-                    return
-                if every <= 0:
-                    continue
-                now = time.monotonic()
-                if flush_at is None:
-                    if self._near:
-                        flush_at = now + every
-                elif now >= flush_at:
-                    if self._dirty:
-                        self._dirty = False
-                        try:
-                            flush(fd)
-                            flush_failing = False
-                        except OSError as e:
-                            if not flush_failing:
-                                log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
-                            flush_failing = True
-                    flush_at = now + every if self._near else None
+                stopping = self._stopped    # read before the drain: every record of the loop precedes it
+                try:
+                    failing = self._write_pending(fd, failing)
+                    if stopping:
+                        self._last_step(fd)
+                        return
+                    if every <= 0:
+                        continue
+                    now = time.monotonic()
+                    if flush_at is None:
+                        if self._near:
+                            flush_at = now + every
+                    elif now >= flush_at:
+                        if self._dirty:
+                            self._dirty = False
+                            try:
+                                flush(fd)
+                                flush_failing = False
+                            except OSError as e:
+                                if not flush_failing:
+                                    log.warning("black box %s: flushing failed: %s", self.path, e.strerror or e)
+                                flush_failing = True
+                        flush_at = now + every if self._near else None
+                except Exception as e:  # noqa: BLE001 - the writer must outlive any one record
+                    if stopping:
+                        raise
+                    if not broken:
+                        broken = True
+                        log.exception("black box %s: the writer failed (%s); it goes on", self.path, e)
         finally:
             os.close(fd)
 
@@ -272,35 +289,41 @@ class Ring:
 
     # ---- stop ------------------------------------------------------------------------------
 
-    def close(self, clean: bool = True) -> None:
-        """Stop the writer once it has written what it was handed (waiting at most
-        :data:`CLOSE_WAIT` s); with ``clean`` mark the clean stop (header CLEAN flag, stop time) and
-        flush.  Errors are logged; the file is closed either way.  Safe to call twice."""
-        if self.fd < 0:
+    def _last_step(self, fd: int) -> None:
+        """The writer's end (every record written): with a clean stop, the header with CLEAN set
+        and the stop time, then ``fdatasync``.  Errors are logged."""
+        if not self._clean:
             return
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(CLOSE_WAIT)
-        if self._thread.is_alive():
-            log.error("black box %s: the last samples are not written after %gs (the disk is not "
-                      "answering)", self.path, CLOSE_WAIT)
         try:
-            if clean:
-                os.pwrite(self.fd, blackbox.encode_header(self._header(True, time.time())), 0)
-                os.fdatasync(self.fd)
+            os.pwrite(fd, blackbox.encode_header(self._header(True, self._stop_at)), 0)
+            os.fdatasync(fd)
         except OSError as e:
             log.error("black box %s: marking the clean stop failed (%s): the next start will report an "
                       "unclean shutdown", self.path, e.strerror or e)
-        finally:
-            for fd in [self._psi_fd, *self._zram_fds]:
-                if fd is not None:
-                    os.close(fd)
-            self._psi_fd, self._zram_fds = None, []
-            if self._map is not None:
-                self._map.close()
-                self._map = None
-            os.close(self.fd)       # releases the flock
-            self.fd = -1
+
+    def close(self, clean: bool = True) -> None:
+        """Stop the writer: it writes what it was handed, then with ``clean`` marks the clean stop
+        (header CLEAN flag, stop time) and flushes.  Waits at most :data:`CLOSE_WAIT` s for that
+        (a disk that does not answer: logged, and the stop goes on without it).  The file is closed
+        either way.  Safe to call twice."""
+        if self.fd < 0:
+            return
+        self._clean, self._stop_at = clean, time.time()
+        self._stopped = True                # after the two above: the writer reads them once it sees this
+        self._wake.set()
+        self._thread.join(CLOSE_WAIT)
+        if self._thread.is_alive():
+            log.error("black box %s: the disk has not taken the last samples%s after %gs: the stop goes "
+                      "on without waiting", self.path, " and the clean-stop mark" if clean else "", CLOSE_WAIT)
+        for fd in [self._psi_fd, *self._zram_fds]:
+            if fd is not None:
+                os.close(fd)
+        self._psi_fd, self._zram_fds = None, []
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        os.close(self.fd)           # the flock goes with the writer's descriptor, its last (a dup)
+        self.fd = -1
 
     def _header(self, clean: bool, stopped_at: float = 0.0) -> blackbox.Header:
         return blackbox.Header(blackbox.SLOTS, clean, self.boot_id, self.started_at, stopped_at, os.getpid(),
