@@ -48,6 +48,26 @@ def mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def settled_mem_available(timeout: float = 90.0, lists_below: int = 256 << 20) -> int:
+    """MemAvailable in bytes once the kernel's per-CPU free lists hold less than ``lists_below``
+    bytes (or after ``timeout`` s).  Memory a test before freed sits on those lists, outside
+    MemFree and MemAvailable, and drains into them at ~15 MiB/s (up to ~1 GiB on this 2-CPU VM:
+    bench/results/pcp-after-exit.txt): a line placed under MemAvailable read before that would
+    see MemAvailable rise under it while a fill runs."""
+    from sparkguard import pcp
+    r = pcp.PcpReader()
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            held = r.free_bytes()
+            if held is None or held < lists_below:
+                break
+            time.sleep(0.5)     # no event says the lists drained: they decay on the kernel's own clock
+    finally:
+        r.close()
+    return mem_available()
+
+
 def mem_total() -> int:
     """MemTotal in bytes (the first line of /proc/meminfo); a guard line must stay below it."""
     with open("/proc/meminfo") as f:

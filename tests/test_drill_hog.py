@@ -97,21 +97,6 @@ def _level_fill(level: int, rate: str, cap: str = "3GiB"):
                      "--fill-to", str(level), "--fill-rate", rate)
 
 
-def _settled(timeout: float = 20.0) -> int:
-    """MemAvailable (bytes) once the host has stopped moving it by more than 32 MiB over 0.5 s
-    (processes of earlier tests still tearing down their memory), or after ``timeout`` s."""
-    from conftest import mem_available
-    deadline = time.monotonic() + timeout
-    last = mem_available()
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = mem_available()
-        if abs(now - last) < 32 * MiB:
-            return now
-        last = now
-    return last
-
-
 def test_a_fill_to_a_level_goes_as_low_as_planned_whatever_other_work_frees_or_takes():
     """The drill's fill stops at a MemAvailable level, not after a byte count: memory another
     process frees meanwhile is filled too (the drill still reaches its line), memory another
@@ -122,7 +107,7 @@ def test_a_fill_to_a_level_goes_as_low_as_planned_whatever_other_work_frees_or_t
     and 384 MiB below it in the second, well outside the slack; the bytes filled are not (beyond
     a loose bound), as the rest of a shared host may free or take memory during the seconds a fill
     runs."""
-    from conftest import mem_available
+    from conftest import mem_available, settled_mem_available as _settled
     import pytest
     if mem_available() < 8 << 30:
         pytest.skip("not enough MemAvailable for 2 GiB of fills on this host right now")

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from conftest import mem_available, mem_total
+from conftest import mem_available, mem_total, settled_mem_available
 from guardrun import GuardProc
 
 GiB = 1024**3
@@ -50,7 +50,8 @@ def filling_engine(engine_factory, *opts: str, fill: int = 2 * GiB):
 
 
 def line_below_now(margin: int = GiB) -> int:
-    return mem_available() - margin
+    """A line ``margin`` under MemAvailable, read once memory freed by earlier tests has reached it."""
+    return settled_mem_available() - margin
 
 
 def test_engine_is_termed_and_gone_and_the_incident_says_so(engine_factory):
