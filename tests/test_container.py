@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import mem_available, run_sparkguard
+from conftest import line_below_now, run_sparkguard
 from dockerd import dockerd, unique_name  # noqa: F401 - the session fixture
 from supervisor_helpers import Daemon, engine_config, free_port, wait_gone
 
@@ -165,7 +165,7 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
     # the engine inside fills 640 MiB as soon as it is ready; the guard's line is 256 MiB below
     # MemAvailable now (a short window: other users of this machine move MemAvailable too)
     fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "0.2")
-    guard = {"term_below": mem_available() - 256 * MiB, "grace": "10s", "recovery_wait": "2s"}
+    guard = {"term_below": line_below_now(256 * MiB), "grace": "10s", "recovery_wait": "2s"}
     with supervised(d, tmp_path, tag, *fill, guard=guard) as (sg, st, cid, init):
         mark = sg.mark()
         inc = sg.incident("memory", start=mark, timeout=60)
@@ -180,14 +180,38 @@ def test_guard_crossing_sigterms_the_engine_in_its_container(tmp_path, docker_en
         assert any("fake-vllm: ready" in ln for ln in inc["engine"]["last_lines"]), inc["engine"]["last_lines"]
 
 
+def _signal_tp0(init: int, sig: int) -> None:
+    """Send ``sig`` to the worker titled ``VLLM::Worker_TP0`` under the container's init ``init``
+    (host pids: the fake's own "ready pids=" are of the container's pid namespace).  The tree was
+    started by this test; the signal goes through a pidfd opened before the title is re-read, so a
+    reused pid is never signalled.  AssertionError when there is no such worker."""
+    procs = proctree.scan()
+    kids = proctree.children_map(procs)
+    for pid in proctree.descendants([init], kids):
+        p = procs.get(pid)
+        if p is None or not p.cmdline.startswith("VLLM::Worker_TP0"):
+            continue
+        fd = os.pidfd_open(pid)
+        try:
+            again = proctree.read_proc(pid)
+            if again is not None and again.starttime == p.starttime:
+                signal.pidfd_send_signal(fd, sig)
+                return
+        finally:
+            os.close(fd)
+    raise AssertionError(f"no VLLM::Worker_TP0 under pid {init}")
+
+
 @contextlib.contextmanager
 def guarded_container(d, tmp_path, *opts: str, grace: str):
-    """A fake vLLM in a container started by hand (``docker run``, labelled and named TAG) that
-    fills 640 MiB 3 s after it serves, and a guard-only ``sparkguard run`` matching it, its line
-    256 MiB below MemAvailable then; yields ``(daemon, client, container id, init pid, tag)`` once the
-    guard has armed it.  Everything is stopped and removed afterwards."""
+    """A fake vLLM in a container started by hand (``docker run``, labelled and named TAG) and a
+    guard-only ``sparkguard run`` matching it, its line 256 MiB below MemAvailable once the engine
+    serves; once the guard has armed the container's tree, TP0 is sent SIGUSR1 and fills 640 MiB.
+    Yields ``(daemon, client, container id, init pid, tag)``.  Everything is stopped and removed
+    afterwards.  (A fill on a timer raced the guard's start: on a loaded machine it was done before
+    the line was read, and the guard never saw memory cross it.)"""
     tag = unique_name()
-    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-delay", "3", *opts)
+    fill = ("--fill-size", "640MiB", "--fill-rate", "1GiB/s", "--fill-on-signal", *opts)
     argv = d.fake_run(tag, *SMALL, *fill, name=tag, run_opts=("--label", f"sgtest={tag}"))
     engine = subprocess.Popen(argv, env=d.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -201,11 +225,12 @@ def guarded_container(d, tmp_path, *opts: str, grace: str):
         assert seen and "fake-vllm: serving" in seen[-1], "".join(seen)
         [cid] = _containers(d, tag)
         init = _inspect(d, cid)["State"]["Pid"]
-        cfg = {"guard": {"term_below": mem_available() - 256 * MiB, "grace": grace, "recovery_wait": "2s"},
+        cfg = {"guard": {"term_below": line_below_now(256 * MiB), "grace": grace, "recovery_wait": "2s"},
                "targets": {"match": [re.escape(tag)]}, "metrics": {"listen": "off"},
                "incidents": {"dir": str(tmp_path / "incidents"), "journal": "off"}}
         sg = Daemon(tmp_path, cfg)
-        sg.wait_line(rf"targets now: .*\[container {cid[:12]}", 20)
+        sg.wait_line(rf"targets now: .*\[container {cid[:12]}.*, armed", 20)
+        _signal_tp0(init, signal.SIGUSR1)
         yield sg, engine, cid, init, tag
     finally:
         if sg is not None:
