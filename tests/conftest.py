@@ -68,6 +68,19 @@ def settled_mem_available(timeout: float = 90.0, lists_below: int = 256 << 20) -
     return mem_available()
 
 
+def line_below_now(margin: int) -> int:
+    """A guard line ``margin`` bytes under MemAvailable, read once memory freed by earlier tests
+    has reached MemAvailable (``settled_mem_available``): a fill of more than ``margin`` crosses it."""
+    return settled_mem_available() - margin
+
+
+def line_above_now(margin: int = 512 << 20) -> int:
+    """A guard line ``margin`` bytes over MemAvailable (crossed with no allocation), read once the
+    per-CPU free lists have drained into MemAvailable, and below MemTotal (the config refuses a line
+    at or above it)."""
+    return min(settled_mem_available() + margin, mem_total() - (64 << 20))
+
+
 def mem_total() -> int:
     """MemTotal in bytes (the first line of /proc/meminfo); a guard line must stay below it."""
     with open("/proc/meminfo") as f:

@@ -186,10 +186,8 @@ def test_changed_command_is_stopped_and_the_configured_one_started(daemons):
 def line_above_available() -> int:
     """A SIGTERM line above MemAvailable (no memory is allocated to cross it) that the config
     still accepts: below MemTotal (on an idle machine MemAvailable + 800 MiB may not be)."""
-    from conftest import mem_available
-    with open("/proc/meminfo") as f:
-        total = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
-    return min(mem_available() + 800 * 1024**2, total - 64 * 1024**2)
+    from conftest import line_above_now
+    return line_above_now(800 * 1024**2)
 
 
 def reload_with(d: Daemon, **guard) -> None:

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import mem_available
+from conftest import line_below_now, mem_available
 from guardrun import GuardProc
 from sparkguard import blackbox
 from sparkguard.guard import ring
@@ -175,7 +175,7 @@ def test_the_guard_terms_the_engine_while_its_black_box_disk_is_frozen(disk, eng
         pytest.skip("not enough MemAvailable for a 1.5 GiB fill on this host right now")
     fe = engine_factory("--fill-rate", "max", "--fill-size", str(GiB + 512 * MiB), "--fill-on-signal")
     path = os.path.join(disk.path, "blackbox.ring")
-    line = mem_available() - GiB            # near: far below the idle floor, a record every second
+    line = line_below_now(GiB)              # near: far below the idle floor, a record every second
     g = GuardProc({"guard": {"term_below": line, "grace": "20s", "blackbox_file": path},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
     try:

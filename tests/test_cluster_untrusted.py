@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sparkguard import status_gather, status_render, untrusted
-from sparkguard.cluster import cli, ops, ssh, timeline
+from sparkguard.cluster import cli, ops, ssh
 from sparkguard.cluster.model import ClusterFile, ClusterNode, NodeStatus
 from test_cluster_view_logic import _Page
 

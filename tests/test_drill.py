@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import fake_vllm, mem_available, run_sparkguard, sg_env, sparkguard_cmd
+from conftest import fake_vllm, line_below_now, mem_available, run_sparkguard, sg_env, sparkguard_cmd
 
 GiB = 1 << 30
 
@@ -184,7 +184,7 @@ def test_drill_interrupted_removes_its_fake_engine(tmp_path, root_only, sig):
 
 
 def test_drill_refuses_near_the_configured_line(tmp_path, root_only):
-    line = mem_available() - GiB
+    line = line_below_now(GiB)
     if line < GiB:
         pytest.skip("host too full for this check")
     cfg = _config(tmp_path, term_below=line)

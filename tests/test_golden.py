@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, mem_available, mem_total, run_sparkguard
+from conftest import ROOT, line_above_now, line_below_now, run_sparkguard
 from guardrun import GuardProc
 from test_journal import JournalStandIn
 
@@ -182,7 +182,7 @@ def test_incident(case: Path, engine_factory, tmp_path):
     fill = spec.get("fill")
     opts = ["--fill-rate", "max", "--fill-size", str(fill), "--fill-on-signal"] if fill else []
     fe = engine_factory(*opts, *spec.get("engine", []))
-    line = mem_available() - MARGIN if fill else min(mem_available() + 512 * 1024**2, mem_total() - 64 * 1024**2)
+    line = line_below_now(MARGIN) if fill else line_above_now()
     cfg = json.loads(json.dumps(spec["config"]).replace('"<line>"', str(line)).replace("<model>", fe.model))
     cfg.setdefault("incidents", {})["journal"] = "on"
     jdir = tmp_path / "journal"
@@ -329,7 +329,7 @@ def test_supervised(case: Path, tmp_path):
                    "--fill-delay", str(spec["fill_delay"]))
     cfg = engine_config(tmp_path, model, cmd, None, **spec.get("engine", {}))
     cfg["guard"].update(spec.get("guard", {}))
-    cfg["guard"]["term_below"] = mem_available() - MARGIN
+    cfg["guard"]["term_below"] = line_below_now(MARGIN)
     d = Daemon(tmp_path, cfg)
     try:
         # the report again, same id, once the restart happened: the log names the file it saved

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import mem_available
+from conftest import line_below_now, mem_available, settled_mem_available
 from guardrun import GuardProc, unique
 from supervisor_helpers import free_port
 from test_guard_incidents import events, filling_engine, wait_incident
@@ -48,7 +48,7 @@ def test_a_fill_that_starts_on_the_fast_path_is_caught_at_the_line(engine_factor
     # the line sits well beyond FAR below MemAvailable: the guard idles on the fast path
     # until the fill brings MemAvailable within FAR, then polls faster and SIGTERMs at the line
     # (seen within one short poll of it)
-    _caught_at_the_line(engine_factory, mem_available() - FAR - GiB, POLL, 512 * MiB)
+    _caught_at_the_line(engine_factory, line_below_now(FAR + GiB), POLL, 512 * MiB)
 
 
 def test_a_fill_that_starts_on_the_free_memory_check_is_caught_at_the_line(engine_factory):
@@ -61,6 +61,7 @@ def test_a_fill_that_starts_on_the_free_memory_check_is_caught_at_the_line(engin
         pytest.skip("sysconf(_SC_AVPHYS_PAGES) is not glibc's here: no free-memory check")
     poll = 0.02
     far = int(poll * 32 * GiB)
+    settled_mem_available()
     r = meminfo.MeminfoReader()
     fields = {k: r.last(k) for k in FREE_FIELDS}
     r.close()

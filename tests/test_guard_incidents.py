@@ -12,7 +12,8 @@ import os
 import signal
 import time
 
-from conftest import mem_available, mem_total, settled_mem_available
+from conftest import line_above_now, mem_available
+from conftest import line_below_now as _line_below
 from guardrun import GuardProc
 
 GiB = 1024**3
@@ -50,8 +51,8 @@ def filling_engine(engine_factory, *opts: str, fill: int = 2 * GiB):
 
 
 def line_below_now(margin: int = GiB) -> int:
-    """A line ``margin`` under MemAvailable, read once memory freed by earlier tests has reached it."""
-    return settled_mem_available() - margin
+    """A line ``margin`` (default 1 GiB) under MemAvailable once it has settled (conftest)."""
+    return _line_below(margin)
 
 
 def test_engine_is_termed_and_gone_and_the_incident_says_so(engine_factory):
@@ -121,8 +122,7 @@ def test_no_second_victim_while_the_first_ones_memory_is_coming_back(engine_fact
     # a line above MemAvailable and the kernel's per-CPU free lists (which would extend the wait,
     # sparkguard.pcp): memory stays "low" after the first victim is gone, as when stranded driver
     # memory takes a while to come back
-    from sparkguard.pcp import PcpReader
-    line = min(mem_available() + (PcpReader().free_bytes() or 0) + 512 * MiB, mem_total() - 64 * MiB)
+    line = line_above_now()
     recovery_wait = 4.0
     g = GuardProc({"guard": {"term_below": line, "grace": "20s", "recovery_wait": f"{recovery_wait}s"},
                    "targets": {"match": [rf"vllm serve {first.model}\b", rf"vllm serve {second.model}\b"]}})
@@ -149,7 +149,7 @@ def test_no_second_victim_while_the_first_ones_memory_is_coming_back(engine_fact
 
 def test_protected_processes_are_never_signalled(engine_factory):
     fe = engine_factory("--hold", "16MiB")
-    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
+    line = line_above_now()
     # the engine's top runs as python3.x: protect it by comm
     g = GuardProc({"guard": {"term_below": line, "grace": "1s", "recovery_wait": "1s"},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"], "protect": [r"python3.*"]}})
@@ -171,7 +171,7 @@ def test_protected_processes_are_never_signalled(engine_factory):
 
 def test_dry_run_decides_and_reports_but_signals_nothing(engine_factory):
     fe = engine_factory("--hold", "16MiB")
-    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
+    line = line_above_now()
     g = GuardProc({"guard": {"term_below": line, "grace": "1s", "dry_run": True},
                    "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
     try:
@@ -198,7 +198,7 @@ def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
     import yaml
     from conftest import sg_env
     fe = engine_factory("--hold", "16MiB")
-    line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)
+    line = line_above_now()
     cfg = tmp_path / "sg.yaml"
     cfg.write_text(yaml.safe_dump({"guard": {"term_below": line, "grace": "5s"},
                                    "targets": {"match": [rf"vllm serve {fe.model}\b"]},

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import ROOT, mem_available
+from conftest import ROOT, line_below_now
 from guardrun import GuardProc
 from test_guard_incidents import events, filling_engine, wait_incident
 
@@ -50,7 +50,7 @@ def test_sigterm_follows_the_crossing_quickly_while_peers_and_scrapes_keep_other
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         g = GuardProc({
-            "guard": {"term_below": mem_available() - GiB, "grace": "20s"},
+            "guard": {"term_below": line_below_now(GiB), "grace": "20s"},
             "targets": {"match": [rf"vllm serve {fe.model}\b"]},
             "metrics": {"listen": f"127.0.0.1:{port}"},
             # the supervised engine never starts: its peers gate keeps reading the hostile peer

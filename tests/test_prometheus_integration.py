@@ -33,7 +33,7 @@ import uuid
 import pytest
 import yaml
 
-from conftest import ROOT, fake_vllm, mem_available, mem_total
+from conftest import ROOT, fake_vllm, line_above_now, mem_available
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 RULES = ROOT / "sparkguard" / "data" / "prometheus" / "sparkguard-rules.yml"
@@ -247,7 +247,7 @@ def test_prometheus_scrapes_guard_and_incident_alert_fires(tmp_path):
 
         # the guard acts: the line is moved 512 MiB above MemAvailable (SIGHUP reload); the fake
         # holds ~1.5 GiB, so its death brings memory back over the line
-        line = min(mem_available() + 512 * MiB, mem_total() - 64 * MiB)   # config: below MemTotal
+        line = line_above_now()
         guard.write_config({**guard.cfg, "guard": {"term_below": line, "grace": "5s"}})
         guard.proc.send_signal(signal.SIGHUP)
         try:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import fake_vllm, mem_available, run_sparkguard, sg_env, sparkguard_cmd
+from conftest import fake_vllm, line_below_now, run_sparkguard, sg_env, sparkguard_cmd
 from supervisor_helpers import (Daemon, engine_config, fake_cmd, free_port, kill_pids, restarted, unique,
                                 wait_gone)
 
@@ -250,8 +250,8 @@ def test_guard_crossing_while_the_supervisor_stops_the_engine_sends_no_second_si
     # again (uvicorn force-exits on a second one), only keep its own grace clock and tree SIGKILL.
     model, port = unique(), free_port()
     cfg = engine_config(tmp_path, model, fake_cmd(model, port, "--exit-delay", "6"), port)
-    GiB, MiB = 1024**3, 1024**2
-    cfg["guard"].update({"term_below": mem_available() - 768 * MiB, "grace": "30s", "recovery_wait": "10s"})
+    MiB = 1024**2
+    cfg["guard"].update({"term_below": line_below_now(768 * MiB), "grace": "30s", "recovery_wait": "10s"})
     d = Daemon(tmp_path, cfg)
     stop, hog = None, None
     try:
