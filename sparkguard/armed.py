@@ -64,7 +64,7 @@ import os
 import time
 from typing import Callable
 
-from sparkguard import enginetree, proctree, signals
+from sparkguard import proctree, signals
 from sparkguard.guard import cgkill
 
 log = logging.getLogger("sparkguard.armed")

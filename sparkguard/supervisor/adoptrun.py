@@ -26,7 +26,7 @@ import time
 
 from sparkguard import proctree, sysinfo
 from sparkguard.guard import escalation
-from sparkguard.supervisor import adopt, cluster, container, handover, health, lanes, output
+from sparkguard.supervisor import adopt, cluster, handover, health, lanes, output
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor.run import Run
 from sparkguard.supervisor.runthreads import SupervisorMonitorHooks

@@ -47,7 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from sparkguard import enginetree, proctree
+from sparkguard import proctree
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
 from sparkguard.supervisor import container_argv, container_cgroup, container_names
 
