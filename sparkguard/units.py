@@ -12,8 +12,51 @@ the YAML 1.1 forms ``010`` (octal), ``0x10``, ``0o10``, ``0b10``, ``1_000`` and 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import reprlib
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` built from bounded pieces: at most 4 levels and 8 items a level, and a string's first
+    400 characters, so a value whose aliases multiply (a list of 9 references to a list of 9
+    references ...) costs at most ~4,000 items to show, never its expansion.  Mappings keep
+    their order (reprlib's own sorts their keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxother, self.maxlong = 4, 400, 400
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 8
+
+    def repr_str(self, x: str, level: int) -> str:
+        return repr(x[:400])
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+
+_REPR = _BoundedRepr()
+
+
+def shown(value, limit: int = 200) -> str:
+    """A repr of ``value`` for an error message, built from bounded pieces (:class:`_BoundedRepr`)
+    and cut to ``limit`` characters; an int too long for repr (Python >= 3.11 refuses more than
+    4300 digits) is shown by its size.  Never raises."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:
+        return f"<a number of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
+    except Exception:  # noqa: BLE001 - a repr that fails must not hide the error being reported
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -66,21 +109,21 @@ def parse_size(value: object) -> int:
             bool is rejected (YAML ``yes``).
     """
     if isinstance(value, bool):
-        raise ValueError(f"expected a size like 0.75GiB, got {value!r}")
+        raise ValueError(f"expected a size like 0.75GiB, got {shown(value)}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative, got {value!r}")
+            raise ValueError(f"size must not be negative, got {shown(value)}")
         return value
     if isinstance(value, float):
         if _finite(value) < 0:
-            raise ValueError(f"size must not be negative, got {value!r}")
+            raise ValueError(f"size must not be negative, got {shown(value)}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"expected a size like 0.75GiB, got {value!r}")
+        raise ValueError(f"expected a size like 0.75GiB, got {shown(value)}")
     refuse_yaml11_number(value)
     m = _NUM_UNIT.match(value)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"expected a size like 0.75GiB, 768MiB or 805306368, got {value!r}")
+        raise ValueError(f"expected a size like 0.75GiB, 768MiB or 805306368, got {shown(value)}")
     return int(_finite(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]))
 
 
@@ -95,21 +138,21 @@ def parse_duration(value: object) -> float:
         ValueError: not a duration, negative, not finite, or a YAML 1.1 number form (see the module).
     """
     if isinstance(value, bool):
-        raise ValueError(f"expected a duration like 200ms or 20s, got {value!r}")
+        raise ValueError(f"expected a duration like 200ms or 20s, got {shown(value)}")
     if isinstance(value, (int, float)):
         try:
             seconds = _finite(float(value))
         except OverflowError:           # an int beyond a float's range
-            raise ValueError(f"duration too large, got {value!r}") from None
+            raise ValueError(f"duration too large, got {shown(value)}") from None
         if seconds < 0:
-            raise ValueError(f"duration must not be negative, got {value!r}")
+            raise ValueError(f"duration must not be negative, got {shown(value)}")
         return seconds
     if not isinstance(value, str):
-        raise ValueError(f"expected a duration like 200ms or 20s, got {value!r}")
+        raise ValueError(f"expected a duration like 200ms or 20s, got {shown(value)}")
     refuse_yaml11_number(value)
     m = _NUM_UNIT.match(value)
     if not m or m.group(2).lower() not in _DURATION_UNITS:
-        raise ValueError(f"expected a duration like 200ms, 20s or 5m, got {value!r}")
+        raise ValueError(f"expected a duration like 200ms, 20s or 5m, got {shown(value)}")
     return _finite(float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()])
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparkguard.units import shown
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong.
@@ -22,15 +24,22 @@ class ConfigError(ValueError):
         else:
             super().__init__(f"{path}: {key}: {_show(value)}: {reason}")
 
+    def __reduce__(self):
+        """Pickled as its message and names, the value shown in it (a reload's reader process
+        hands its ConfigError to the daemon: :mod:`sparkguard.guard.reconfig`)."""
+        return _rebuild, (self.path, self.key, self.reason, str(self))
+
+
+def _rebuild(path: str, key: str, reason: str, message: str) -> ConfigError:
+    e = ConfigError.__new__(ConfigError)
+    ValueError.__init__(e, message)
+    e.path, e.key, e.value, e.reason = path, key, None, reason
+    return e
+
 
 def _show(value: Any, limit: int = 200) -> str:
-    """``repr(value)`` cut to ``limit`` characters; an int too long for repr (Python >= 3.11 refuses
-    more than 4300 digits) is shown by its size."""
-    try:
-        text = repr(value)
-    except ValueError:
-        return f"<a number of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
-    return text if len(text) <= limit else text[:limit] + "..."
+    """:func:`sparkguard.units.shown`: a repr built from bounded pieces, cut to ``limit`` characters."""
+    return shown(value, limit)
 
 
 class NestedValueError(ValueError):

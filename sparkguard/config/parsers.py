@@ -13,7 +13,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from sparkguard.config.errors import NestedValueError
-from sparkguard.units import parse_duration, parse_size, refuse_yaml11_number
+from sparkguard.units import parse_duration, parse_size, refuse_yaml11_number, shown
 
 MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 MIN_TICK = 0.01             # seconds: the shortest period of anything that repeats (no busy loop)
@@ -100,7 +100,7 @@ def regex_list(v: Any) -> tuple[str, ...]:
         try:
             re.compile(x)
         except re.error as e:
-            raise ValueError(f"bad regular expression {x!r}: {e}") from None
+            raise ValueError(f"bad regular expression {shown(x)}: {e}") from None
     return tuple(v)
 
 
@@ -126,7 +126,7 @@ def ifname_list(v: Any) -> tuple[str, ...]:
     for x in v:
         # net/core/dev.c dev_valid_name: 1-15 bytes, no '/', ':' or whitespace, not '.' or '..'
         if not 0 < len(x.encode()) < 16 or x in (".", "..") or any(c in x for c in "/: \t\n"):
-            raise ValueError(f"{x!r} is not a valid interface name (1-15 characters, no '/', ':' or spaces)")
+            raise ValueError(f"{shown(x)} is not a valid interface name (1-15 characters, no '/', ':' or spaces)")
     if len(set(v)) != len(v):
         raise ValueError("an interface is listed twice")
     return tuple(v)

@@ -14,6 +14,13 @@ from sparkguard.config.errors import ConfigError
 
 
 MAX_FILE_BYTES = 1024**2     # a config is a few KiB; more is the wrong file (/dev/zero, a log)
+#: Nodes a document may hold once every alias is counted as the nodes it stands for.  A full
+#: config with a 4-node cluster is about 300; a 1 MiB file of plain keys is at most ~100,000.
+#: Aliases that multiply (``a: &a [x, x]``, ``b: &b [*a, *a]``, ...) reach billions in a few
+#: hundred bytes, and whatever walks the value (a parser, ``repr`` in an error message) pays that.
+MAX_NODES = 100_000
+#: Levels of nesting, aliases followed; a sparkguard config is 4 deep (engine.lanes.NAME.args).
+MAX_DEPTH = 32
 
 
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -122,19 +129,73 @@ Loader.add_constructor("tag:yaml.org,2002:float", _real)
 Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
+def check_size(node: yaml.Node, path: str) -> None:
+    """Refuse a composed document that is too large or too deep once its aliases are expanded.
+
+    Works on the node graph PyYAML composes (an alias is the anchored node itself, shared), in
+    time and memory proportional to the distinct nodes, never to the expansion: each node's
+    expanded size and depth are computed once (post-order, iterative) and reused wherever an
+    alias points at it.
+    Raises:
+        ConfigError: more than :data:`MAX_NODES` nodes or :data:`MAX_DEPTH` levels once expanded,
+        or an alias inside the node it names (a recursive document).
+    """
+    size: dict[int, tuple[int, int]] = {}      # id(node) -> (expanded nodes, depth)
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    while stack:
+        n, done = stack.pop()
+        i = id(n)
+        kids = n.value if isinstance(n, yaml.SequenceNode) else (
+            [k for pair in n.value for k in pair] if isinstance(n, yaml.MappingNode) else ())
+        if done:
+            on_path.discard(i)
+            total, depth = 1, 0
+            for k in kids:
+                t, d = size[id(k)]
+                total, depth = total + t, max(depth, d)
+            size[i] = (total, depth + 1)
+            if total > MAX_NODES:
+                raise ConfigError(path, "(syntax)", None, f"YAML document of more than {MAX_NODES:,} nodes once "
+                                  f"its aliases are expanded (near line {n.start_mark.line + 1}): refused")
+            if depth + 1 > MAX_DEPTH:
+                raise ConfigError(path, "(syntax)", None, f"YAML nested more than {MAX_DEPTH} levels deep "
+                                  f"(near line {n.start_mark.line + 1}): refused")
+            continue
+        if i in size:
+            continue
+        if i in on_path:
+            raise ConfigError(path, "(syntax)", None, f"YAML alias inside the node it names "
+                              f"(line {n.start_mark.line + 1}): a recursive document is refused")
+        on_path.add(i)
+        stack.append((n, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
+
+
 def parse(text: bytes | str, path: str) -> Any:
     """The YAML document ``text`` read with :class:`Loader`.
 
+    The document is composed first and checked by :func:`check_size` before any Python value
+    is built from it, so aliases that multiply cost nothing but their own nodes.
     Args:
         text: the file's content; path: the file name for errors.
     Returns:
         the parsed document (None for an empty file).
     Raises:
         ConfigError: a YAML syntax error (with its line and column), a duplicate or unhashable
-        key, or a document nested too deeply for the parser.
+        key, a document nested too deeply for the parser, or one too large once its aliases are
+        expanded (:func:`check_size`).
     """
     try:
-        return yaml.load(text, Loader=Loader)
+        loader = Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            check_size(node, path)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as e:
         where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: " if e.problem_mark else ""
         raise ConfigError(path, "(syntax)", None, f"YAML error at {where}{e.problem or e.context}") from None
