@@ -69,10 +69,12 @@ class Actions:
         """The full pass's hook in the OK state: keep the armed target fresh (:mod:`sparkguard.armed`);
         a reload that replaced ``targets`` drops the armed choice first.  ``far``: bytes of headroom
         (poll interval x ``policy.FILL_RATE``) below which the loop polls faster; below it the armed
-        tree's own changes are followed at ``armed.SMALL_DUTY``."""
+        tree's own changes are followed at ``armed.SMALL_DUTY``.  A reload drops the armed choice only
+        when ``targets`` changed: a SIGHUP storm must not leave every crossing to a full scan."""
         if self.cfg.targets is not self._armed_for:
+            if self.cfg.targets != self._armed_for:     # a reload of the same patterns keeps the choice
+                self.armed.disarm()
             self._armed_for = self.cfg.targets
-            self.armed.disarm()
         self.armed.tick(now, headroom, far)
 
     def victim_gone(self) -> bool:
