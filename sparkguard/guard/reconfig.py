@@ -116,6 +116,10 @@ def read_in_child(config_arg: str | None, force_dry_run: bool, deadline: float =
 def _child_main(argv: list[str]) -> int:
     """The reader's entry point: limits itself, reads, writes the pickled result to stdout."""
     import resource
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, max(10, os.getpriority(os.PRIO_PROCESS, 0)))  # never beside the loop
+    except OSError:
+        pass
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_AS_BYTES, CHILD_AS_BYTES))
     resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS))
     result = read_config(argv[0] or None, argv[1] == "1")

@@ -1,11 +1,14 @@
-"""The metrics endpoint: one thread that binds, serves and binds again with a backoff.
+"""The metrics endpoint: one thread that binds, renders for the serving process, and binds again with a backoff.
 
-The server is deliberately small: one thread and one poll(2) loop for every connection, on its own
-:class:`prometheus_client.CollectorRegistry` (never the global default), bound to loopback
-unless the configuration says otherwise (prometheus_client's own ``start_http_server``
-binds 0.0.0.0 by default and starts a thread per request; under ``mlockall(MCL_FUTURE)``
-each such thread's 8 MiB default stack becomes locked resident memory, measured +8 MiB
-RSS per scrape thread against the daemon's 30 MiB budget).
+The server is deliberately small: the daemon binds, and one process of its own
+(:mod:`.httploop`, ``sparkguard: metrics``) serves every connection from one poll(2) loop, so
+no client's work shares the daemon's interpreter lock with the poll loop; one thread of the
+daemon answers that process's requests for a rendering of the registry, its own
+:class:`prometheus_client.CollectorRegistry` (never the global default).  It is bound to
+loopback unless the configuration says otherwise (prometheus_client's own ``start_http_server``
+binds 0.0.0.0 by default and starts a thread per request; under ``mlockall(MCL_FUTURE)`` each
+such thread's 8 MiB default stack becomes locked resident memory, measured +8 MiB RSS per
+scrape thread against the daemon's 30 MiB budget).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -23,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from sparkguard import portowner
 from sparkguard.metrics.families import build_registry
-from sparkguard.metrics.httploop import ServingLoop
+from sparkguard.metrics import httploop
 
 log = logging.getLogger("sparkguard.metrics")
 
@@ -37,6 +42,8 @@ THREAD_STACK_BYTES = 256 * 1024
 LISTEN_BACKLOG = 128
 #: Seconds before the first new attempt to bind a port that could not be bound, doubling to RETRY_MAX.
 RETRY_FIRST, RETRY_MAX = 1.0, 60.0
+#: Seconds the serving process is given to exit once its channel is closed, before SIGKILL.
+CHILD_EXIT_WAIT = 2.0
 
 
 class MetricsListenError(OSError):
@@ -226,7 +233,7 @@ class MetricsServer:
                         continue
                 t_bound = time.monotonic()
                 try:
-                    ServingLoop(self._sock, self._wake_r, self.registry).run()
+                    self._serve()
                     return                      # stop() asked
                 except Exception as e:  # noqa: BLE001 - the endpoint must come back, the guard goes on
                     log.exception("metrics server on %s failed", self._shown)
@@ -244,6 +251,44 @@ class MetricsServer:
                 self._sock.close()
                 self._sock = None
             os.close(self._wake_r)
+
+    def _serve(self) -> None:
+        """Start the serving process (:mod:`.httploop`) on the bound socket and answer its
+        requests for a rendering, at most one per ``RENDER_GAP / 2`` (it asks once per
+        RENDER_GAP for all the clients waiting), until :meth:`stop`.  Raises RuntimeError when
+        the serving process ends or misbehaves (the caller binds again after a backoff)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(httploop.__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        lfd, cfd = self._sock.fileno(), theirs.fileno()
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", httploop.CHILD, str(lfd), str(cfd)],
+                                    pass_fds=(lfd, cfd), stdin=subprocess.DEVNULL, env=env)
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        render = httploop.registry_render(self.registry)
+        last = -1.0
+        try:
+            while True:
+                ready = select.select([ours, self._wake_r], [], [])[0]
+                if self._wake_r in ready:
+                    return
+                wait = last + httploop.RENDER_GAP / 2 - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                last = time.monotonic()
+                if not httploop.answer(ours, render):
+                    raise RuntimeError(f"the serving process (pid {proc.pid}) ended: exit status {proc.wait()}")
+        finally:
+            ours.close()
+            try:
+                proc.wait(CHILD_EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def _sleep(self, seconds: float) -> bool:
         """Wait ``seconds`` or until :meth:`stop`; True when stopping."""
