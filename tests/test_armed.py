@@ -213,8 +213,9 @@ def test_new_processes_tells_processes_from_threads_and_exited_ones(tmp_path):
 def test_an_id_with_no_entry_yet_is_looked_up_again_at_the_next_look(tmp_path):
     """fork hands out a pid before the process shows in /proc (alloc_pid before attach_pid): a
     look that finds no entry for an id looks it up once more next time, and a process there
-    then rescans; an id with no entry at two looks is dropped.  On a /proc copy whose loadavg
-    and entries the test writes between ticks."""
+    then is read; an id with no entry at two looks is dropped.  No look rescans /proc.  On a
+    /proc copy whose loadavg and entries the test writes between ticks (near the line: a look
+    at every tick)."""
     root = tmp_path
 
     def cursor(pid: int) -> None:
@@ -227,29 +228,30 @@ def test_an_id_with_no_entry_yet_is_looked_up_again_at_the_next_look(tmp_path):
 
     cursor(100)
     clock = [0.0]
-    a = armed.Armed(lambda: (None, {}, False), 32 * GiB, clock=lambda: clock[0], proc_root=str(root))
+    a = armed.Armed(lambda procs=None: (None, {} if procs is None else procs, False), 32 * GiB,
+                    clock=lambda: clock[0], proc_root=str(root))
     try:
-        def tick(now: float) -> int:
+        def tick(now: float) -> tuple[int, int]:
             clock[0] = now
-            a.tick(now, 64 * GiB, 6 * GiB)
-            return a.scans
-        assert tick(0.0) == 1
+            a.tick(now, 1 * GiB, 6 * GiB)
+            return a.scans, a.seen
+        assert tick(0.0) == (1, 0)
         entry(101, 1)                   # a thread of an older process
         cursor(103)                     # 102 exited, 103 is being created: neither has an entry
-        assert tick(11.0) == 1
+        assert tick(1.0) == (1, 0)
         entry(103, 103)                 # 103 shows now; only a thread (104) moved the cursor since
         entry(104, 1)
         cursor(104)
-        assert tick(22.0) == 2
+        assert tick(2.0) == (1, 1)
         cursor(106)                     # 105 and 106: no entry at this look nor at the next
-        assert tick(33.0) == 2
+        assert tick(3.0) == (1, 1)
         cursor(107)
         entry(107, 1)
-        assert tick(44.0) == 2 and a._unseen == ()
+        assert tick(4.0) == (1, 1) and a._unseen == ()
         cursor(108)                     # 108 is being created, and nothing moves the cursor after it
-        assert tick(55.0) == 2 and a._unseen == (108,)
+        assert tick(5.0) == (1, 1) and a._unseen == (108,)
         entry(108, 108)
-        assert tick(66.0) == 3
+        assert tick(6.0) == (1, 2)
     finally:
         a.close()
 
@@ -260,58 +262,54 @@ import json, os, subprocess, sys, threading, time
 from sparkguard import armed, enginetree, proctree
 GiB = 1 << 30
 clock = [0.0]
-a = armed.Armed(lambda: (None, proctree.scan(), False), 32 * GiB, clock=lambda: clock[0])
+a = armed.Armed(lambda procs=None: (None, proctree.scan() if procs is None else procs, False), 32 * GiB,
+                clock=lambda: clock[0], matches=lambda p: p.cmdline == "sleep 61")
 out = []
 def tick(now):
     clock[0] = now
-    a.tick(now, 64 * GiB, 6 * GiB)
-    out.append(a.scans)
+    a.tick(now, 1 * GiB, 6 * GiB)      # near the line: a look at every tick
+    out.append([a.scans, a.looks, a.seen, a.choices])
 tick(0.0)                                   # the first scan
 stop = threading.Event()
 t = threading.Thread(target=stop.wait)
 t.start()
-tick(11.0)                                  # a new thread: no scan
+tick(1.0)                                  # a new thread: a look, nothing read
 subprocess.run(["true"], check=True)
-tick(22.0)                                  # a process that has already exited: no scan
+tick(2.0)                                  # a process that has already exited: nothing read
 child = subprocess.Popen(["sleep", "60"])
-tick(33.0)                                  # a process that lives: a scan
+tick(3.0)                                  # a process that lives: read, matches nothing
 for _ in range(40):
     threading.Thread(target=lambda: None).start()
-tick(44.0)                                  # more pids than armed.NEW_PIDS: a scan, as before the look
-sh = subprocess.Popen(["sh", "-c", "read x; exec sleep 60"], stdin=subprocess.PIPE)
-tick(55.0)                                  # a new process (a shell): a scan
-sh.stdin.write(b"\n"); sh.stdin.flush()     # the shell execs sleep: same pid, new argv
+tick(4.0)                                  # 40 threads: looked up one by one, nothing read
+sh = subprocess.Popen(["sh", "-c", "read x; exec sleep 61"], stdin=subprocess.PIPE)
+tick(5.0)                                  # a new process (a shell): read, no match
+sh.stdin.write(b"\n"); sh.stdin.flush()     # the shell execs sleep 61: same pid, new argv, a match
 deadline = time.monotonic() + 10
-while proctree.argv_head(sh.pid) != b"sleep\x0060\x00" and time.monotonic() < deadline:
+while proctree.argv_head(sh.pid) != b"sleep\x0061\x00" and time.monotonic() < deadline:
     time.sleep(0.01)                        # the exec is not an event this script can wait on
 threading.Thread(target=lambda: None).start()
-tick(66.0)                                  # only a thread, but the new process exec'd: a scan
+tick(6.0)                                  # the exec is seen: a choice among the matching trees
 threading.Thread(target=lambda: None).start()
-tick(77.0)                                  # a thread, nothing exec'd since: no scan
-looks, real = [], proctree.new_processes
-proctree.new_processes = lambda *a: looks.append(a) or real(*a)
-for i in range(20):                         # near the line a pass every 0.1 s, a thread each time:
-    threading.Thread(target=lambda: None).start()
-    clock[0] = 80.0 + i * 0.1               # one look, then none for armed.MIN_GAP
-    a.tick(clock[0], 1 * GiB, 6 * GiB)
-out.append(len(looks))
+tick(7.0)                                  # a thread, nothing exec'd since: a look, no choice
 stop.set(); t.join(); child.kill(); child.wait(); sh.kill(); sh.wait()
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private pid namespace needs root")
-def test_churn_that_leaves_no_new_process_does_not_rescan():
+def test_churn_reads_the_new_processes_alone_and_never_rescans():
     """In a pid namespace of its own (so no other process of the host moves its pid cursor):
-    threads and a process that has exited move the cursor without a scan; a process that
-    lives, or more churn than armed.NEW_PIDS, rescans; so do threads after a process found new
-    has exec'd another program (an engine started as ``sh -c 'exec ...'``), once (each tick
-    after armed.IDLE_CHECK).  Near the line, where every pass ticks, the churn is looked at
-    once per armed.MIN_GAP."""
+    threads and a process that has exited move the cursor, and the look that follows reads no
+    process; a process that lives is read, alone; a process found new that exec's a matching
+    program (an engine started as ``sh -c 'exec ...'``) is seen at the next look and the choice
+    is made again from the matching trees.  None of it scans /proc again.  Near the line, where
+    a look follows every tick that finds the cursor moved."""
     r = subprocess.run(UNSHARE + [sys.executable, "-c", CHURN_SCRIPT], capture_output=True, text=True,
                        timeout=60, env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(armed.__file__))))
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == [1, 1, 1, 2, 3, 4, 5, 5, 1], r.stdout
+    # [scans, looks, processes read by looks, choices among the matching trees] after each tick
+    assert json.loads(r.stdout) == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 2, 0, 0], [1, 3, 1, 0], [1, 4, 1, 0],
+                                    [1, 5, 2, 0], [1, 6, 2, 1], [1, 7, 2, 1]], r.stdout
 
 
 def test_two_trees_of_one_pattern_the_crossing_signals_the_one_that_grew_past_the_other(engine_factory):
@@ -386,7 +384,7 @@ def churn():
         pacer.stdout.close()        # the shell holds the read end
         time.sleep(0.5)             # the pacer's start; the rate is measured next
         a, t = _last_pid(), time.monotonic()
-        time.sleep(1.0)             # a rate is measured over time: nothing to wait on
+        time.sleep(2.0)             # a rate is measured over time: nothing to wait on
         b = _last_pid()
         with open("/proc/sys/kernel/pid_max") as f:    # ids wrap at pid_max to 300 (RESERVED_PIDS, kernel/pid.c)
             wrap = int(f.read()) - 300 if b < a else 0
