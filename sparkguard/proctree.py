@@ -197,6 +197,49 @@ def argv_head(pid: int, root: str = "/proc") -> bytes | None:
     return read_limited(f"{root}/{pid}/cmdline", ARGV_HEAD)
 
 
+VIEW_LIMIT = 4096          # processes add_descendants reads before it gives up (the caller scans)
+
+
+def add_descendants(procs: dict[int, Proc], root: str = "/proc", limit: int = VIEW_LIMIT) -> bool:
+    """Add to ``procs`` (``{pid: Proc}``, changed in place) every descendant of the processes in
+    it, read now, found through the kernel's list of each thread's children
+    (``ROOT/PID/task/TID/children``, proc(5); Linux 3.5, CONFIG_PROC_CHILDREN) instead of a pass
+    over every process: the cost follows these trees, not the number of processes on the box.
+
+    The kernel documents the list as exact only while the children are neither being created nor
+    exiting (Documentation/filesystems/proc.rst): a child born or gone during the read may be
+    missed, as a process born during a whole-/proc pass is.  Returns False when a children file
+    of a live thread cannot be read (a kernel without them) or the trees hold more than ``limit``
+    processes: the caller then scans /proc.
+    """
+    queue = list(procs)
+    while queue:
+        pid = queue.pop()
+        try:
+            tids = os.listdir(f"{root}/{pid}/task")
+        except FileNotFoundError:       # exited since it was read
+            continue
+        except OSError:
+            return False
+        for tid in tids:
+            raw = read_limited(f"{root}/{pid}/task/{tid}/children")
+            if raw is None:
+                if os.path.isdir(f"{root}/{pid}/task/{tid}"):
+                    return False        # a live thread without the file: the kernel has none
+                continue                # the thread exited
+            for word in raw.split():
+                child = int(word)
+                if child in procs:
+                    continue
+                p = read_proc(child, root)
+                if p is not None:
+                    procs[child] = p
+                    queue.append(child)
+                    if len(procs) > limit:
+                        return False
+    return True
+
+
 def pids(root: str = "/proc") -> list[int]:
     """The pid of every process listed in ``root`` (a /proc, or a copy of one): the one walk of
     /proc that every reader of processes shares.

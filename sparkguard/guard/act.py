@@ -8,6 +8,7 @@ come once the signal is out).  Everything here runs on the poll-loop thread.
 from __future__ import annotations
 
 import logging
+import re
 import select
 import time
 
@@ -52,7 +53,7 @@ class Actions:
         self._killed: set[int] = set()
         self.signals_sent = {"SIGTERM": 0, "SIGKILL": 0}
         self.pcp_free = 0
-        self.armed = armed.Armed(self.scan_choice, policy.FILL_RATE)
+        self.armed = armed.Armed(self.scan_choice, policy.FILL_RATE, matches=matcher(cfg.targets))
         self._armed_for = cfg.targets
 
     def warm_up(self) -> None:
@@ -67,13 +68,13 @@ class Actions:
 
     def arm(self, now: float, headroom: int, far: int) -> None:
         """The full pass's hook in the OK state: keep the armed target fresh (:mod:`sparkguard.armed`);
-        a reload that replaced ``targets`` drops the armed choice first.  ``far``: bytes of headroom
+        a reload that changed ``targets`` drops the armed choice first (one of the same patterns keeps
+        it: a SIGHUP storm must not leave every crossing to a full scan).  ``far``: bytes of headroom
         (poll interval x ``policy.FILL_RATE``) below which the loop polls faster; below it the armed
-        tree's own changes are followed at ``armed.SMALL_DUTY``.  A reload drops the armed choice only
-        when ``targets`` changed: a SIGHUP storm must not leave every crossing to a full scan."""
+        tree's own changes are followed at ``armed.SMALL_DUTY``."""
         if self.cfg.targets is not self._armed_for:
             if self.cfg.targets != self._armed_for:     # a reload of the same patterns keeps the choice
-                self.armed.disarm()
+                self.armed.reset(matcher(self.cfg.targets))
             self._armed_for = self.cfg.targets
         self.armed.tick(now, headroom, far)
 
@@ -113,17 +114,28 @@ class Actions:
         if self.tree is None and self.policy.state in (policy.TERM_SENT, policy.KILL_SENT):
             self.policy.no_target(now)
 
-    def scan_choice(self):
+    def scan_choice(self, procs: dict | None = None):
         """One /proc pass: ``(target, procs, ambiguous)``: the target with its tree rows read, or
         None when nothing matches; the whole scan; and whether the choice could change without a
         process being created (:func:`sparkguard.enginetree.ambiguous`: ranked by memory among
         several trees of one pattern, or the oom_score fallback).  The supervised engine comes
-        first, then ``targets.match``."""
-        procs = proctree.scan()
+        first, then ``targets.match``.
+
+        ``procs``: instead of the pass, the matching processes and their trees
+        (:meth:`sparkguard.armed.Armed.fresh`); None is returned where they cannot decide: a
+        supervised engine (its tree is its process group, members anywhere in /proc), or
+        ``targets.fallback: oom_score`` with nothing matching (every process is a candidate)."""
+        view = procs is not None
+        if view and self.engine.supervisor is not None:
+            return None
+        procs = proctree.scan() if procs is None else procs
         target = self.engine.target(procs, self.protector)
         ambiguous = False
         if target is None:
             targets = enginetree.find_targets(self.cfg.targets, procs=procs, details=False)
+            if view and (not targets or targets[0].pattern == enginetree.FALLBACK_PATTERN) \
+                    and self.cfg.targets.fallback == "oom_score":
+                return None
             if not targets:
                 return None, procs, False
             target = targets[0]
@@ -140,10 +152,13 @@ class Actions:
     def _choose(self):
         """``(target, tree, armed)``: the armed target when its root is alive, the choice was not
         ambiguous (:meth:`sparkguard.armed.Armed.take`) and the supervised engine (the first
-        target) has not changed since it was armed, with no /proc pass; else the
-        choice of one scan (its tree's pidfds opened now).  ``(None, None, False)`` when nothing matches."""
+        target) has not changed since it was armed, with no /proc pass; else the choice among the
+        matching trees after a look at the new processes (:meth:`sparkguard.armed.Armed.fresh`),
+        no bystander read; else, where those cannot decide, the choice of one scan (its tree's
+        pidfds opened now).  ``(None, None, False)`` when nothing matches."""
         if self.cfg.targets is not self._armed_for:
-            self.armed.disarm()     # a reload changed targets since the last full pass in the OK state
+            self._armed_for = self.cfg.targets      # a reload changed targets since the last OK pass
+            self.armed.reset(matcher(self.cfg.targets))
         got = self.armed.take()
         if got is not None:
             target, tree, _ = got
@@ -151,6 +166,9 @@ class Actions:
             if engine_pid is None or engine_pid == target.root_pid:
                 return target, tree, True
             tree.close()
+        got = self.armed.fresh()
+        if got is not None:
+            return got[0], got[1], False
         target = self.scan_choice()[0]
         if target is None:
             return None, None, False
@@ -252,3 +270,11 @@ class Actions:
             self.target = None
             self._killed.clear()
             self.policy.dry_run = self.cfg.guard.dry_run   # a dry_run change deferred by a reload
+
+
+def matcher(targets_cfg):
+    """``targets_cfg.match`` (``config.TargetsConfig``) as a test of one ``proctree.Proc``: whether
+    its cmdline matches a pattern (as :func:`sparkguard.enginetree.find_targets` ranks them);
+    the look at new processes (:mod:`sparkguard.armed`) keeps those."""
+    regexes = [re.compile(p) for p in targets_cfg.match]
+    return lambda p: bool(p.cmdline) and any(r.search(p.cmdline) for r in regexes)

@@ -265,12 +265,13 @@ def discover(launch: Launch, done, timeout: float | None = None, interval: float
 def members(ctr: Container | None, procs: dict | None = None) -> dict[int, int]:
     """Live processes of the container: ``{pid: starttime}`` from its cgroup's ``cgroup.procs``
     (child cgroups are not read: docker and podman put a container's processes in one), with the
-    start times of ``procs`` (a ``proctree.scan()``) or read now.  Empty when unknown."""
+    start times of ``procs`` (a ``proctree.scan()``, or the matching trees alone), or read now
+    where ``procs`` lacks one.  Empty when unknown."""
     if ctr is None or ctr.cgroup is None:
         return {}
     out = {}
     for pid in container_cgroup.procs_of(ctr.cgroup):
-        p = procs.get(pid) if procs is not None else proctree.read_proc(pid)
+        p = (procs.get(pid) if procs is not None else None) or proctree.read_proc(pid)
         if p is not None and not p.kthread:
             out[pid] = p.starttime
     return out
@@ -348,7 +349,8 @@ def widen(target, procs: dict, protector) -> str | None:
     :func:`name_of`).  Cheap: two small /proc and cgroup reads, no CLI call on the caller's thread.
 
     Args:
-        target: ``enginetree.Target`` (changed in place).  procs: the scan it came from.
+        target: ``enginetree.Target`` (changed in place).  procs: the scan it came from (or the
+            matching trees alone: a member missing from it is read now).
         protector: ``enginetree.Protector`` (protected processes are not added).
     Returns:
         str, the container's label, or None when the root runs in no container.
@@ -360,7 +362,8 @@ def widen(target, procs: dict, protector) -> str | None:
     ctr = Container(cid, name_of(runtime, cid) or "", target.root_pid, 0,
                     container_cgroup.cgroup_dir(target.root_pid))
     for pid, st in members(ctr, procs).items():
-        if pid not in target.starttimes and not protector.protected(procs[pid]):
+        p = procs.get(pid) or proctree.read_proc(pid)    # procs: a scan, or only the matching trees
+        if pid not in target.starttimes and p is not None and not protector.protected(p):
             target.pids.append(pid)
             target.starttimes[pid] = st
     if ctr.cgroup and ctr.cgroup not in target.cgroups:
