@@ -11,7 +11,7 @@ import logging
 import select
 import time
 
-from sparkguard import armed, enginetree, policy, proctree
+from sparkguard import armed, enginetree, policy, proctree, signals
 from sparkguard.guard import cgkill, escalation
 from sparkguard.supervisor import container
 from sparkguard.units import format_size
@@ -34,6 +34,8 @@ class Actions:
         tree_fds: set[int], the victim's pidfds registered in ``poller``.
         signals_sent: ``{"SIGTERM": n, "SIGKILL": n}`` since the start.
         armed: ``armed.Armed``, the target chosen before the crossing.
+        victims: :class:`sparkguard.guard.cgkill.VictimCgroups`, the guard's own cgroups for a
+            victim in no cgroup of its own (set by :meth:`warm_up`; None before).
         pcp_free: int, the most bytes the loop saw on the kernel's per-CPU free lists while waiting
             for memory (:mod:`sparkguard.pcp`; 0 when not read), named in the incident's closing event.
     """
@@ -54,10 +56,18 @@ class Actions:
         self.pcp_free = 0
         self.armed = armed.Armed(self.scan_choice, policy.FILL_RATE)
         self._armed_for = cfg.targets
+        self.victims: cgkill.VictimCgroups | None = None
 
     def warm_up(self) -> None:
-        """Arm the first target (one /proc pass, touching, hence locking, the search's and the
+        """Find where victim cgroups are made and make the first (:class:`sparkguard.guard.cgkill.VictimCgroups`);
+        arm the first target (one /proc pass, touching, hence locking, the search's and the
         pidfd code's pages) and log it."""
+        self.victims = cgkill.VictimCgroups.find()
+        self.victims.remove_stale()
+        self.victims.ready()
+        log.info("a target in no cgroup of its own is moved, before its SIGTERM, into a cgroup under: %s",
+                 self.victims.why if self.victims.parent is not None else
+                 f"{self.victims.why} (its SIGKILL goes through pidfds alone)")
         self.armed.refresh()
         t = self.armed.target
         if t is not None:
@@ -173,6 +183,13 @@ class Actions:
             return
         self.target = target
         dry = self.policy.dry_run
+        enclosed = None
+        if not dry and type(tree) is signals.Tree and self.victims is not None:
+            # in no cgroup of its own: into one of the guard's before the SIGTERM, so that nothing
+            # it forks from now on (double fork, setsid) escapes the SIGKILL (guard.cgkill)
+            path = self.victims.take()
+            enclosed = cgkill.enclose(tree, path) if path is not None else None
+            tree = enclosed or tree
         # one escalation per tree: when the supervisor is already stopping it (wedged, stop, lane)
         # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
         self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
@@ -185,6 +202,8 @@ class Actions:
             t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
+            if enclosed is not None and self.tree is enclosed:
+                cgkill.gather(enclosed, self.protector)     # children forked before the move, after the scan
             self._watch()
         if armed:
             # act first, report after: the armed rows (read when it was armed) are re-read now;
@@ -200,7 +219,8 @@ class Actions:
                       f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                       f"{format_size(target.mem_bytes)} RSS+swap)" +
                       (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
-                       else "" if sent else " [already gone]"))
+                       else "" if sent else " [already gone]") +
+                      (f"; moved first into cgroup {enclosed.cgroups[0]}" if enclosed is not None else ""))
         rec.fill(target)
 
     def _kill(self, now: float, value: int) -> None:
@@ -245,6 +265,8 @@ class Actions:
                         pass
                 self.tree_fds.clear()
                 escalation.OWNER.release(self.esc)
+            if self.victims is not None:
+                self.victims.tidy()     # the victim's cgroup once empty; a new spare
             self.esc = None
             self.tree = None
             self.target = None
