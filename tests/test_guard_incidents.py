@@ -358,3 +358,55 @@ def test_a_guard_only_tree_that_forks_away_on_sigterm_is_killed_whole_and_gone_m
             g.stop()
         root.stdout.close()
         root.wait(10)
+
+
+def test_a_victim_frozen_in_a_v1_freezer_is_thawed_so_its_sigkill_takes_and_the_outcome_follows_memory(
+        engine_factory):
+    """Issue 32, "Also": an engine frozen in a cgroup v1 freezer (what ``docker pause`` does on
+    cgroup v1) cannot die of a SIGKILL until it is thawed: the guard's next SIGKILL pass thaws its
+    freezer cgroup, the engine dies, memory comes back and the incident says ``killed``, not
+    ``killed_memory_not_back`` after giving up on it."""
+    import uuid
+
+    with open("/proc/self/mountinfo") as f:      # the v1 freezer hierarchy: a "cgroup" mount with "freezer"
+        mounts = [ln.split()[4] for ln in f if " - cgroup " in ln and "freezer" in ln.split(" - ")[1].split()[2]]
+    if not mounts or not os.access(mounts[0], os.W_OK):
+        import pytest
+        pytest.skip("no writable cgroup v1 freezer hierarchy here")
+    fz = os.path.join(mounts[0], f"sgtest-{uuid.uuid4().hex[:10]}")
+    os.mkdir(fz)
+    fe = filling_engine(engine_factory, "--mode", "ignore-term", fill=GiB + 512 * MiB)
+    line = line_below_now()
+    g = GuardProc({"guard": {"term_below": line, "grace": "1s", "recovery_wait": "5s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        pids = fe.pids()
+        for pid in pids:
+            with open(os.path.join(fz, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+        g.wait_ready()
+        fe.start_fill()
+        g.notify.wait_for(lambda m: "term_sent" in m.get("STATUS", ""), timeout=60)
+        with open(os.path.join(fz, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        inc = wait_incident(g, timeout=45)
+        assert "unkillable" not in events(inc) and "exited" in events(inc), events(inc)
+        assert inc["outcome"] == "killed", inc["outcome"]
+        assert fe.wait_gone(pids, timeout=10)
+        assert "thawed, so that its SIGKILL takes" in g.wait_log("cgroup v1 freezer")
+    finally:
+        with open(os.path.join(fz, "freezer.state"), "w") as f:
+            f.write("THAWED")
+        g.stop()
+        for pid in fe.pids() if not fe.exited(fe.top_pid) else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for_empty = time.monotonic() + 10
+        while time.monotonic() < wait_for_empty:
+            try:
+                os.rmdir(fz)
+                break
+            except OSError:
+                time.sleep(0.1)
