@@ -219,8 +219,10 @@ class Actions:
                       f"SIGTERM {target.title} (pid {target.root_pid}, {len(target.pids)} processes, "
                       f"{format_size(target.mem_bytes)} RSS+swap)" +
                       (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
-                       else "" if sent else " [already gone]") +
-                      (f"; moved first into cgroup {enclosed.cgroups[0]}" if enclosed is not None else ""))
+                       else "" if sent else " [already gone]"))
+        if enclosed is not None:
+            log.info("victim %s moved into cgroup %s before its SIGTERM (%d processes)", target.title,
+                     enclosed.cgroups[0], len(enclosed.fds))
         rec.fill(target)
 
     def _kill(self, now: float, value: int) -> None:
