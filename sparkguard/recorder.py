@@ -92,6 +92,10 @@ class Recorder:
         (:mod:`sparkguard.pcp`; 0: not read); ``drained``: seconds the wait went on past
         ``recovery_wait`` because memory was back on those lists (None: it did not)."""
         inc = self.incident
+        # the outcome follows what memory did, whatever ended the wait (the victim given up as
+        # unkillable with memory back meanwhile, a victim thawed and killed late): above the line
+        # is back
+        recovered = recovered or value >= g.term_below
         try:
             if stopped:
                 event, detail = "daemon_stopped", f"the guard stopped with memory at {format_line(value)}"
@@ -100,6 +104,8 @@ class Recorder:
                 if drained is not None:
                     detail += (f" after {drained:.1f}s more for up to {format_line(pcp_free)} on the kernel's "
                                "per-CPU free lists to drain into MemAvailable")
+            elif inc is not None and "unkillable" in inc.events():
+                event, detail = "recovery_timeout", f"victim not gone and memory still {format_line(value)}"
             else:
                 gone = round(g.recovery_wait + (drained or 0.0), 1)
                 event, detail = "recovery_timeout", (f"victim gone {gone:g}s ago but memory still "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import time
 
@@ -222,3 +223,191 @@ def test_an_action_that_raises_does_not_end_the_guard(engine_factory, tmp_path):
             out = g.communicate(timeout=15)[0]
     assert "injected fault" in out and "the guard keeps running" in out
     assert g.returncode == 0
+
+
+# A guard-only engine (started here, outside any cgroup of its own) that answers the SIGTERM with a
+# fork bomb whose members leave the tree: each forks FAN children, each child calls setsid and
+# double-forks (the grandchild is re-parented to init: no descendant of anything the guard tracks),
+# the grandchild does the same, GENERATIONS deep: at most 4 + 16 + 64 + 256 = 340 bombers, each
+# holding 256 KiB of its own.  Its worker TP0 fills memory on SIGUSR1.  Every process of it carries
+# the token (argv[1]) in its command line: that is how the test counts and cleans up its survivors.
+FORK_BOMB = r"""
+import os, signal, sys, time
+tok, fill = sys.argv[1], int(sys.argv[2])
+FAN, GENERATIONS = 4, 4
+
+def bomber(depth):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mine = bytearray(256 << 10)
+    mine[::4096] = b"\1" * len(mine[::4096])
+    if depth < GENERATIONS:
+        for _ in range(FAN):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                try:
+                    os.setsid()
+                    if os.fork() == 0:
+                        bomber(depth + 1)
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+    while True:
+        time.sleep(60)
+
+def filler(*_):
+    buf = bytearray(fill)
+    buf[::4096] = b"\1" * len(buf[::4096])
+    filler.buf = buf
+
+workers = []
+for role in ("fill", "sleep"):
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if role == "fill":
+            signal.signal(signal.SIGUSR1, filler)
+        while True:
+            time.sleep(60)
+    workers.append(pid)
+signal.signal(signal.SIGUSR1, lambda *_: os.kill(workers[0], signal.SIGUSR1))
+signal.signal(signal.SIGTERM, lambda *_: bomber(0))
+print("ready", flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
+def _with_token(tok: str) -> list[int]:
+    """Live processes whose command line holds ``tok`` (a zombie's is empty)."""
+    out, needle = [], tok.encode()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def _kill_token(tok: str, timeout: float = 30.0) -> None:
+    """SIGKILL (through pidfds) every process with ``tok`` in its command line until none is left
+    (they are this test's: the token is unique); bounded."""
+    deadline = time.monotonic() + timeout
+    while (pids := _with_token(tok)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:      # still that process, after pidfd_open
+                    if tok.encode() in f.read():
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        time.sleep(0.05)
+
+
+def test_a_guard_only_tree_that_forks_away_on_sigterm_is_killed_whole_and_gone_means_gone(tmp_path):
+    """Issue 32, class 2: nothing of a forking guard-only tree is alive after the SIGKILL, memory
+    comes back, and the incident says "exited" (victim tree gone) only when it is."""
+    import subprocess
+    import sys
+    import uuid
+
+    from sparkguard.guard import cgkill
+    tok = f"sgforkbomb-{uuid.uuid4().hex[:12]}"
+    fill = GiB + 384 * MiB
+    line = line_below_now()
+    root = subprocess.Popen([sys.executable, "-c", FORK_BOMB, tok, str(fill)], stdout=subprocess.PIPE)
+    g = None
+    try:
+        assert root.stdout.readline() == b"ready\n"
+        g = GuardProc({"guard": {"term_below": line, "grace": "1s", "recovery_wait": "5s"},
+                       "targets": {"match": [re.escape(tok)]}})
+        g.wait_ready()
+        root.send_signal(signal.SIGUSR1)
+        inc = wait_incident(g, timeout=60)
+        alive = _with_token(tok)
+        ev = events(inc)
+        kill = next(e for e in inc["timeline"] if e["event"] == "sigkill")
+        assert "exited" in ev, ev
+        assert alive == [], (f"{len(alive)} processes of the tree alive after the incident said it was gone; "
+                             f"timeline: {ev}")
+        assert len(kill["pids"]) >= 20, f"the tree never forked (SIGKILL of {len(kill['pids'])} processes)"
+        assert "(through cgroup.kill)" in kill["detail"] or "(through freeze" in kill["detail"], kill["detail"]
+        assert inc["outcome"] == "killed", inc["outcome"]
+        assert events(inc)[-1] == "recovered" and mem_available() > line
+        # the victim's cgroup was removed once empty; the daemon's spare goes when it stops
+        m = re.search(r"moved into cgroup (\S+) before its SIGTERM", g.wait_log("before its SIGTERM"))
+        victims = [m.group(1)]
+        assert cgkill.VICTIM in victims[0] and not os.path.exists(victims[0])
+        assert g.stop() == 0
+        spare = os.path.join(os.path.dirname(victims[0]), f"{cgkill.VICTIM}{g.proc.pid}-2")
+        assert not os.path.exists(spare)
+        g = None
+    finally:
+        _kill_token(tok)
+        if g is not None:
+            g.stop()
+        root.stdout.close()
+        root.wait(10)
+
+
+def test_a_victim_frozen_in_a_v1_freezer_is_thawed_so_its_sigkill_takes_and_the_outcome_follows_memory(
+        engine_factory):
+    """Issue 32, "Also": an engine frozen in a cgroup v1 freezer (what ``docker pause`` does on
+    cgroup v1) cannot die of a SIGKILL until it is thawed: the guard's next SIGKILL pass thaws its
+    freezer cgroup, the engine dies, memory comes back and the incident says ``killed``, not
+    ``killed_memory_not_back`` after giving up on it."""
+    import uuid
+
+    with open("/proc/self/mountinfo") as f:      # the v1 freezer hierarchy: a "cgroup" mount with "freezer"
+        mounts = [ln.split()[4] for ln in f if " - cgroup " in ln and "freezer" in ln.split(" - ")[1].split()[2]]
+    if not mounts or not os.access(mounts[0], os.W_OK):
+        import pytest
+        pytest.skip("no writable cgroup v1 freezer hierarchy here")
+    fz = os.path.join(mounts[0], f"sgtest-{uuid.uuid4().hex[:10]}")
+    os.mkdir(fz)
+    fe = filling_engine(engine_factory, "--mode", "ignore-term", fill=GiB + 512 * MiB)
+    line = line_below_now()
+    g = GuardProc({"guard": {"term_below": line, "grace": "1s", "recovery_wait": "5s"},
+                   "targets": {"match": [rf"vllm serve {fe.model}\b"]}})
+    try:
+        pids = fe.pids()
+        for pid in pids:
+            with open(os.path.join(fz, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+        g.wait_ready()
+        fe.start_fill()
+        g.notify.wait_for(lambda m: "term_sent" in m.get("STATUS", ""), timeout=60)
+        with open(os.path.join(fz, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        inc = wait_incident(g, timeout=45)
+        assert "unkillable" not in events(inc) and "exited" in events(inc), events(inc)
+        assert inc["outcome"] == "killed", inc["outcome"]
+        assert fe.wait_gone(pids, timeout=10)
+        assert "thawed, so that its SIGKILL takes" in g.wait_log("cgroup v1 freezer")
+    finally:
+        with open(os.path.join(fz, "freezer.state"), "w") as f:
+            f.write("THAWED")
+        g.stop()
+        for pid in fe.pids() if not fe.exited(fe.top_pid) else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for_empty = time.monotonic() + 10
+        while time.monotonic() < wait_for_empty:
+            try:
+                os.rmdir(fz)
+                break
+            except OSError:
+                time.sleep(0.1)

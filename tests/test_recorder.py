@@ -58,3 +58,32 @@ def test_events_without_an_open_incident_are_dropped(tmp_path):
         rep.close()
         reader.close()
     assert rec.incident is None and rep.stats["events"] == 0 and not (tmp_path / "inc").exists()
+
+
+def test_the_outcome_follows_memory_when_the_victim_is_given_up_with_memory_back(tmp_path):
+    """Issue 32, "Also": a victim given up as unkillable while memory is above the line again (it
+    was thawed and killed late) closes as ``killed`` with a ``recovered`` event, not
+    ``killed_memory_not_back``; with memory still low it says the victim is not gone."""
+    path = tmp_path / "meminfo"
+    path.write_bytes(MEMINFO)
+    reader = meminfo.MeminfoReader(str(path))
+    rep = Reporter(str(tmp_path / "inc"), "off")
+    g = config.from_dict({"guard": {"term_below": "1GiB"}}, str(tmp_path / "x.yaml")).guard
+    rec = Recorder(reader, rep, "spark-test", "ab" * 16)
+    saved = []
+    try:
+        for value in (2 << 30, 400 << 20):
+            rec.open(100.0, 500000 * 1024, g)
+            inc = rec.incident
+            rec.event(100.1, 400 << 20, "sigterm", [1234], "SIGTERM")
+            rec.event(101.1, 400 << 20, "sigkill", [1234], "SIGKILL 1 processes")
+            rec.event(131.1, value, "unkillable", [1234], "1 processes still alive")
+            rec.close(131.1, value, g, dry_run=False, recovered=False)
+            saved.append(inc.id)
+    finally:
+        rep.close()
+        reader.close()
+    back, low = [json.loads((tmp_path / "inc" / f"{i}.json").read_text()) for i in saved]
+    assert back["outcome"] == "killed" and back["timeline"][-1]["event"] == "recovered"
+    assert low["outcome"] == "killed_memory_not_back" and low["timeline"][-1]["event"] == "recovery_timeout"
+    assert low["timeline"][-1]["detail"].startswith("victim not gone and memory still")

@@ -12,7 +12,7 @@ import re
 import select
 import time
 
-from sparkguard import armed, enginetree, policy, proctree
+from sparkguard import armed, enginetree, policy, proctree, signals
 from sparkguard.guard import cgkill, escalation
 from sparkguard.supervisor import container
 from sparkguard.units import format_size
@@ -35,6 +35,8 @@ class Actions:
         tree_fds: set[int], the victim's pidfds registered in ``poller``.
         signals_sent: ``{"SIGTERM": n, "SIGKILL": n}`` since the start.
         armed: ``armed.Armed``, the target chosen before the crossing.
+        victims: :class:`sparkguard.guard.cgkill.VictimCgroups`, the guard's own cgroups for a
+            victim in no cgroup of its own (set by :meth:`warm_up`; None before).
         pcp_free: int, the most bytes the loop saw on the kernel's per-CPU free lists while waiting
             for memory (:mod:`sparkguard.pcp`; 0 when not read), named in the incident's closing event.
     """
@@ -55,10 +57,18 @@ class Actions:
         self.pcp_free = 0
         self.armed = armed.Armed(self.scan_choice, policy.FILL_RATE, matches=matcher(cfg.targets))
         self._armed_for = cfg.targets
+        self.victims: cgkill.VictimCgroups | None = None
 
     def warm_up(self) -> None:
-        """Arm the first target (one /proc pass, touching, hence locking, the search's and the
+        """Find where victim cgroups are made and make the first (:class:`sparkguard.guard.cgkill.VictimCgroups`);
+        arm the first target (one /proc pass, touching, hence locking, the search's and the
         pidfd code's pages) and log it."""
+        self.victims = cgkill.VictimCgroups.find()
+        self.victims.remove_stale()
+        self.victims.ready()
+        log.info("a target in no cgroup of its own is moved, before its SIGTERM, into a cgroup under: %s",
+                 self.victims.why if self.victims.parent is not None else
+                 f"{self.victims.why} (its SIGKILL goes through pidfds alone)")
         self.armed.refresh()
         t = self.armed.target
         if t is not None:
@@ -193,6 +203,13 @@ class Actions:
             return
         self.target = target
         dry = self.policy.dry_run
+        enclosed = None
+        if not dry and type(tree) is signals.Tree and self.victims is not None:
+            # in no cgroup of its own: into one of the guard's before the SIGTERM, so that nothing
+            # it forks from now on (double fork, setsid) escapes the SIGKILL (guard.cgkill)
+            path = self.victims.take()
+            enclosed = cgkill.enclose(tree, path) if path is not None else None
+            tree = enclosed or tree
         # one escalation per tree: when the supervisor is already stopping it (wedged, stop, lane)
         # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
         self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
@@ -205,6 +222,8 @@ class Actions:
             t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
+            if enclosed is not None and self.tree is enclosed:
+                cgkill.gather(enclosed, self.protector)     # children forked before the move, after the scan
             self._watch()
         if armed:
             # act first, report after: the armed rows (read when it was armed) are re-read now;
@@ -221,6 +240,9 @@ class Actions:
                       f"{format_size(target.mem_bytes)} RSS+swap)" +
                       (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
                        else "" if sent else " [already gone]"))
+        if enclosed is not None:
+            log.info("victim %s moved into cgroup %s before its SIGTERM (%d processes)", target.title,
+                     enclosed.cgroups[0], len(enclosed.fds))
         rec.fill(target)
 
     def _kill(self, now: float, value: int) -> None:
@@ -265,6 +287,8 @@ class Actions:
                         pass
                 self.tree_fds.clear()
                 escalation.OWNER.release(self.esc)
+            if self.victims is not None:
+                self.victims.tidy()     # the victim's cgroup once empty; a new spare
             self.esc = None
             self.tree = None
             self.target = None

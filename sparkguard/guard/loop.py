@@ -430,6 +430,8 @@ class Guard:
         if self.recorder is not None and self.recorder.incident is not None:
             self.actions.close_incident(time.monotonic(), self.value,
                                         recovered=self.value >= self.cfg.guard.term_below, stopped=True)
+        if self.actions.victims is not None:
+            self.actions.victims.close()        # the spare victim cgroup and used ones now empty
         if self.linkwatch is not None:
             self.linkwatch.stop()
         if self.reporter is not None:
