@@ -96,18 +96,32 @@ while time.monotonic() < end:
 
 def _crossing(engine_factory, tmp_path, load: str) -> tuple[float, GuardProc | None, dict]:
     """One real crossing under ``load``: a fresh daemon (at the unit's Nice=-20) and a fresh
-    filling fake vLLM; returns (crossing->SIGTERM s from the incident, the stopped daemon's log
-    tail, the incident)."""
+    filling fake vLLM; returns (crossing->SIGTERM s from the incident, the stopped daemon, the
+    incident)."""
     from supervisor_helpers import free_port
+    from test_guard_threads import PEER, wait_reads
     fe = filling_engine(engine_factory)
     port = free_port()
-    g = GuardProc({"guard": {"term_below": line_below_now(GiB), "grace": "20s"},
-                   "targets": {"match": [rf"vllm serve {fe.model}\b"], "fallback": "off"},
-                   "metrics": {"listen": f"127.0.0.1:{port}"}},
-                  wrap=("nice", "-n", "-20"))
+    cfg = {"guard": {"term_below": line_below_now(GiB), "grace": "20s"},
+           "targets": {"match": [rf"vllm serve {fe.model}\b"], "fallback": "off"},
+           "metrics": {"listen": f"127.0.0.1:{port}"}}
     helpers: list[subprocess.Popen] = []
+    if load == "peer":
+        # two hostile peers answering 8 MiB of valid exposition each; the supervised engine
+        # (sleep) never starts: its peers gate reads them every 100 ms
+        helpers = [subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, bufsize=0)
+                   for _ in range(2)]
+        peers = [f"http://127.0.0.1:{int(h.stdout.readline())}" for h in helpers]
+        cfg["engine"] = {"command": ["sleep", "600"], "log": "stderr", "drop_caches": False,
+                         "start_above": "64MiB", "stable_for": "0s", "quiesce_timeout": "600s",
+                         "health_interval": "100ms", "peers": peers,
+                         "state_file": str(tmp_path / "engine-state.json"),
+                         "control_socket": str(tmp_path / "control.sock")}
+    g = GuardProc(cfg, wrap=("nice", "-n", "-20"))
     try:
         g.wait_ready()
+        if load == "peer":
+            wait_reads(helpers[0], 3, timeout=60)
         g.wait_log("armed", timeout=20)
         if load == "connections":
             helpers = [subprocess.Popen([sys.executable, "-c", STORM, str(port), "60"]) for _ in range(2)]
@@ -138,14 +152,14 @@ def _crossing(engine_factory, tmp_path, load: str) -> tuple[float, GuardProc | N
 
 def test_crossing_to_sigterm_under_hostile_load_stays_within_twice_the_quiet_case(engine_factory, tmp_path):
     """Connection storm on the metrics port (a new connection closed at once, 2 processes), SIGHUP
-    50 times a second, and a reload storm of a 600-byte YAML whose aliases multiply: each
+    50 times a second, two hostile peers whose pages the peers gate keeps reading, and a reload storm of a 600-byte YAML whose aliases multiply: each
     crossing's SIGTERM within 2x the quiet crossing of the same run (10 ms of slack for a
     2-core shared machine whose quiet figure is under a millisecond).  The reload storm is
     refused without the daemon's memory growing, and the armed target survives the SIGHUPs."""
     quiet, _, _ = _crossing(engine_factory, tmp_path, "quiet")
     bound = max(2 * quiet, quiet + 0.010)
     seen = {"quiet": quiet}
-    for load in ("connections", "sighup", "yaml"):
+    for load in ("connections", "sighup", "yaml", "peer"):
         t, g, inc = _crossing(engine_factory, tmp_path, load)
         seen[load] = t
         if load == "yaml":

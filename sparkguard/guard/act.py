@@ -207,12 +207,19 @@ class Actions:
         if not dry and type(tree) is signals.Tree and self.victims is not None:
             # in no cgroup of its own: into one of the guard's before the SIGTERM, so that nothing
             # it forks from now on (double fork, setsid) escapes the SIGKILL (guard.cgkill)
+            # (stopped while it moves: cgkill.enclose; continued once its SIGTERM is queued)
             path = self.victims.take()
-            enclosed = cgkill.enclose(tree, path) if path is not None else None
+            t_enc = time.monotonic()
+            enclosed = cgkill.enclose(tree, path, self.protector) if path is not None else None
+            t_enc = time.monotonic() - t_enc
             tree = enclosed or tree
-        # one escalation per tree: when the supervisor is already stopping it (wedged, stop, lane)
-        # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
-        self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
+        try:
+            # one escalation per tree: when the supervisor is already stopping it (wedged, stop, lane)
+            # this joins it: no second SIGTERM (uvicorn force-exits on one), the grace from its SIGTERM
+            self.esc, joined = escalation.OWNER.request(tree, "memory", self.cfg.guard.grace, dry_run=dry)
+        finally:
+            if enclosed is not None:
+                cgkill.resume(enclosed)
         self.tree = self.esc.tree
         sent = False
         if dry:
@@ -222,8 +229,6 @@ class Actions:
             t_sig = time.monotonic()      # the event's time is the signal's, not the sample's
             if sent:
                 self.signals_sent["SIGTERM"] += 1
-            if enclosed is not None and self.tree is enclosed:
-                cgkill.gather(enclosed, self.protector)     # children forked before the move, after the scan
             self._watch()
         if armed:
             # act first, report after: the armed rows (read when it was armed) are re-read now;
@@ -241,8 +246,8 @@ class Actions:
                       (f" [not sent again: the supervisor is already stopping it ({self.esc.reason})]" if joined
                        else "" if sent else " [already gone]"))
         if enclosed is not None:
-            log.info("victim %s moved into cgroup %s before its SIGTERM (%d processes)", target.title,
-                     enclosed.cgroups[0], len(enclosed.fds))
+            log.info("victim %s stopped (SIGSTOP) and moved into cgroup %s in %.1f ms before its SIGTERM "
+                     "(%d processes)", target.title, enclosed.cgroups[0], t_enc * 1000, len(enclosed.fds))
         rec.fill(target)
 
     def _kill(self, now: float, value: int) -> None:

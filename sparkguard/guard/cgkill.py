@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import select
 
 from sparkguard import enginetree, proctree, signals
@@ -199,8 +200,8 @@ def tree_for(target) -> signals.Tree:
 # ---- a cgroup of the guard's own for a guard-only victim -------------------------------------------
 
 VICTIM = "victim-"          #: prefix of the guard's victim cgroups: ``victim-<daemon pid>-<n>``
-GATHER_ROUNDS = 8           #: passes over the members' children at most after the SIGTERM (:func:`gather`)
-GATHER_MAX = 4096           #: processes moved at most by one :func:`gather`
+GATHER_ROUNDS = 8           #: passes over the stopped members' children at most (:func:`enclose`)
+GATHER_MAX = 4096           #: processes added at most by one :func:`enclose`
 
 
 def _freezer_mount(mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str] | None:
@@ -360,29 +361,50 @@ def _move(procs_fd: int, tree: signals.Tree, pid: int) -> bool:
         return False
 
 
-def enclose(tree: signals.Tree, path: str) -> CgroupsTree | None:
-    """Move every live member of the plain ``tree`` into the empty cgroup ``path`` (before its
-    SIGTERM: from then on every process they fork is a member) and return a
-    :class:`CgroupsTree` over ``path`` that has taken ``tree``'s pidfds.  None (logged) when
-    ``cgroup.procs`` cannot be opened or no member could be moved; ``tree`` is then unchanged.
+def enclose(tree: signals.Tree, path: str, protector: enginetree.Protector | None = None) -> CgroupsTree | None:
+    """Stop the plain ``tree`` and move it into the empty cgroup ``path`` before its SIGTERM, so
+    that every process it forks from then on is a member; return a :class:`CgroupsTree` over
+    ``path`` that has taken ``tree``'s pidfds.  The caller SIGTERMs it, then :func:`resume`\ s it.
 
-    Only the tree's members are moved (the pids its pidfds name, checked against their start
-    times when the tree was chosen; protected processes are never members): the guard moves
-    nothing it would not SIGKILL.  Cost: one write per member; the kernel's first migration
-    after a quiet spell waits for an RCU grace period (``cgroup_threadgroup_rwsem``: about 5 ms
-    on the 2-core test VM, the later writes ~20 us each; docs/failure-modes.md)."""
+    1. SIGSTOP every live member through its pidfd (microseconds each): a stopped process
+       neither allocates nor forks, and a fork in progress when the stop comes is restarted
+       by the kernel after it (copy_process refuses to finish with a signal pending), so the
+       tree stops growing at once;
+    2. the children its members had forked since the scan that chose it are stopped and added
+       too, pass after pass (:data:`GATHER_ROUNDS`, :data:`GATHER_MAX`; never a protected
+       process or a kernel thread): each pass finds only processes that were running, and
+       what it stops forks no more, so the passes end;
+    3. every member is written into ``path``'s ``cgroup.procs``.
+    Only the tree's members are stopped and moved (the pids its pidfds name, checked against
+    their start times; protected processes are never members): the guard touches nothing it
+    would not SIGKILL.  Cost: the kernel's first migration after a quiet spell waits for an RCU
+    grace period (``cgroup_threadgroup_rwsem``: 5-11 ms on the 2-core test VM, the later writes
+    ~20 us each), during which the tree is stopped.  None (logged; the tree resumed and
+    unchanged) when ``cgroup.procs`` cannot be opened or no member could be moved."""
     try:
         procs_fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
     except OSError as e:
         log.warning("cannot open %s/cgroup.procs (%s): the victim's SIGKILL goes through pidfds alone", path, e)
         return None
     try:
+        _stop_all(tree, protector)
         moved = [pid for pid in tree.alive() if _move(procs_fd, tree, pid)]
+    except BaseException:
+        resume(tree)        # never leave an engine stopped
+        raise
     finally:
         os.close(procs_fd)
     if not moved:
+        resume(tree)
         return None
     return CgroupsTree.taking_over(tree, [path])
+
+
+def resume(tree: signals.Tree) -> None:
+    """SIGCONT every member of a tree :func:`enclose` stopped (after its SIGTERM: the engine's
+    handler runs as soon as it continues).  Never raises."""
+    for pid in list(tree.fds):
+        tree.send(pid, signal.SIGCONT)
 
 
 def _children(pid: int) -> list[int]:
@@ -398,39 +420,26 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def gather(tree: CgroupsTree, protector: enginetree.Protector | None = None) -> list[int]:
-    """After the SIGTERM of a tree :func:`enclose` moved: move into its cgroup the children its
-    members had forked before the move (after the scan that chose the tree), and theirs, up to
-    :data:`GATHER_ROUNDS` passes and :data:`GATHER_MAX` processes.  A member's child that is not
-    in the cgroup was forked before its parent moved (a later one is born inside), so each pass
-    finds only processes older than the move: the passes end.  Never a protected process nor a
-    kernel thread.  Returns the pids moved."""
-    if not tree.cgroups:
-        return []
-    path = tree.cgroups[0]
-    try:
-        procs_fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
-    except OSError:
-        return []
-    moved: list[int] = []
-    try:
-        seen = set(tree.fds)
-        todo = tree.alive()
-        for _ in range(GATHER_ROUNDS):
-            inside = set(cgroups.procs(path))       # born inside: nothing to move
-            kids = [k for pid in todo for k in _children(pid) if k not in seen and k not in inside]
-            if not kids or len(moved) >= GATHER_MAX:
-                break
-            seen.update(kids)
-            new = []
-            for k in kids:
-                p = proctree.read_proc(k)
-                if p is None or p.kthread or (protector is not None and protector.protected(p)):
-                    continue
-                if tree.add([k], {k: p.starttime}) and _move(procs_fd, tree, k):
-                    new.append(k)
-            moved += new
-            todo = new
-    finally:
-        os.close(procs_fd)
-    return moved
+def _stop_all(tree: signals.Tree, protector: enginetree.Protector | None) -> list[int]:
+    """SIGSTOP every live member of ``tree``, then the children they forked that it does not
+    hold yet (added to it), up to :data:`GATHER_ROUNDS` passes and :data:`GATHER_MAX` added.
+    Returns the pids added."""
+    todo = tree.alive()
+    seen = set(tree.fds)
+    added: list[int] = []
+    for _ in range(GATHER_ROUNDS):
+        for pid in todo:
+            tree.send(pid, signal.SIGSTOP)
+        kids = [k for pid in todo for k in _children(pid) if k not in seen]
+        if not kids or len(added) >= GATHER_MAX:
+            break
+        seen.update(kids)
+        todo = []
+        for k in kids:
+            p = proctree.read_proc(k)
+            if p is None or p.kthread or (protector is not None and protector.protected(p)):
+                continue
+            if tree.add([k], {k: p.starttime}):
+                todo.append(k)
+        added += todo
+    return added
