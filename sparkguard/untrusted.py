@@ -177,8 +177,8 @@ def open_dir(path: str, owners=None) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno in (40, 20):                     # ELOOP: a symlink; ENOTDIR: not a folder
-            raise FileRefused(path, "is a symbolic link" if e.errno == 40 else "is not a directory") from None
+        if e.errno in (40, 20):     # ELOOP, or ENOTDIR (O_DIRECTORY met the symlink first): which one
+            raise FileRefused(path, "is a symbolic link" if os.path.islink(path) else "is not a directory") from None
         raise
     try:
         check_stat(path, os.fstat(fd), owners, stat.S_ISDIR)
@@ -194,7 +194,7 @@ def read_file(path: str, limit: int, owners=None, dir_fd: int | None = None) -> 
     Opened with O_NOFOLLOW (a symlink is refused, never followed: ELOOP, open(2)) and O_NONBLOCK
     (a FIFO without a writer cannot hang the caller; open(2) returns at once for a reader), then
     checked on the descriptor (fstat: no race with a rename): a regular file, owned by one of
-    ``owners`` (default :func:`trusted_uids`; None: anyone), not writable by other users.  At most
+    ``owners`` (None: :func:`trusted_uids`), not writable by other users.  At most
     ``limit + 1`` bytes are read, so a file that grows cannot take memory.
 
     Args:
