@@ -550,3 +550,75 @@ def test_a_zram_device_set_up_after_the_start_is_counted_from_the_next_listing(t
         assert len(r._zram_fds) == 1 and r.errors == 0   # the last listing's descriptors closed, not kept
     finally:
         r.close()
+
+
+# ---- a corrupted or foreign black box (issue 32, class 5) -----------------------------------------
+
+
+def test_a_ring_whose_record_holds_an_absurd_time_never_stops_the_start(tmp_path):
+    """Well-formed records (valid CRCs) of a run that did not stop cleanly, the newest with a time
+    of 1e300: the daemon starts, skips and counts that record, and reports the others."""
+    cfg = _cfg(tmp_path)
+    path = tmp_path / "inc" / "blackbox.ring"
+    path.parent.mkdir(parents=True)
+    recs = [rec(i, at=time.time() - 300, boot=OTHER_BOOT) for i in range(1, 6)]
+    recs.append(rec(6, boot=OTHER_BOOT)._replace(at=1e300))
+    path.write_bytes(bytes(ring_bytes(recs, boot=OTHER_BOOT)))
+    g = GuardProc(cfg)
+    try:
+        g.wait_ready(timeout=30)
+        g.wait_log("black box: hard reset")
+        assert g.proc.poll() is None
+    finally:
+        rc = g.stop()
+    assert rc == 0 and "Traceback" not in g.log(), g.log()[-3000:]
+    (inc,) = _incidents(tmp_path)
+    assert inc["blackbox"]["records"] == 5 and inc["blackbox"]["unreadable_slots"] == 1
+    assert [r["seq"] for r in inc["blackbox"]["last"]] == [1, 2, 3, 4, 5]
+
+
+FOREIGN = {
+    "starts with zero bytes": lambda p: p.write_bytes(bytes(8) + b"someone's data " * 40),
+    "another user's ring": lambda p: (p.write_bytes(bytes(ring_bytes([rec(1)]))), os.chown(p, 65534, 65534)),
+    "world-writable": lambda p: (p.write_bytes(bytes(ring_bytes([rec(1)]))), os.chmod(p, 0o666)),
+    "a FIFO": lambda p: os.mkfifo(p, 0o600),
+}
+
+
+@pytest.mark.parametrize("what", list(FOREIGN))
+def test_a_foreign_file_at_the_rings_path_is_left_byte_for_byte_and_named(tmp_path, what):
+    """A file at the ring's path that is not this daemon's ring is named in the log and left
+    exactly as it was; the guard runs without a black box."""
+    if os.geteuid() != 0 and what == "another user's ring":
+        pytest.skip("needs root to give the file to another user")
+    cfg = _cfg(tmp_path)
+    path = tmp_path / "inc" / "blackbox.ring"
+    path.parent.mkdir(parents=True)
+    FOREIGN[what](path)
+    st = os.lstat(path)
+    before = path.read_bytes() if what != "a FIFO" else None
+    g = GuardProc(cfg)
+    try:
+        g.wait_ready(timeout=30)
+        g.wait_log(f"black box off: {path}")
+        assert "left alone" in g.log() and g.proc.poll() is None
+    finally:
+        rc = g.stop()
+    assert rc == 0 and "Traceback" not in g.log(), g.log()[-3000:]
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_uid, after.st_mode, after.st_size, after.st_mtime_ns) == \
+        (st.st_ino, st.st_uid, st.st_mode, st.st_size, st.st_mtime_ns)
+    if before is not None:
+        assert path.read_bytes() == before
+
+
+def test_an_all_zero_ring_left_by_a_cut_short_start_is_taken(tmp_path):
+    """A file of zeros no larger than a ring (what a start cut short between the truncate and
+    the header can leave) holds nothing of anyone's: it becomes this run's ring."""
+    path = tmp_path / "blackbox.ring"
+    path.write_bytes(bytes(blackbox.file_size()))
+    r, prev, err = ring.open_ring(str(path), BOOT, 0.0)
+    try:
+        assert err is None and r is not None
+    finally:
+        r.close()
