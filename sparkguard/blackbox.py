@@ -19,8 +19,12 @@ RECORD_SIZE`` and no record straddles a 4 KiB page: both sizes divide 4096)::
             (percent, -1 unknown), the policy state, whether memory was far above the line (idle), CRC-32
 
 Reading is for untrusted bytes (a truncated file, a torn write at a reset, another program's
-file at that path): :func:`decode` never raises on content, only bounds-checked structs are
-unpacked, a record whose CRC does not match is skipped and counted.
+file at that path): :func:`decode` never raises on content but :class:`RingError`, only
+bounds-checked structs are unpacked, a record whose CRC does not match is skipped and counted, and
+every value is checked as a value from /proc is: a record whose time, sequence number or sizes are
+out of range (:func:`_valid`: a time of 1e300, a negative MemAvailable) is skipped and counted
+too, a header time out of range reads as unknown (0.0).  A CRC proves only that the bytes were
+not torn, not who wrote them.
 
 Sources: the CRC is zlib's CRC-32 (RFC 1952); boot id: /proc/sys/kernel/random/boot_id
 (Documentation/admin-guide/sysctl/kernel.rst, "random"); PSI avg10: Documentation/accounting/psi.rst.
@@ -35,6 +39,7 @@ from typing import NamedTuple
 
 from sparkguard import model
 from sparkguard.units import format_duration, format_size
+from sparkguard.untrusted import MAX_STAMP
 
 MAGIC = b"SGBLKBOX"
 VERSION = 1
@@ -55,6 +60,13 @@ IDLE_INTERVAL = 10.0
 FLAG_CLEAN = 1
 #: how many of the last records an incident carries in full
 LAST_IN_FULL = 10
+
+#: the largest size a record may hold, bytes (64 PiB: more than any memory this guard watches)
+MAX_BYTES = 1 << 56
+#: the largest CLOCK_MONOTONIC a record may hold, s (uptime of about 3,000 years)
+MAX_MONO = 1e11
+#: the largest record interval a header may hold, s
+MAX_INTERVAL = 3600.0
 
 #: policy states as stored (one byte); unknown codes read back as "?"
 STATES = ("ok", "term_sent", "kill_sent", "recovering", "no_target")
@@ -157,12 +169,30 @@ def decode_header(data: bytes) -> Header:
         raise RingError("header CRC mismatch (torn or overwritten)")
     if not 0 < slots <= 65536:
         raise RingError(f"slot count {slots} out of range 1-65536")
-    return Header(slots, bool(flags & FLAG_CLEAN), _boot_str(boot), _finite(started), _finite(stopped), pid,
-                  _finite(interval))
+    return Header(slots, bool(flags & FLAG_CLEAN), _boot_str(boot), _stamp(started), _stamp(stopped), pid,
+                  interval if math.isfinite(interval) and 0.0 < interval <= MAX_INTERVAL else 0.0)
 
 
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
+def _stamp(x: float) -> float:
+    """A header's unix time, 0.0 (unknown) unless finite and within 0..MAX_STAMP (year 2200)."""
+    return x if math.isfinite(x) and 0.0 <= x <= MAX_STAMP else 0.0
+
+
+def _valid(seq: int, wall: float, mono: float, sizes: tuple[int, ...]) -> str | None:
+    """Why a record's values are no sample this guard could have written, or None: the sequence
+    number 1..2**62, the time a finite unix time after 0 and before MAX_STAMP (year 2200), the
+    monotonic clock finite within 0..MAX_MONO, the signal and MemAvailable 0..MAX_BYTES, the other
+    sizes -1 (unknown) or 0..MAX_BYTES."""
+    if not 0 < seq <= 1 << 62:
+        return f"sequence number {seq}"
+    if not (math.isfinite(wall) and 0.0 < wall <= MAX_STAMP):
+        return f"time {wall!r}"
+    if not (math.isfinite(mono) and 0.0 <= mono <= MAX_MONO):
+        return f"monotonic time {mono!r}"
+    signal, avail, *rest = sizes
+    if not (0 <= signal <= MAX_BYTES and 0 <= avail <= MAX_BYTES and all(-1 <= v <= MAX_BYTES for v in rest)):
+        return "a size out of range"
+    return None
 
 
 def offset(seq: int, slots: int = SLOTS) -> int:
@@ -211,7 +241,8 @@ def decode_record(data: bytes, at: int = 0) -> Record | None:
     """The record at byte ``at`` of ``data``; None for a slot never written (sequence 0).
 
     Raises:
-        RingError: fewer than RECORD_SIZE bytes there, or a CRC mismatch.
+        RingError: fewer than RECORD_SIZE bytes there, a CRC mismatch, or a value out of range
+            (:func:`_valid`).
     """
     if at < 0 or len(data) - at < RECORD_SIZE:
         raise RingError("record cut off by the end of the file")
@@ -222,7 +253,10 @@ def decode_record(data: bytes, at: int = 0) -> Record | None:
         return None
     if crc != zlib.crc32(memoryview(data)[at:at + _REC_CRC_AT]):
         raise RingError(f"record CRC mismatch at byte {at}")
-    return Record(seq, _finite(wall), _finite(mono), _boot_str(boot), signal, avail, free, swap_free, zram, target,
+    why = _valid(seq, wall, mono, (signal, avail, free, swap_free, zram, target))
+    if why is not None:
+        raise RingError(f"record at byte {at}: {why} out of range")
+    return Record(seq, wall, mono, _boot_str(boot), signal, avail, free, swap_free, zram, target,
                   _pct(some), _pct(full), STATES[state] if state < len(STATES) else "?", bool(idle))
 
 
@@ -234,7 +268,8 @@ def decode(data: bytes) -> Ring:
     """The whole ring in ``data`` (a file's bytes): the header and every valid record, oldest first.
 
     A file cut short keeps the records it still holds (the rest count as ``bad``), and so does
-    one with torn records; a record in a slot its number does not own counts as ``bad`` too.
+    one with torn records; a record in a slot its number does not own, or with a value out of
+    range (:func:`decode_record`), counts as ``bad`` too.
     Records are ordered by sequence number.
 
     Raises:

@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 
-from sparkguard import proctree
+from sparkguard import proctree, untrusted
 from sparkguard.host.files import atomic_write
 
 RESULT_NAME = "reload"
@@ -75,9 +75,8 @@ def write_result(directory: str, record: dict) -> None:
 
 def read_result(directory: str) -> dict | None:
     """The record in ``DIR/reload``, or None when it is absent, unreadable or not a JSON object."""
-    try:
-        with open(os.path.join(directory, RESULT_NAME), "rb") as f:
-            rec = json.loads(f.read(65536))
+    try:     # no symlink, no FIFO, root's (or this user's), bounded: untrusted.read_file
+        rec = json.loads(untrusted.read_file(os.path.join(directory, RESULT_NAME), 65536))
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from sparkguard.config.errors import ConfigError
+from sparkguard.untrusted import others_can_write
 
 
 MAX_FILE_BYTES = 1024**2     # a config is a few KiB; more is the wrong file (/dev/zero, a log)
@@ -40,9 +41,13 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
     Opened with O_NONBLOCK, so a FIFO without a writer cannot hang the caller (open(2) returns at
     once for a reader), then refused by fstat(2) like any other non-regular file; at most
     ``limit + 1`` bytes are read, so /dev/zero or a file that grows cannot take memory.
+    A file that a user other than root (or this process's own) can change, itself or through a
+    folder above it, is refused (:func:`sparkguard.untrusted.others_can_write`, sshd's
+    StrictModes): the daemon runs ``engine.command`` from it as root.
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ConfigError: not a regular file, larger than ``limit`` bytes, or unreadable (the OS reason).
+        ConfigError: not a regular file, larger than ``limit`` bytes, unreadable (the OS reason),
+            or writable by another user (its owner and mode, and how to fix it).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
@@ -56,6 +61,9 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         raise ConfigError(path, "(file)", None, f"cannot read: {e.strerror}") from None
     try:
         _regular(path, os.fstat(fd))
+        why = others_can_write(path)
+        if why is not None:
+            raise ConfigError(path, "(file)", None, why)
         chunks, left = [], limit + 1
         while left > 0:
             chunk = os.read(fd, min(left, 65536))

@@ -4,7 +4,9 @@ The format and every decision are in :mod:`sparkguard.blackbox` (pure); this mod
 
 * :func:`open_ring` (start-up): opens ``guard.blackbox_file`` (O_NOFOLLOW, mode 0640), takes an
   exclusive ``flock`` (a second guard on the same file gets no ring, rather than reporting the
-  running one as dead), reads what the previous run left (at most :data:`MAX_READ` bytes),
+  running one as dead), leaves alone a file that is not this daemon's (:func:`_not_ours`: another
+  owner, a hard link, writable by others, not a ring: named in the error, the guard runs without
+  a black box), reads what the previous run left (at most :data:`MAX_READ` bytes),
   then starts this run's ring: header with the CLEAN flag cleared, every slot zeroed, one
   ``fdatasync``.  Any failure leaves the guard without a black box, never without its loop.
 * :meth:`Ring.sample` (poll loop, once per :data:`sparkguard.blackbox.INTERVAL`): parses MemFree
@@ -66,7 +68,7 @@ import stat
 import threading
 import time
 
-from sparkguard import blackbox, sysinfo
+from sparkguard import blackbox, sysinfo, untrusted
 
 log = logging.getLogger("sparkguard")
 
@@ -387,8 +389,11 @@ def open_ring(path: str, boot_id: str, sync_every: float, now: float | None = No
     now = time.time() if now is None else now
     try:
         os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                     FILE_MODE)
     except OSError as e:
+        if e.errno == 40:           # ELOOP: O_NOFOLLOW met a symlink
+            return None, None, f"{path} is a symbolic link: left alone (remove it, or set guard.blackbox_file)"
         return None, None, f"cannot open {path}: {e.strerror or e}"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -396,15 +401,11 @@ def open_ring(path: str, boot_id: str, sync_every: float, now: float | None = No
         os.close(fd)
         return None, None, f"{path} is locked by another process ({e.strerror or e}): another sparkguard uses it"
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        why = _not_ours(path, fd)
+        if why is not None:
             os.close(fd)
-            return None, None, f"{path} is not a regular file"
+            return None, None, f"{path} {why}: left alone (move it away, or set guard.blackbox_file)"
         previous = _read_bounded(fd)
-        if previous and not previous.startswith(blackbox.MAGIC) and previous[:8] != bytes(8):
-            os.close(fd)
-            return None, None, (f"{path} holds something that is not a sparkguard black box: left alone "
-                                f"(move it away, or set guard.blackbox_file)")
         ring_bytes = blackbox.encode_header(blackbox.Header(blackbox.SLOTS, False, boot_id, now, 0.0, os.getpid(),
                                                             blackbox.INTERVAL))
         ring_bytes += bytes(blackbox.SLOTS * blackbox.RECORD_SIZE)
@@ -415,6 +416,33 @@ def open_ring(path: str, boot_id: str, sync_every: float, now: float | None = No
         os.close(fd)
         return None, None, f"cannot write {path}: {e.strerror or e}"
     return Ring(path, fd, boot_id, now, sync_every, psi_path, sys_block), previous or None, None
+
+
+def _not_ours(path: str, fd: int) -> str | None:
+    """Why the open file ``fd`` is not a ring this daemon may overwrite, or None when it is.
+
+    Only a regular file owned by this process's user, with one name (a hard link is another
+    file's name too), writable by no other user (:func:`sparkguard.untrusted.read_file`'s checks),
+    that is empty (just created), all zeros (a ring whose start was cut short) or starts with the
+    ring's magic is overwritten; anything else, a file that starts with zero bytes and holds
+    something after them included, is someone else's."""
+    st = os.fstat(fd)
+    try:
+        untrusted.check_stat(path, st, (os.geteuid(),), stat.S_ISREG)
+    except untrusted.FileRefused as e:
+        return e.why
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} names (hard links): another may be someone else's file"
+    if st.st_size == 0:
+        return None
+    if st.st_size > MAX_READ:
+        return f"holds {st.st_size} bytes, more than a sparkguard black box"
+    head = os.pread(fd, len(blackbox.MAGIC), 0)
+    if head == blackbox.MAGIC:
+        return None
+    if st.st_size <= blackbox.file_size() and not any(_read_bounded(fd)):
+        return None
+    return "holds something that is not a sparkguard black box"
 
 
 def _read_bounded(fd: int) -> bytes:

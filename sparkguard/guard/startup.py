@@ -70,31 +70,50 @@ def open_blackbox(cfg, recorder, reporter, host: str, boot_id: str):
         return None
     path = blackbox_path(cfg)
     now = time.time()
-    r, previous, error = ring.open_ring(path, boot_id, cfg.guard.blackbox_sync, now)
+    try:
+        r, previous, error = ring.open_ring(path, boot_id, cfg.guard.blackbox_sync, now)
+    except Exception as e:  # noqa: BLE001 - the black box must never cost the guard its start
+        log.exception("black box off: opening %s failed (%s)", path, e)
+        return None
     if r is None:
         log.error("black box off: %s", error)
         return None
     if previous is not None:
         try:
-            old = blackbox.decode(previous)
-        except blackbox.RingError as e:
-            log.warning("black box %s: the previous run's ring is unreadable (%s); starting a new one", path, e)
-            old = None
-        cause = blackbox.verdict(old, boot_id) if old is not None else None
-        if cause is not None:
-            try:
-                mi = meminfo.read()
-            except OSError:
-                mi = {}
-            inc = blackbox.incident(old, cause, now, host, boot_id, Thresholds.of(cfg.guard), mi)
-            rec = inc.to_json()
-            recorder.count(inc.kind, inc.started_at, inc.id)
-            reporter.event(inc.ref(), rec["timeline"][-1])
-            reporter.finish(rec)
-            log.warning("black box: %s", inc.summary)
+            _report_previous(cfg, path, previous, now, recorder, reporter, host, boot_id)
+        except Exception as e:  # noqa: BLE001 - nor what the previous run left there
+            log.exception("black box %s: the previous run's ring could not be reported (%s); starting a new one",
+                          path, e)
     log.info("black box: one sample a second in %s (writeback every %s)", path,
              f"{cfg.guard.blackbox_sync:g}s" if cfg.guard.blackbox_sync else "- (the kernel's writeback)")
     return r
+
+
+def _report_previous(cfg, path: str, previous: bytes, now: float, recorder, reporter, host: str, boot_id: str) -> None:
+    """Decode the previous run's ring (``previous``: its bytes) and, when it shows no clean stop,
+    report the ``unclean-shutdown`` incident (:func:`open_blackbox`).  Records with values out of
+    range are skipped and counted by :func:`sparkguard.blackbox.decode` (``unreadable_slots``)."""
+    try:
+        old = blackbox.decode(previous)
+    except blackbox.RingError as e:
+        log.warning("black box %s: the previous run's ring is unreadable (%s); starting a new one", path, e)
+        return
+    if old.bad:
+        log.warning("black box %s: %d slots of the previous run's ring are unreadable or out of range: skipped",
+                    path, old.bad)
+    cause = blackbox.verdict(old, boot_id)
+    if cause is None:
+        return
+    try:
+        mi = meminfo.read()
+    except OSError:
+        mi = {}
+    inc = blackbox.incident(old, cause, now, host, boot_id, Thresholds.of(cfg.guard), mi)
+    rec = inc.to_json()
+    recorder.count(inc.kind, inc.started_at, inc.id)
+    reporter.event(inc.ref(), rec["timeline"][-1])
+    reporter.finish(rec)
+    log.warning("black box: %s", inc.summary)
 
 
 def start_metrics(cfg, snapshot, config=None):

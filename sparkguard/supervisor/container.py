@@ -16,8 +16,12 @@ This module makes the container part of the run:
   (the client would exit at once), ``--sig-proxy=false`` (until the container is known the SIGTERM
   goes to the client, which must forward it) and ``--restart`` (the runtime would restart the
   engine behind sparkguard).
-* :func:`discover` (the run's ``sg-engine-ctr`` thread) reads the cidfile, then ``docker inspect``
-  until the container runs: its id, name and init pid (:class:`Container`).
+* :func:`discover` (the run's ``sg-engine-ctr`` thread) waits for the cidfile, then ``docker
+  inspect`` by the container's name until the container runs: its id, name and init pid
+  (:class:`Container`).  With ``engine.user`` the cidfile's folder is that user's, and so is what
+  it holds: the cidfile says only that the container was created; its content is read (as the
+  engine user's file: :func:`sparkguard.untrusted.read_file`, no symlink, at most
+  :data:`CID_MAX` bytes, a container id or nothing) only for a launch without a name.
 * :func:`members` lists the container's processes from the cgroup of its init
   (:mod:`.container_cgroup`).  The engine's tree for the guard and the escalation is the client's
   tree plus these.
@@ -47,7 +51,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from sparkguard import proctree
+from sparkguard import proctree, untrusted
 from sparkguard.config import is_vllm, vllm_shutdown_timeout
 from sparkguard.supervisor import container_argv, container_cgroup, container_names
 
@@ -58,6 +62,10 @@ CLI_TIMEOUT = 20.0
 #: vLLM's TERM-first shutdown variable (FIELD-NOTES; :mod:`sparkguard.supervisor.lanes` sets it for a bare engine)
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 NAME_PREFIX = "sparkguard-engine-"
+#: bytes a cidfile may hold: a full container id is 64 hex digits (docker, podman), plus a newline
+CID_MAX = 128
+#: what a container id is: 12 (short) to 64 hex digits
+CID_RE = re.compile(r"[0-9a-f]{12,64}")
 
 
 @dataclass
@@ -73,6 +81,8 @@ class Launch:
         global_opts: list[str], the CLI's options before its verb (``-H``, ``--context``, podman's
             ``--url``, ``--root``...): sparkguard's own CLI calls repeat them, so they reach the
             same daemon or storage as the client.
+        uid: int | None, who writes the cidfile (``engine.user``'s uid; None: root or this
+            process's user): the only owner a cidfile read back may have.
     """
 
     runtime: str
@@ -81,6 +91,12 @@ class Launch:
     env: dict
     user_name: str | None = None
     global_opts: list = field(default_factory=list)
+    uid: int | None = None
+
+    def ref(self) -> str | None:
+        """How sparkguard's own CLI calls name the container: the ``--name`` it gave or the user's;
+        None for a launch without one (only an adopted record can lack both)."""
+        return self.name or self.user_name
 
 
 @dataclass
@@ -215,15 +231,47 @@ def _inspect(launch: Launch, ref: str, timeout: float) -> tuple[dict | None, boo
     return (data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None), False
 
 
-def read_cid(path: str) -> str | None:
-    """The container id the client wrote to ``path`` (docker writes it once the container is
-    created), None while it is not there or empty."""
+def created(launch: Launch) -> bool:
+    """Whether the client has written the cidfile (it does once the container is created): only
+    whether a name is there, nothing of it is read."""
     try:
-        with open(path) as f:
-            cid = f.read().strip()
+        os.lstat(launch.cidfile)
     except OSError:
-        return None
-    return cid or None
+        return False
+    return True
+
+
+def read_cid(launch: Launch) -> tuple[str | None, str]:
+    """The container id in the cidfile, read as a file the engine's user wrote in a folder that
+    user owns (``engine.user``): the folder and the file opened without following a symlink
+    (:func:`sparkguard.untrusted.open_dir`, :func:`~sparkguard.untrusted.read_file`), the file a
+    regular one owned by :attr:`Launch.uid` (a hard link to root's file is not the user's), at
+    most :data:`CID_MAX` bytes, its text 12-64 hex digits (:data:`CID_RE`).  Nothing else ever
+    reaches a command line, a log or the state file.
+
+    Returns:
+        ``(id, "")``; ``(None, "")`` while the file is absent or empty; ``(None, why)`` when it is
+        refused (why names the file and the reason, never what it holds).
+    """
+    owners = (launch.uid,) if launch.uid is not None else None
+    try:
+        dfd = untrusted.open_dir(os.path.dirname(launch.cidfile), owners=untrusted.trusted_uids() + (owners or ()))
+        try:
+            raw = untrusted.read_file(os.path.basename(launch.cidfile), CID_MAX, owners=owners, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except FileNotFoundError:
+        return None, ""
+    except untrusted.FileRefused as e:
+        return None, f"{launch.cidfile}: {e.why}" if e.path != os.path.dirname(launch.cidfile) else str(e)
+    except OSError as e:
+        return None, f"{launch.cidfile}: {e.strerror or e}"
+    cid = raw.decode("ascii", "replace").strip()
+    if not cid:
+        return None, ""
+    if CID_RE.fullmatch(cid) is None:
+        return None, f"{launch.cidfile}: holds no container id (not 12-64 hex digits)"
+    return cid, ""
 
 
 def discover(launch: Launch, done, timeout: float | None = None, interval: float = 0.2) -> Container | None:
@@ -232,18 +280,27 @@ def discover(launch: Launch, done, timeout: float | None = None, interval: float
     The cidfile appears when the container is created (an image pull comes first and may take
     minutes), the init pid once it started; both are polled every ``interval`` seconds (the client
     gives no event for either), until ``done`` (a ``threading.Event``: the run is over) is set or
-    ``timeout`` seconds (None: no limit) have passed.  Returns None then.
+    ``timeout`` seconds (None: no limit) have passed.  Returns None then.  The container is asked
+    for by its name (:meth:`Launch.ref`), which sparkguard gave or the configuration did, never by
+    what the engine user's cidfile holds (:func:`read_cid` only for a launch without a name).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    cid = None
+    ref, why_said = None, ""
     while not done.is_set() and (deadline is None or time.monotonic() < deadline):
-        cid = cid or read_cid(launch.cidfile)
-        if cid:
-            info = inspect(launch, cid)
+        if ref is None and created(launch):
+            ref = launch.ref()
+            if ref is None:         # a launch without a name: the cidfile's id, if it holds one
+                ref, why = read_cid(launch)
+                if why and why != why_said:     # said once, not at every poll
+                    why_said = why
+                    log.error("engine: the container's id file is refused: %s", why)
+        if ref:
+            info = inspect(launch, ref)
             state = (info or {}).get("State") or {}
-            pid = int(state.get("Pid") or 0)
-            if pid > 0:
-                full = str(info.get("Id") or cid)
+            pid = state.get("Pid") if isinstance(state, dict) else 0
+            pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else 0
+            full = str((info or {}).get("Id") or "")
+            if pid > 0 and CID_RE.fullmatch(full):
                 # State.Pid names a process of this host only when the runtime shares its pid
                 # namespace (not a remote DOCKER_HOST, not docker-in-docker): the pid's own cgroup
                 # must name this container, else the pid is someone else's and is never signalled
@@ -256,7 +313,7 @@ def discover(launch: Launch, done, timeout: float | None = None, interval: float
                 if p is not None:
                     name = str(info.get("Name") or "").lstrip("/")
                     return Container(full, name, pid, p.starttime, container_cgroup.cgroup_dir(pid))
-            elif info is not None and state.get("Status") in ("exited", "dead"):
+            elif info is not None and isinstance(state, dict) and state.get("Status") in ("exited", "dead"):
                 return None
         done.wait(interval)
     return None
@@ -290,7 +347,7 @@ def finish(launch: Launch, ctr: Container | None, deadline=None) -> str:
         str, one line for the exit record (``"container 0123456789ab exit code 143, removed"``),
         empty when the container was never created.
     """
-    ref = ctr.id if ctr is not None else read_cid(launch.cidfile)
+    ref = ctr.id if ctr is not None else (launch.ref() or read_cid(launch)[0]) if created(launch) else None
     try:
         os.unlink(launch.cidfile)
     except OSError:
@@ -396,7 +453,13 @@ def for_engine(argv: list[str], env: dict, ecfg, grace: float) -> tuple[list[str
     argv, launch = prepare(argv, env, where, shutdown)
     if launch is not None and ecfg.user is not None:     # the client runs as engine.user and writes the cidfile
         pw = pwd.getpwuid(int(ecfg.user)) if ecfg.user.isdigit() else pwd.getpwnam(ecfg.user)
-        os.chown(where, pw.pw_uid, pw.pw_gid)
+        # the folder itself, never what a symlink in its place names (O_NOFOLLOW, then fchown)
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchown(fd, pw.pw_uid, pw.pw_gid)
+        finally:
+            os.close(fd)
+        launch.uid = pw.pw_uid
     if launch is not None and (said := clear_stale(launch)):
         log.warning("engine: %s", said)
     return argv, launch

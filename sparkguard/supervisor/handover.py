@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from sparkguard import config, proctree, sysinfo
+from sparkguard import config, proctree, sysinfo, untrusted
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor import cgroup as cgroups
 from sparkguard.supervisor import adopt, container, lanes, orphancheck, process
@@ -159,8 +159,7 @@ def read_note(path: str) -> dict | None:
     """The handover note when it names a live process of this boot with its recorded start time
     (else None: absent, unreadable, stale).  Never raises."""
     try:
-        with open(path, "rb") as f:
-            note = json.loads(f.read(1 << 16))
+        note = json.loads(untrusted.read_file(path, 1 << 16))     # no symlink, no FIFO, root's, bounded
         pid, start = int(note["pid"]), int(note["starttime"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

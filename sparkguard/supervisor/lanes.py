@@ -16,11 +16,13 @@ import os
 import time
 
 from sparkguard import config as cm
-from sparkguard import sysinfo
+from sparkguard import sysinfo, untrusted
 from sparkguard.host.files import atomic_write
 from sparkguard.supervisor.process import ENV_DROP, passwd
 
 log = logging.getLogger("sparkguard.supervisor")
+#: bytes the engine state file may hold (a few KiB: one engine's pids, argv and cgroup)
+STATE_MAX = 1 << 20
 
 
 def config_lane(ecfg) -> str | None:
@@ -30,10 +32,11 @@ def config_lane(ecfg) -> str | None:
 
 
 def read_state(path: str) -> dict:
-    """The persisted state (``{}`` when absent or unreadable; unreadable is logged)."""
+    """The persisted state (``{}`` when absent or unreadable; unreadable is logged).  Read as a
+    file another user may have put there (:func:`sparkguard.untrusted.read_file`: no symlink, no
+    FIFO, owned by root, at most :data:`STATE_MAX` bytes): what it names is signalled and adopted."""
     try:
-        with open(path) as f:
-            st = json.load(f)
+        st = untrusted.loads(untrusted.read_file(path, STATE_MAX).decode("utf-8", "replace"))
         return st if isinstance(st, dict) else {}
     except FileNotFoundError:
         return {}
