@@ -18,6 +18,11 @@ and a fresh hog (``bench/hog.py``, one thread at 0.5 GiB/s, exits at SIGTERM):
   connection per scrape, as a hostile local user would);
 * ``stall``: the flood, plus 64 connections that send half a request and then nothing (more
   than the endpoint's connection cap);
+* ``connect``: --clients processes connect to the metrics port and close at once, as fast as
+  they can (~20,000 accepts a second on the GPU machine);
+* ``hup``: SIGHUP 50 times a second (a reload storm of a good config);
+* ``yaml``: the config replaced by a 600-byte YAML whose aliases multiply (9**9 strings), and
+  SIGHUP 10 times a second: every reload is refused, the running config kept;
 * ``peer``: the flood, and a supervised engine (``sleep``) whose peers gate keeps reading two
   hostile peers that answer 8 MiB of valid exposition each (the engine never starts, so the
   hog stays the target).
@@ -51,7 +56,36 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOG = os.path.join(ROOT, "bench", "hog.py")
 GiB, MiB = 1 << 30, 1 << 20
-MODES = ("quiet", "flood", "stall", "peer")
+MODES = ("quiet", "flood", "stall", "peer", "connect", "hup", "yaml")
+
+#: one connect-and-close client: a new connection closed at once, forever (until SIGKILLed)
+CONNECT = """
+import socket, sys
+port = int(sys.argv[1])
+while True:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        pass
+"""
+
+#: a signal sender: SIGNAL to PID, RATE a second, forever (until SIGKILLed)
+SIGNALS = """
+import os, sys, time
+pid, sig, rate = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+while True:
+    os.kill(pid, sig)
+    time.sleep(1 / rate)
+"""
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """~600 bytes of YAML whose last anchor stands for width**levels strings, given to guard.grace."""
+    lines = [f"l0: &l0 [{', '.join(['lol'] * width)}]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
+    return "\n".join(lines) + f"\nguard:\n  grace: *l{levels - 1}\n"
+
 
 #: a hostile peer: 8 MiB of valid exposition per request, the peer's metric last
 PEER = r"""
@@ -162,6 +196,15 @@ def trial(mode: str, args, switch: float | None) -> dict:
         if mode in ("flood", "stall", "peer"):
             for _ in range(args.clients):
                 procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, str(port)]))
+        if mode == "connect":
+            for _ in range(args.clients):
+                procs.append(subprocess.Popen([sys.executable, "-c", CONNECT, str(port)]))
+        if mode in ("hup", "yaml"):
+            if mode == "yaml":
+                with open(conf, "w") as f:
+                    f.write(alias_bomb())
+            procs.append(subprocess.Popen([sys.executable, "-c", SIGNALS, str(guard.pid), str(int(signal.SIGHUP)),
+                                           "50" if mode == "hup" else "10"]))
         if mode == "stall":
             for _ in range(64):
                 s = socket.create_connection(("127.0.0.1", port), timeout=5)
