@@ -346,7 +346,7 @@ def test_a_guard_only_tree_that_forks_away_on_sigterm_is_killed_whole_and_gone_m
         assert inc["outcome"] == "killed", inc["outcome"]
         assert events(inc)[-1] == "recovered" and mem_available() > line
         # the victim's cgroup was removed once empty; the daemon's spare goes when it stops
-        m = re.search(r"moved into cgroup (\S+) before its SIGTERM", g.wait_log("before its SIGTERM"))
+        m = re.search(r"moved into cgroup (\S+) in [0-9.]+ ms before its SIGTERM", g.wait_log("before its SIGTERM"))
         victims = [m.group(1)]
         assert cgkill.VICTIM in victims[0] and not os.path.exists(victims[0])
         assert g.stop() == 0

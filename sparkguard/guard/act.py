@@ -167,13 +167,16 @@ class Actions:
         no bystander read; else, where those cannot decide, the choice of one scan (its tree's
         pidfds opened now).  ``(None, None, False)`` when nothing matches."""
         if self.cfg.targets is not self._armed_for:
-            self._armed_for = self.cfg.targets      # a reload changed targets since the last OK pass
-            self.armed.reset(matcher(self.cfg.targets))
+            if self.cfg.targets != self._armed_for:     # a reload changed targets since the last OK pass
+                self.armed.reset(matcher(self.cfg.targets))
+            self._armed_for = self.cfg.targets
         got = self.armed.take()
         if got is not None:
             target, tree, _ = got
             engine_pid = self.engine.root_pid()
-            if engine_pid is None or engine_pid == target.root_pid:
+            # the supervised engine armed before its container or cgroup was known lacks their
+            # members: chosen again from a scan
+            if engine_pid is None or (engine_pid == target.root_pid and self.engine.cgroups() <= set(target.cgroups)):
                 return target, tree, True
             tree.close()
         got = self.armed.fresh()

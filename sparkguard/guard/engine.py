@@ -48,6 +48,15 @@ class Engine:
         run = getattr(self.supervisor, "run", None) if self.supervisor is not None else None
         return run.pid if run is not None else None
 
+    def cgroups(self) -> set[str]:
+        """The cgroup directories of the supervisor's run known now (its own, its container's);
+        empty without a run.  Plain attribute reads (the poll loop, at the crossing)."""
+        run = getattr(self.supervisor, "run", None) if self.supervisor is not None else None
+        if run is None:
+            return set()
+        cg, ctr = getattr(run, "cgroup", None), run.container
+        return {c for c in (cg.path if cg is not None else None, ctr.cgroup if ctr is not None else None) if c}
+
     def loading(self) -> bool:
         """True while the supervised engine loads: a run started and alive that was never ready
         (its health URL has not answered 200 yet; ``Run.ever_ready``, set by the run's monitor

@@ -9,7 +9,7 @@ import os
 import queue
 import sys
 
-LOG_QUEUE_MAX = 1000        # log records waiting for the stderr thread; more are dropped and counted
+LOG_QUEUE_MAX = 256         # log records waiting for the stderr thread (an incident logs ~20); more are dropped and counted
 
 
 class DroppingQueueHandler(logging.handlers.QueueHandler):

@@ -202,11 +202,13 @@ def refresh_members(run) -> bool:
     found = [procs[pid] for pid in proctree.descendants([run.pid], kids) if pid in procs]
     cg = cgroup_pids(run)
     found += [p for p in procs.values() if p.pgrp == run.pgid or p.pid in cg]
-    found += [procs[pid] for pid in container.members(run.container, procs)]
+    seen = {p.pid: p.starttime for p in found}
+    # the container's members come with their start times (read now for one born after the scan)
+    seen.update(container.members(run.container, procs))
     changed = False
-    for p in found:
-        if run.members.get(p.pid) != p.starttime:
-            run.members[p.pid] = p.starttime
+    for pid, starttime in seen.items():
+        if run.members.get(pid) != starttime:
+            run.members[pid] = starttime
             changed = True
     return changed
 
