@@ -188,6 +188,19 @@ def open_dir(path: str, owners=None) -> int:
     return fd
 
 
+def read_fd(fd: int, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the open ``fd`` (more than ``limit`` tells the caller the file
+    is too large), so /dev/zero or a file that grows cannot take memory.  Raises OSError."""
+    chunks, left = [], limit + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 65536))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_file(path: str, limit: int, owners=None, dir_fd: int | None = None) -> bytes:
     """The bytes of the regular file ``path``, read as a file another user may have put there.
 
@@ -215,16 +228,10 @@ def read_file(path: str, limit: int, owners=None, dir_fd: int | None = None) -> 
         raise
     try:
         check_stat(path, os.fstat(fd), owners, stat.S_ISREG)
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 65536))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
+        data = read_fd(fd, limit)
+        if len(data) > limit:
             raise FileRefused(path, f"holds more than {limit} bytes")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from sparkguard.config.errors import ConfigError
-from sparkguard.untrusted import others_can_write
+from sparkguard.untrusted import others_can_write, read_fd
 
 
 MAX_FILE_BYTES = 1024**2     # a config is a few KiB; more is the wrong file (/dev/zero, a log)
@@ -64,16 +64,10 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         why = others_can_write(path)
         if why is not None:
             raise ConfigError(path, "(file)", None, why)
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 65536))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
+        data = read_fd(fd, limit)
+        if len(data) > limit:
             raise ConfigError(path, "(file)", None, f"larger than {limit // 1024} KiB: not a sparkguard config")
-        return b"".join(chunks)
+        return data
     except OSError as e:
         raise ConfigError(path, "(file)", None, f"cannot read: {e.strerror}") from None
     finally:
